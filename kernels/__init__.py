@@ -1,0 +1,2 @@
+"""hearth.kernels: one folder per GPU operator (Triton kernel + launcher + plain-torch reference).
+Imports torch and triton only."""

@@ -1,0 +1,1 @@
+"""hearth.resources: icons, stylesheets and the bundled demo model, read via importlib.resources."""
