@@ -1,0 +1,339 @@
+"""Model configuration: ``config.json`` of a Hugging Face checkpoint -> frozen dataclasses.
+
+Supported families (``model_type``): ``deepseek_v32`` (DeepSeek-V3.2 / -Exp / -Speciale),
+``glm_moe_dsa`` (GLM-5, 5.1, 5.2), ``deepseek_v3`` (DeepSeek-V3/R1, Moonlight) and ``deepseek_v2``
+(DeepSeek-V2 / V2-Lite). All four share MLA attention and DeepSeek-style MoE; the first two add
+DeepSeek Sparse Attention (a lightning indexer choosing ``index_topk`` keys per query).
+
+Anything that would change the math but is not implemented raises ``UnsupportedModelError`` naming
+the field, rather than silently computing something else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from hearth.engine.api import CheckpointError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2"})
+DSA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of the 64 rope dims (shared by MLA and the DSA indexer).
+
+    ``attention_factor`` multiplies cos/sin (YaRN); ``softmax_mscale`` multiplies the attention
+    softmax scale (squared YaRN mscale of ``mscale_all_dim``), as in the reference code.
+    """
+
+    theta: float
+    rope_type: Literal["default", "yarn"] = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor_override: float | None = None
+    truncate: bool = True
+
+    @staticmethod
+    def _get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor_override is not None:
+            return self.attention_factor_override
+        if self.mscale and self.mscale_all_dim:
+            return self._get_mscale(self.factor, self.mscale) / self._get_mscale(self.factor, self.mscale_all_dim)
+        return self._get_mscale(self.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        if self.rope_type == "yarn" and self.mscale_all_dim:
+            m = self._get_mscale(self.factor, self.mscale_all_dim)
+            return m * m
+        return 1.0
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 block-scaled weights as shipped by DeepSeek (e4m3, 128x128 blocks, fp32 scales)."""
+
+    block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str | None = None  # "ue8m0": scales are powers of two (also used for activations)
+    ignored_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one checkpoint. Field names follow the Hugging Face config keys."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    rope_interleave: bool  # MLA rope dims stored as interleaved pairs (True) or half-split
+    # MoE
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    scoring_func: Literal["sigmoid", "softmax"]
+    topk_method: Literal["noaux_tc", "greedy", "group_limited_greedy"]
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    mlp_layer_types: tuple[Literal["dense", "sparse"], ...]
+    # DSA indexer (None when the model has no indexer)
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
+    indexer_rope_interleave: bool = False
+    indexer_types: tuple[Literal["full", "shared"], ...] | None = None
+    # Misc
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    quantization: QuantConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_topk is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's MLA cache entry: normalised latent + shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def runs_indexer(self, layer: int) -> bool:
+        """True for DSA layers that run their own indexer ("full"), False for IndexCache
+        "shared" layers that reuse the previous full layer's selection."""
+        return self.has_indexer and self.indexer_types is not None and self.indexer_types[layer] == "full"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        return _parse(raw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no config.json in the model folder") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: expected a JSON object")
+        return _parse(raw)
+
+
+def _require(raw: dict[str, Any], key: str, model_type: str) -> Any:
+    if raw.get(key) is None:
+        raise UnsupportedModelError(f"config.json ({model_type}): missing required field '{key}'")
+    return raw[key]
+
+
+def _check(ok: bool, field_name: str, value: Any, supported: str) -> None:
+    if not ok:
+        raise UnsupportedModelError(
+            f"config.json: unsupported value {field_name}={value!r} (Hearth supports {supported})"
+        )
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = raw.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "deepseek_yarn":
+        rope_type = "yarn"
+    _check(rope_type in ("default", "yarn"), "rope_scaling.type", rope_type, "default or yarn")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    factor = float(params.get("factor") or 1.0)
+    return RopeConfig(
+        theta=float(theta),
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+        ),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor_override=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    _check(method == "fp8", "quantization_config.quant_method", method, "fp8 (DeepSeek block FP8)")
+    fmt = q.get("fmt", "e4m3")
+    _check(fmt == "e4m3", "quantization_config.fmt", fmt, "e4m3")
+    block = tuple(q.get("weight_block_size") or (128, 128))
+    _check(len(block) == 2, "quantization_config.weight_block_size", list(block), "[rows, cols]")
+    scale_fmt = q.get("scale_fmt")
+    _check(scale_fmt in (None, "ue8m0"), "quantization_config.scale_fmt", scale_fmt, "ue8m0 or none")
+    ignored = tuple(q.get("modules_to_not_convert") or ())
+    return QuantConfig(block_size=(int(block[0]), int(block[1])), scale_fmt=scale_fmt, ignored_modules=ignored)
+
+
+def _mlp_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    explicit = raw.get("mlp_layer_types")
+    if explicit:
+        if len(explicit) != num_layers or any(t not in ("dense", "sparse") for t in explicit):
+            raise UnsupportedModelError("config.json: mlp_layer_types must list 'dense'/'sparse' per layer")
+        return tuple(explicit)
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    freq = int(raw.get("moe_layer_freq") or 1)
+    has_experts = bool(raw.get("n_routed_experts"))
+    return tuple(
+        "sparse" if has_experts and i >= first_dense and i % freq == 0 else "dense" for i in range(num_layers)
+    )
+
+
+def _indexer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    explicit = raw.get("indexer_types")
+    if explicit:
+        if len(explicit) != num_layers or any(t not in ("full", "shared") for t in explicit):
+            raise UnsupportedModelError("config.json: indexer_types must list 'full'/'shared' per layer")
+        types = tuple(explicit)
+    elif raw.get("index_topk_pattern"):
+        pattern = str(raw["index_topk_pattern"]).upper()
+        _check(len(pattern) == num_layers and set(pattern) <= {"F", "S"}, "index_topk_pattern", pattern,
+               f"a string of F/S of length {num_layers}")
+        types = tuple("full" if c == "F" else "shared" for c in pattern)
+    else:
+        freq = int(raw.get("index_topk_freq") or 1)
+        offset = int(raw.get("index_skip_topk_offset") if raw.get("index_skip_topk_offset") is not None else 2)
+        types = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
+    if types and types[0] != "full":
+        raise UnsupportedModelError("config.json: the first layer must run its own indexer (indexer_types[0])")
+    return types
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _parse(raw: dict[str, Any]) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"config.json: unsupported model_type {model_type!r} "
+            f"(Hearth runs {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
+    req = lambda key: _require(raw, key, model_type)  # noqa: E731
+    num_layers = int(req("num_hidden_layers"))
+    act = raw.get("hidden_act", "silu")
+    _check(act == "silu", "hidden_act", act, "silu")
+    _check(not raw.get("attention_bias"), "attention_bias", raw.get("attention_bias"), "false")
+    _check(not raw.get("mlp_bias"), "mlp_bias", raw.get("mlp_bias"), "false")
+    heads, kv_heads = int(req("num_attention_heads")), raw.get("num_key_value_heads")
+    _check(kv_heads in (None, heads), "num_key_value_heads", kv_heads, "== num_attention_heads (MLA)")
+
+    scoring = raw.get("scoring_func", "softmax" if model_type == "deepseek_v2" else "sigmoid")
+    _check(scoring in ("sigmoid", "softmax"), "scoring_func", scoring, "sigmoid or softmax")
+    topk_method = raw.get("topk_method", "greedy" if model_type == "deepseek_v2" else "noaux_tc")
+    _check(topk_method in ("noaux_tc", "greedy", "group_limited_greedy"), "topk_method", topk_method,
+           "noaux_tc, greedy or group_limited_greedy")
+    n_experts = int(raw.get("n_routed_experts") or 0)
+    n_group = int(raw.get("n_group") or 1)
+    topk_group = int(raw.get("topk_group") or 1)
+    if n_experts:
+        _check(n_experts % n_group == 0, "n_group", n_group, "a divisor of n_routed_experts")
+        _check(1 <= topk_group <= n_group, "topk_group", topk_group, f"1..n_group ({n_group})")
+
+    has_indexer = model_type in DSA_MODEL_TYPES
+    if has_indexer:
+        k_norm_type = raw.get("index_k_norm_type", "layer")
+        _check(k_norm_type == "layer", "index_k_norm_type", k_norm_type, "layer (LayerNorm with bias)")
+        q_lora = raw.get("q_lora_rank")
+        _check(q_lora is not None, "q_lora_rank", q_lora, "a number for DSA models (the indexer reads q_a)")
+
+    default_interleave = model_type != "deepseek_v3" or raw.get("rope_interleave", True)
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(req("vocab_size")),
+        hidden_size=int(req("hidden_size")),
+        intermediate_size=int(req("intermediate_size")),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=int(req("kv_lora_rank")),
+        qk_nope_head_dim=int(req("qk_nope_head_dim")),
+        qk_rope_head_dim=int(req("qk_rope_head_dim")),
+        v_head_dim=int(req("v_head_dim")),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        rope_interleave=bool(default_interleave),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+        n_routed_experts=n_experts,
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        n_group=n_group,
+        topk_group=topk_group,
+        scoring_func=scoring,
+        topk_method=topk_method,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        mlp_layer_types=_mlp_layer_types(raw, num_layers),
+        index_n_heads=int(req("index_n_heads")) if has_indexer else None,
+        index_head_dim=int(req("index_head_dim")) if has_indexer else None,
+        index_topk=int(req("index_topk")) if has_indexer else None,
+        indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", model_type == "glm_moe_dsa")),
+        indexer_types=_indexer_types(raw, num_layers) if has_indexer else None,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        quantization=_parse_quant(raw),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )

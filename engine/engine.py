@@ -1,0 +1,272 @@
+"""The Engine facade: the one object the CLI, the HTTP server, the GUI's engine host and the
+benchmarks drive.
+
+    engine = Engine.load(path, EngineConfig())
+    rid = engine.add_request(messages=[...], sampling=SamplingParams(temperature=0))
+    while engine.has_unfinished():
+        for event in engine.step(): ...        # TokenDelta / Finished
+
+or ``for event in engine.generate(messages=..., sampling=...)`` for a single request.
+``add_request`` and ``abort`` may be called from other threads; ``step`` runs on one thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hearth.engine.api import (
+    EngineConfig,
+    EngineStats,
+    Event,
+    Finished,
+    FinishReason,
+    RequestError,
+    RequestStats,
+    SamplingParams,
+    TokenDelta,
+)
+from hearth.engine.block_manager import BlockManager
+from hearth.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from hearth.engine.runner import ModelRunner, StepInput
+from hearth.engine.sampling import Sampler, make_generator
+from hearth.engine.scheduler import ScheduledChunk, Scheduler, Status
+from hearth.engine.scheduler import Sequence as Seq
+from hearth.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _Request:
+    seq: Seq
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    generator: torch.Generator | None
+    arrival: float
+    first_token_time: float | None = None
+    text: str = ""
+    events: list[Event] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous batching over a loaded model: requests join and leave at any step."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_config = runner.model_config
+        self.max_model_len = runner.max_model_len
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+        self._intake: list[_Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._generated = 0
+        self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tok/s
+
+    @classmethod
+    def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
+        """Load a model folder (config.json, safetensors, tokenizer files)."""
+        config = config or EngineConfig()
+        runner = ModelRunner(str(path), config)
+        tokenizer = Tokenizer.from_pretrained(path, runner.model_config.model_type)
+        return cls(runner, tokenizer, config)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def encode(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
+               prompt_token_ids: Sequence[int] | None = None, **chat_options: Any) -> list[int]:
+        """Prompt token ids from exactly one of: chat messages, raw text, token ids."""
+        given = [x is not None for x in (messages, prompt, prompt_token_ids)]
+        if sum(given) != 1:
+            raise RequestError("give exactly one of messages, prompt or prompt_token_ids")
+        if messages is not None:
+            return self.tokenizer.encode_chat(list(messages), add_generation_prompt=True, **chat_options)
+        if prompt is not None:
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return [int(t) for t in prompt_token_ids]
+
+    def add_request(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
+                    prompt_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                    request_id: str | None = None, **chat_options: Any) -> str:
+        """Queue a request; returns its id. Raises RequestError if it can never run."""
+        params = sampling or SamplingParams()
+        ids = self.encode(messages, prompt, prompt_token_ids, **chat_options)
+        self._validate(ids)
+        request_id = request_id or uuid.uuid4().hex
+        seq = Seq(request_id=request_id, prompt_ids=ids, params=params)
+        request = _Request(
+            seq=seq,
+            detok=IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True),
+            stop=StopChecker(params.stop),
+            generator=make_generator(params.seed, self.runner.device),
+            arrival=time.perf_counter(),
+        )
+        with self._lock:
+            if request_id in self._requests or any(r.seq.request_id == request_id for r in self._intake):
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._intake.append(request)
+        return request_id
+
+    def _validate(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len}; "
+                               "shorten it or raise the context length")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        blocks_needed = -(-(len(ids) + 1) // self.runner.block_size)
+        if blocks_needed > self.blocks.num_blocks:
+            raise RequestError(f"the prompt needs {blocks_needed} cache pages but only "
+                               f"{self.blocks.num_blocks} exist")
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its Finished(reason='abort') comes from the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._intake or self._aborts) or self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Run one scheduling step; returns the events it produced, in order."""
+        events = self._take_intake()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return events
+        try:
+            logits = self.runner.run([
+                StepInput(self.blocks.block_table(c.seq.request_id), c.seq.num_computed,
+                          c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens])
+                for c in chunks
+            ])
+        except torch.OutOfMemoryError:
+            return events + self._fail_all(chunks, "the GPU ran out of memory; lower the context length "
+                                                   "or the number of concurrent requests")
+        self.scheduler.after_step(chunks)
+        return events + self._sample(chunks, logits)
+
+    def _take_intake(self) -> list[Event]:
+        with self._lock:
+            intake, aborts = self._intake, self._aborts
+            self._intake, self._aborts = [], []
+        for request in intake:
+            self._requests[request.seq.request_id] = request
+            self.scheduler.add(request.seq)
+        events: list[Event] = []
+        for request_id in aborts:
+            request = self._requests.get(request_id)
+            if request is not None:
+                events.append(self._finish(request, "abort"))
+        return events
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[Event]:
+        ready = [i for i, c in enumerate(chunks) if c.seq.num_computed == c.seq.num_tokens]
+        if not ready:
+            return []
+        requests = [self._requests[chunks[i].seq.request_id] for i in ready]
+        tokens = self.sampler(
+            logits[ready], [r.seq.params for r in requests], [r.generator for r in requests],
+            [r.seq.token_ids for r in requests], [r.seq.output_ids for r in requests],
+        ).tolist()
+        now = time.perf_counter()
+        self._recent = [(t, n) for t, n in self._recent if now - t < 5.0] + [(now, len(tokens))]
+        self._generated += len(tokens)
+        events: list[Event] = []
+        for request, token in zip(requests, tokens):
+            events.extend(self._accept(request, int(token), now))
+        return events
+
+    def _accept(self, request: _Request, token: int, now: float) -> list[Event]:
+        seq, params = request.seq, request.seq.params
+        if request.first_token_time is None:
+            request.first_token_time = now
+        seq.output_ids.append(token)
+        is_eos = not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        if is_eos or token in params.stop_token_ids:
+            return self._emit_tail(request, token, "stop")
+        text, hit = request.stop.feed(request.detok.push(token))
+        if hit:
+            return self._emit(request, (token,), text) + [self._finish(request, "stop")]
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._emit_tail(request, token, "length", text)
+        return self._emit(request, (token,), text)
+
+    def _emit(self, request: _Request, token_ids: tuple[int, ...], text: str) -> list[Event]:
+        request.text += text
+        return [TokenDelta(request.seq.request_id, token_ids, text)]
+
+    def _emit_tail(self, request: _Request, token: int, reason: FinishReason, text: str = "") -> list[Event]:
+        """Flush held-back text (no stop string can complete any more) and finish."""
+        text += request.stop.feed(request.detok.flush())[0] + request.stop.flush()
+        return self._emit(request, (token,), text) + [self._finish(request, reason)]
+
+    def _finish(self, request: _Request, reason: FinishReason, error: str | None = None) -> Finished:
+        seq = request.seq
+        self.scheduler.finish(seq)
+        self._requests.pop(seq.request_id, None)
+        now = time.perf_counter()
+        stats = RequestStats(
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+            cached_prompt_tokens=seq.num_cached_prefix,
+            time_to_first_token_s=None if request.first_token_time is None else request.first_token_time
+            - request.arrival,
+            total_time_s=now - request.arrival,
+        )
+        return Finished(seq.request_id, reason, request.text, stats, error)
+
+    def _fail_all(self, chunks: list[ScheduledChunk], message: str) -> list[Event]:
+        requests = [self._requests[c.seq.request_id] for c in chunks if c.seq.request_id in self._requests]
+        return [self._finish(r, "error", message) for r in requests]
+
+    # ---- conveniences ----------------------------------------------------------------------
+
+    def generate(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
+                 prompt_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                 **chat_options: Any) -> Iterator[Event]:
+        """Run one request to completion, yielding its events. Meant for exclusive use of the
+        engine (events of other requests stepped meanwhile are not returned)."""
+        request_id = self.add_request(messages, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                                      sampling=sampling, **chat_options)
+        try:
+            while True:
+                for event in self.step():
+                    if event.request_id == request_id:
+                        yield event
+                        if isinstance(event, Finished):
+                            return
+        finally:
+            if request_id in self._requests:
+                self.abort(request_id)
+                self.step()
+
+    def stats(self) -> EngineStats:
+        now = time.perf_counter()
+        window = [(t, n) for t, n in self._recent if now - t < 5.0]
+        span = now - window[0][0] if len(window) > 1 else 0.0
+        rate = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self._intake),
+            cache_blocks_total=self.blocks.num_blocks,
+            cache_blocks_free=self.blocks.num_free_blocks,
+            generated_tokens=self._generated,
+            decode_tokens_per_s=rate,
+        )
+
+    def running_ids(self) -> list[str]:
+        return [s.request_id for s in self.scheduler.running if s.status is Status.RUNNING]

@@ -1,0 +1,110 @@
+"""Paged caches (plain-PyTorch path) and the per-step forward context.
+
+Two caches share one block table per request: the MLA latent cache (``kv_lora_rank + rope`` values
+per token and layer: the normalised latent, then the roped shared key) and, for DSA models, the
+indexer-key cache (``index_head_dim`` values per token, only for layers that run an indexer).
+A token at logical position ``p`` of a request lives at slot ``block_table[p // bs] * bs + p % bs``.
+
+The ``ForwardContext`` describes one step's flattened batch: which tokens belong to which request,
+their positions and slots, and the full slot list of each request's context, so attention can
+read any request's whole history — a prefill may start at any position (chunked prefill, a
+conversation's reused prefix) and any subset of requests may run a layer together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hearth.engine.config import ModelConfig
+
+
+class PagedCache:
+    """Per-layer cache tensors: latent ``[num_slots, latent_dim]`` and index keys
+    ``[num_slots, index_head_dim]`` (``num_slots = num_blocks * block_size``)."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        num_slots = num_blocks * block_size
+        self.latent = [
+            torch.zeros(num_slots, config.latent_dim, dtype=dtype, device=device)
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.index_keys: list[torch.Tensor | None] = [
+            torch.zeros(num_slots, config.index_head_dim, dtype=dtype, device=device)
+            if config.runs_indexer(layer) else None
+            for layer in range(config.num_hidden_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        per_token = config.latent_dim * config.num_hidden_layers
+        if config.has_indexer:
+            per_token += config.index_head_dim * sum(
+                config.runs_indexer(layer) for layer in range(config.num_hidden_layers))
+        return per_token * block_size * itemsize
+
+
+@dataclass
+class SeqSlice:
+    """One request's part of the step: tokens ``[start, start + q_len)`` of the flat batch,
+    at positions ``[context_len - q_len, context_len)`` of the request."""
+
+    start: int
+    q_len: int
+    context_len: int
+    slots: torch.Tensor  # (context_len,) int64 physical slots of positions 0..context_len-1
+
+    @property
+    def first_position(self) -> int:
+        return self.context_len - self.q_len
+
+
+@dataclass
+class ForwardContext:
+    """Metadata of one forward step over a flat batch of ``N`` tokens from several requests."""
+
+    positions: torch.Tensor  # (N,) int64
+    slot_mapping: torch.Tensor  # (N,) int64 where each new token's cache entries go
+    seqs: list[SeqSlice]
+    cache: PagedCache
+    # Per request (index into seqs): top-k of the most recent layer that ran its indexer, reused
+    # by IndexCache "shared" layers. (q_len, k) int64, -1 = no token.
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index in the flat batch of each request's last token (where logits are needed)."""
+        idx = [s.start + s.q_len - 1 for s in self.seqs]
+        return torch.tensor(idx, dtype=torch.long, device=self.positions.device)
+
+
+def slots_for(block_table: list[int], num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Physical slots of logical positions 0..num_tokens-1 given a block table."""
+    pos = torch.arange(num_tokens, dtype=torch.long)
+    blocks = torch.tensor(block_table, dtype=torch.long)[pos // block_size]
+    return (blocks * block_size + pos % block_size).to(device)
+
+
+def build_context(cache: PagedCache, requests: list[tuple[list[int], int, int]],
+                  device: torch.device) -> ForwardContext:
+    """Build the context for requests given as (block_table, first_position, q_len)."""
+    seqs, positions, slot_mapping = [], [], []
+    start = 0
+    for block_table, first, q_len in requests:
+        context_len = first + q_len
+        slots = slots_for(block_table, context_len, cache.block_size, device)
+        seqs.append(SeqSlice(start=start, q_len=q_len, context_len=context_len, slots=slots))
+        positions.append(torch.arange(first, context_len, dtype=torch.long, device=device))
+        slot_mapping.append(slots[first:context_len])
+        start += q_len
+    return ForwardContext(
+        positions=torch.cat(positions), slot_mapping=torch.cat(slot_mapping), seqs=seqs, cache=cache
+    )

@@ -1,0 +1,170 @@
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) into the model.
+
+- Single ``model.safetensors`` or sharded with ``model.safetensors.index.json``; files are
+  memory-mapped and read one tensor at a time straight onto the target device, so peak RAM is not
+  twice the model. Pickle formats (``.bin``, ``.pt``, ``.pth``) are never loaded.
+- FP8 block-scaled weights (``weight`` e4m3 + ``weight_scale_inv``) are either dequantised at load
+  or kept in FP8 with their scales (``Fp8Linear``).
+- MTP layers (``model.layers.{num_hidden_layers + i}``) are skipped, as are indexer weights of
+  layers configured to share the previous layer's top-k.
+- Missing, unexpected and mis-shaped tensors and truncated/corrupt files raise one
+  ``CheckpointError`` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from hearth.engine.api import CheckpointError
+from hearth.engine.config import ModelConfig
+from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.models.layers import Fp8Linear, Rotary, dequantize_fp8_blocks, rope_inv_freq
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_FP32_PARAMS = re.compile(r"(mlp\.gate\.weight|e_score_correction_bias|indexer\.weights_proj\.weight|k_norm\.)")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CheckpointFiles:
+    """The safetensors files of a model folder and which file holds each tensor."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.location: dict[str, Path] = {}
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            self._read_index(index)
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                pickles = [p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES]
+                hint = f" (found {', '.join(pickles)}: pickle files are never loaded)" if pickles else ""
+                raise CheckpointError(f"{folder}: no .safetensors weight files{hint}")
+            for file in files:
+                for name in self._keys(file):
+                    self.location[name] = file
+        self._handles: dict[Path, object] = {}
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+        for file_name in sorted(set(weight_map.values())):
+            path = self.folder / file_name
+            if not path.exists():
+                raise CheckpointError(f"{path}: shard listed in {index.name} is missing")
+            present = set(self._keys(path))
+            for name, mapped in weight_map.items():
+                if mapped == file_name and name not in present:
+                    raise CheckpointError(f"{path}: tensor '{name}' listed in {index.name} is not in the file")
+        self.location = {name: self.folder / f for name, f in weight_map.items()}
+
+    @staticmethod
+    def _keys(path: Path) -> list[str]:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                return list(handle.keys())
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.location[name]
+        try:
+            handle = self._handles.get(path)
+            if handle is None:
+                handle = self._handles[path] = safe_open(str(path), framework="pt")
+            return handle.get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' (truncated or corrupt file?): {exc}") \
+                from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _is_skipped(name: str, config: ModelConfig) -> bool:
+    match = _LAYER.match(name)
+    if match is None:
+        return "rotary_emb" in name
+    layer = int(match.group(1))
+    if layer >= config.num_hidden_layers:
+        return True  # MTP (speculative decoding) layers
+    return ".self_attn.indexer." in name and not config.runs_indexer(layer)
+
+
+def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
+              device: torch.device, keep_fp8: bool, consumed: set[str]) -> None:
+    if name not in files.location:
+        raise CheckpointError(f"{files.folder}: missing tensor '{name}'")
+    tensor = files.get(name)
+    consumed.add(name)
+    if tuple(tensor.shape) != tuple(expected):
+        raise CheckpointError(f"{files.location[name]}: tensor '{name}' has shape {list(tensor.shape)}, "
+                              f"config.json implies {list(expected)}")
+    target = torch.float32 if _FP32_PARAMS.search(name) else dtype
+    if tensor.dtype != torch.float8_e4m3fn:
+        _set_param(model, name, tensor.to(device=device, dtype=target))
+        return
+    scale_name = name + "_scale_inv"
+    if scale_name not in files.location:
+        raise CheckpointError(f"{files.location[name]}: FP8 tensor '{name}' has no '{scale_name}'")
+    scale = files.get(scale_name)
+    consumed.add(scale_name)
+    block = model.config.quantization.block_size if model.config.quantization else (128, 128)
+    try:
+        if keep_fp8 and name.endswith(".weight"):
+            module_name = name.rpartition(".")[0]
+            parent, _, child = module_name.rpartition(".")
+            fp8 = Fp8Linear(tensor.to(device), scale.to(device), block, target)
+            fp8.dense_weight()  # validates the scale shape now rather than at the first forward
+            setattr(model.get_submodule(parent), child, fp8)
+        else:
+            _set_param(model, name, dequantize_fp8_blocks(tensor.to(device), scale.to(device), block, target))
+    except ValueError as exc:
+        raise CheckpointError(f"{files.location[name]}: tensor '{scale_name}': {exc}") from None
+
+
+def _materialize_buffers(model: DeepseekForCausalLM, device: torch.device) -> None:
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.inv_freq = rope_inv_freq(model.config.rope, module.inv_freq.shape[0] * 2).to(device)
+
+
+def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
+                    faithful: bool = False) -> DeepseekForCausalLM:
+    """Build the model for ``path/config.json`` and fill it from the folder's safetensors."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a model folder")
+    config = ModelConfig.from_file(folder)
+    files = CheckpointFiles(folder)
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(config, faithful)
+    consumed: set[str] = set()
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    if config.tie_word_embeddings and "lm_head.weight" not in files.location:
+        expected.pop("lm_head.weight")
+    for name, shape in expected.items():
+        _load_one(model, files, name, shape, dtype, device, keep_fp8, consumed)
+    if "lm_head.weight" not in expected:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    unexpected = [n for n in files.location if n not in consumed and not _is_skipped(n, config)]
+    files.close()
+    if unexpected:
+        first = unexpected[0]
+        raise CheckpointError(f"{files.location[first]}: unexpected tensor '{first}' "
+                              f"({len(unexpected)} unexpected in all; does config.json match the weights?)")
+    _materialize_buffers(model, device)
+    return model.eval()

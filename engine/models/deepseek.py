@@ -1,0 +1,189 @@
+"""DeepSeek-family decoder (DeepSeek-V3.2, GLM-5, DeepSeek-V3, DeepSeek-V2) in plain PyTorch.
+
+Module names follow the Hugging Face checkpoints so tensor names map one to one
+(``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.mlp.experts.E.gate_proj.weight``...).
+
+The model runs layer by layer for any subset of the running requests: ``embed``, then per layer
+``attend`` (norm + attention + residual), ``ffn_input`` (norm), ``route`` (router) and
+``ffn`` (MoE or dense MLP + residual), then ``logits``. ``forward`` is one policy over those
+pieces (all requests through all layers); the runahead scheduler uses others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import ForwardContext
+from hearth.engine.models.layers import RMSNorm
+from hearth.engine.models.mla import MLAttention
+
+# backend(layer, x (T, D), topk_ids (T, K) int64, topk_weights (T, K) fp32) -> (T, D)
+ExpertsBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); silu and product in fp32 as the reference does."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
+        return self.down_proj(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    """The router: scores in fp32, optional group limit, top-k, weight normalisation, scaling."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size), requires_grad=False)
+        if config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, D) -> (topk_ids (T, K) int64, topk_weights (T, K) fp32)."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores
+        if c.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias.float()
+        if c.topk_method != "greedy" and c.n_group > 1:
+            grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+            if c.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_scores = grouped.max(dim=-1).values
+            keep = group_scores.topk(c.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob and c.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * c.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts). Experts run through a pluggable backend so they can
+    live in host RAM behind a GPU cache (hearth.offload) without the model knowing."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate = Gate(config)
+        self.experts = nn.ModuleList(
+            [MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)]
+        )
+        self.shared_experts = (
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts else None
+        )
+        self.backend: ExpertsBackend | None = None
+
+    def local_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Default backend: this module's own expert weights, one expert at a time."""
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                tokens = token_of[start:start + count]
+                y = self.experts[expert](x[tokens]).float() * weight_of[start:start + count, None]
+                out.index_add_(0, tokens, y)
+            start += count
+        return out.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        backend = self.backend or self.local_experts
+        y = backend(self.layer, x, ids, weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, faithful: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config, layer, faithful)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.is_moe = config.is_moe_layer(layer)
+        self.mlp = MoE(config, layer) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def attend(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return hidden + self.self_attn(self.input_layernorm(hidden), ctx)
+
+    def ffn_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(hidden)
+
+    def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Expert choice for each token, or None for a dense layer."""
+        return self.mlp.gate(normed) if self.is_moe else None
+
+    def ffn(self, hidden: torch.Tensor, normed: torch.Tensor,
+            routing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        if routing is None:
+            return hidden + self.mlp(normed)
+        return hidden + self.mlp(normed, *routing)
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.attend(hidden, ctx)
+        normed = self.ffn_input(hidden)
+        return self.ffn(hidden, normed, self.route(normed))
+
+
+class DeepseekModel(nn.Module):
+    """``model.*`` of the checkpoint (embed_tokens, layers, norm)."""
+
+    def __init__(self, config: ModelConfig, faithful: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, i, faithful) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The whole network; checkpoint names ``model.*`` and ``lm_head.weight``."""
+
+    def __init__(self, config: ModelConfig, faithful: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekModel(config, faithful)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head in fp32: (N, D) -> (N, vocab)."""
+        return F.linear(self.model.norm(hidden).float(), self.lm_head.weight.float())
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
+        """All requests through all layers; logits of each request's last token (B, vocab), or of
+        every token (N, vocab) with all_logits."""
+        hidden = self.embed(input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, ctx)
+        if not all_logits:
+            hidden = hidden[ctx.last_token_indices()]
+        return self.logits(hidden)

@@ -1,0 +1,175 @@
+"""Building blocks shared by the DeepSeek-family models: RMSNorm, rotary embeddings (YaRN,
+interleaved and half-split layouts), FP8 block-scaled linear layers and the FP8 / Hadamard
+simulation used by the "faithful" mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hearth.engine.config import RopeConfig
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back before the weight (as HF does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with bias computed in fp32 (the DSA indexer's k_norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                          dtype: torch.dtype) -> torch.Tensor:
+    """W = W8 * s[i // br, j // bc] for a block-scaled FP8 weight; edge blocks may be partial."""
+    rows, cols = weight.shape
+    br, bc = block
+    expected = (math.ceil(rows / br), math.ceil(cols / bc))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"FP8 scale shape {tuple(scale_inv.shape)} does not match weight {rows}x{cols} "
+                         f"with {br}x{bc} blocks (expected {expected})")
+    scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight stays FP8 e4m3 with 128x128 block scales (the checkpoint
+    format), dequantised block-wise on the fly. Parameter names match the checkpoint
+    (``weight``, ``weight_scale_inv``)."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                 compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+        self.block = block
+        self.compute_dtype = compute_dtype
+        self.out_features, self.in_features = weight.shape
+
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight())
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The weight of a Linear or Fp8Linear as a dense tensor in the compute dtype."""
+    if isinstance(linear, Fp8Linear):
+        return linear.dense_weight()
+    return linear.weight
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embeddings
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """Inverse frequencies [dim // 2] (fp32) for default rope or YaRN, as in the reference code."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    if rope.rope_type != "yarn":
+        return extrapolation
+    interpolation = 1.0 / (rope.factor * pos_freqs)
+    orig = rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(orig / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = keep the original (extrapolated) frequency
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+class Rotary(nn.Module):
+    """cos/sin for given positions; applies the rotation in either layout.
+
+    interleaved=True rotates pairs (x[2i], x[2i+1]) and writes them back in place (DeepSeek's
+    layout); interleaved=False rotates (x[i], x[i + d/2]) (NeoX / rotate_half).
+    """
+
+    def __init__(self, rope: RopeConfig, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)
+        self.attention_factor = rope.attention_factor
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # (N, d/2)
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [N, ..., d] with cos/sin [N, d/2]; computed in fp32, returned in x.dtype."""
+    shape = x.shape
+    xf = x.float()
+    extra = xf.dim() - 2
+    c = cos.view(cos.shape[0], *([1] * extra), cos.shape[-1])
+    s = sin.view(sin.shape[0], *([1] * extra), sin.shape[-1])
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        half = shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 / Hadamard simulation ("faithful" mode of the official DeepSeek inference code)
+
+
+def fp8_round_trip(x: torch.Tensor, block: int = 128, pow2_scale: bool = True) -> torch.Tensor:
+    """Quantise x per ``block`` channels to e4m3 with (power-of-two) scales, then dequantise.
+
+    amax is floored at 1e-4 as in the reference ``act_quant``. Returns x.dtype.
+    """
+    shape = x.shape
+    xf = x.float().reshape(*shape[:-1], shape[-1] // block, block)
+    amax = xf.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    scale = amax / FP8_MAX
+    if pow2_scale:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).reshape(shape).to(x.dtype)
+
+
+def hadamard_matrix(n: int, device: torch.device | None = None) -> torch.Tensor:
+    """Sylvester Hadamard matrix of size n (a power of two), scaled by n^-1/2 (orthonormal)."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard transform needs a power-of-two size, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h * n**-0.5).to(device)

@@ -1,0 +1,209 @@
+"""Multi-head Latent Attention (MLA) with the optional DSA lightning indexer (plain PyTorch).
+
+Per token the cache holds the normalised latent ``c_kv`` (kv_lora_rank) and the roped shared key
+``k_pe`` (qk_rope_head_dim). Two equivalent forms read it:
+- prefill (``q_len > 1``): expand every cached latent through ``kv_b_proj`` into per-head keys and
+  values and run ordinary attention (cheap per query when many queries share the expansion);
+- decode (``q_len == 1``): the absorbed form — fold ``W_uk`` into the query and ``W_uv`` into the
+  output, so attention runs directly over the 576-wide latents (MQA with one shared KV head).
+
+DSA: the indexer scores every causal key ``t`` for query ``i`` as
+``sum_h w[i,h] * relu(q[i,h] . k[t]) * (d^-1/2 * H^-1/2)`` and keeps the top ``index_topk``;
+attention then only sees those keys. IndexCache "shared" layers reuse the selection of the last
+layer that ran its indexer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import ForwardContext, SeqSlice
+from hearth.engine.models.layers import (
+    LayerNorm,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    dense_weight,
+    fp8_round_trip,
+    hadamard_matrix,
+)
+
+_SCORE_BUDGET = 1 << 26  # fp32 elements of [queries, heads, keys] scored at once
+
+
+class Indexer(nn.Module):
+    """The DSA lightning indexer of one layer (HF names: wq_b, wk, k_norm, weights_proj)."""
+
+    def __init__(self, config: ModelConfig, faithful: bool) -> None:
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.interleaved = config.indexer_rope_interleave
+        self.faithful = faithful
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept in fp32
+        self.scale = self.head_dim**-0.5 * self.n_heads**-0.5
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The indexer's rope dims come first in its head (MLA puts them last).
+        x_rot, x_pass = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat((apply_rotary(x_rot, cos, sin, self.interleaved), x_pass), dim=-1)
+
+    def _faithful(self, x: torch.Tensor) -> torch.Tensor:
+        """Hadamard then FP8 (ue8m0) round trip, as the official inference code scores."""
+        if not self.faithful:
+            return x
+        h = hadamard_matrix(self.head_dim, x.device)
+        return fp8_round_trip((x.float() @ h).to(x.dtype), block=min(128, self.head_dim))
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext, layer: int) -> list[torch.Tensor]:
+        """Write this step's keys, then return per request the top-k (q_len, k) int64 logical
+        positions (-1 where a query has fewer than k causal keys)."""
+        n = x.shape[0]
+        q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)  # (N, H, D)
+        q = self._faithful(self._rope(q, cos, sin))
+        k = self._faithful(self._rope(self.k_norm(self.wk(x)), cos, sin))  # (N, D)
+        keys = ctx.cache.index_keys[layer]
+        keys[ctx.slot_mapping] = k.to(keys.dtype)
+        w = self.weights_proj(x.float()).float() * self.scale  # (N, H)
+        return [self._select(q[s.start:s.start + s.q_len], w[s.start:s.start + s.q_len], keys, s)
+                for s in ctx.seqs]
+
+    def _select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
+        k_all = keys[seq.slots].float()  # (T, D)
+        qf = q.float()
+        chunk = max(1, _SCORE_BUDGET // max(1, self.n_heads * seq.context_len))
+        scores = torch.cat([
+            torch.einsum("qhd,td->qht", qf[i:i + chunk], k_all).relu_().mul_(w[i:i + chunk, :, None]).sum(1)
+            for i in range(0, q.shape[0], chunk)
+        ])  # (q_len, T)
+        causal = _causal_mask(seq, scores.device)
+        scores.masked_fill_(~causal, float("-inf"))
+        k = min(self.topk, seq.context_len)
+        # NOTE: ReLU makes exact ties (often at 0) common; a stable sort breaks them toward earlier
+        # positions so chunked prefill, decode and one-shot prefill select the same keys.
+        idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        valid = torch.gather(causal, 1, idx)
+        return torch.where(valid, idx, torch.full_like(idx, -1))
+
+
+def _causal_mask(seq: SeqSlice, device: torch.device) -> torch.Tensor:
+    """(q_len, context_len) bool: query i (position first+i) may see key t iff t <= first+i."""
+    q_pos = torch.arange(seq.first_position, seq.context_len, device=device)
+    return torch.arange(seq.context_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def _selection_mask(selection: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
+    """(q_len, context_len) bool of the selected keys (causal by construction)."""
+    mask = torch.zeros(seq.q_len, seq.context_len + 1, dtype=torch.bool, device=selection.device)
+    mask.scatter_(1, torch.where(selection < 0, seq.context_len, selection), True)
+    return mask[:, :-1] & _causal_mask(seq, selection.device)
+
+
+class MLAttention(nn.Module):
+    """MLA (+ DSA) of one layer. Checkpoint names: q_proj | q_a_proj, q_a_layernorm, q_b_proj;
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, indexer.*"""
+
+    def __init__(self, config: ModelConfig, layer: int, faithful: bool = False) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads = config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora = config.kv_lora_rank
+        self.scale = config.softmax_scale
+        self.rope_interleave = config.rope_interleave
+        self.faithful = faithful
+        self.uses_dsa = config.has_indexer
+        qk = config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(config.hidden_size, self.n_heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps=1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
+        self.indexer = Indexer(config, faithful) if config.runs_indexer(layer) else None
+        self.rotary = Rotary(config.rope, self.rope_dim)
+        # Force a form for tests: None = absorbed for single-token queries, expanded otherwise.
+        self.force_absorbed: bool | None = None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
+        n = x.shape[0]
+        cos, sin = self.rotary.cos_sin(ctx.positions)
+        if hasattr(self, "q_proj"):
+            q_resid = None
+            q = self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        q = q.view(n, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleave)
+        kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        kv = self.kv_a_layernorm(kv)
+        if self.faithful:
+            kv = fp8_round_trip(kv, block=min(128, self.kv_lora))
+        k_pe = apply_rotary(k_pe, cos, sin, self.rope_interleave)
+        latent_cache = ctx.cache.latent[self.layer]
+        latent_cache[ctx.slot_mapping] = torch.cat((kv, k_pe), dim=-1).to(latent_cache.dtype)
+
+        selections = self._selections(x, q_resid, cos, sin, ctx)
+        out = torch.empty(n, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        for i, seq in enumerate(ctx.seqs):
+            rows = slice(seq.start, seq.start + seq.q_len)
+            mask = _causal_mask(seq, x.device) if selections is None else _selection_mask(selections[i], seq)
+            latents = latent_cache[seq.slots]  # (T, kv_lora + rope)
+            absorbed = seq.q_len == 1 if self.force_absorbed is None else self.force_absorbed
+            attend = self._attend_absorbed if absorbed else self._attend_expanded
+            out[rows] = attend(q_nope[rows], q_pe[rows], latents, mask).to(x.dtype)
+        return self.o_proj(out.flatten(1))
+
+    def _selections(self, x, q_resid, cos, sin, ctx: ForwardContext) -> list[torch.Tensor] | None:
+        if not self.uses_dsa:
+            return None
+        if self.indexer is not None:
+            chosen = self.indexer(x, q_resid, cos, sin, ctx, self.layer)
+            ctx.selections = dict(enumerate(chosen))
+            return chosen
+        if len(ctx.selections) != len(ctx.seqs):
+            raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer ran an indexer")
+        return [ctx.selections[i] for i in range(len(ctx.seqs))]
+
+    def _kv_b(self) -> torch.Tensor:
+        return dense_weight(self.kv_b_proj).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+
+    def _softmax(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
+    def _attend_expanded(self, q_nope, q_pe, latents, mask) -> torch.Tensor:
+        """Expanded heads. q_nope (q, H, nope), q_pe (q, H, rope), latents (T, 576) -> (q, H, v)."""
+        w = self._kv_b().float()
+        c_kv, k_pe = latents.float().split([self.kv_lora, self.rope_dim], dim=-1)
+        k_nope = torch.einsum("tc,hdc->thd", c_kv, w[:, :self.nope])  # (T, H, nope)
+        v = torch.einsum("tc,hdc->thd", c_kv, w[:, self.nope:])  # (T, H, v)
+        scores = torch.einsum("qhd,thd->hqt", q_nope.float(), k_nope)
+        scores += torch.einsum("qhr,tr->hqt", q_pe.float(), k_pe)
+        probs = self._softmax(scores * self.scale, mask[None])  # (H, q, T)
+        return torch.einsum("hqt,thd->qhd", probs, v)
+
+    def _attend_absorbed(self, q_nope, q_pe, latents, mask) -> torch.Tensor:
+        """Absorbed form over the latent cache: scores = (q_nope W_uk) . c_kv + q_pe . k_pe."""
+        w = self._kv_b().float()
+        c_kv, k_pe = latents.float().split([self.kv_lora, self.rope_dim], dim=-1)
+        q_abs = torch.einsum("qhd,hdc->qhc", q_nope.float(), w[:, :self.nope])  # (q, H, kv_lora)
+        scores = torch.einsum("qhc,tc->hqt", q_abs, c_kv) + torch.einsum("qhr,tr->hqt", q_pe.float(), k_pe)
+        probs = self._softmax(scores * self.scale, mask[None])  # (H, q, T)
+        o_lat = torch.einsum("hqt,tc->qhc", probs, c_kv)  # (q, H, kv_lora)
+        return torch.einsum("qhc,hdc->qhd", o_lat, w[:, self.nope:])

@@ -1,0 +1,67 @@
+"""ModelRunner: owns the model and its paged caches and turns a step's requests into one flat
+batch (token ids, positions, slots) for the model. Knows nothing about scheduling or sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import PagedCache, build_context
+from hearth.engine.loader import load_checkpoint
+from hearth.engine.models.deepseek import DeepseekForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One request's share of a step: the tokens at positions [first_position, +len(token_ids))."""
+
+    block_table: list[int]
+    first_position: int
+    token_ids: list[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise HearthError("device 'cuda' was asked for, but PyTorch sees no CUDA GPU")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Loads the checkpoint and sizes the caches; ``run`` executes one forward step."""
+
+    def __init__(self, path: str, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        keep_fp8 = config.keep_fp8 if config.keep_fp8 is not None else self.device.type == "cuda"
+        self.model: DeepseekForCausalLM = load_checkpoint(path, self.device, self.dtype, keep_fp8, config.faithful)
+        self.model_config: ModelConfig = self.model.config
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
+        self.block_size = config.block_size
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.num_blocks = config.num_cache_blocks or blocks_per_seq * config.max_num_seqs
+        self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def run(self, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:
+        """Forward the step; returns fp32 logits of each request's last token (B, vocab), or of
+        every token (N, vocab) with all_logits."""
+        ctx = build_context(self.cache, [(s.block_table, s.first_position, len(s.token_ids)) for s in inputs],
+                            self.device)
+        ids = torch.tensor([t for s in inputs for t in s.token_ids], dtype=torch.long, device=self.device)
+        return self.model(ids, ctx, all_logits=all_logits)

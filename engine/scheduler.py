@@ -1,0 +1,137 @@
+"""Continuous-batching scheduler: decides which requests run in the next step and how many of
+their tokens. A policy over request objects; it never touches tensors.
+
+Each step: every running request that has finished its prompt decodes one token; requests still
+in their prompt get the next chunk (chunked prefill) from the remaining token budget; then waiting
+requests are admitted in arrival order while cache blocks, the sequence limit and the budget
+allow. When a decoding request's cache page cannot grow, the most recently admitted request is
+preempted (its pages freed; it re-enters the queue and recomputes its tokens later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hearth.engine.api import SamplingParams
+from hearth.engine.block_manager import BlockManager
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """A request as the scheduler sees it: all its tokens and how many are in the cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose cache entries are written
+    num_cached_prefix: int = 0  # prompt tokens served from the prefix cache
+    status: Status = Status.WAITING
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens of this sequence computed in the step, starting at seq.num_computed
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below while making room for an earlier request
+            if seq.in_prefill:
+                continue
+            if not self._make_room(seq) or budget < 1:
+                continue
+            chunks.append(ScheduledChunk(seq, 1))
+            budget -= 1
+        for seq in self.running:
+            if seq.in_prefill and budget > 0:
+                n = min(budget, seq.num_tokens - seq.num_computed)
+                chunks.append(ScheduledChunk(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq.token_ids):
+                break
+            self.waiting.popleft()
+            seq.num_cached_prefix = self.blocks.allocate(seq.request_id, seq.token_ids)
+            seq.num_computed = seq.num_cached_prefix
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(budget, seq.num_tokens - seq.num_computed)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return chunks
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Ensure seq's block table covers its newest token, preempting later requests if needed."""
+        while self.blocks.num_tokens(seq.request_id) < seq.num_tokens:
+            missing = seq.token_ids[self.blocks.num_tokens(seq.request_id):]
+            if self.blocks.can_append(seq.request_id, len(missing)):
+                self.blocks.append(seq.request_id, missing)
+                return True
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's pages and put it back at the head of the queue; it recomputes later."""
+        self.blocks.free(seq.request_id)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+
+    def after_step(self, chunks: list[ScheduledChunk]) -> None:
+        """Record what the step computed (so full pages become reusable prefixes)."""
+        for chunk in chunks:
+            chunk.seq.num_computed += chunk.num_tokens
+            if chunk.seq.status is Status.RUNNING:
+                self.blocks.mark_computed(chunk.seq.request_id, chunk.seq.num_computed)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.request_id)
+        seq.status = Status.FINISHED

@@ -1,0 +1,52 @@
+"""Tiny Hub-layout checkpoints for the engine tests (written once per session) and the Hugging Face
+transformers reference loaded from the same files (transformers is a test-only dependency)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth.engine.tiny import ARCHS, write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: write_tiny_model(root / arch, arch, seed=1) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_fp8") / "deepseek_v32", "deepseek_v32", seed=2, fp8=True)
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+def dequantize_reference(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Independent FP8 block dequantisation for the tests (W[i, j] * s[i // 128, j // 128])."""
+    rows, cols = weight.shape
+    out = torch.empty(rows, cols)
+    for bi in range(math.ceil(rows / block)):
+        for bj in range(math.ceil(cols / block)):
+            r, c = slice(bi * block, (bi + 1) * block), slice(bj * block, (bj + 1) * block)
+            out[r, c] = weight[r, c].float() * scale[bi, bj]
+    return out
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding with the reference model's own KV cache, one token per forward."""
+    out: list[int] = []
+    with torch.no_grad():
+        result = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(steps):
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            result = model(torch.tensor([[token]]), cache=result.past_key_values, use_cache=True)
+    return out

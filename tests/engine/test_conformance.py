@@ -1,0 +1,160 @@
+"""Conformance: Hearth's engine against Hugging Face transformers on tiny random configs of all four
+model types (deepseek_v32, glm_moe_dsa, deepseek_v3, deepseek_v2).
+
+Tolerances: fp32 logits must agree to 1e-4 absolute (observed ~5e-6; logits are O(5)); bf16 no
+worse than the reference's own bf16 error (median per token, with slack) and its top-1 agreement.
+Prompts are longer than index_topk (16) so DSA sparsity is active; greedy decoding runs 40 steps
+through absorbed decode and the paged cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hearth.engine import Engine, EngineConfig, SamplingParams, load_model
+from hearth.engine.config import ModelConfig
+from hearth.engine.tiny import ARCHS
+from tests.engine.conftest import dequantize_reference, hf_greedy, hf_model
+
+FP32_ATOL = 1e-4
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_transformers(arch, tiny_models):
+    ids = _prompt(48)
+    ref = _reference_logits(hf_model(tiny_models[arch]), ids)
+    ours = load_model(str(tiny_models[arch]), device="cpu", dtype="float32")
+    whole = ours.logits(ids)
+    assert whole.shape == ref.shape
+    assert (whole - ref).abs().max() < FP32_ATOL
+    chunked = ours.logits(ids, chunk_size=11)  # prefill starting mid-page at several positions
+    assert (chunked - ref).abs().max() < FP32_ATOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_decode_matches_transformers(arch, tiny_models):
+    prompt, steps = _prompt(24, seed=1), 40
+    expected = hf_greedy(hf_model(tiny_models[arch]), prompt, steps)
+    engine = Engine.load(str(tiny_models[arch]), EngineConfig(device="cpu", dtype="float32", block_size=16))
+    sampling = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    events = list(engine.generate(prompt_token_ids=prompt, sampling=sampling))
+    got = [t for e in events if hasattr(e, "token_ids") for t in e.token_ids]
+    assert got == expected
+    assert events[-1].reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "deepseek_v2"])
+def test_bfloat16_as_close_as_the_reference_in_bfloat16(arch, tiny_models):
+    """bf16 flips discrete choices (expert routing, top-k) on some tokens, so the bar is the
+    reference's own bf16 error against its fp32 logits: ours must be no worse (with slack)."""
+    ids = _prompt(40, seed=3)
+    ref = _reference_logits(hf_model(tiny_models[arch]), ids)
+    ref_bf16 = _reference_logits(hf_model(tiny_models[arch], torch.bfloat16), ids)
+    got = load_model(str(tiny_models[arch]), device="cpu", dtype="bfloat16").logits(ids)
+    ours_err, ref_err = (got - ref).abs().max(-1).values, (ref_bf16 - ref).abs().max(-1).values
+    assert ours_err.median() <= 2 * ref_err.median() + 0.02
+    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert top1 >= (ref_bf16.argmax(-1) == ref.argmax(-1)).float().mean() - 0.1
+
+
+def test_absorbed_decode_equals_expanded_prefill(tiny_models):
+    model = load_model(str(tiny_models["deepseek_v32"]), device="cpu", dtype="float32")
+    ids = _prompt(40, seed=4)
+    expanded = model.logits(ids)
+    for layer in model.runner.model.layers:
+        layer.self_attn.force_absorbed = True
+    absorbed = model.logits(ids)
+    assert (absorbed - expanded).abs().max() < 1e-4
+
+
+def test_index_cache_layers_match_transformers(tiny_models, tmp_path):
+    """GLM IndexCache: explicit indexer_types with two shared layers reusing the previous selection."""
+    src = tiny_models["glm_moe_dsa"]
+    path = tmp_path / "glm_shared"
+    shutil.copytree(src, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["indexer_types"] = ["full", "shared", "shared", "full"]
+    (path / "config.json").write_text(json.dumps(raw))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    for file in sorted(set(index["weight_map"].values())):  # shared layers ship no indexer weights
+        tensors = load_file(str(path / file))
+        keep = {k: v for k, v in tensors.items()
+                if not any(k.startswith(f"model.layers.{i}.self_attn.indexer.") for i in (1, 2))}
+        save_file(keep, str(path / file), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items()
+                           if not any(k.startswith(f"model.layers.{i}.self_attn.indexer.") for i in (1, 2))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    config = ModelConfig.from_file(path)
+    assert [config.runs_indexer(i) for i in range(4)] == [True, False, False, True]
+    reference = hf_model(path)
+    assert list(reference.config.indexer_types) == list(config.indexer_types)
+    ids = _prompt(48, seed=5)
+    got = load_model(str(path), device="cpu", dtype="float32").logits(ids, chunk_size=20)
+    assert (got - _reference_logits(reference, ids)).abs().max() < FP32_ATOL
+
+
+def test_glm_index_topk_freq_derivation_matches_transformers(tiny_models):
+    config = ModelConfig.from_file(tiny_models["glm_moe_dsa"])
+    assert list(hf_model(tiny_models["glm_moe_dsa"]).config.indexer_types) == list(config.indexer_types)
+    assert "shared" in config.indexer_types
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_fp8_checkpoint_matches_dequantized_reference(tiny_fp8_model, tmp_path, keep_fp8):
+    deq = tmp_path / "dequantized"
+    shutil.copytree(tiny_fp8_model, deq)
+    raw = json.loads((deq / "config.json").read_text())
+    raw.pop("quantization_config")
+    (deq / "config.json").write_text(json.dumps(raw))
+    index = json.loads((deq / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    tensors = {name: t for file in files for name, t in load_file(str(deq / file)).items()}
+    fp8_names = [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    for name in fp8_names:
+        tensors[name] = dequantize_reference(tensors[name], tensors.pop(name + "_scale_inv"))
+    for file in files:
+        save_file({n: t for n, t in tensors.items() if index["weight_map"][n] == file}, str(deq / file),
+                  metadata={"format": "pt"})
+    num_fp8 = len(fp8_names)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.endswith("_scale_inv")}
+    (deq / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert num_fp8 > 10
+
+    ids = _prompt(40, seed=6)
+    ref = _reference_logits(hf_model(deq), ids)
+    got = load_model(str(tiny_fp8_model), device="cpu", dtype="float32", keep_fp8=keep_fp8).logits(ids)
+    assert (got - ref).abs().max() < FP32_ATOL
+    if keep_fp8:
+        from hearth.engine.models.layers import Fp8Linear
+
+        model = load_model(str(tiny_fp8_model), device="cpu", dtype="float32", keep_fp8=True).runner.model
+        assert any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_faithful_mode_rounds_but_stays_close(tiny_models):
+    ids = _prompt(40, seed=7)
+    plain = load_model(str(tiny_models["deepseek_v32"]), device="cpu", dtype="float32").logits(ids)
+    faithful = load_model(str(tiny_models["deepseek_v32"]), device="cpu", dtype="float32",
+                          faithful=True).logits(ids)
+    row_err = (faithful - plain).abs().max(-1).values
+    assert row_err.max() > 1e-6  # the FP8 round trips really happen
+    # Before sparsity starts (position < index_topk) only the latent cache's FP8 rounding acts;
+    # it can still flip an expert choice here and there, so the bar is on the typical token.
+    dense = slice(0, 16)
+    assert row_err[dense].median() < 0.05 * (plain.max() - plain.min())
+    assert (faithful.argmax(-1)[dense] == plain.argmax(-1)[dense]).float().mean() >= 0.85
