@@ -4,12 +4,18 @@ transformers reference loaded from the same files (transformers is a test-only d
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from hearth.engine.tiny import ARCHS, write_tiny_model
+
+
+# The conformance suite runs on the CPU in CI and on the GPU machine with HEARTH_TEST_DEVICE=cuda
+# (and HEARTH_TEST_DTYPE=bfloat16 for the bf16 run of the exact-match tests).
+TEST_DEVICE = os.environ.get("HEARTH_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -48,5 +54,9 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
         for _ in range(steps):
             token = int(result.logits[0, -1].argmax())
             out.append(token)
-            result = model(torch.tensor([[token]]), cache=result.past_key_values, use_cache=True)
+            nxt = torch.tensor([[token]])
+            try:
+                result = model(nxt, cache=result.past_key_values, use_cache=True)
+            except TypeError:  # transformers < 5.24 names it past_key_values
+                result = model(nxt, past_key_values=result.past_key_values, use_cache=True)
     return out

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from hearth.engine import Engine, EngineConfig, SamplingParams, load_model
 from hearth.engine.config import ModelConfig
 from hearth.engine.tiny import ARCHS
-from tests.engine.conftest import dequantize_reference, hf_greedy, hf_model
+from tests.engine.conftest import TEST_DEVICE, dequantize_reference, hf_greedy, hf_model
 
 FP32_ATOL = 1e-4
 
@@ -37,7 +37,7 @@ def _reference_logits(model, ids: list[int]) -> torch.Tensor:
 def test_prefill_logits_match_transformers(arch, tiny_models):
     ids = _prompt(48)
     ref = _reference_logits(hf_model(tiny_models[arch]), ids)
-    ours = load_model(str(tiny_models[arch]), device="cpu", dtype="float32")
+    ours = load_model(str(tiny_models[arch]), device=TEST_DEVICE, dtype="float32")
     whole = ours.logits(ids)
     assert whole.shape == ref.shape
     assert (whole - ref).abs().max() < FP32_ATOL
@@ -49,7 +49,7 @@ def test_prefill_logits_match_transformers(arch, tiny_models):
 def test_greedy_decode_matches_transformers(arch, tiny_models):
     prompt, steps = _prompt(24, seed=1), 40
     expected = hf_greedy(hf_model(tiny_models[arch]), prompt, steps)
-    engine = Engine.load(str(tiny_models[arch]), EngineConfig(device="cpu", dtype="float32", block_size=16))
+    engine = Engine.load(str(tiny_models[arch]), EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16))
     sampling = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     events = list(engine.generate(prompt_token_ids=prompt, sampling=sampling))
     got = [t for e in events if hasattr(e, "token_ids") for t in e.token_ids]
@@ -64,7 +64,7 @@ def test_bfloat16_as_close_as_the_reference_in_bfloat16(arch, tiny_models):
     ids = _prompt(40, seed=3)
     ref = _reference_logits(hf_model(tiny_models[arch]), ids)
     ref_bf16 = _reference_logits(hf_model(tiny_models[arch], torch.bfloat16), ids)
-    got = load_model(str(tiny_models[arch]), device="cpu", dtype="bfloat16").logits(ids)
+    got = load_model(str(tiny_models[arch]), device=TEST_DEVICE, dtype="bfloat16").logits(ids)
     ours_err, ref_err = (got - ref).abs().max(-1).values, (ref_bf16 - ref).abs().max(-1).values
     assert ours_err.median() <= 2 * ref_err.median() + 0.02
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean()
@@ -72,7 +72,7 @@ def test_bfloat16_as_close_as_the_reference_in_bfloat16(arch, tiny_models):
 
 
 def test_absorbed_decode_equals_expanded_prefill(tiny_models):
-    model = load_model(str(tiny_models["deepseek_v32"]), device="cpu", dtype="float32")
+    model = load_model(str(tiny_models["deepseek_v32"]), device=TEST_DEVICE, dtype="float32")
     ids = _prompt(40, seed=4)
     expanded = model.logits(ids)
     for layer in model.runner.model.layers:
@@ -104,7 +104,7 @@ def test_index_cache_layers_match_transformers(tiny_models, tmp_path):
     reference = hf_model(path)
     assert list(reference.config.indexer_types) == list(config.indexer_types)
     ids = _prompt(48, seed=5)
-    got = load_model(str(path), device="cpu", dtype="float32").logits(ids, chunk_size=20)
+    got = load_model(str(path), device=TEST_DEVICE, dtype="float32").logits(ids, chunk_size=20)
     assert (got - _reference_logits(reference, ids)).abs().max() < FP32_ATOL
 
 
@@ -137,19 +137,19 @@ def test_fp8_checkpoint_matches_dequantized_reference(tiny_fp8_model, tmp_path, 
 
     ids = _prompt(40, seed=6)
     ref = _reference_logits(hf_model(deq), ids)
-    got = load_model(str(tiny_fp8_model), device="cpu", dtype="float32", keep_fp8=keep_fp8).logits(ids)
+    got = load_model(str(tiny_fp8_model), device=TEST_DEVICE, dtype="float32", keep_fp8=keep_fp8).logits(ids)
     assert (got - ref).abs().max() < FP32_ATOL
     if keep_fp8:
         from hearth.engine.models.layers import Fp8Linear
 
-        model = load_model(str(tiny_fp8_model), device="cpu", dtype="float32", keep_fp8=True).runner.model
+        model = load_model(str(tiny_fp8_model), device=TEST_DEVICE, dtype="float32", keep_fp8=True).runner.model
         assert any(isinstance(m, Fp8Linear) for m in model.modules())
 
 
 def test_faithful_mode_rounds_but_stays_close(tiny_models):
     ids = _prompt(40, seed=7)
-    plain = load_model(str(tiny_models["deepseek_v32"]), device="cpu", dtype="float32").logits(ids)
-    faithful = load_model(str(tiny_models["deepseek_v32"]), device="cpu", dtype="float32",
+    plain = load_model(str(tiny_models["deepseek_v32"]), device=TEST_DEVICE, dtype="float32").logits(ids)
+    faithful = load_model(str(tiny_models["deepseek_v32"]), device=TEST_DEVICE, dtype="float32",
                           faithful=True).logits(ids)
     row_err = (faithful - plain).abs().max(-1).values
     assert row_err.max() > 1e-6  # the FP8 round trips really happen

@@ -1,0 +1,112 @@
+"""Bad checkpoints give one clear error naming the file and the tensor; nothing half-loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from hearth.engine.api import CheckpointError, UnsupportedModelError
+from hearth.engine.config import ModelConfig
+from hearth.engine.loader import load_checkpoint
+from hearth.engine.tiny import tiny_config
+
+
+@pytest.fixture
+def model_copy(tiny_models, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_models["deepseek_v2"], path)
+    return path
+
+
+def _load(path):
+    import torch
+
+    return load_checkpoint(path, torch.device("cpu"), torch.float32)
+
+
+def test_truncated_safetensors_names_the_file(model_copy):
+    shard = model_copy / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        _load(model_copy)
+
+
+def test_missing_shard_is_named(model_copy):
+    (model_copy / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors.*missing"):
+        _load(model_copy)
+
+
+def test_wrong_shape_names_tensor_and_shapes(model_copy):
+    shard = model_copy / "model-00001-of-00002.safetensors"
+    tensors = load_file(str(shard))
+    name = sorted(n for n in tensors if n.endswith("o_proj.weight"))[0]
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"'{name}' has shape"):
+        _load(model_copy)
+
+
+def test_missing_tensor_is_named(model_copy):
+    index_path = model_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = model_copy / "model-00002-of-00002.safetensors"
+    tensors = load_file(str(shard))
+    name = sorted(tensors)[0]
+    del tensors[name]
+    del index["weight_map"][name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"missing tensor '{name}'"):
+        _load(model_copy)
+
+
+def test_unexpected_tensor_is_named(model_copy):
+    shard = model_copy / "model-00002-of-00002.safetensors"
+    tensors = load_file(str(shard))
+    tensors["model.layers.0.mlp.surprise.weight"] = tensors[sorted(tensors)[0]].clone()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path = model_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.0.mlp.surprise.weight"] = shard.name
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.mlp.surprise.weight'"):
+        _load(model_copy)
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("deepseek_v2")))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="pickle files are never loaded"):
+        _load(tmp_path)
+
+
+def test_unknown_model_type_and_unsupported_values():
+    raw = tiny_config("deepseek_v3")
+    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'llama'"):
+        ModelConfig.from_dict({**raw, "model_type": "llama"})
+    with pytest.raises(UnsupportedModelError, match="hidden_act"):
+        ModelConfig.from_dict({**raw, "hidden_act": "gelu"})
+    with pytest.raises(UnsupportedModelError, match="rope_scaling.type"):
+        ModelConfig.from_dict({**raw, "rope_scaling": {"type": "longrope"}})
+    with pytest.raises(UnsupportedModelError, match="quant_method"):
+        ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(UnsupportedModelError, match="n_group"):
+        ModelConfig.from_dict({**raw, "n_group": 3})
+
+
+def test_config_variants_parse():
+    v32 = ModelConfig.from_dict(tiny_config("deepseek_v32"))
+    assert v32.has_indexer and not v32.indexer_rope_interleave and v32.rope.rope_type == "yarn"
+    assert v32.mlp_layer_types == ("dense", "sparse", "sparse")
+    glm = ModelConfig.from_dict(tiny_config("glm_moe_dsa"))
+    assert glm.indexer_rope_interleave and glm.rope.theta == 1e6
+    assert glm.indexer_types == ("full", "full", "shared", "full")
+    pattern = ModelConfig.from_dict({**tiny_config("glm_moe_dsa"), "index_topk_pattern": "FSSF"})
+    assert pattern.indexer_types == ("full", "shared", "shared", "full")
+    v2 = ModelConfig.from_dict(tiny_config("deepseek_v2"))
+    assert v2.q_lora_rank is None and v2.scoring_func == "softmax" and not v2.has_indexer
