@@ -12,7 +12,6 @@ import torch
 
 from hearth.engine.tiny import ARCHS, write_tiny_model
 
-
 # The conformance suite runs on the CPU in CI and on the GPU machine with HEARTH_TEST_DEVICE=cuda
 # (and HEARTH_TEST_DTYPE=bfloat16 for the bf16 run of the exact-match tests).
 TEST_DEVICE = os.environ.get("HEARTH_TEST_DEVICE", "cpu")
