@@ -1,6 +1,6 @@
 """Conformance API: ``load_model(path, device=..., dtype=...)`` returns an object whose
 ``.logits(token_ids)`` runs the engine's own prefill path (paged cache, block table, optional
-chunking) and returns ``[T, vocab]`` fp32 logits. Tests compare it with reference implementations.
+chunking) and returns ``[T, vocab]`` fp32 logits on the CPU. Tests compare it with reference implementations.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ConformanceModel:
             for start in range(0, len(ids), step)
         ]
         blocks.free(seq_id)
-        return torch.cat(out)
+        return torch.cat(out).cpu()
 
 
 def load_model(path: str, device: str = "auto", dtype: str = "auto", **engine_options) -> ConformanceModel:

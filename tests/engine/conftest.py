@@ -3,6 +3,7 @@ transformers reference loaded from the same files (transformers is a test-only d
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from pathlib import Path
@@ -47,15 +48,13 @@ def dequantize_reference(weight: torch.Tensor, scale: torch.Tensor, block: int =
 
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
     """Greedy decoding with the reference model's own KV cache, one token per forward."""
+    # transformers 5.24 renamed past_key_values to cache; older versions swallow unknown kwargs.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out: list[int] = []
     with torch.no_grad():
         result = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(steps):
             token = int(result.logits[0, -1].argmax())
             out.append(token)
-            nxt = torch.tensor([[token]])
-            try:
-                result = model(nxt, cache=result.past_key_values, use_cache=True)
-            except TypeError:  # transformers < 5.24 names it past_key_values
-                result = model(nxt, past_key_values=result.past_key_values, use_cache=True)
+            result = model(torch.tensor([[token]]), **{cache_arg: result.past_key_values}, use_cache=True)
     return out
