@@ -96,6 +96,9 @@ class EngineConfig:
     faithful: reproduce the official DeepSeek inference rounding: Hadamard + FP8 (ue8m0) on
         indexer q/k and an FP8 round trip of the latent cache. Off = exact bf16/fp32 math.
     use_kernels: run the Triton DSA kernels on CUDA ("auto"), or force plain PyTorch ("never").
+    scheduler: "sync" advances every running request through the same layer together;
+        "runahead" lets requests whose experts are resident run ahead to later layers while
+        others wait for expert fetches (see hearth.engine.runahead).
     """
 
     device: str = "auto"
@@ -108,6 +111,7 @@ class EngineConfig:
     keep_fp8: bool | None = None
     faithful: bool = False
     use_kernels: Literal["auto", "never"] = "auto"
+    scheduler: Literal["sync", "runahead"] = "sync"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -116,6 +120,8 @@ class EngineConfig:
             raise HearthError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise HearthError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.scheduler not in ("sync", "runahead"):
+            raise HearthError(f"scheduler must be sync or runahead, not {self.scheduler!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise HearthError("max_model_len must be >= 2")
 

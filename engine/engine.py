@@ -34,9 +34,10 @@ from hearth.engine.api import (
 )
 from hearth.engine.block_manager import BlockManager
 from hearth.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from hearth.engine.runahead import RunaheadDecoder
 from hearth.engine.runner import ModelRunner, StepInput
 from hearth.engine.sampling import Sampler, make_generator
-from hearth.engine.scheduler import ScheduledChunk, Scheduler, Status
+from hearth.engine.scheduler import Scheduler, Status
 from hearth.engine.scheduler import Sequence as Seq
 from hearth.engine.tokenizer import Tokenizer
 
@@ -51,6 +52,9 @@ class _Request:
     first_token_time: float | None = None
     text: str = ""
     events: list[Event] = field(default_factory=list)
+
+
+_OOM_MESSAGE = "the GPU ran out of memory; lower the context length or the number of concurrent requests"
 
 
 class Engine:
@@ -71,6 +75,10 @@ class Engine:
         self._lock = threading.Lock()
         self._generated = 0
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tok/s
+        self.decoder: RunaheadDecoder | None = None
+        if config.scheduler == "runahead":
+            self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device)
+            self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
@@ -145,20 +153,45 @@ class Engine:
     def step(self) -> list[Event]:
         """Run one scheduling step; returns the events it produced, in order."""
         events = self._take_intake()
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return events
+        chunks = self.scheduler.schedule(include_decodes=self.decoder is None)
+        if chunks:
+            try:
+                logits = self.runner.run([
+                    StepInput(self.blocks.block_table(c.seq.request_id), c.seq.num_computed,
+                              c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens])
+                    for c in chunks
+                ])
+            except torch.OutOfMemoryError:
+                return events + self._fail_all([c.seq for c in chunks], _OOM_MESSAGE)
+            self.scheduler.after_step(chunks)
+            ready = [i for i, c in enumerate(chunks) if c.seq.num_computed == c.seq.num_tokens]
+            events += self._sample([chunks[i].seq for i in ready], logits[ready])
+        if self.decoder is not None and len(self.decoder):
+            events += self._runahead_step()
+        return events
+
+    def _runahead_step(self) -> list[Event]:
         try:
-            logits = self.runner.run([
-                StepInput(self.blocks.block_table(c.seq.request_id), c.seq.num_computed,
-                          c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens])
-                for c in chunks
-            ])
+            done = self.decoder.step()
         except torch.OutOfMemoryError:
-            return events + self._fail_all(chunks, "the GPU ran out of memory; lower the context length "
-                                                   "or the number of concurrent requests")
-        self.scheduler.after_step(chunks)
-        return events + self._sample(chunks, logits)
+            seqs = [self._requests[r].seq for r in list(self.decoder.flights) if r in self._requests]
+            return self._fail_all(seqs, _OOM_MESSAGE)
+        if not done:
+            return []
+        seqs = []
+        for request_id, _ in done:
+            seq = self._requests[request_id].seq
+            seq.num_computed += 1
+            self.blocks.mark_computed(request_id, seq.num_computed)
+            seqs.append(seq)
+        return self._sample(seqs, torch.stack([row for _, row in done]))
+
+    def _launch(self, seq: Seq) -> None:
+        """Runahead: put the request's newest token in flight (after growing its cache pages)."""
+        if self.decoder is None or seq.status is not Status.RUNNING or not self.scheduler.make_room(seq):
+            return
+        self.decoder.start(seq.request_id, seq.output_ids[-1], seq.num_tokens - 1,
+                           self.blocks.block_table(seq.request_id), len(seq.output_ids))
 
     def _take_intake(self) -> list[Event]:
         with self._lock:
@@ -174,13 +207,13 @@ class Engine:
                 events.append(self._finish(request, "abort"))
         return events
 
-    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[Event]:
-        ready = [i for i, c in enumerate(chunks) if c.seq.num_computed == c.seq.num_tokens]
-        if not ready:
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[Event]:
+        """Sample the next token of each seq from its logits row; emit events."""
+        if not seqs:
             return []
-        requests = [self._requests[chunks[i].seq.request_id] for i in ready]
+        requests = [self._requests[s.request_id] for s in seqs]
         tokens = self.sampler(
-            logits[ready], [r.seq.params for r in requests], [r.generator for r in requests],
+            logits, [r.seq.params for r in requests], [r.generator for r in requests],
             [r.seq.token_ids for r in requests], [r.seq.output_ids for r in requests],
         ).tolist()
         now = time.perf_counter()
@@ -189,6 +222,7 @@ class Engine:
         events: list[Event] = []
         for request, token in zip(requests, tokens):
             events.extend(self._accept(request, int(token), now))
+            self._launch(request.seq)
         return events
 
     def _accept(self, request: _Request, token: int, now: float) -> list[Event]:
@@ -217,6 +251,8 @@ class Engine:
 
     def _finish(self, request: _Request, reason: FinishReason, error: str | None = None) -> Finished:
         seq = request.seq
+        if self.decoder is not None:
+            self.decoder.drop(seq.request_id)
         self.scheduler.finish(seq)
         self._requests.pop(seq.request_id, None)
         now = time.perf_counter()
@@ -229,8 +265,8 @@ class Engine:
         )
         return Finished(seq.request_id, reason, request.text, stats, error)
 
-    def _fail_all(self, chunks: list[ScheduledChunk], message: str) -> list[Event]:
-        requests = [self._requests[c.seq.request_id] for c in chunks if c.seq.request_id in self._requests]
+    def _fail_all(self, seqs: list[Seq], message: str) -> list[Event]:
+        requests = [self._requests[s.request_id] for s in seqs if s.request_id in self._requests]
         return [self._finish(r, "error", message) for r in requests]
 
     # ---- conveniences ----------------------------------------------------------------------

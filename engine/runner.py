@@ -56,6 +56,7 @@ class ModelRunner:
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.num_blocks = config.num_cache_blocks or blocks_per_seq * config.max_num_seqs
         self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.residency = None  # an expert cache the runahead decoder can ask (set when experts are offloaded)
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:

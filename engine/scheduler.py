@@ -62,6 +62,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.on_preempt: list = []  # callbacks(seq) of executors holding per-request state
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,15 +70,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, include_decodes: bool = True) -> list[ScheduledChunk]:
+        """The next step's work. include_decodes=False leaves decoding requests to another
+        executor (runahead) and schedules prompt chunks only."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        for seq in list(self.running):
+        for seq in list(self.running) if include_decodes else []:
             if seq not in self.running:
                 continue  # preempted below while making room for an earlier request
             if seq.in_prefill:
                 continue
-            if not self._make_room(seq) or budget < 1:
+            if not self.make_room(seq) or budget < 1:
                 continue
             chunks.append(ScheduledChunk(seq, 1))
             budget -= 1
@@ -100,7 +103,7 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _make_room(self, seq: Sequence) -> bool:
+    def make_room(self, seq: Sequence) -> bool:
         """Ensure seq's block table covers its newest token, preempting later requests if needed."""
         while self.blocks.num_tokens(seq.request_id) < seq.num_tokens:
             missing = seq.token_ids[self.blocks.num_tokens(seq.request_id):]
@@ -120,6 +123,8 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_computed = 0
         self.waiting.appendleft(seq)
+        for callback in self.on_preempt:
+            callback(seq)
 
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
         """Record what the step computed (so full pages become reusable prefixes)."""
