@@ -96,6 +96,12 @@ class EngineConfig:
     faithful: reproduce the official DeepSeek inference rounding: Hadamard + FP8 (ue8m0) on
         indexer q/k and an FP8 round trip of the latent cache. Off = exact bf16/fp32 math.
     use_kernels: run the Triton DSA kernels on CUDA ("auto"), or force plain PyTorch ("never").
+    offload: where routed experts live. "auto": on the GPU when they fit, else in host RAM behind
+        a GPU expert cache sized by the memory planner; "always": host RAM + cache (also on CPU,
+        mainly for tests); "never": with the rest of the model.
+    expert_cache_slots: experts per MoE layer held in the cache (None: the planner decides).
+    expert_cache_policy: "lru" or "lfu" eviction.
+    gpu_memory_gib / expert_cache_gib / host_memory_gib: caps for the memory planner.
     scheduler: "sync" advances every running request through the same layer together;
         "runahead" lets requests whose experts are resident run ahead to later layers while
         others wait for expert fetches (see hearth.engine.runahead).
@@ -111,6 +117,12 @@ class EngineConfig:
     keep_fp8: bool | None = None
     faithful: bool = False
     use_kernels: Literal["auto", "never"] = "auto"
+    offload: Literal["auto", "always", "never"] = "auto"
+    expert_cache_slots: int | None = None
+    expert_cache_policy: Literal["lru", "lfu"] = "lru"
+    gpu_memory_gib: float | None = None
+    expert_cache_gib: float | None = None
+    host_memory_gib: float | None = None
     scheduler: Literal["sync", "runahead"] = "sync"
 
     def __post_init__(self) -> None:
@@ -120,6 +132,10 @@ class EngineConfig:
             raise HearthError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise HearthError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.offload not in ("auto", "always", "never"):
+            raise HearthError(f"offload must be auto, always or never, not {self.offload!r}")
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
+            raise HearthError("expert_cache_slots must be >= 1")
         if self.scheduler not in ("sync", "runahead"):
             raise HearthError(f"scheduler must be sync or runahead, not {self.scheduler!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -302,6 +302,7 @@ class Engine:
             cache_blocks_free=self.blocks.num_free_blocks,
             generated_tokens=self._generated,
             decode_tokens_per_s=rate,
+            extra={f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
         )
 
     def running_ids(self) -> list[str]:

@@ -142,9 +142,32 @@ def _materialize_buffers(model: DeepseekForCausalLM, device: torch.device) -> No
             module.inv_freq = rope_inv_freq(model.config.rope, module.inv_freq.shape[0] * 2).to(device)
 
 
+def tensor_bytes(path: str | Path) -> dict[str, int]:
+    """Bytes of every tensor in a checkpoint folder, from the safetensors headers (nothing loaded)."""
+    files = CheckpointFiles(Path(path))
+    sizes = {}
+    for file in sorted(set(files.location.values())):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                piece = handle.get_slice(name)
+                numel = 1
+                for dim in piece.get_shape():
+                    numel *= dim
+                sizes[name] = numel * _DTYPE_BYTES.get(piece.get_dtype(), 4)
+    return sizes
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
-                    faithful: bool = False) -> DeepseekForCausalLM:
-    """Build the model for ``path/config.json`` and fill it from the folder's safetensors."""
+                    faithful: bool = False, skip_routed_experts: bool = False) -> DeepseekForCausalLM:
+    """Build the model for ``path/config.json`` and fill it from the folder's safetensors.
+
+    skip_routed_experts: leave the routed experts out (they are served from an expert store and
+    cache instead); their module parameters stay on the meta device."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a model folder")
@@ -153,14 +176,16 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, 
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, faithful)
     consumed: set[str] = set()
-    expected = {name: p.shape for name, p in model.named_parameters()}
+    expected = {name: p.shape for name, p in model.named_parameters()
+                if not (skip_routed_experts and ROUTED_EXPERT.search(name))}
     if config.tie_word_embeddings and "lm_head.weight" not in files.location:
         expected.pop("lm_head.weight")
     for name, shape in expected.items():
         _load_one(model, files, name, shape, dtype, device, keep_fp8, consumed)
     if "lm_head.weight" not in expected:
         model.lm_head.weight = model.model.embed_tokens.weight
-    unexpected = [n for n in files.location if n not in consumed and not _is_skipped(n, config)]
+    unexpected = [n for n in files.location if n not in consumed and not _is_skipped(n, config)
+                  and not (skip_routed_experts and ROUTED_EXPERT.search(n))]
     files.close()
     if unexpected:
         first = unexpected[0]

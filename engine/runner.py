@@ -12,6 +12,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.loader import load_checkpoint
 from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.offload_setup import attach_offload, plan_placement
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -48,15 +49,27 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         keep_fp8 = config.keep_fp8 if config.keep_fp8 is not None else self.device.type == "cuda"
-        self.model: DeepseekForCausalLM = load_checkpoint(path, self.device, self.dtype, keep_fp8, config.faithful)
-        self.model_config: ModelConfig = self.model.config
+        self.model_config = ModelConfig.from_file(path)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         self.block_size = config.block_size
         blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.num_blocks = config.num_cache_blocks or blocks_per_seq * config.max_num_seqs
+        kv_bytes = PagedCache.bytes_per_block(self.model_config, self.block_size, self.dtype) * self.num_blocks
+        # Decide where the experts go before loading anything, so a model that cannot fit fails fast.
+        self.placement = plan_placement(path, self.model_config, config, self.device, kv_bytes)
+        self.model: DeepseekForCausalLM = load_checkpoint(
+            path, self.device, self.dtype, keep_fp8, config.faithful, skip_routed_experts=self.placement.offload)
         self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
-        self.residency = None  # an expert cache the runahead decoder can ask (set when experts are offloaded)
+        self.expert_cache = None
+        self.residency = None  # the expert cache as the runahead decoder sees it (when offloaded)
+        if self.placement.offload:
+            self.expert_cache, self.residency = attach_offload(
+                self.model, path, self.placement, self.device, self.dtype, config.expert_cache_policy)
+
+    def expert_stats(self) -> dict:
+        """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded."""
+        return self.expert_cache.stats()["total"] if self.expert_cache is not None else {}
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""Engine-side glue for expert offload: plan where the routed experts live before anything is
+loaded, build the host expert store + device expert cache, and give the model and the runahead
+decoder what they need (the MoE backend, and a ``Residency`` view of the cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.config import ModelConfig
+from hearth.engine.loader import tensor_bytes
+from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.kernels.moe import fused_moe, moe_reference
+from hearth.offload.expert_cache import ExpertCache, ExpertLease
+from hearth.offload.expert_store import ExpertStore
+from hearth.offload.experts import OffloadedExperts
+from hearth.offload.planner import MemoryPlan, MemoryPlanError, footprint_from_tensor_bytes, plan_memory, probe_memory
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Decision for the routed experts: offloaded (with slots per layer) or not, and why."""
+
+    offload: bool
+    slots_per_layer: int | None
+    description: str
+
+
+def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineConfig, device: torch.device,
+                   kv_cache_bytes: int) -> Placement:
+    """Decide before loading. Raises HearthError with the numbers if the model cannot fit."""
+    if not model_config.n_routed_experts or config.offload == "never":
+        return Placement(False, None, "experts stay with the model")
+    if config.offload == "always" and config.expert_cache_slots is not None:
+        return Placement(True, config.expert_cache_slots, f"offload forced: {config.expert_cache_slots} slots/layer")
+    footprint = footprint_from_tensor_bytes(tensor_bytes(path), model_config.num_experts_per_tok)
+    try:
+        plan: MemoryPlan = plan_memory(
+            footprint, kv_cache_bytes, probe_memory(), gpu_memory_gib=config.gpu_memory_gib,
+            expert_cache_gib=config.expert_cache_gib, host_memory_gib=config.host_memory_gib)
+    except MemoryPlanError as exc:
+        raise HearthError(f"the model does not fit this machine: {exc}") from None
+    if device.type == "cpu" and config.offload != "always":
+        return Placement(False, None, plan.describe())
+    slots = config.expert_cache_slots or plan.slots_per_layer
+    offload = config.offload == "always" or plan.experts == "offload"
+    return Placement(offload, min(slots, model_config.n_routed_experts) if offload else None, plan.describe())
+
+
+class CacheResidency:
+    """The runahead decoder's view of an ExpertCache (see hearth.engine.runahead.Residency)."""
+
+    def __init__(self, cache: ExpertCache, use_kernel: bool) -> None:
+        self.cache = cache
+        self.use_kernel = use_kernel
+
+    def acquire(self, layer: int, experts: list[int]) -> ExpertLease:
+        return self.cache.acquire(layer, experts)  # CacheFullError is a RuntimeError
+
+    def is_ready(self, lease: ExpertLease) -> bool:
+        return all(lease.ready) or all(event.query() for event in lease.events)
+
+    def wait_any(self, leases: list[ExpertLease]) -> None:
+        for lease in leases:
+            if lease.events:
+                lease.events[0].synchronize()
+                return
+
+    def release(self, lease: ExpertLease) -> None:
+        self.cache.release(lease)
+
+    def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                leases: list[ExpertLease]) -> torch.Tensor:
+        rows = []
+        for lease, row in zip(leases, ids.tolist()):
+            lease.wait()
+            slot_of = dict(zip(lease.experts, lease.slots))
+            rows.append([slot_of[e] for e in row])
+        slot_ids = torch.tensor(rows, dtype=torch.int32).to(x.device, non_blocking=True)
+        w = self.cache.weights
+        if self.use_kernel:
+            out = fused_moe(x, slot_ids, weights, w.w13, w.w2, w.s13, w.s2)
+        else:
+            out = moe_reference(x, slot_ids, weights, w.w13, w.w2, w.s13, w.s2)
+        return out.to(x.dtype)
+
+
+def attach_offload(model: DeepseekForCausalLM, path: str | Path, placement: Placement, device: torch.device,
+                   dtype: torch.dtype, policy: str) -> tuple[ExpertCache, CacheResidency]:
+    """Fill the host store from the checkpoint, put a device cache in front, route every MoE layer
+    through it."""
+    config = model.config
+    layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    fp8 = config.quantization is not None
+    store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts, dtype=None if fp8 else dtype)
+    cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=policy)
+    backend = OffloadedExperts(cache)
+    for i in layers:
+        model.layers[i].mlp.backend = backend
+    return cache, CacheResidency(cache, use_kernel=backend.use_kernel)

@@ -1,0 +1,119 @@
+"""The engine host: an OpenAI-compatible HTTP server around one ``Engine``.
+
+    python -m hearth.engine.server --model PATH [--host 127.0.0.1] [--port 8000] [--api-key K]
+                                   [--served-name NAME] [--max-model-len N] [--max-num-seqs N]
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming
+with server-sent events or not), and Hearth's own ``GET /health``, ``GET /hearth/stats``,
+``POST /hearth/load`` ``{"model": PATH}`` and ``POST /hearth/unload``.
+
+It binds 127.0.0.1 unless told otherwise. The API key can also come from the ``HEARTH_API_KEY``
+environment variable, which keeps it out of the process list; when set, every request needs
+``Authorization: Bearer <key>``. ``--port 0`` picks a free port; ``--port-file F`` writes the port
+to F once the server accepts connections (how the app's local engine process finds it).
+
+The pieces: ``server_host.EngineHost`` (the engine thread), ``server_app.create_app`` (routes and
+errors), ``server_protocol`` (the OpenAI wire format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.server_app import create_app
+from hearth.engine.server_host import EngineHost
+
+API_KEY_ENV = "HEARTH_API_KEY"
+DEFAULT_PORT = 8000
+logger = logging.getLogger("hearth.engine.server")
+
+__all__ = ["API_KEY_ENV", "DEFAULT_PORT", "EngineHost", "build_parser", "create_app", "main", "serve"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hearth.engine.server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model folder to load at start (or load one later via /hearth/load)")
+    parser.add_argument("--served-name", help="the model name clients use (default: the folder name)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 = any free port)")
+    parser.add_argument("--port-file", help="write the bound port to this file once serving")
+    parser.add_argument("--api-key", help=f"require this bearer token (or set {API_KEY_ENV})")
+    parser.add_argument("--max-model-len", type=int, help="context length: prompt + answer tokens per request")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together (default: 8)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of start-up errors")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    try:
+        config = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                              max_num_seqs=args.max_num_seqs)
+        host = EngineHost(config)
+        if args.model:
+            host.load(args.model, args.served_name)
+    except HearthError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("serving on %s without an API key: anyone who can reach this port can use it", args.host)
+    host.start()
+    try:
+        serve(create_app(host, api_key), args.host, args.port, args.port_file,
+              label=host.model.name if host.model else "no model")
+    except OSError as err:
+        print(f"error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    finally:
+        host.close()
+    return 0
+
+
+def serve(app: object, host: str, port: int, port_file: str | None = None, label: str = "") -> None:
+    """Run ``app`` with uvicorn on host:port until SIGINT/SIGTERM."""
+    import uvicorn
+
+    sock = _listening_socket(host, port)
+    bound = sock.getsockname()[1]
+    if port_file:
+        _write_atomic(Path(port_file), str(bound))
+    shown = f"[{host}]" if ":" in host else host
+    print(f"Hearth engine host: {label} on http://{shown}:{bound}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3, access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    # NOTE: listen now, so a client that read the port file queues in the backlog until uvicorn accepts.
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""The engine host's HTTP application (FastAPI): OpenAI-compatible ``/v1`` endpoints, Hearth's
+``/health`` and ``/hearth/*`` endpoints, the optional API key, and OpenAI-style JSON errors.
+
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status when
+the request is at fault, or a 500 without traceback text (logged here) when the engine is.
+A client that disconnects has its request aborted: streams check ``request.is_disconnected()``
+while waiting and abort when the response ends early for any reason; non-streaming handlers abort
+when they are cancelled or see the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from hearth.engine.api import Event, Finished, HearthError, TokenDelta
+from hearth.engine.server_host import BusyError, EngineHost, NoModelError
+from hearth.engine.server_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseWriter,
+    error_body,
+    finish_error,
+    sampling_fields,
+    sse,
+)
+
+logger = logging.getLogger("hearth.engine.server")
+_DISCONNECT_POLL_S = 0.5
+
+
+class LoadRequest(BaseModel):
+    model: str
+    served_name: str | None = None
+    max_model_len: int | None = None
+
+
+class ClientGone(Exception):
+    """The HTTP client went away before its request finished."""
+
+
+class RequestStream:
+    """Carries one request's engine events from the engine thread onto the asyncio loop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(self, event: Event) -> None:
+        # RuntimeError: the loop is closed because the server is shutting down.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def events(self, request: Request) -> AsyncIterator[Event]:
+        """Events until ``Finished``; raises ClientGone if the client disconnects meanwhile."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self._queue.get(), _DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientGone() from None
+                continue
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class StreamWithCleanup(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends (done, disconnect, cancel)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class ApiKeyMiddleware:
+    """Answers 401 unless the request carries ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                body = error_body("missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                  code="invalid_api_key")
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(host: EngineHost, api_key: str | None = None) -> FastAPI:
+    """The ASGI app serving ``host``; ``api_key`` (if given) is required on every request."""
+    app = FastAPI(title="Hearth engine host", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_hearth_routes(app, host)
+    _add_openai_routes(app, host)
+    return app
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def hearth_error(_: Request, exc: HearthError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc)), status_code=_status_of(exc))
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(exc), status_code=400)
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unexpected error while serving a request", exc_info=exc)
+        body = error_body("internal error in the engine host (details are in its log)", "server_error")
+        return JSONResponse(body, status_code=500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(HearthError, hearth_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def _status_of(exc: HearthError) -> int:
+    if isinstance(exc, NoModelError):
+        return 503
+    return 409 if isinstance(exc, BusyError) else 400
+
+
+def _validation_body(exc: RequestValidationError) -> dict[str, Any]:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return error_body(f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})",
+                          code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if param is None:
+        return error_body("the request body must be a JSON object (sent as Content-Type: application/json)",
+                          code="invalid_json")
+    message = first.get("msg", "invalid request")
+    return error_body(f"{param}: {message}" if param else message, param=param, code="invalid_value")
+
+
+# ---- Hearth endpoints ----------------------------------------------------------------------
+
+
+def _add_hearth_routes(app: FastAPI, host: EngineHost) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        model = host.model
+        return {"status": host.state, "model": model.name if model else None}
+
+    @app.get("/hearth/stats")
+    async def stats() -> dict[str, Any]:
+        return await run_in_threadpool(host.stats)
+
+    @app.post("/hearth/load")
+    async def load(body: LoadRequest) -> dict[str, Any]:
+        model = await run_in_threadpool(host.load, body.model, body.served_name, body.max_model_len)
+        return {"model": model.name, "path": str(model.path), "max_model_len": model.max_model_len}
+
+    @app.post("/hearth/unload")
+    async def unload() -> dict[str, Any]:
+        return {"unloaded": await run_in_threadpool(host.unload)}
+
+
+# ---- OpenAI endpoints ----------------------------------------------------------------------
+
+
+def _add_openai_routes(app: FastAPI, host: EngineHost) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(host)] if host.model else []}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        _check_model(host, name)
+        return _model_card(host)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        _check_model(host, body.model)
+        prompt = {"messages": body.message_dicts(), "chat_options": body.chat_template_kwargs}
+        return await _serve(host, request, body, prompt, body.requested_max_tokens(), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(host, body.model)
+        prompt = body.prompt_kwargs()
+        return await _serve(host, request, body, prompt, body.requested_max_tokens(), chat=False)
+
+
+def _model_card(host: EngineHost) -> dict[str, Any]:
+    model = host.model
+    assert model is not None
+    return {"id": model.name, "object": "model", "created": 0, "owned_by": "hearth",
+            "max_model_len": model.max_model_len}
+
+
+def _check_model(host: EngineHost, name: str) -> None:
+    model = host.model
+    if model is None:
+        raise NoModelError("no model is loaded; load one with POST /hearth/load")
+    if name not in (model.name, str(model.path), model.path.name):
+        raise APIError(404, f"the model {name!r} does not exist here; this server serves {model.name!r}",
+                       param="model", code="model_not_found")
+
+
+async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest | CompletionRequest,
+                 prompt: dict[str, Any], max_tokens: int | None, *, chat: bool) -> Any:
+    sampling = sampling_fields(body, host.model.sampling_defaults if host.model else None)
+    stream = RequestStream()
+    submission = await run_in_threadpool(lambda: host.submit(stream.sink, sampling=sampling,
+                                                             max_tokens=max_tokens, **prompt))
+    writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
+    if body.stream:
+        chunks = _stream_chunks(stream, request, writer, body.include_usage)
+        return StreamWithCleanup(chunks, on_close=lambda: host.abort(submission.request_id))
+    try:
+        finished = await _wait_finished(stream, request)
+    finally:
+        host.abort(submission.request_id)  # a no-op when it finished; stops it when we were cancelled
+    error = finish_error(finished)
+    if error is not None:
+        raise error
+    return writer.response(finished)
+
+
+async def _wait_finished(stream: RequestStream, request: Request) -> Finished:
+    try:
+        async for event in stream.events(request):
+            if isinstance(event, Finished):
+                return event
+    except ClientGone:
+        pass
+    # The client left; nobody reads this answer.
+    raise APIError(499, "the client closed the connection", code="client_closed")
+
+
+async def _stream_chunks(stream: RequestStream, request: Request, writer: ResponseWriter,
+                         include_usage: bool) -> AsyncIterator[bytes]:
+    if writer.chat:
+        yield sse(writer.chunk("", first=True))
+    try:
+        async for event in stream.events(request):
+            if isinstance(event, TokenDelta):
+                if event.text:
+                    yield sse(writer.chunk(event.text))
+                continue
+            error = finish_error(event)
+            if error is not None:
+                yield sse(error.body())
+                break
+            yield sse(writer.chunk(None, event.reason))
+            if include_usage:
+                yield sse(writer.usage_chunk(event.stats))
+    except ClientGone:
+        return
+    yield sse("[DONE]")

@@ -1,0 +1,291 @@
+"""EngineHost: the one ``Engine`` of the engine host process and the thread that steps it.
+
+HTTP handlers run on the asyncio loop; the engine runs on its own thread, ``hearth-engine``, which
+alone calls ``Engine.step()``. A handler ``submit``s a request with a *sink* (a callable the engine
+thread calls with each of that request's events; the server's sink hops onto the loop with
+``call_soon_threadsafe``) and may ``abort`` it. Loading and unloading swap the engine under a lock;
+requests still in flight on the old engine get ``Finished(reason="abort")``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from hearth.engine.api import (
+    CheckpointError,
+    EngineConfig,
+    EngineStats,
+    Event,
+    Finished,
+    HearthError,
+    RequestError,
+    RequestStats,
+    SamplingParams,
+)
+from hearth.engine.config import ModelConfig
+from hearth.engine.engine import Engine
+from hearth.engine.loader import CheckpointFiles
+
+logger = logging.getLogger("hearth.engine.server")
+
+Sink = Callable[[Event], None]
+_IDLE_WAIT_S = 0.25
+_STATS_EVERY_S = 0.1
+
+
+class NoModelError(HearthError):
+    """No model is loaded (or one is still loading), so requests cannot run."""
+
+
+class BusyError(HearthError):
+    """Another load is already in progress."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    request_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    path: Path
+    max_model_len: int
+    sampling_defaults: dict[str, Any]  # from generation_config.json; used where a request says nothing
+
+
+class EngineHost:
+    """Owns the engine; thread-safe ``submit`` / ``abort`` / ``load`` / ``unload`` / ``stats``."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._engine: Engine | None = None
+        self._model: LoadedModel | None = None
+        self._loading: str | None = None
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
+        self._snapshot: EngineStats | None = None
+        self._snapshot_at = 0.0
+        self._counts = {"requests_total": 0, "requests_finished": 0, "requests_aborted": 0, "requests_failed": 0}
+        self._started = time.time()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.unload()
+
+    @property
+    def model(self) -> LoadedModel | None:
+        return self._model
+
+    @property
+    def state(self) -> str:
+        """"ready", "loading" or "no_model"."""
+        if self._loading is not None:
+            return "loading"
+        return "ready" if self._model is not None else "no_model"
+
+    def load(self, path: str | Path, served_name: str | None = None, max_model_len: int | None = None) -> LoadedModel:
+        """Replace the current model with the one in ``path`` (blocking; minutes for big models)."""
+        folder = Path(path).expanduser()
+        with self._lock:
+            if self._loading is not None:
+                raise BusyError(f"already loading {self._loading}; wait for it to finish")
+            self._loading = str(folder)
+        try:
+            _preflight(folder)
+            self.unload()
+            config = self.config
+            if max_model_len is not None:
+                config = EngineConfig(**{**asdict(config), "max_model_len": max_model_len})
+            engine = Engine.load(str(folder), config)
+            model = LoadedModel(served_name or folder.resolve().name, folder.resolve(), engine.max_model_len,
+                                generation_defaults(folder))
+            with self._lock:
+                self._engine, self._model = engine, model
+            logger.info("loaded %s from %s (context %d tokens)", model.name, folder, model.max_model_len)
+            return model
+        finally:
+            self._loading = None
+            self._wake.set()
+
+    def unload(self) -> str | None:
+        """Drop the model (in-flight requests end with reason "abort"); returns its name."""
+        with self._lock:
+            model, self._engine, self._model = self._model, None, None
+            sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink(_failed(request_id, "abort", "the model was unloaded"))
+        if model is not None:
+            self._snapshot = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            logger.info("unloaded %s", model.name)
+        return model.name if model else None
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, sink: Sink, *, sampling: dict[str, Any], max_tokens: int | None,
+               messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
+               prompt_token_ids: Sequence[int] | None = None,
+               chat_options: dict[str, Any] | None = None) -> Submission:
+        """Tokenize and queue a request whose events go to ``sink``. ``max_tokens=None`` means
+        "up to the end of the context"; larger values are capped there too."""
+        request_id = uuid.uuid4().hex
+        with self._lock:
+            engine = self._require_engine()
+            ids = engine.encode(messages, prompt, prompt_token_ids, **(chat_options or {}))
+            room = engine.max_model_len - len(ids)
+            if room < 1:
+                raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {engine.max_model_len} "
+                                   "(prompt + answer); shorten it or raise the context length")
+            params = SamplingParams(**sampling, max_tokens=min(max_tokens or room, room))
+            self._sinks[request_id] = sink
+            try:
+                engine.add_request(prompt_token_ids=ids, sampling=params, request_id=request_id)
+            except BaseException:
+                self._sinks.pop(request_id, None)
+                raise
+            self._counts["requests_total"] += 1
+        self._wake.set()
+        return Submission(request_id, len(ids))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request if it is still running (a no-op otherwise)."""
+        with self._lock:
+            if request_id in self._sinks and self._engine is not None:
+                self._engine.abort(request_id)
+        self._wake.set()
+
+    def _require_engine(self) -> Engine:
+        if self._engine is None:
+            if self._loading is not None:
+                raise NoModelError(f"the model is still loading ({self._loading}); try again shortly")
+            raise NoModelError("no model is loaded; load one with POST /hearth/load")
+        return self._engine
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            engine = self._engine
+            self._wake.clear()
+            if engine is None or not engine.has_unfinished():
+                self._take_snapshot(engine, force=True)
+                self._wake.wait(_IDLE_WAIT_S)
+                continue
+            try:
+                events = engine.step()
+            except Exception:  # an engine bug must not kill the host: fail the requests, keep serving
+                logger.exception("engine step failed")
+                events = self._fail_running(engine)
+            self._take_snapshot(engine)
+            self._dispatch(events)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            with self._lock:
+                if isinstance(event, Finished):
+                    sink = self._sinks.pop(event.request_id, None)
+                    if sink is not None:
+                        self._count(event)
+                else:
+                    sink = self._sinks.get(event.request_id)
+            if sink is not None:
+                sink(event)
+
+    def _count(self, finished: Finished) -> None:
+        key = {"abort": "requests_aborted", "error": "requests_failed"}.get(finished.reason, "requests_finished")
+        self._counts[key] += 1
+
+    def _fail_running(self, engine: Engine) -> list[Event]:
+        with self._lock:
+            ids = list(self._sinks) if engine is self._engine else []
+        for request_id in ids:
+            engine.abort(request_id)  # the next step frees their cache pages
+        return [_failed(r, "error", "the engine hit an internal error (details are in the engine host's log)")
+                for r in ids]
+
+    def _take_snapshot(self, engine: Engine | None, force: bool = False) -> None:
+        now = time.monotonic()
+        if engine is not None and (force or now - self._snapshot_at >= _STATS_EVERY_S):
+            self._snapshot, self._snapshot_at = engine.stats(), now
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (as of the last step), request counts, memory and uptime."""
+        model, snapshot = self._model, self._snapshot
+        out: dict[str, Any] = {"state": self.state, "model": model.name if model else None,
+                               "model_path": str(model.path) if model else None,
+                               "max_model_len": model.max_model_len if model else None,
+                               "uptime_s": round(time.time() - self._started, 3), **self._counts}
+        if snapshot is not None and model is not None:
+            out.update(asdict(snapshot))
+        out["memory"] = memory_usage()
+        return out
+
+
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    """temperature / top_p / top_k the checkpoint's generation_config.json recommends (when it
+    samples at all), as SamplingParams keywords."""
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict) or raw.get("do_sample") is False:
+        return {}
+    kinds = {"temperature": float, "top_p": float, "top_k": int}
+    return {k: kind(raw[k]) for k, kind in kinds.items() if isinstance(raw.get(k), int | float)}
+
+
+def _preflight(folder: Path) -> None:
+    """Cheap checks (folder, config.json, shard headers) before the current model is dropped, so a
+    mistyped path does not cost the user the model they had."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a model folder")
+    ModelConfig.from_file(folder)
+    CheckpointFiles(folder).close()
+
+
+def _failed(request_id: str, reason: str, message: str) -> Finished:
+    return Finished(request_id, reason, "", RequestStats(0, 0, 0, None, 0.0), message)  # type: ignore[arg-type]
+
+
+def memory_usage() -> dict[str, Any]:
+    """Host memory of this process and the machine, and per-GPU memory when CUDA is in use."""
+    vm = psutil.virtual_memory()
+    memory: dict[str, Any] = {"process_rss_bytes": psutil.Process().memory_info().rss,
+                              "host_total_bytes": vm.total, "host_available_bytes": vm.available, "gpus": []}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            memory["gpus"].append({
+                "index": i, "name": torch.cuda.get_device_name(i),
+                "allocated_bytes": torch.cuda.memory_allocated(i), "reserved_bytes": torch.cuda.memory_reserved(i),
+                "total_bytes": torch.cuda.get_device_properties(i).total_memory,
+            })
+    return memory

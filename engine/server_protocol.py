@@ -1,0 +1,221 @@
+"""The OpenAI-compatible wire format of the engine host: request bodies (pydantic), their checks,
+and the JSON / server-sent-event payloads sent back. Pure data: no HTTP framework, no engine state.
+
+Unknown request fields are accepted and ignored, as OpenAI clients send many optional ones. Field
+checks that the OpenAI API answers with a 400 (``n``, ``max_tokens``, sampling ranges) raise
+``APIError`` here, so the server turns them into ``{"error": {...}}`` bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hearth.engine.api import Finished, RequestError, RequestStats, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """Fields shared by chat and text completions (OpenAI names, plus vLLM's common extensions)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return _check_max_tokens(self.max_completion_tokens, "max_completion_tokens")
+        return _check_max_tokens(self.max_tokens, "max_tokens")
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        for i, message in enumerate(self.messages):
+            for part in message.content if isinstance(message.content, list) else []:
+                if part.get("type") != "text":
+                    raise APIError(400, f"message {i} has a {part.get('type')!r} part; this model reads text only",
+                                   param=f"messages.{i}.content")
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return _check_max_tokens(self.max_tokens, "max_tokens")
+
+    def prompt_kwargs(self) -> dict[str, Any]:
+        """``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` for ``Engine.encode``."""
+        if self.echo or self.suffix is not None:
+            raise APIError(400, "echo and suffix are not supported", param="echo" if self.echo else "suffix")
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError(400, f"got {len(prompt)} prompts; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return {"prompt_token_ids": list(prompt)}
+
+
+def _check_max_tokens(value: int | None, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise APIError(400, f"{name} must be at least 1, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def sampling_fields(req: _SamplingFields, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``SamplingParams`` except ``max_tokens`` (it depends on the prompt);
+    ``defaults`` (the model's recommended temperature / top_p / top_k) fill fields left unset.
+
+    Raises APIError (400) for ``n != 1``, logprobs, or values SamplingParams rejects."""
+    if req.n != 1:
+        raise APIError(400, f"n must be 1 (Hearth returns one choice per request), got {req.n}", param="n")
+    if getattr(req, "logprobs", None):
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    given = {
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty, "seed": req.seed,
+    }
+    fields: dict[str, Any] = dict(defaults or {})
+    fields.update({k: v for k, v in given.items() if v is not None})
+    fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    fields["stop_token_ids"] = tuple(req.stop_token_ids or ())
+    fields["ignore_eos"] = req.ignore_eos
+    try:
+        SamplingParams(**fields, max_tokens=1)
+    except RequestError as err:
+        raise APIError(400, str(err), code="invalid_value") from err
+    return fields
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+def usage(stats: RequestStats) -> dict[str, int]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+
+
+def finish_error(finished: Finished) -> APIError | None:
+    """The error a request that ended abnormally reports; None for stop / length."""
+    if finished.reason in ("stop", "length"):
+        return None
+    if finished.reason == "abort":
+        return APIError(503, finished.error or "the request was cancelled", "server_error", code="aborted")
+    return APIError(500, finished.error or "the engine failed on this request", "server_error")
+
+
+class ResponseWriter:
+    """Builds the response objects of one request (ids, timestamps and object names in one place)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def response(self, finished: Finished) -> dict[str, Any]:
+        """The non-streaming body."""
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": finished.text},
+                                      "logprobs": None, "finish_reason": finished.reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": finished.reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage(finished.stats)
+        return body
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+        """One streamed chunk; ``text=None`` for the closing chunk that carries only the reason."""
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, stats: RequestStats) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(stats)
+        return body
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event (``data: ...`` and a blank line)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()

@@ -1,0 +1,133 @@
+"""Shared helpers for Hearth's Triton kernels: layout checks that raise ValueError before a launch,
+and small `@triton.jit` device functions (FP8 e4m3 encoding, ue8m0 scales, order-preserving float keys)
+that are written with integer arithmetic only so they behave identically on the GPU and in
+Triton's CPU interpreter (whose float -> fp8 cast mis-rounds at binade edges)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+UE8M0_AMAX_FLOOR = 1e-4
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def require(cond: bool, msg: str) -> None:
+    """Raise ValueError(msg) unless cond holds (launcher-side layout checks)."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtypes: tuple[torch.dtype, ...],
+    ndim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = True,
+    device: torch.device | None = None,
+) -> None:
+    """Check a launcher argument and raise a ValueError that names it; `None` in shape = any size."""
+    require(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(t.dtype in dtypes, f"{name} must have dtype in {dtypes}, got {t.dtype}")
+    if ndim is not None:
+        require(t.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+        require(ok, f"{name} must have shape {shape} (None = any), got {tuple(t.shape)}")
+    if contiguous:
+        require(t.is_contiguous(), f"{name} must be contiguous (strides {t.stride()})")
+    if device is not None:
+        require(t.device == device, f"{name} must be on {device}, got {t.device}")
+
+
+@triton.jit
+def ue8m0_exponent(amax):
+    """Exponent e with 2^e = 2^ceil(log2(amax / 448)) for fp32 amax >= 1e-4 (a normal number).
+
+    With amax = m * 2^E (m in [1, 2)) and 448 = 1.75 * 2^8: e = E - 8 if m <= 1.75 else E - 7, which
+    equals the exponent of the correctly rounded fp32 quotient (the quotient never rounds onto a
+    power of two), so no division is needed."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
+    mant = bits & 0x7FFFFF
+    return exp - 8 + (mant > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def exp2_int(e):
+    """2.0 ** e as fp32 for an int32 e in the normal range [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_encode(y):
+    """fp32 -> float8_e4m3fn bit pattern (int32 in 0..255), round to nearest even, for |y| <= 448.
+
+    Normal range: round the fp32 mantissa to 3 bits on the raw bits (a carry moves into the exponent,
+    as it should), then rebias the exponent (127 -> 7). Subnormals (|y| < 2^-6) are k * 2^-9, k in 0..8:
+    adding 2^23 to |y| * 512 rounds it to an integer in fp32 (k = 8 encodes 2^-6, the next pattern)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    rounded = mag + 0x7FFFF + ((mag >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    a = mag.to(tl.float32, bitcast=True)
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(mag >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6 as fp32
+    return code | sign
+
+
+@triton.jit
+def float_order_key(x):
+    """fp32 -> int32 key whose signed order equals the float order (-inf < ... < -0 < +0 < ... < +inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """Round fp32 to the nearest bf16 value (ties to even), kept in fp32; finite inputs.
+
+    Done on the bits because the CPU interpreter's fp32 -> bf16 cast truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr):
+    """tl.dot(a, b, acc); with UPCAST (set under the CPU interpreter, whose bf16 dot is wrong in
+    Triton 3.9) the operands are widened to fp32 first, which is exact for bf16 / fp8 inputs."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def mma_fp8(a, b, acc, UPCAST: tl.constexpr, PRECISE: tl.constexpr):
+    """fp8 x fp8 -> fp32 tl.dot. Hopper's fp8 MMA accumulates with reduced precision (about 1e-4
+    relative on 128-long sums); PRECISE adds the partial sums into fp32 every 32 products."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif PRECISE:
+        out = tl.dot(a, b, acc, max_num_imprecise_acc=32)
+    else:
+        out = tl.dot(a, b, acc)
+    return out

@@ -1,0 +1,72 @@
+"""Plain-torch reference for the fused routed-expert MoE (``hearth.kernels.moe``).
+
+Same contract as :func:`hearth.kernels.moe.fused_moe`: SwiGLU experts read from slot tensors,
+``h = silu(x Wg^T) * (x Wu^T)`` in fp32 cast to the activation dtype, ``y = h Wd^T``, and the
+weighted sum over the top-k accumulated in fp32. Slow (a Python loop over slots) and simple on purpose.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SCALE_BLOCK = 128
+
+
+def dequant_block_fp8(w: torch.Tensor, scale: torch.Tensor, block: int = SCALE_BLOCK) -> torch.Tensor:
+    """``W[i, j] = w[i, j] * scale[i // block, j // block]`` in fp32; partial edge blocks allowed.
+
+    w: [N, K] any dtype; scale: [ceil(N/block), ceil(K/block)] fp32. Returns [N, K] fp32.
+    """
+    n, k = w.shape
+    s = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]  # (N, K)
+    return w.float() * s
+
+
+def slot_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    s13: torch.Tensor | None,
+    s2: torch.Tensor | None,
+    slot: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One slot's (gate [I, D], up [I, D], down [D, I]) weights, dequantised and cast to ``dtype``."""
+    inter = w13.shape[1] // 2
+    if s13 is None:
+        w_gate, w_up, w_down = w13[slot, :inter], w13[slot, inter:], w2[slot]
+    else:
+        rows = s13.shape[1] // 2  # scale rows of the gate half (== ceil(I / 128))
+        w_gate = dequant_block_fp8(w13[slot, :inter], s13[slot, :rows])
+        w_up = dequant_block_fp8(w13[slot, inter:], s13[slot, rows:])
+        w_down = dequant_block_fp8(w2[slot], s2[slot])
+    return w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
+
+
+def swiglu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``: x [T, D] -> [T, D] fp32 (silu/product in fp32, cast before down)."""
+    gate = F.linear(x, w_gate).float()  # (T, I)
+    up = F.linear(x, w_up).float()
+    h = (F.silu(gate) * up).to(x.dtype)
+    return F.linear(h, w_down).float()
+
+
+def moe_reference(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    s13: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``fused_moe``: x [T, D], slot_ids [T, K] (-1 = skip), weights [T, K] fp32,
+    w13 [S, 2I, D], w2 [S, D, I], optional FP8 scales s13 [S, 2*ceil(I/128), ceil(D/128)] and
+    s2 [S, ceil(D/128), ceil(I/128)]. Returns [T, D] fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for slot in sorted(set(slot_ids.flatten().tolist()) - {-1}):
+        rows, ks = torch.nonzero(slot_ids == slot, as_tuple=True)
+        w_gate, w_up, w_down = slot_weights(w13, w2, s13, s2, slot, x.dtype)
+        y = swiglu_expert(x[rows], w_gate, w_up, w_down)  # (n, D)
+        out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
+    return out

@@ -1,0 +1,286 @@
+"""Device cache of routed experts: fixed-size slots per layer (or one global pool), a residency map
+(layer, expert) -> slot, reference counts so an expert in use is never evicted, LRU or decayed-LFU
+eviction, and copies from the host store on a dedicated CUDA stream ordered by events.
+
+On a CPU device the copies are synchronous and the bookkeeping is the same, so the logic is tested
+without a GPU. ``acquire`` merges duplicate requests: an expert already in flight is not copied twice.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hearth.offload.expert_store import ExpertStore, ExpertWeights
+from hearth.offload.stats import LayerCacheStats, summarize
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class CacheFullError(RuntimeError):
+    """More experts must be fetched than the pool has free or evictable (unreferenced) slots."""
+
+
+class EvictionPolicy(ABC):
+    """Orders the resident experts of one pool for eviction."""
+
+    def advance(self) -> None:  # noqa: B027 - optional hook: one tick per acquire call
+        """Called once per acquire call (a clock for policies that age their counts)."""
+
+    @abstractmethod
+    def touch(self, key: Key) -> None:
+        """Record a use of ``key`` (inserting it if new)."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """Forget ``key`` (it was evicted)."""
+
+    @abstractmethod
+    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
+        """Up to ``n`` evictable keys, best victim first."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
+        out: list[Key] = []
+        for key in self._order:
+            if len(out) == n:
+                break
+            if evictable(key):
+                out.append(key)
+        return out
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used first, counts decayed by ``decay`` per acquire call; ties go LRU."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.decay = decay
+        self._now = 0
+        self._score: dict[Key, tuple[float, int]] = {}  # key -> (count at last use, tick of last use)
+
+    def advance(self) -> None:
+        self._now += 1
+
+    def _current(self, key: Key) -> float:
+        count, last = self._score[key]
+        return count * self.decay ** (self._now - last)
+
+    def touch(self, key: Key) -> None:
+        count = self._current(key) if key in self._score else 0.0
+        self._score[key] = (count + 1.0, self._now)
+
+    def remove(self, key: Key) -> None:
+        self._score.pop(key, None)
+
+    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
+        keys = [k for k in self._score if evictable(k)]
+        keys.sort(key=lambda k: (self._current(k), self._score[k][1]))
+        return keys[:n]
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
+@dataclass
+class ExpertLease:
+    """Experts of one layer held for a computation. ``slots[i]`` holds ``experts[i]``; it is valid now
+    when ``ready[i]``, otherwise after :meth:`wait`. Give it back with ``ExpertCache.release``."""
+
+    layer: int
+    experts: list[int]
+    slots: list[int]
+    ready: list[bool]
+    events: list = field(default_factory=list)  # torch.cuda.Event to wait for (empty on CPU)
+
+    def wait(self) -> None:
+        """Make the current stream wait until every fetched slot of this lease is filled."""
+        for event in self.events:
+            torch.cuda.current_stream().wait_event(event)
+
+
+@dataclass
+class _Pool:
+    size: int
+    free: list[int]
+    policy: EvictionPolicy
+
+
+class ExpertCache:
+    """Slots for ``store``'s experts on ``device``: ``slots_per_layer`` each, or ``num_slots`` shared."""
+
+    def __init__(
+        self, store: ExpertStore, device: torch.device | str, *, slots_per_layer: int | None = None,
+        num_slots: int | None = None, policy: str | Callable[[], EvictionPolicy] = "lru",
+    ) -> None:
+        if (slots_per_layer is None) == (num_slots is None):
+            raise ValueError("give exactly one of slots_per_layer (per-layer pools) or num_slots (one pool)")
+        make_policy = POLICIES[policy] if isinstance(policy, str) else policy
+        self.store = store
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        sizes = [slots_per_layer] * len(store.layers) if slots_per_layer else [num_slots]
+        if min(sizes) < 1:
+            raise ValueError(f"an expert cache pool needs at least one slot, got {min(sizes)}")
+        self._pools, start = [], 0
+        for size in sizes:
+            self._pools.append(_Pool(size, list(range(start + size - 1, start - 1, -1)), make_policy()))
+            start += size
+        self._per_layer = slots_per_layer is not None
+        self.num_slots = start
+        self.buffer = torch.empty((start, store.layout.record_bytes), dtype=torch.uint8, device=self.device)
+        self.weights: ExpertWeights = store.layout.views(self.buffer)  # w13 [S, 2I, D], w2 [S, D, I], ...
+        self._slot_of: dict[Key, int] = {}
+        self._key_of: list[Key | None] = [None] * start
+        self._refs = [0] * start
+        self._ready: list = [None] * start  # copy-done event of a slot still in flight
+        self._released: list = [None] * start  # event after the last computation that read the slot
+        self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._stats = {layer: LayerCacheStats() for layer in store.layers}
+        self._copy_events: list = []  # (layer, start event, end event), resolved in stats()
+
+    def _pool(self, layer: int) -> _Pool:
+        return self._pools[self.store.layers.index(layer)] if self._per_layer else self._pools[0]
+
+    def capacity(self, layer: int) -> int:
+        """Slots available to ``layer``: the most experts one lease of it can hold."""
+        return self._pool(layer).size
+
+    def resident(self, layer: int) -> list[int]:
+        return sorted(e for (l, e) in self._slot_of if l == layer)
+
+    def refcount(self, layer: int, expert: int) -> int:
+        slot = self._slot_of.get((layer, expert))
+        return 0 if slot is None else self._refs[slot]
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> ExpertLease:
+        """Reference ``experts`` of ``layer`` (duplicates merged); start copies for the missing ones."""
+        experts = list(dict.fromkeys(experts))
+        pool, stats = self._pool(layer), self._stats[layer]
+        pool.policy.advance()
+        lease = ExpertLease(layer, experts, [-1] * len(experts), [False] * len(experts))
+        missing: list[int] = []
+        for i, expert in enumerate(experts):
+            slot = self._slot_of.get((layer, expert))
+            if slot is None:
+                missing.append(i)
+                continue
+            self._hold(lease, i, slot, stats)
+        if missing:
+            try:
+                free = self._take_slots(pool, layer, len(missing))
+            except CacheFullError:
+                self.release(lease, record=False)
+                raise
+            self._fetch(lease, [(i, s) for i, s in zip(missing, free)], stats)
+        stats.requests += len(experts)
+        return lease
+
+    def _hold(self, lease: ExpertLease, i: int, slot: int, stats: LayerCacheStats) -> None:
+        event = self._ready[slot]
+        if event is not None and event.query():
+            self._ready[slot] = event = None
+        if event is None:
+            stats.hits += 1
+            lease.ready[i] = True
+        else:
+            stats.merged += 1
+            if event not in lease.events:
+                lease.events.append(event)
+        lease.slots[i] = slot
+        self._refs[slot] += 1
+        self._pool(lease.layer).policy.touch((lease.layer, lease.experts[i]))
+
+    def _take_slots(self, pool: _Pool, layer: int, n: int) -> list[int]:
+        need = n - len(pool.free)
+        victims = pool.policy.victims(need, lambda k: self._refs[self._slot_of[k]] == 0) if need > 0 else []
+        if need > len(victims):
+            held = sum(1 for k, s in self._slot_of.items() if self._refs[s] > 0 and self._pool(k[0]) is pool)
+            raise CacheFullError(
+                f"expert cache: layer {layer} needs {n} more experts but its pool of {pool.size} slots has "
+                f"{len(pool.free)} free and {len(victims)} evictable ({held} hold experts in use); release "
+                f"leases first or give the cache more slots")
+        for key in victims:
+            slot = self._slot_of.pop(key)
+            self._key_of[slot] = None
+            pool.policy.remove(key)
+            pool.free.append(slot)
+            self._stats[key[0]].evictions += 1
+        return [pool.free.pop() for _ in range(n)]
+
+    def _fetch(self, lease: ExpertLease, todo: list[tuple[int, int]], stats: LayerCacheStats) -> None:
+        """Copy host -> slot for (lease index, slot) pairs; on CUDA on the copy stream, after the
+        slots' last readers (their release events)."""
+        layer, pool = lease.layer, self._pool(lease.layer)
+        for i, slot in todo:
+            key = (layer, lease.experts[i])
+            self._slot_of[key] = slot
+            self._key_of[slot] = key
+            self._refs[slot] += 1
+            lease.slots[i] = slot
+            pool.policy.touch(key)
+        stats.misses += len(todo)
+        stats.bytes_fetched += len(todo) * self.buffer.shape[1]
+        if not self.is_cuda:
+            for i, slot in todo:
+                self.buffer[slot].copy_(self.store.expert(layer, lease.experts[i]))
+                lease.ready[i] = True
+            return
+        stream = self.copy_stream
+        with torch.cuda.stream(stream):
+            for event in {id(e): e for e in (self._released[s] for _, s in todo) if e is not None}.values():
+                stream.wait_event(event)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for i, slot in todo:
+                self.buffer[slot].copy_(self.store.expert(layer, lease.experts[i]), non_blocking=True)
+            end.record(stream)
+        for _, slot in todo:
+            self._ready[slot] = end
+        lease.events.append(end)
+        self._copy_events.append((layer, start, end))
+
+    def release(self, lease: ExpertLease, record: bool = True) -> None:
+        """Drop the lease's references; on CUDA, later copies into its slots wait for the work queued
+        so far on the current stream (which may still be reading them)."""
+        event = None
+        if self.is_cuda and record:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        for slot in lease.slots:
+            if slot < 0:
+                continue
+            self._refs[slot] -= 1
+            if event is not None:
+                self._released[slot] = event
+        lease.slots = [-1] * len(lease.slots)
+
+    def stats(self) -> dict:
+        """{'layers': {layer: counters}, 'total': counters}; waits for copies still in flight."""
+        for layer, start, end in self._copy_events:
+            end.synchronize()
+            self._stats[layer].copy_ms += start.elapsed_time(end)
+        self._copy_events.clear()
+        return {"layers": {l: s.as_dict() for l, s in self._stats.items()}, "total": summarize(self._stats)}
+
+    def reset_stats(self) -> None:
+        self.stats()
+        self._stats = {layer: LayerCacheStats() for layer in self.store.layers}

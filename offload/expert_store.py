@@ -1,0 +1,273 @@
+"""Every routed expert of every MoE layer in host memory, in its checkpoint format.
+
+One contiguous uint8 buffer per MoE layer, expert-major ([E, record_bytes]): one expert is one
+contiguous copy to a GPU cache slot. A record holds w13 = [gate; up] [2I, D], w2 = down [D, I] and,
+for FP8 checkpoints, their fp32 block scales. The buffers are filled straight from the safetensors
+files one tensor at a time and pinned (cudaHostRegister) in expert-aligned chunks, falling back to
+pageable memory where pinning is impossible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+log = logging.getLogger(__name__)
+
+SCALE_BLOCK = 128
+_ALIGN = 512
+PIN_CHUNK_BYTES = 1 << 30
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Typed views of S expert records: w13 [S, 2I, D], w2 [S, D, I], s13/s2 fp32 block scales or None."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None
+    s2: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Byte layout of one expert record: w13, w2, then (FP8 only) s13 and s2, each 512-byte aligned."""
+
+    hidden: int  # D
+    inter: int  # I
+    dtype: torch.dtype  # float8_e4m3fn, bfloat16, float16 or float32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"unsupported expert weight dtype {self.dtype}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def scale_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(s13 shape [2*ceil(I/128), ceil(D/128)], s2 shape [ceil(D/128), ceil(I/128)])."""
+        n_i, n_d = _cdiv(self.inter, SCALE_BLOCK), _cdiv(self.hidden, SCALE_BLOCK)
+        return (2 * n_i, n_d), (n_d, n_i)
+
+    @property
+    def _sections(self) -> list[tuple[int, int]]:
+        """(offset, nbytes) of w13, w2, s13, s2 (scales 0 bytes for float weights)."""
+        esize = torch.empty(0, dtype=self.dtype).element_size()
+        sizes = [2 * self.inter * self.hidden * esize, self.hidden * self.inter * esize]
+        (a, b), (c, d) = self.scale_shapes
+        sizes += [a * b * 4, c * d * 4] if self.is_fp8 else [0, 0]
+        out, off = [], 0
+        for size in sizes:
+            out.append((off, size))
+            off += _align(size)
+        return out
+
+    @property
+    def record_bytes(self) -> int:
+        off, size = self._sections[-1]
+        return _align(off + size)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one expert's tensors (what a checkpoint holds), without alignment padding."""
+        return sum(size for _, size in self._sections)
+
+    def views(self, buf: torch.Tensor) -> ExpertWeights:
+        """Typed views of ``buf`` [S, record_bytes] uint8 (rows may be strided)."""
+        assert buf.dtype == torch.uint8 and buf.shape[-1] == self.record_bytes and buf.stride(-1) == 1
+        (o13, n13), (o2, n2), (os13, ns13), (os2, ns2) = self._sections
+        d, i = self.hidden, self.inter
+        w13 = buf[:, o13:o13 + n13].view(self.dtype).unflatten(1, (2 * i, d))  # (S, 2I, D)
+        w2 = buf[:, o2:o2 + n2].view(self.dtype).unflatten(1, (d, i))  # (S, D, I)
+        if not self.is_fp8:
+            return ExpertWeights(w13, w2, None, None)
+        sh13, sh2 = self.scale_shapes
+        s13 = buf[:, os13:os13 + ns13].view(torch.float32).unflatten(1, sh13)
+        s2 = buf[:, os2:os2 + ns2].view(torch.float32).unflatten(1, sh2)
+        return ExpertWeights(w13, w2, s13, s2)
+
+
+class ExpertStore:
+    """Host-memory store of the routed experts of ``layers`` (checkpoint layer indices)."""
+
+    def __init__(
+        self, layout: ExpertLayout, layers: Sequence[int], num_experts: int, pin: bool | None = None
+    ) -> None:
+        self.layout = layout
+        self.layers = tuple(layers)
+        self.num_experts = num_experts
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
+        shape = (num_experts, layout.record_bytes)
+        # NOTE: zeros, not empty: alignment padding must be defined, and it touches pages once.
+        self._buffers = [torch.zeros(shape, dtype=torch.uint8) for _ in self.layers]
+        self._registered: list[int] = []
+        self.pinned_bytes = 0
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin:
+            for buf in self._buffers:
+                if not self._pin(buf):
+                    break
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(buf.numel() for buf in self._buffers)
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.pinned_bytes == self.total_bytes
+
+    def layer_buffer(self, layer: int) -> torch.Tensor:
+        """[E, record_bytes] uint8 buffer of one MoE layer."""
+        return self._buffers[self._index[layer]]
+
+    def expert(self, layer: int, expert: int) -> torch.Tensor:
+        """[record_bytes] uint8: one expert, contiguous."""
+        return self._buffers[self._index[layer]][expert]
+
+    def to_device(self, layer: int, device: torch.device | str) -> torch.Tensor:
+        """A device copy [E, record_bytes] of one layer, copied pin chunk by pin chunk.
+
+        NOTE: one cudaMemcpy must not span two cudaHostRegister ranges (CUDA rejects it), so whole-layer
+        copies go through here; single experts never straddle a chunk.
+        """
+        src = self.layer_buffer(layer)
+        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+        per_chunk = max(1, PIN_CHUNK_BYTES // src.shape[1])
+        for start in range(0, src.shape[0], per_chunk):
+            dst[start:start + per_chunk].copy_(src[start:start + per_chunk], non_blocking=True)
+        return dst
+
+    def weights(self, layer: int) -> ExpertWeights:
+        return self.layout.views(self.layer_buffer(layer))
+
+    def set_expert(self, layer: int, expert: int, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor in: ``name`` is '{gate,up,down}_proj.weight' or '.weight_scale_inv'."""
+        w = self.layout.views(self.layer_buffer(layer)[expert:expert + 1])
+        inter = self.layout.inter
+        proj, _, kind = name.partition(".")
+        if kind == "weight":
+            dst = {"gate_proj": w.w13[0, :inter], "up_proj": w.w13[0, inter:], "down_proj": w.w2[0]}[proj]
+        elif kind == "weight_scale_inv" and self.layout.is_fp8:
+            rows = w.s13.shape[1] // 2
+            dst = {"gate_proj": w.s13[0, :rows], "up_proj": w.s13[0, rows:], "down_proj": w.s2[0]}[proj]
+        else:
+            raise ValueError(f"unexpected expert tensor {name!r} for a {self.layout.dtype} store")
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"layer {layer} expert {expert} {name}: shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    @classmethod
+    def from_safetensors(
+        cls, files: str | Path | Sequence[str | Path], layers: Sequence[int], num_experts: int,
+        pin: bool | None = None, dtype: torch.dtype | None = None,
+    ) -> ExpertStore:
+        """Fill a store from a checkpoint directory (or its .safetensors files), tensor by tensor.
+
+        Reads ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight`` (+ ``.weight_scale_inv``).
+        ``dtype`` defaults to the checkpoint's; a float checkpoint may be stored as another float dtype.
+        """
+        where = _tensor_files(files)
+        layout = _infer_layout(where, layers[0], dtype)
+        store = cls(layout, layers, num_experts, pin=pin)
+        suffixes = ["weight"] + (["weight_scale_inv"] if layout.is_fp8 else [])
+        handles: dict[Path, object] = {}
+        for layer in layers:
+            for expert in range(num_experts):
+                for proj in _PROJ:
+                    for suffix in suffixes:
+                        name = _expert_name(layer, expert, proj, suffix)
+                        if name not in where:
+                            raise KeyError(f"checkpoint has no tensor {name}")
+                        path = where[name]
+                        if path not in handles:
+                            handles[path] = safe_open(str(path), framework="pt")
+                        store.set_expert(layer, expert, f"{proj}.{suffix}", handles[path].get_tensor(name))
+        return store
+
+    def _pin(self, buf: torch.Tensor) -> bool:
+        """Page-lock ``buf`` in expert-aligned chunks of about 1 GiB; False (and pageable) on failure."""
+        try:
+            cudart = torch.cuda.cudart()
+            per_chunk = max(1, PIN_CHUNK_BYTES // buf.shape[1])
+            for start in range(0, buf.shape[0], per_chunk):
+                chunk = buf[start:start + per_chunk]
+                err = cudart.cudaHostRegister(chunk.data_ptr(), chunk.numel(), 0)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister returned {err}")
+                self._registered.append(chunk.data_ptr())
+                self.pinned_bytes += chunk.numel()
+        except Exception as exc:  # noqa: BLE001 - any failure to pin means: stay pageable
+            log.warning("expert store: pinning failed after %.1f GiB (%s); the rest stays pageable",
+                        self.pinned_bytes / 2**30, exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Unpin; the store must not be used by the GPU afterwards."""
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+            self._registered.clear()
+            self.pinned_bytes = 0
+
+    def __del__(self) -> None:
+        # NOTE: at interpreter shutdown CUDA may already be torn down; nothing is left to release then.
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _expert_name(layer: int, expert: int, proj: str, suffix: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{suffix}"
+
+
+def _tensor_files(files: str | Path | Sequence[str | Path]) -> dict[str, Path]:
+    """Tensor name -> file, from ``model.safetensors.index.json`` when present, else the files' headers."""
+    if isinstance(files, str | Path) and Path(files).is_dir():
+        root = Path(files)
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: root / fname for name, fname in weight_map.items()}
+        files = sorted(root.glob("*.safetensors"))
+    elif isinstance(files, str | Path):
+        files = [files]
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            where.update({name: Path(path) for name in f.keys()})  # noqa: SIM118 - safe_open is no dict
+    return where
+
+
+def _infer_layout(where: dict[str, Path], layer: int, dtype: torch.dtype | None) -> ExpertLayout:
+    name = _expert_name(layer, 0, "gate_proj", "weight")
+    if name not in where:
+        raise KeyError(f"checkpoint has no tensor {name}")
+    with safe_open(str(where[name]), framework="pt") as f:
+        gate = f.get_slice(name)
+        inter, hidden = gate.get_shape()
+        ckpt_dtype = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F32": torch.float32}[gate.get_dtype()]
+    if dtype is not None and ckpt_dtype == torch.float8_e4m3fn and dtype != ckpt_dtype:
+        raise ValueError("an FP8 checkpoint is stored as FP8 (no full-size dequantised copy)")
+    return ExpertLayout(hidden=hidden, inter=inter, dtype=dtype or ckpt_dtype)

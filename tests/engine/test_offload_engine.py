@@ -1,0 +1,53 @@
+"""The engine with its routed experts offloaded (host store + a device expert cache smaller than
+the experts): same greedy tokens as with all experts resident, for both schedulers and for FP8
+checkpoints; the cache really misses and evicts; a model too big for the machine fails before
+loading with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from hearth.engine import Engine, EngineConfig, HearthError, SamplingParams, TokenDelta
+from tests.engine.conftest import TEST_DEVICE
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _run(engine: Engine, prompts) -> list[list[int]]:
+    ids = [engine.add_request(prompt_token_ids=p, sampling=GREEDY) for p in prompts]
+    out = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for event in engine.step():
+            if isinstance(event, TokenDelta):
+                out[event.request_id].extend(event.token_ids)
+    return [out[i] for i in ids]
+
+
+PROMPTS = [[(13 * i + 7 * j) % 450 + 30 for j in range(20 + 3 * i)] for i in range(4)]
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "runahead"])
+def test_offloaded_experts_give_the_same_tokens(tiny_models, scheduler):
+    path = str(tiny_models["deepseek_v32"])
+    base = EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16)
+    expected = _run(Engine.load(path, base), PROMPTS)
+    engine = Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16, offload="always",
+                                            expert_cache_slots=3, scheduler=scheduler))
+    assert engine.runner.placement.offload
+    assert _run(engine, PROMPTS) == expected
+    stats = engine.stats().extra
+    assert stats["expert_cache_misses"] > 0 and stats["expert_cache_evictions"] > 0
+    assert 0 < stats["expert_cache_hit_rate"] < 1
+
+
+def test_offloaded_fp8_checkpoint(tiny_fp8_model):
+    path = str(tiny_fp8_model)
+    expected = _run(Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32")), PROMPTS[:2])
+    engine = Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32", offload="always",
+                                            expert_cache_slots=4))
+    assert _run(engine, PROMPTS[:2]) == expected
+
+
+def test_model_that_cannot_fit_fails_before_loading(tiny_models):
+    with pytest.raises(HearthError, match="does not fit"):
+        Engine.load(str(tiny_models["deepseek_v32"]), EngineConfig(device=TEST_DEVICE, host_memory_gib=1e-6))

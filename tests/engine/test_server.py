@@ -1,0 +1,210 @@
+"""The engine host end to end: the official ``openai`` client against ``python -m
+hearth.engine.server`` serving a tiny random DeepSeek-V3.2 on 127.0.0.1 (one server per module,
+started with an API key), plus raw HTTP for malformed requests."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from hearth.engine.tiny import write_tiny_model
+from tests.engine.test_server_support import ServerProcess, start_server, wait_until
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 512
+MESSAGES = [{"role": "user", "content": "Tell me about hearths."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    model = write_tiny_model(root / "tiny-v32", "deepseek_v32", seed=3)
+    running = start_server(model, root / "run", api_key=API_KEY, max_model_len=MAX_MODEL_LEN)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy_text(client) -> str:
+    """The greedy answer to MESSAGES in 24 tokens (the reference for other tests)."""
+    result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=24, temperature=0)
+    return result.choices[0].message.content
+
+
+def _stats(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.base_url}/hearth/stats", headers=server.headers, timeout=5).json()
+
+
+def test_models_lists_the_folder_name(client):
+    assert [m.id for m in client.models.list().data] == ["tiny-v32"]
+
+
+def test_chat_max_tokens_gives_length_and_usage(client):
+    result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=7, temperature=0)
+    choice = result.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert result.usage.completion_tokens == 7
+    assert result.usage.prompt_tokens > 0
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 7
+
+
+def test_max_completion_tokens_is_honoured(client):
+    result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_completion_tokens=3,
+                                            temperature=0)
+    assert result.usage.completion_tokens == 3
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(client, greedy_text):
+    stream = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == greedy_text
+    assert reasons == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_stop_strings_end_the_answer_before_the_stop(client, greedy_text):
+    start = next(i for i in range(4, len(greedy_text) - 2) if greedy_text[i:i + 2].isalpha())
+    stop = greedy_text[start:start + 2]
+    expected = greedy_text[:greedy_text.index(stop)]
+    for given in (stop, [stop, "never-appears"]):
+        result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=24,
+                                                temperature=0, stop=given)
+        assert result.choices[0].message.content == expected
+        assert result.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample() -> str:
+        return client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=12, temperature=1.0,
+                                              top_p=0.9, seed=42).choices[0].message.content
+    assert sample() == sample()
+
+
+def test_completions_with_text_and_token_ids(client):
+    text = client.completions.create(model="tiny-v32", prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 5
+    ids = client.completions.create(model="tiny-v32", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens == 4
+    streamed = client.completions.create(model="tiny-v32", prompt="Once upon a time", max_tokens=5, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+
+
+def test_four_concurrent_requests_match_the_single_result(client, greedy_text):
+    def ask(_: int) -> str:
+        result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=24, temperature=0)
+        return result.choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    assert answers == [greedy_text] * 4
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert err.value.code == "model_not_found" and "tiny-v32" in err.value.message
+
+
+@pytest.mark.parametrize(("change", "param"), [({"max_tokens": -5}, "max_tokens"), ({"n": 2}, "n")])
+def test_impossible_parameters_are_400(client, change, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-v32", messages=MESSAGES, **change)
+    assert err.value.param == param
+
+
+def test_prompt_longer_than_the_context_is_400_with_the_numbers(client):
+    long = [{"role": "user", "content": "hearth fire " * 400}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-v32", messages=long, max_tokens=2)
+    assert f"the context holds {MAX_MODEL_LEN}" in err.value.message
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"model": "tiny-v32"}',
+                                  b'{"model": "tiny-v32", "messages": [], "max_tokens": 2}'])
+def test_malformed_bodies_get_openai_style_400(server, body):
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", content=body, timeout=10,
+                          headers={**server.headers, "Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and "Traceback" not in error["message"]
+
+
+def test_unknown_route_is_a_json_404(server):
+    response = httpx.get(f"{server.base_url}/v1/nothing-here", headers=server.headers, timeout=5)
+    assert response.status_code == 404 and "message" in response.json()["error"]
+
+
+def test_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=5)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    no_key = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        no_key.models.list()
+
+
+def test_client_disconnect_aborts_the_request(server, client):
+    before = _stats(server)["requests_aborted"]
+    stream = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=480, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received >= 3:
+            break
+    stream.close()
+    stats = wait_until(lambda: (s := _stats(server))["requests_aborted"] > before and s["running"] == 0 and s,
+                       timeout=10, what="the aborted request to leave the engine")
+    assert stats["waiting"] == 0
+    assert stats["cache_blocks_free"] == stats["cache_blocks_total"]
+
+
+def test_stats_report_engine_and_memory(server):
+    stats = _stats(server)
+    assert stats["model"] == "tiny-v32" and stats["state"] == "ready"
+    assert stats["max_model_len"] == MAX_MODEL_LEN and stats["generated_tokens"] > 0
+    assert stats["memory"]["process_rss_bytes"] > 0
+    assert {"running", "waiting", "decode_tokens_per_s", "cache_blocks_free"} <= set(stats)
+
+
+def test_unload_and_load(server, client, tmp_path):
+    base, headers = server.base_url, server.headers
+    bad = httpx.post(f"{base}/hearth/load", json={"model": str(tmp_path / "missing")}, headers=headers, timeout=30)
+    assert bad.status_code == 400 and "not a model folder" in bad.json()["error"]["message"]
+    assert httpx.get(f"{base}/health", headers=headers).json()["status"] == "ready"  # the model was kept
+
+    path = _stats(server)["model_path"]
+    assert httpx.post(f"{base}/hearth/unload", headers=headers, timeout=30).json() == {"unloaded": "tiny-v32"}
+    assert client.models.list().data == []
+    with pytest.raises(openai.InternalServerError) as err:  # 503: nothing to run on
+        client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2)
+    assert err.value.status_code == 503
+
+    loaded = httpx.post(f"{base}/hearth/load", json={"model": path, "served_name": "again"}, headers=headers,
+                        timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    assert json.loads(loaded.text)["model"] == "again"
+    result = client.chat.completions.create(model="again", messages=MESSAGES, max_tokens=2)
+    assert result.usage.completion_tokens == 2
+
+
+def test_the_server_logged_no_tracebacks(server):
+    # Runs last in this module: every request above was answered without an unexpected error.
+    assert "Traceback" not in server.log(), server.log()

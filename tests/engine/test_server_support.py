@@ -1,0 +1,157 @@
+"""Helpers for the engine host tests (start a real ``python -m hearth.engine.server`` on 127.0.0.1,
+bounded polling), and unit tests of the wire-format pieces that need no server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from hearth.engine.api import Finished, RequestStats
+from hearth.engine.server_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseWriter,
+    finish_error,
+    sampling_fields,
+)
+
+T = TypeVar("T")
+STARTUP_TIMEOUT_S = 60.0
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> T:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+@dataclass
+class ServerProcess:
+    """A running engine host subprocess."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    api_key: str | None
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start_server(model_dir: Path, work_dir: Path, *, api_key: str | None = None, max_model_len: int = 512,
+                 extra: tuple[str, ...] = ()) -> ServerProcess:
+    """Start an engine host on a free port and wait until it answers /health."""
+    import httpx
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    port_file, log_path = work_dir / "port", work_dir / "server.log"
+    cmd = [sys.executable, "-m", "hearth.engine.server", "--model", str(model_dir), "--port", "0",
+           "--port-file", str(port_file), "--max-model-len", str(max_model_len), "--log-level", "warning", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "HEARTH_API_KEY"}
+    if api_key:
+        env["HEARTH_API_KEY"] = api_key
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+    server = ServerProcess(proc, 0, api_key, log_path)
+
+    def port_ready() -> bool:
+        assert proc.poll() is None, f"server exited: {server.log()}"
+        return port_file.exists() and bool(port_file.read_text().strip())
+
+    wait_until(port_ready, STARTUP_TIMEOUT_S, 0.05, "the server's port file")
+    server.port = int(port_file.read_text())
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{server.base_url}/health", headers=server.headers, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, STARTUP_TIMEOUT_S, 0.05, "/health")
+    return server
+
+
+# ---- unit tests of the wire format ---------------------------------------------------------
+
+
+def _chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def test_sampling_fields_take_model_defaults_and_request_values():
+    fields = sampling_fields(_chat(temperature=0.0, stop="END"), {"temperature": 0.6, "top_p": 0.95})
+    assert fields["temperature"] == 0.0 and fields["top_p"] == 0.95
+    assert fields["stop"] == ("END",)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"logprobs": True}, "logprobs"),
+])
+def test_bad_fields_are_400(fields, param):
+    request = _chat(**fields)
+    with pytest.raises(APIError) as err:
+        request.requested_max_tokens()
+        sampling_fields(request)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_out_of_range_sampling_is_400_with_the_engine_message():
+    with pytest.raises(APIError, match="top_p"):
+        sampling_fields(_chat(top_p=0.0))
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest(model="m", prompt="abc").prompt_kwargs() == {"prompt": "abc"}
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompt_kwargs() == {"prompt_token_ids": [1, 2]}
+    assert CompletionRequest(model="m", prompt=[[3, 4]]).prompt_kwargs() == {"prompt_token_ids": [3, 4]}
+    with pytest.raises(APIError, match="one prompt per request"):
+        CompletionRequest(model="m", prompt=["a", "b"]).prompt_kwargs()
+
+
+def test_non_text_content_parts_are_rejected():
+    request = ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(APIError, match="text only"):
+        request.message_dicts()
+
+
+def test_writer_and_finish_errors():
+    stats = RequestStats(3, 2, 0, 0.1, 0.2)
+    body = ResponseWriter("r1", "m", chat=True).response(Finished("r1", "length", "hey", stats))
+    assert body["choices"][0]["message"]["content"] == "hey"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert finish_error(Finished("r1", "stop", "", stats)) is None
+    assert finish_error(Finished("r1", "error", "", stats, "GPU out of memory")).status == 500

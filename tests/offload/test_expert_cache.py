@@ -1,0 +1,117 @@
+"""ExpertCache on the CPU: LRU / decayed-LFU eviction, refcount protection, duplicate merge, stats."""
+
+import pytest
+import torch
+
+from hearth.offload.expert_cache import CacheFullError, ExpertCache, LFUPolicy
+from hearth.offload.expert_store import ExpertLayout, ExpertStore
+
+LAYERS = [0, 1]
+
+
+@pytest.fixture
+def store() -> ExpertStore:
+    s = ExpertStore(ExpertLayout(32, 16, torch.bfloat16), LAYERS, 8)
+    for layer in LAYERS:  # distinct bytes per (layer, expert)
+        buf = s.layer_buffer(layer)
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8))
+    return s
+
+
+def _use(cache: ExpertCache, layer: int, experts: list[int]) -> None:
+    cache.release(cache.acquire(layer, experts))
+
+
+def test_slots_hold_the_store_bytes(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    lease = cache.acquire(1, [4, 6])
+    assert lease.ready == [True, True]
+    for e, s in zip(lease.experts, lease.slots):
+        assert torch.equal(cache.buffer[s], store.expert(1, e))
+    assert torch.equal(cache.weights.w13[lease.slots[0]].view(torch.uint8), store.weights(1).w13[4].view(torch.uint8))
+
+
+def test_lru_evicts_least_recently_used(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=3, policy="lru")
+    for e in (0, 1, 2, 0):
+        _use(cache, 0, [e])
+    _use(cache, 0, [3])
+    assert cache.resident(0) == [0, 2, 3]
+
+
+def test_lfu_evicts_least_frequent_and_decays():
+    policy = LFUPolicy(decay=0.9)
+    for key in [(0, 0)] * 3 + [(0, 1), (0, 2), (0, 2)]:
+        policy.advance()
+        policy.touch(key)
+    assert policy.victims(1, lambda k: True) == [(0, 1)]
+    for _ in range(10):  # old counts decay: 0 -> 0.69, 2 -> 0.66, 1 -> 1.28
+        policy.advance()
+    policy.touch((0, 1))
+    assert policy.victims(2, lambda k: True) == [(0, 2), (0, 0)]
+
+
+def test_lfu_cache(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=3, policy="lfu")
+    for experts in ([0], [0], [1], [2], [2], [0]):
+        _use(cache, 1, experts)
+    _use(cache, 1, [5])
+    assert cache.resident(1) == [0, 2, 5]
+
+
+def test_referenced_expert_is_never_evicted(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    held = cache.acquire(0, [0])  # least recently used, but referenced
+    for e in (1, 2, 3, 4):
+        _use(cache, 0, [e])
+        assert 0 in cache.resident(0)
+    assert cache.refcount(0, 0) == 1
+    cache.release(held)
+    assert cache.refcount(0, 0) == 0
+    _use(cache, 0, [5])
+    assert 0 not in cache.resident(0)
+
+
+def test_full_cache_of_referenced_experts_raises(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    held = cache.acquire(0, [0, 1])
+    with pytest.raises(CacheFullError, match=r"needs 2 more experts but its pool of 3 slots has 1 free and 0 "
+                                             r"evictable \(2 hold experts in use\)"):
+        cache.acquire(0, [1, 2, 3])
+    assert cache.refcount(0, 1) == 1  # the failed call took no references
+    cache.release(held)
+    assert len(cache.acquire(0, [1, 2, 3]).slots) == 3
+
+
+def test_duplicates_merged_and_stats(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=4)
+    lease = cache.acquire(0, [2, 2, 5, 2])
+    assert lease.experts == [2, 5]
+    second = cache.acquire(0, [5])  # held twice: one copy, two references
+    assert second.slots == [lease.slots[1]] and cache.refcount(0, 5) == 2
+    cache.release(lease)
+    cache.release(second)
+    _use(cache, 0, [1, 3, 4])  # 1 and 3 fill the pool, 4 evicts 2 (LRU)
+    st = cache.stats()
+    layer0 = st["layers"][0]
+    assert (layer0["requests"], layer0["hits"], layer0["misses"], layer0["evictions"]) == (6, 1, 5, 1)
+    assert layer0["bytes_fetched"] == 5 * store.layout.record_bytes
+    assert layer0["hit_rate"] == pytest.approx(1 / 6)
+    assert st["layers"][1]["requests"] == 0 and st["total"]["misses"] == 5
+    cache.reset_stats()
+    assert cache.stats()["total"]["requests"] == 0
+
+
+def test_global_pool_is_shared_across_layers(store):
+    cache = ExpertCache(store, "cpu", num_slots=3)
+    _use(cache, 0, [0, 1])
+    _use(cache, 1, [0, 1])  # layer 1 takes the free slot and evicts layer 0's LRU expert
+    assert cache.resident(0) == [1] and cache.resident(1) == [0, 1]
+    assert cache.capacity(0) == cache.capacity(1) == 3
+
+
+def test_bad_sizes(store):
+    with pytest.raises(ValueError, match="exactly one"):
+        ExpertCache(store, "cpu")
+    with pytest.raises(ValueError, match="at least one slot"):
+        ExpertCache(store, "cpu", num_slots=0)

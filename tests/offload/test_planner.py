@@ -1,0 +1,85 @@
+"""plan_memory: fits on the GPU, needs offload, does not fit (error text with numbers), overrides, CPU."""
+
+import pytest
+
+from hearth.offload.planner import (
+    DeviceMemory,
+    GiB,
+    MemoryPlanError,
+    ModelFootprint,
+    footprint_from_tensor_bytes,
+    plan_memory,
+)
+
+# A DeepSeek-V3-like model: 58 MoE layers x 256 experts of 44 MB, 16 GiB of everything else.
+DSV3 = ModelFootprint(dense_bytes=16 * GiB, expert_bytes=44 * 10**6, num_moe_layers=58, num_experts=256, top_k=8)
+SMALL = ModelFootprint(dense_bytes=2 * GiB, expert_bytes=10**6, num_moe_layers=4, num_experts=64, top_k=4)
+
+
+def test_fits_on_gpu():
+    plan = plan_memory(SMALL, kv_cache_bytes=GiB, memory=DeviceMemory(80 * GiB, 64 * GiB))
+    assert plan.device == "cuda" and plan.experts == "gpu"
+    assert plan.slots_per_layer == 64 and plan.host_bytes == 0
+    assert plan.gpu_bytes == 3 * GiB + SMALL.routed_bytes
+
+
+def test_needs_offload():
+    plan = plan_memory(DSV3, kv_cache_bytes=8 * GiB, memory=DeviceMemory(140 * GiB, 900 * GiB))
+    assert plan.experts == "offload"
+    budget = 138 * GiB - 24 * GiB
+    assert plan.slots_per_layer == budget // (58 * 44 * 10**6)
+    assert plan.host_bytes == DSV3.routed_bytes
+    assert plan.gpu_bytes <= plan.gpu_budget_bytes
+
+
+def test_dense_does_not_fit_gives_numbers():
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(DSV3, kv_cache_bytes=8 * GiB, memory=DeviceMemory(20 * GiB, 900 * GiB))
+    msg = str(err.value)
+    assert "16.00 GiB" in msg and "8.00 GiB" in msg and "18.00 GiB" in msg
+
+
+def test_host_too_small_for_experts():
+    with pytest.raises(MemoryPlanError, match=r"routed experts do not fit in host memory: 608.44 GiB > 252.00 GiB"):
+        plan_memory(DSV3, kv_cache_bytes=8 * GiB, memory=DeviceMemory(140 * GiB, 256 * GiB))
+
+
+def test_cache_smaller_than_top_k():
+    with pytest.raises(MemoryPlanError, match="at least top_k=8"):
+        plan_memory(DSV3, kv_cache_bytes=8 * GiB, memory=DeviceMemory(140 * GiB, 900 * GiB),
+                    expert_cache_gib=10)
+
+
+def test_overrides():
+    mem = DeviceMemory(80 * GiB, 64 * GiB)
+    capped = plan_memory(SMALL, kv_cache_bytes=GiB, memory=mem, gpu_memory_gib=3.1)
+    assert capped.experts == "offload" and capped.gpu_budget_bytes == int(3.1 * GiB)
+    forced = plan_memory(SMALL, kv_cache_bytes=GiB, memory=mem, expert_cache_gib=0.05)
+    assert forced.experts == "offload"
+    assert forced.slots_per_layer == int(0.05 * GiB) // (4 * 10**6)
+    assert forced.cache_bytes == forced.slots_per_layer * 4 * 10**6
+    with pytest.raises(MemoryPlanError, match="host_memory_gib=0.1"):
+        plan_memory(SMALL, kv_cache_bytes=GiB, memory=mem, expert_cache_gib=0.05, host_memory_gib=0.1)
+    with pytest.raises(MemoryPlanError, match="expert_cache_gib=100 does not fit"):
+        plan_memory(SMALL, kv_cache_bytes=GiB, memory=mem, expert_cache_gib=100)
+
+
+def test_cpu_only():
+    plan = plan_memory(SMALL, kv_cache_bytes=GiB, memory=DeviceMemory(None, 64 * GiB))
+    assert plan.device == "cpu" and plan.experts == "cpu" and plan.gpu_bytes == 0
+    assert plan.host_bytes == 3 * GiB + SMALL.routed_bytes
+    with pytest.raises(MemoryPlanError, match="no GPU"):
+        plan_memory(DSV3, kv_cache_bytes=GiB, memory=DeviceMemory(None, 64 * GiB))
+
+
+def test_footprint_from_tensor_bytes():
+    sizes = {"model.embed_tokens.weight": 1000, "model.layers.0.mlp.gate_proj.weight": 500}
+    for layer in (1, 2):
+        sizes[f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"] = 7
+        for e in range(4):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                sizes[f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"] = 10
+                sizes[f"model.layers.{layer}.mlp.experts.{e}.{p}.weight_scale_inv"] = 1
+    fp = footprint_from_tensor_bytes(sizes, top_k=2)
+    assert (fp.dense_bytes, fp.expert_bytes, fp.num_moe_layers, fp.num_experts) == (1514, 33, 2, 4)
+    assert fp.routed_bytes == 2 * 4 * 33
