@@ -104,7 +104,8 @@ class EngineConfig:
     gpu_memory_gib / expert_cache_gib / host_memory_gib: caps for the memory planner.
     scheduler: "sync" advances every running request through the same layer together;
         "runahead" lets requests whose experts are resident run ahead to later layers while
-        others wait for expert fetches (see hearth.engine.runahead).
+        others wait for expert fetches (see hearth.engine.runahead); "prefetch" is "sync" plus a
+        prediction prefetcher of the next layer's experts (a baseline for measurements).
     """
 
     device: str = "auto"
@@ -123,7 +124,7 @@ class EngineConfig:
     gpu_memory_gib: float | None = None
     expert_cache_gib: float | None = None
     host_memory_gib: float | None = None
-    scheduler: Literal["sync", "runahead"] = "sync"
+    scheduler: Literal["sync", "runahead", "prefetch"] = "sync"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -136,8 +137,8 @@ class EngineConfig:
             raise HearthError(f"offload must be auto, always or never, not {self.offload!r}")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
             raise HearthError("expert_cache_slots must be >= 1")
-        if self.scheduler not in ("sync", "runahead"):
-            raise HearthError(f"scheduler must be sync or runahead, not {self.scheduler!r}")
+        if self.scheduler not in ("sync", "runahead", "prefetch"):
+            raise HearthError(f"scheduler must be sync, runahead or prefetch, not {self.scheduler!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise HearthError("max_model_len must be >= 2")
 

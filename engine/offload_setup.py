@@ -88,16 +88,48 @@ class CacheResidency:
         return out.to(x.dtype)
 
 
-def attach_offload(model: DeepseekForCausalLM, path: str | Path, placement: Placement, device: torch.device,
-                   dtype: torch.dtype, policy: str) -> tuple[ExpertCache, CacheResidency]:
-    """Fill the host store from the checkpoint, put a device cache in front, route every MoE layer
-    through it."""
+class PrefetchingExperts:
+    """Baseline for the runahead scheduler: layer-synchronous offload plus a *prediction*
+    prefetcher. After a layer's experts are queued, the next MoE layer's router is applied to this
+    layer's MoE input (the hidden state one layer early, as mixtral-offloading and FATE do) and
+    the predicted experts are fetched ahead; a wrong guess costs link time and cache room."""
+
+    def __init__(self, backend: OffloadedExperts, model: DeepseekForCausalLM) -> None:
+        self.backend = backend
+        self.cache = backend.cache
+        layers = [i for i in range(model.config.num_hidden_layers) if model.config.is_moe_layer(i)]
+        self._next = dict(zip(layers, layers[1:]))
+        self._gates = {i: model.layers[i].mlp.gate for i in layers}
+        self.predicted = 0
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = self.backend(layer, x, ids, weights)
+        nxt = self._next.get(layer)
+        if nxt is not None:
+            guess = list(dict.fromkeys(self._gates[nxt](x)[0].flatten().tolist()))
+            guess = guess[: self.cache.capacity(nxt)]
+            try:
+                self.cache.release(self.cache.acquire(nxt, guess))  # copies run on; slots stay evictable
+                self.predicted += len(guess)
+            except RuntimeError:
+                pass  # every slot of that layer is in use right now: skip the guess
+        return out
+
+
+def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placement: Placement,
+                   device: torch.device, dtype: torch.dtype, policy: str, prefetch: bool = False,
+                   store: ExpertStore | None = None) -> tuple[ExpertCache, CacheResidency]:
+    """Fill the host store from the checkpoint (or use ``store``), put a device cache in front,
+    route every MoE layer through it (with the prediction prefetcher when ``prefetch``)."""
     config = model.config
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-    fp8 = config.quantization is not None
-    store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts, dtype=None if fp8 else dtype)
+    if store is None:
+        fp8 = config.quantization is not None
+        store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
+                                             dtype=None if fp8 else dtype)
     cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=policy)
     backend = OffloadedExperts(cache)
+    routed = PrefetchingExperts(backend, model) if prefetch else backend
     for i in layers:
-        model.layers[i].mlp.backend = backend
+        model.layers[i].mlp.backend = routed
     return cache, CacheResidency(cache, use_kernel=backend.use_kernel)

@@ -65,7 +65,8 @@ class ModelRunner:
         self.residency = None  # the expert cache as the runahead decoder sees it (when offloaded)
         if self.placement.offload:
             self.expert_cache, self.residency = attach_offload(
-                self.model, path, self.placement, self.device, self.dtype, config.expert_cache_policy)
+                self.model, path, self.placement, self.device, self.dtype, config.expert_cache_policy,
+                prefetch=config.scheduler == "prefetch")
 
     def expert_stats(self) -> dict:
         """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded."""

@@ -26,7 +26,7 @@ def _run(engine: Engine, prompts) -> list[list[int]]:
 PROMPTS = [[(13 * i + 7 * j) % 450 + 30 for j in range(20 + 3 * i)] for i in range(4)]
 
 
-@pytest.mark.parametrize("scheduler", ["sync", "runahead"])
+@pytest.mark.parametrize("scheduler", ["sync", "runahead", "prefetch"])
 def test_offloaded_experts_give_the_same_tokens(tiny_models, scheduler):
     path = str(tiny_models["deepseek_v32"])
     base = EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16)
@@ -38,6 +38,8 @@ def test_offloaded_experts_give_the_same_tokens(tiny_models, scheduler):
     stats = engine.stats().extra
     assert stats["expert_cache_misses"] > 0 and stats["expert_cache_evictions"] > 0
     assert 0 < stats["expert_cache_hit_rate"] < 1
+    if scheduler == "prefetch":
+        assert engine.runner.model.layers[1].mlp.backend.predicted > 0
 
 
 def test_offloaded_fp8_checkpoint(tiny_fp8_model):
