@@ -1,0 +1,234 @@
+"""``hearth --cli pull | rm | models | search``: the Hub manager from a terminal.
+
+Each subcommand sets ``func(args) -> int`` (the exit code). Errors print as one line on stderr,
+never a traceback. ``pull`` draws a live one-line bar on a terminal and plain lines every few
+seconds otherwise; Ctrl-C pauses it, keeping the partial files, and running the same ``pull``
+again resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from hearth.app.hub import events as ev
+from hearth.app.hub.catalog import SORTS, search_models
+from hearth.app.hub.context import HubContext
+from hearth.app.hub.installed import delete_model, list_installed
+from hearth.app.hub.manager import DownloadManager, DownloadOptions, ItemState
+from hearth.app.hub.units import format_bytes, format_duration, format_speed
+from hearth.app.store.settings import load_settings
+from hearth.engine.api import HearthError
+
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
+PULL_OPTIONS = DownloadOptions()  # module-level so tests can use shorter timeouts
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Register pull, rm, models and search on the CLI's subparsers."""
+    pull = subparsers.add_parser("pull", help="download a model from the Hugging Face Hub (resumable)")
+    pull.add_argument("repo", help="repo id, e.g. deepseek-ai/DeepSeek-V3.2")
+    pull.add_argument("--include", action="append", metavar="GLOB",
+                      help="only files matching GLOB (repeatable; default: safetensors, json, tokenizer)")
+    pull.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB")
+    pull.add_argument("--revision", help="branch, tag or commit (default: main)")
+    pull.set_defaults(func=cmd_pull)
+
+    rm = subparsers.add_parser("rm", help="delete a downloaded model (or forget an imported one)")
+    rm.add_argument("repo")
+    rm.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    rm.set_defaults(func=cmd_rm)
+
+    models = subparsers.add_parser("models", help="list installed models")
+    models.add_argument("--json", action="store_true", help="machine-readable output")
+    models.set_defaults(func=cmd_models)
+
+    search = subparsers.add_parser("search", help="search the Hub for models Hearth can run")
+    search.add_argument("query")
+    search.add_argument("--sort", choices=list(SORTS), default="downloads")
+    search.add_argument("--all", action="store_true", help="include architectures Hearth cannot run")
+    search.add_argument("--limit", type=int, default=20)
+    search.add_argument("--json", action="store_true", help="machine-readable output")
+    search.set_defaults(func=cmd_search)
+
+
+def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    @functools.wraps(command)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except (HearthError, OSError) as exc:  # OSError: permissions, a vanished folder...
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+
+    return wrapper
+
+
+@_one_line_errors
+def cmd_pull(args: argparse.Namespace) -> int:
+    printer = ProgressPrinter(sys.stderr)
+    manager = DownloadManager(load_settings(), on_event=printer.on_event, options=PULL_OPTIONS)
+    include = tuple(args.include) if args.include else None
+    exclude = tuple(args.exclude) if args.exclude else None
+    item_id = manager.enqueue(args.repo, revision=args.revision, include=include, exclude=exclude)
+    manager.start()
+    try:
+        state = manager.wait(item_id)
+    except KeyboardInterrupt:
+        return _interrupted(manager, item_id, printer)
+    finally:
+        manager.close(timeout=10)
+    printer.end_line()
+    item = manager.item(item_id)
+    if state == ItemState.READY:
+        print(f"Ready: {item.repo_id} ({format_bytes(item.bytes_total)}, checksums verified) in {item.path}")
+        return EXIT_OK
+    print(f"error: {item.message or f'download {state}'}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _interrupted(manager: DownloadManager, item_id: str, printer: ProgressPrinter) -> int:
+    manager.pause(item_id)
+    with contextlib.suppress(TimeoutError, KeyboardInterrupt):
+        manager.wait(item_id, timeout=manager.options.stall_timeout_s + 5)
+    printer.end_line()
+    item = manager.item(item_id)
+    print(f"Paused: {format_bytes(item.bytes_done)} of {format_bytes(item.bytes_total)} kept; run "
+          f"`hearth --cli pull {item.repo_id}` again to resume.", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+@_one_line_errors
+def cmd_rm(args: argparse.Namespace) -> int:
+    ctx = HubContext.from_settings(load_settings())
+    model = next((m for m in list_installed(ctx) if m.name == args.repo), None)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print(f"error: not a terminal; pass --yes to delete {args.repo}", file=sys.stderr)
+            return EXIT_ERROR
+        size = format_bytes(model.size_bytes) if model else "partial download"
+        if input(f"Delete {args.repo} ({size})? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("Nothing deleted.")
+            return EXIT_ERROR
+    freed = delete_model(args.repo, ctx)
+    if model is not None and model.source == "imported":
+        print(f"Forgot {args.repo}; its folder {model.path} was left alone.")
+    else:
+        print(f"Deleted {args.repo} ({format_bytes(freed)} freed).")
+    return EXIT_OK
+
+
+@_one_line_errors
+def cmd_models(args: argparse.Namespace) -> int:
+    models = list_installed(HubContext.from_settings(load_settings()))
+    if args.json:
+        print(json.dumps([m.to_json() for m in models], indent=2))
+        return EXIT_OK
+    if not models:
+        print("No models installed. Find one with `hearth --cli search QUERY`, then `hearth --cli pull REPO`.")
+        return EXIT_OK
+    rows = [(m.name, format_bytes(m.size_bytes), m.model_type or "?", "yes" if m.is_supported else "no",
+             _status(m.source, m.is_ready), str(m.path)) for m in models]
+    _print_table(("NAME", "SIZE", "ARCH", "SUPPORTED", "STATUS", "PATH"), rows)
+    return EXIT_OK
+
+
+@_one_line_errors
+def cmd_search(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        print("error: --limit must be >= 1", file=sys.stderr)
+        return EXIT_ERROR
+    ctx = HubContext.from_settings(load_settings())
+    results = search_models(ctx, args.query, sort=args.sort, all_architectures=args.all, limit=args.limit)
+    if args.json:
+        print(json.dumps([r.to_json() for r in results], indent=2))
+        return EXIT_OK
+    if not results:
+        hint = "" if args.all else " that Hearth can run (try --all)"
+        print(f"No models match {args.query!r}{hint}.")
+        return EXIT_OK
+    rows = [(r.repo_id, f"{r.downloads:,}", f"{r.likes:,}", r.model_type or "?",
+             "yes" if r.is_supported else "no", "gated" if r.gated else "") for r in results]
+    _print_table(("REPO", "DOWNLOADS", "LIKES", "ARCH", "SUPPORTED", ""), rows)
+    return EXIT_OK
+
+
+def _status(source: str, is_ready: bool) -> str:
+    if source == "imported":
+        return "imported" if is_ready else "folder missing"
+    return "ready" if is_ready else "incomplete"
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+class ProgressPrinter:
+    """Turns download events into a live bar (terminal) or a line every ``interval_s`` (logs)."""
+
+    def __init__(self, stream: TextIO, *, is_tty: bool | None = None, interval_s: float = 5.0) -> None:
+        self.stream = stream
+        self.is_tty = stream.isatty() if is_tty is None else is_tty
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._live = False
+        self._last_line_at: float | None = None
+
+    def on_event(self, event: ev.DownloadEvent) -> None:
+        with self._lock:
+            self._handle(event)
+
+    def end_line(self) -> None:
+        with self._lock:
+            self._end_live()
+
+    def _handle(self, event: Any) -> None:
+        if isinstance(event, ev.DownloadStarted):
+            self._say(f"Pulling {event.repo_id} @ {event.commit[:10]}: {event.num_files} files, "
+                      f"{format_bytes(event.bytes_total)} ({format_bytes(event.bytes_to_download)} to download)")
+        elif isinstance(event, ev.DownloadProgress):
+            self._progress(event)
+        elif isinstance(event, ev.DownloadStalled):
+            self._say(f"No data for {event.idle_s:.0f}s on {event.filename}; reconnecting")
+        elif isinstance(event, ev.DownloadRetrying):
+            where = f" ({event.filename})" if event.filename else ""
+            self._say(f"Retry {event.attempt} in {event.delay_s:.1f}s{where}: {event.reason}")
+        elif isinstance(event, ev.DownloadVerifying):
+            percent = 100 * event.bytes_done / max(event.bytes_total, 1)
+            self._live_or_periodic(f"Verifying checksums {percent:5.1f}%")
+
+    def _progress(self, event: ev.DownloadProgress) -> None:
+        fraction = event.bytes_done / max(event.bytes_total, 1)
+        bar = "#" * int(24 * fraction) + "-" * (24 - int(24 * fraction))
+        self._live_or_periodic(
+            f"[{bar}] {100 * fraction:5.1f}% {format_bytes(event.bytes_done)}/{format_bytes(event.bytes_total)} "
+            f"{format_speed(event.speed_bps)} ETA {format_duration(event.eta_s)}")
+
+    def _live_or_periodic(self, text: str) -> None:
+        if self.is_tty:
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            self.stream.write("\r" + text[:width].ljust(width))
+            self.stream.flush()
+            self._live = True
+        elif self._last_line_at is None or time.monotonic() - self._last_line_at >= self.interval_s:
+            self._last_line_at = time.monotonic()
+            self._say(text)
+
+    def _say(self, text: str) -> None:
+        self._end_live()
+        print(text, file=self.stream, flush=True)
+
+    def _end_live(self) -> None:
+        if self._live:
+            self.stream.write("\n")
+            self._live = False

@@ -1,0 +1,126 @@
+"""Hub and download errors as one clear line each, and the rule for which ones are worth a retry.
+
+huggingface_hub raises rich exceptions (``GatedRepoError``, ``HfHubHTTPError``, httpx transport
+errors...); ``describe()`` turns them into a ``HubError`` whose message tells the user what to do.
+Messages never contain the token: the library keeps it in request headers, which we never print.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import huggingface_hub
+from huggingface_hub.errors import (
+    DryRunError,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import httpx
+
+from hearth.engine.api import HearthError
+
+TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+class HubError(HearthError):
+    """A Hub, download or model-store problem; the message is one line meant for people."""
+
+    is_resumable = False
+
+
+class OfflineError(HubError):
+    """Offline mode is on and the action needs the network."""
+
+
+class GatedRepoAccessError(HubError):
+    """The repo is gated and the token (if any) has no access to it."""
+
+
+class RepoNotFoundError(HubError):
+    """No such repo or revision, or it is private."""
+
+
+class DiskFullError(HubError):
+    """Not enough free space for the download; partial files are kept."""
+
+    is_resumable = True
+
+
+class ChecksumError(HubError):
+    """A downloaded file does not match its published checksum; the bad file was deleted."""
+
+    is_resumable = True
+
+
+class NetworkError(HubError):
+    """The Hub could not be reached or kept failing after the retries."""
+
+    is_resumable = True
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures a retry can fix: network drops, timeouts, 5xx/429, short reads."""
+    if isinstance(exc, DryRunError) and exc.__cause__ is not None:
+        return is_transient(exc.__cause__)
+    if isinstance(exc, (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError,
+                        RemoteEntryNotFoundError)):
+        return False
+    if isinstance(exc, HfHubHTTPError):
+        response = exc.response
+        return response is not None and response.status_code in TRANSIENT_STATUS
+    if isinstance(exc, (httpx.TransportError, LocalEntryNotFoundError)):
+        return True
+    # http_get checks the received size against the expected one after a dropped connection.
+    return isinstance(exc, OSError) and "Consistency check failed" in str(exc)
+
+
+def describe(exc: BaseException, repo_id: str, endpoint: str) -> HubError:
+    """Map any exception from a Hub call to a ``HubError`` with an actionable message."""
+    if isinstance(exc, HubError):
+        return exc
+    if isinstance(exc, DryRunError) and exc.__cause__ is not None:
+        return describe(exc.__cause__, repo_id, endpoint)
+    if isinstance(exc, GatedRepoError):
+        return GatedRepoAccessError(gated_message(repo_id, endpoint))
+    if isinstance(exc, RevisionNotFoundError):
+        return RepoNotFoundError(f"{repo_id} has no such revision (branch, tag or commit)")
+    if isinstance(exc, RepositoryNotFoundError):
+        return RepoNotFoundError(
+            f"{repo_id} was not found on {endpoint}: check the name; if it is private, set HF_TOKEN "
+            "or run `hf auth login` with an account that can see it")
+    if isinstance(exc, HfHubHTTPError) and _status(exc) in (401, 403):
+        return GatedRepoAccessError(gated_message(repo_id, endpoint))
+    if isinstance(exc, RemoteEntryNotFoundError):
+        return RepoNotFoundError(f"A file of {repo_id} is missing on the Hub: {_first_line(exc)}")
+    if isinstance(exc, OfflineModeIsEnabled):
+        return OfflineError(f"Cannot reach {endpoint} for {repo_id}: HF_HUB_OFFLINE is set in the environment")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return DiskFullError(f"The disk filled up while downloading {repo_id}; free some space and "
+                             "resume (the partial files are kept)")
+    if is_transient(exc):
+        return NetworkError(f"Cannot download {repo_id} from {endpoint}: {_first_line(exc)}")
+    return HubError(f"{repo_id}: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def gated_message(repo_id: str, endpoint: str) -> str:
+    has_token = huggingface_hub.get_token() is not None
+    token_part = ("your Hugging Face token has no access yet (wait for approval, or use a token of "
+                  "the account that was granted access)") if has_token else (
+        "then set HF_TOKEN or run `hf auth login` so Hearth can use your token")
+    return (f"{repo_id} is gated: open {endpoint}/{repo_id} and accept its conditions to request "
+            f"access; {token_part}")
+
+
+def _status(exc: HfHubHTTPError) -> int | None:
+    return exc.response.status_code if exc.response is not None else None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__

@@ -1,0 +1,197 @@
+"""Will this model run here? A verdict from the weights' size, the config and this machine.
+
+The estimate, per request of ``context_length`` tokens:
+- caches: every layer keeps the MLA latent (``kv_lora_rank + qk_rope_head_dim`` = 576 values, bf16)
+  per token, and DSA models (DeepSeek-V3.2, GLM-5) also the indexer key (132 bytes: 128 FP8 values +
+  one fp32 scale) per token;
+- routed experts: MoE layers x ``n_routed_experts`` x 3 matrices x ``hidden_size`` x
+  ``moe_intermediate_size`` x bytes per parameter (1 for FP8 checkpoints, else the config's dtype);
+  the rest of the weights (attention, shared experts, embeddings) is "dense".
+
+Verdicts: everything on the GPU; dense weights + caches + an expert cache on the GPU with the
+experts in (pinned) RAM; CPU only when there is no CUDA device; or does not fit.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from hearth.app.hub.catalog import DSA_MODEL_TYPES, RepoDetails
+from hearth.app.hub.context import HubContext
+from hearth.app.hub.units import GIB, format_bytes
+from hearth.app.store.settings import Settings
+
+GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, activations, allocator slack
+RAM_RESERVE_BYTES = 4 * GIB  # the OS, the app and the engine host's Python
+LATENT_VALUES_PER_TOKEN = 576  # MLA default: kv_lora_rank 512 + qk_rope_head_dim 64
+INDEXER_KEY_BYTES_PER_TOKEN = 132
+CACHE_VALUE_BYTES = 2  # bf16
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+class Verdict(StrEnum):
+    GPU = "runs on the GPU"
+    EXPERTS_IN_RAM = "runs with experts in RAM"
+    CPU_ONLY = "runs on the CPU only (slow)"
+    DOES_NOT_FIT = "does not fit"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Memory Hearth may use. ``gpu_bytes`` None = no CUDA device."""
+
+    gpu_bytes: int | None
+    ram_bytes: int
+    disk_free_bytes: int
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A model's memory needs, independent of the machine."""
+
+    weights_bytes: int
+    experts_bytes: int
+    num_layers: int
+    cache_bytes_per_token: int
+    num_moe_layers: int
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.weights_bytes - self.experts_bytes
+
+    def cache_bytes(self, context_length: int) -> int:
+        return self.cache_bytes_per_token * context_length
+
+
+@dataclass(frozen=True)
+class FitReport:
+    verdict: Verdict
+    gpu_needed_bytes: int
+    gpu_bytes: int | None
+    ram_needed_bytes: int
+    ram_bytes: int
+    cache_bytes: int
+    download_bytes: int
+    disk_free_bytes: int
+
+    @property
+    def fits_on_disk(self) -> bool:
+        return self.download_bytes <= self.disk_free_bytes
+
+    @property
+    def summary(self) -> str:
+        gpu = format_bytes(self.gpu_bytes) if self.gpu_bytes is not None else "no CUDA GPU"
+        line = (f"{self.verdict}: needs {format_bytes(self.gpu_needed_bytes)} GPU (has {gpu}) and "
+                f"{format_bytes(self.ram_needed_bytes)} RAM (has {format_bytes(self.ram_bytes)}); "
+                f"caches {format_bytes(self.cache_bytes)}")
+        if not self.fits_on_disk:
+            line += (f"; download {format_bytes(self.download_bytes)} but only "
+                     f"{format_bytes(self.disk_free_bytes)} free on disk")
+        return line
+
+
+def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> Footprint:
+    """Estimate the experts' share and the per-token cache size; no config = all dense."""
+    config = config or {}
+    num_layers = int(config.get("num_hidden_layers", 0))
+    latent = int(config.get("kv_lora_rank", 512)) + int(config.get("qk_rope_head_dim", 64))
+    per_layer = (latent if "kv_lora_rank" in config else LATENT_VALUES_PER_TOKEN) * CACHE_VALUE_BYTES
+    if config.get("model_type") in DSA_MODEL_TYPES:
+        per_layer += INDEXER_KEY_BYTES_PER_TOKEN
+    moe_layers = _num_moe_layers(config, num_layers)
+    per_expert = 3 * int(config.get("hidden_size", 0)) * int(config.get("moe_intermediate_size", 0))
+    experts = moe_layers * int(config.get("n_routed_experts") or 0) * per_expert * _param_bytes(config)
+    return Footprint(
+        weights_bytes=weights_bytes,
+        experts_bytes=min(experts, int(weights_bytes * 0.98)),
+        num_layers=num_layers,
+        cache_bytes_per_token=per_layer * num_layers,
+        num_moe_layers=moe_layers,
+    )
+
+
+def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
+               expert_cache_bytes: int | None = None, download_bytes: int = 0) -> FitReport:
+    """The best way this model runs on ``machine``, with the numbers behind the verdict."""
+    cache = footprint.cache_bytes(context_length)
+    all_on_gpu = footprint.weights_bytes + cache + GPU_RESERVE_BYTES
+    if expert_cache_bytes is None:  # at least one MoE layer's experts resident
+        expert_cache_bytes = footprint.experts_bytes // max(footprint.num_moe_layers, 1)
+    split_gpu = footprint.dense_bytes + cache + expert_cache_bytes + GPU_RESERVE_BYTES
+    split_ram = footprint.experts_bytes + RAM_RESERVE_BYTES
+    cpu_ram = footprint.weights_bytes + cache + RAM_RESERVE_BYTES
+
+    def report(verdict: Verdict, gpu_needed: int, ram_needed: int) -> FitReport:
+        return FitReport(verdict, gpu_needed, machine.gpu_bytes, ram_needed, machine.ram_bytes, cache,
+                         download_bytes, machine.disk_free_bytes)
+
+    gpu = machine.gpu_bytes
+    if gpu is None:
+        verdict = Verdict.CPU_ONLY if cpu_ram <= machine.ram_bytes else Verdict.DOES_NOT_FIT
+        return report(verdict, 0, cpu_ram)
+    if all_on_gpu <= gpu:
+        return report(Verdict.GPU, all_on_gpu, RAM_RESERVE_BYTES)
+    if footprint.experts_bytes > 0 and split_gpu <= gpu and split_ram <= machine.ram_bytes:
+        return report(Verdict.EXPERTS_IN_RAM, split_gpu, split_ram)
+    if footprint.experts_bytes > 0:
+        return report(Verdict.DOES_NOT_FIT, split_gpu, split_ram)
+    return report(Verdict.DOES_NOT_FIT, all_on_gpu, RAM_RESERVE_BYTES)
+
+
+def fit_for_repo(details: RepoDetails, settings: Settings, machine: Machine | None = None) -> FitReport:
+    """The verdict for a Hub repo with the user's context length and expert cache size."""
+    machine = machine or probe_machine(settings, HubContext.from_settings(settings).cache_dir)
+    expert_cache = int(settings.expert_cache_gib * GIB) if settings.expert_cache_gib else None
+    return assess_fit(footprint_from_config(details.config, details.weights_bytes), machine,
+                      context_length=settings.context_length, expert_cache_bytes=expert_cache,
+                      download_bytes=details.download_bytes())
+
+
+def probe_machine(settings: Settings, disk_path: Path) -> Machine:
+    """This machine's free GPU memory, available RAM and free disk, or the user's caps."""
+    gpu = _probe_gpu_bytes()
+    if settings.gpu_memory_gib is not None and gpu is not None:
+        gpu = int(settings.gpu_memory_gib * GIB)
+    ram = psutil.virtual_memory().available
+    if settings.host_memory_gib is not None:
+        ram = int(settings.host_memory_gib * GIB)
+    return Machine(gpu_bytes=gpu, ram_bytes=ram, disk_free_bytes=free_disk_bytes(disk_path))
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds ``path`` (or would, once created)."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _probe_gpu_bytes() -> int | None:
+    import torch  # lazy: importing torch costs seconds, and most commands never need it
+
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def _num_moe_layers(config: dict[str, Any], num_layers: int) -> int:
+    if not config.get("n_routed_experts"):
+        return 0
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    every = int(config.get("moe_layer_freq") or 1)
+    return sum(1 for layer in range(first_dense, num_layers) if layer % every == 0)
+
+
+def _param_bytes(config: dict[str, Any]) -> int:
+    quant = config.get("quantization_config") or {}
+    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "fp8":
+        return 1
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return _DTYPE_BYTES.get(dtype, 2)

@@ -1,0 +1,178 @@
+"""Models on this machine: what is installed, importing a local folder, resolving a name to a
+folder, and deleting a download.
+
+Downloaded models live in the Hugging Face cache (listed with the library's ``scan_cache_dir``,
+deleted with its ``delete_revisions(...).execute()``); ``models.json`` records which downloads
+finished verification (``is_ready``) and which local folders were imported under a name. Nothing
+here uses the network, so it all works in offline mode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from huggingface_hub import scan_cache_dir
+from huggingface_hub.errors import CacheNotFound
+from huggingface_hub.utils import CachedRepoInfo, CachedRevisionInfo
+
+from hearth.app.hub.catalog import SUPPORTED_MODEL_TYPES
+from hearth.app.hub.context import HubContext
+from hearth.app.hub.errors import HubError
+from hearth.app.hub.state import QueueFile, Registry
+from hearth.app.hub.transfer import RepoCache
+from hearth.app.store.settings import load_settings
+
+
+@dataclass(frozen=True)
+class InstalledModel:
+    """A model Hearth can see. ``is_ready``: downloaded and verified (or an imported folder)."""
+
+    name: str
+    path: Path
+    size_bytes: int
+    model_type: str | None
+    source: Literal["hub", "imported"]
+    is_ready: bool
+    commit: str | None
+
+    @property
+    def is_supported(self) -> bool:
+        return self.model_type in SUPPORTED_MODEL_TYPES
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "path": str(self.path), "size_bytes": self.size_bytes,
+                "model_type": self.model_type, "is_supported": self.is_supported, "source": self.source,
+                "is_ready": self.is_ready, "commit": self.commit}
+
+
+def list_installed(ctx: HubContext | None = None) -> list[InstalledModel]:
+    """Downloaded repos (from the HF cache) and imported folders, sorted by name."""
+    ctx = ctx or HubContext.from_settings(load_settings())
+    registry = Registry(ctx.registry_path)
+    ready = registry.ready()
+    models = []
+    for repo in _cached_repos(ctx):
+        revision = _pick_revision(repo, ready.get(repo.repo_id))
+        if revision is None:
+            continue
+        entry = ready.get(repo.repo_id)
+        models.append(InstalledModel(
+            name=repo.repo_id, path=revision.snapshot_path, size_bytes=repo.size_on_disk,
+            model_type=_model_type(revision.snapshot_path), source="hub",
+            is_ready=entry is not None and entry.get("commit") == revision.commit_hash,
+            commit=revision.commit_hash))
+    for name, folder in registry.imported().items():
+        path = Path(folder)
+        models.append(InstalledModel(name, path, _folder_size(path), _model_type(path), "imported",
+                                     is_ready=path.is_dir(), commit=None))
+    return sorted(models, key=lambda m: m.name.lower())
+
+
+def import_local_model(folder: str | Path, name: str | None = None,
+                       ctx: HubContext | None = None) -> InstalledModel:
+    """Record a local checkpoint folder under ``name`` (default: the folder's name)."""
+    ctx = ctx or HubContext.from_settings(load_settings())
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise HubError(f"{folder} is not a folder")
+    config = _read_config(path)
+    if config is None:
+        raise HubError(f"{path} has no readable config.json, so it is not a Hugging Face checkpoint")
+    if not any(path.glob("*.safetensors")):
+        raise HubError(f"{path} has no .safetensors weights (Hearth never loads pickled .bin/.pt files)")
+    name = name or path.name
+    if "/" in name or not name.strip():
+        raise HubError(f"{name!r} cannot name a model: use a name without '/' (those are Hub repo ids)")
+    Registry(ctx.registry_path).add_import(name, path)
+    return InstalledModel(name, path, _folder_size(path), config.get("model_type"), "imported", True, None)
+
+
+def resolve_model(name_or_path: str | Path, ctx: HubContext | None = None) -> Path:
+    """The folder to load: a folder path, an imported name, or a downloaded repo id's snapshot."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    ctx = ctx or HubContext.from_settings(load_settings())
+    name = str(name_or_path)
+    registry = Registry(ctx.registry_path)
+    imported = registry.imported().get(name)
+    if imported is not None:
+        if not Path(imported).is_dir():
+            raise HubError(f"The folder imported as {name} is gone ({imported}); import it again")
+        return Path(imported)
+    cache = RepoCache(ctx.cache_dir, name)
+    entry = registry.ready().get(name)
+    if entry is not None and cache.snapshot(entry["commit"]).is_dir():
+        return cache.snapshot(entry["commit"])
+    unfinished = [i for i in QueueFile(ctx.queue_path).load().values() if i.get("repo_id") == name]
+    if unfinished:
+        raise HubError(f"{name} is not fully downloaded yet; resume it with `hearth --cli pull {name}`")
+    for repo in _cached_repos(ctx):
+        revision = _pick_revision(repo, None) if repo.repo_id == name else None
+        if revision is not None and (revision.snapshot_path / "config.json").exists():
+            return revision.snapshot_path
+    raise HubError(f"No model called {name}: not a folder, an imported name or a downloaded repo "
+                   "(see `hearth --cli models`)")
+
+
+def delete_model(name: str, ctx: HubContext | None = None) -> int:
+    """Forget an imported name (its folder stays) or delete a download; returns bytes freed."""
+    ctx = ctx or HubContext.from_settings(load_settings())
+    registry = Registry(ctx.registry_path)
+    if registry.remove_import(name):
+        return 0
+    freed = 0
+    repo = next((r for r in _cached_repos(ctx) if r.repo_id == name), None)
+    if repo is not None:
+        strategy = scan_cache_dir(ctx.cache_dir).delete_revisions(*(r.commit_hash for r in repo.revisions))
+        freed = strategy.expected_freed_size
+        strategy.execute()
+    folder = RepoCache(ctx.cache_dir, name).folder
+    if folder.exists():  # partial downloads the cache scanner does not list as a revision
+        freed += _folder_size(folder)
+        shutil.rmtree(folder)
+    elif repo is None:
+        raise HubError(f"{name} is not installed (see `hearth --cli models`)")
+    registry.unmark_ready(name)
+    QueueFile(ctx.queue_path).remove_repo(name)
+    return freed
+
+
+def _cached_repos(ctx: HubContext) -> list[CachedRepoInfo]:
+    try:
+        info = scan_cache_dir(ctx.cache_dir)
+    except CacheNotFound:
+        return []
+    return [r for r in info.repos if r.repo_type == "model"]
+
+
+def _pick_revision(repo: CachedRepoInfo, ready: dict[str, Any] | None) -> CachedRevisionInfo | None:
+    revisions = sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True)
+    by_commit = {r.commit_hash: r for r in revisions}
+    if ready is not None and ready.get("commit") in by_commit:
+        return by_commit[ready["commit"]]
+    on_main = [r for r in revisions if "main" in r.refs]
+    return (on_main or revisions or [None])[0]
+
+
+def _read_config(folder: Path) -> dict[str, Any] | None:
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _model_type(folder: Path) -> str | None:
+    config = _read_config(folder)
+    return config.get("model_type") if config else None
+
+
+def _folder_size(folder: Path) -> int:
+    if not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())

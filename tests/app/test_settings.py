@@ -1,0 +1,84 @@
+"""Settings: defaults, round trip, unknown keys kept, bad values and corrupt files survived, atomic
+writes; and Hearth's folders under HEARTH_HOME."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from hearth.app import paths
+from hearth.app.store.settings import Settings, SettingsError, load_settings, save_settings
+
+
+def test_missing_file_gives_defaults():
+    assert load_settings() == Settings()
+    assert Settings().hf_endpoint == "https://huggingface.co" and Settings().hf_cache_dir is None
+
+
+def test_round_trip_keeps_unknown_keys(tmp_path):
+    path = paths.settings_path()
+    path.write_text(json.dumps({"theme": "dark", "future_option": {"x": 1}}))
+    settings = load_settings()
+    assert settings.theme == "dark"
+    changed = settings.replace(download_parallelism=8, gpu_memory_gib=20.5, default_model="org/m")
+    save_settings(changed)
+    assert load_settings() == changed
+    raw = json.loads(path.read_text())
+    assert raw["future_option"] == {"x": 1} and raw["download_parallelism"] == 8
+    assert "token" not in " ".join(raw).lower()
+    assert [p.name for p in path.parent.iterdir()] == ["settings.json"]  # no temp file left
+
+
+def test_corrupt_file_is_set_aside_not_lost(caplog):
+    path = paths.settings_path()
+    path.write_text('{"theme": "dark",')
+    with caplog.at_level(logging.WARNING):
+        assert load_settings() == Settings()
+    assert "not valid JSON" in caplog.text
+    [aside] = [p for p in path.parent.iterdir() if p.name.startswith("settings.json.corrupt-")]
+    assert aside.read_text() == '{"theme": "dark",' and not path.exists()
+    save_settings(Settings(theme="light"))
+    assert load_settings().theme == "light"
+
+
+def test_a_bad_value_falls_back_alone(caplog):
+    paths.settings_path().write_text(json.dumps(
+        {"theme": "neon", "offline": True, "download_parallelism": "4", "context_length": True}))
+    with caplog.at_level(logging.WARNING):
+        settings = load_settings()
+    assert settings.offline is True
+    assert (settings.theme, settings.download_parallelism, settings.context_length) == ("system", 4, 8192)
+    assert "theme" in caplog.text and "download_parallelism" in caplog.text
+
+
+@pytest.mark.parametrize("changes", [
+    {"hf_endpoint": "ftp://mirror"}, {"download_parallelism": 0}, {"gpu_memory_gib": -1.0},
+    {"context_length": 1}, {"theme": "blue"}, {"offline": "yes"},
+])
+def test_invalid_values_are_rejected(changes):
+    with pytest.raises(SettingsError):
+        Settings(**changes)
+
+
+def test_endpoint_trailing_slash_is_dropped():
+    assert Settings(hf_endpoint="https://hf-mirror.com/").hf_endpoint == "https://hf-mirror.com"
+
+
+def test_hearth_home_holds_every_folder(isolated_home: Path):
+    folders = [paths.config_dir(), paths.data_dir(), paths.cache_dir(), paths.runtime_dir(), paths.log_dir()]
+    assert all(f.is_dir() and f.parent == isolated_home for f in folders)
+    assert len(set(folders)) == 5
+    assert paths.settings_path() == isolated_home / "config" / "settings.json"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="XDG folders are Linux's")
+def test_platform_folders_without_hearth_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("HEARTH_HOME")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    assert paths.config_dir() == tmp_path / "xdg-config" / "hearth"
+    assert paths.data_dir() == tmp_path / "xdg-data" / "hearth"
