@@ -102,6 +102,11 @@ class EngineConfig:
     expert_cache_slots: experts per MoE layer held in the cache (None: the planner decides).
     expert_cache_policy: "lru" or "lfu" eviction.
     gpu_memory_gib / expert_cache_gib / host_memory_gib: caps for the memory planner.
+    mli: Multi-layer Indexer: a layer attends the selection of the previous indexer layer while its
+        own indexer feeds the next layers (on CUDA it runs on a side stream, overlapping the
+        layer's attention). Changes the math slightly (selections shift by one indexer layer).
+    index_topk_freq / index_skip_topk_offset / index_topk_pattern: IndexCache retention for models
+        that do not ship it (keep an indexer on every freq-th layer, or an F/S pattern).
     scheduler: "sync" advances every running request through the same layer together;
         "runahead" lets requests whose experts are resident run ahead to later layers while
         others wait for expert fetches (see hearth.engine.runahead); "prefetch" is "sync" plus a
@@ -124,6 +129,10 @@ class EngineConfig:
     gpu_memory_gib: float | None = None
     expert_cache_gib: float | None = None
     host_memory_gib: float | None = None
+    mli: bool = False
+    index_topk_freq: int | None = None
+    index_skip_topk_offset: int | None = None
+    index_topk_pattern: str | None = None
     scheduler: Literal["sync", "runahead", "prefetch"] = "sync"
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ the field, rather than silently computing something else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -142,6 +143,18 @@ class ModelConfig:
         """True for DSA layers that run their own indexer ("full"), False for IndexCache
         "shared" layers that reuse the previous full layer's selection."""
         return self.has_indexer and self.indexer_types is not None and self.indexer_types[layer] == "full"
+
+    def with_index_retention(self, freq: int | None = None, offset: int | None = None,
+                             pattern: str | None = None) -> ModelConfig:
+        """IndexCache retention for models that ship an indexer in every layer: keep the indexer
+        on "full" layers only (every ``freq``-th after ``offset``, or an F/S ``pattern``); the
+        other layers reuse the previous full layer's top-k."""
+        if not self.has_indexer or (freq is None and pattern is None):
+            return self
+        raw: dict[str, Any] = {"index_topk_freq": freq, "index_skip_topk_offset": offset,
+                               "index_topk_pattern": pattern}
+        types = _indexer_types({k: v for k, v in raw.items() if v is not None}, self.num_hidden_layers)
+        return dataclasses.replace(self, indexer_types=types)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

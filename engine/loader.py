@@ -163,15 +163,17 @@ ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
-                    faithful: bool = False, skip_routed_experts: bool = False) -> DeepseekForCausalLM:
+                    faithful: bool = False, skip_routed_experts: bool = False,
+                    config: ModelConfig | None = None) -> DeepseekForCausalLM:
     """Build the model for ``path/config.json`` and fill it from the folder's safetensors.
 
     skip_routed_experts: leave the routed experts out (they are served from an expert store and
-    cache instead); their module parameters stay on the meta device."""
+    cache instead); their module parameters stay on the meta device. ``config`` replaces the
+    folder's config.json (e.g. with IndexCache retention applied)."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a model folder")
-    config = ModelConfig.from_file(folder)
+    config = config or ModelConfig.from_file(folder)
     files = CheckpointFiles(folder)
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, faithful)

@@ -49,7 +49,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         keep_fp8 = config.keep_fp8 if config.keep_fp8 is not None else self.device.type == "cuda"
-        self.model_config = ModelConfig.from_file(path)
+        self.model_config = ModelConfig.from_file(path).with_index_retention(
+            config.index_topk_freq, config.index_skip_topk_offset, config.index_topk_pattern)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         self.block_size = config.block_size
@@ -59,7 +60,10 @@ class ModelRunner:
         # Decide where the experts go before loading anything, so a model that cannot fit fails fast.
         self.placement = plan_placement(path, self.model_config, config, self.device, kv_bytes)
         self.model: DeepseekForCausalLM = load_checkpoint(
-            path, self.device, self.dtype, keep_fp8, config.faithful, skip_routed_experts=self.placement.offload)
+            path, self.device, self.dtype, keep_fp8, config.faithful, skip_routed_experts=self.placement.offload,
+            config=self.model_config)
+        for layer in self.model.layers:
+            layer.self_attn.mli = config.mli
         self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.expert_cache = None
         self.residency = None  # the expert cache as the runahead decoder sees it (when offloaded)

@@ -136,6 +136,7 @@ class MLAttention(nn.Module):
         self.rotary = Rotary(config.rope, self.rope_dim)
         # Force a form for tests: None = absorbed for single-token queries, expanded otherwise.
         self.force_absorbed: bool | None = None
+        self.mli = False  # Multi-layer Indexer mode (set by the runner)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
@@ -159,6 +160,7 @@ class MLAttention(nn.Module):
         latent_cache[ctx.slot_mapping] = torch.cat((kv, k_pe), dim=-1).to(latent_cache.dtype)
 
         selections = self._selections(x, q_resid, cos, sin, ctx)
+        side = getattr(self, "_pending_side", None)
         out = torch.empty(n, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for i, seq in enumerate(ctx.seqs):
             rows = slice(seq.start, seq.start + seq.q_len)
@@ -167,18 +169,37 @@ class MLAttention(nn.Module):
             absorbed = seq.q_len == 1 if self.force_absorbed is None else self.force_absorbed
             attend = self._attend_absorbed if absorbed else self._attend_expanded
             out[rows] = attend(q_nope[rows], q_pe[rows], latents, mask).to(x.dtype)
+        if side is not None:  # the next layer reads this layer's selection: join the side stream
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            self._pending_side = None
         return self.o_proj(out.flatten(1))
 
     def _selections(self, x, q_resid, cos, sin, ctx: ForwardContext) -> list[torch.Tensor] | None:
+        """Top-k per request for this layer's attention.
+
+        Plain DSA: this layer's own indexer, or (IndexCache "shared" layers) the last full layer's.
+        MLI: an indexer layer attends the previous indexer layer's selection while its own indexer
+        (independent of this layer's attention, so it can run concurrently on a side stream)
+        feeds the layers after it; the first indexer layer has no predecessor and uses its own.
+        """
         if not self.uses_dsa:
             return None
-        if self.indexer is not None:
+        previous = [ctx.selections[i] for i in range(len(ctx.seqs))] if len(ctx.selections) == len(ctx.seqs) \
+            else None
+        if self.indexer is None:
+            if previous is None:
+                raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer ran an indexer")
+            return previous
+        if self.mli and previous is not None and x.is_cuda:
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                chosen = self.indexer(x, q_resid, cos, sin, ctx, self.layer)
+            self._pending_side = side  # the next reader waits for it (see _join_side_stream)
+        else:
             chosen = self.indexer(x, q_resid, cos, sin, ctx, self.layer)
-            ctx.selections = dict(enumerate(chosen))
-            return chosen
-        if len(ctx.selections) != len(ctx.seqs):
-            raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer ran an indexer")
-        return [ctx.selections[i] for i in range(len(ctx.seqs))]
+        ctx.selections = dict(enumerate(chosen))
+        return previous if self.mli and previous is not None else chosen
 
     def _kv_b(self) -> torch.Tensor:
         return dense_weight(self.kv_b_proj).view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
