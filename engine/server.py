@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(create_app(host, api_key), args.host, args.port, args.port_file,
               label=host.model.name if host.model else "no model")
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: a normal stop
+        pass
     except OSError as err:
         print(f"error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -65,13 +66,19 @@ class RequestStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def events(self, request: Request) -> AsyncIterator[Event]:
-        """Events until ``Finished``; raises ClientGone if the client disconnects meanwhile."""
+        """Events until ``Finished``; raises ClientGone if the client disconnects meanwhile
+        (checked every ``_DISCONNECT_POLL_S``, whether or not events keep coming)."""
+        next_check = time.monotonic() + _DISCONNECT_POLL_S
         while True:
             try:
-                event = await asyncio.wait_for(self._queue.get(), _DISCONNECT_POLL_S)
+                event = await asyncio.wait_for(self._queue.get(), max(next_check - time.monotonic(), 0.0))
             except TimeoutError:
+                event = None
+            if time.monotonic() >= next_check:
                 if await request.is_disconnected():
-                    raise ClientGone() from None
+                    raise ClientGone()
+                next_check = time.monotonic() + _DISCONNECT_POLL_S
+            if event is None:
                 continue
             yield event
             if isinstance(event, Finished):

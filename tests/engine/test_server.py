@@ -176,6 +176,16 @@ def test_client_disconnect_aborts_the_request(server, client):
     assert stats["cache_blocks_free"] == stats["cache_blocks_total"]
 
 
+def test_client_disconnect_aborts_a_non_streaming_request(server):
+    before = _stats(server)["requests_aborted"]
+    body = {"model": "tiny-v32", "messages": MESSAGES, "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=0.3)
+    stats = wait_until(lambda: (s := _stats(server))["requests_aborted"] > before and s["running"] == 0 and s,
+                       timeout=10, what="the server to notice the disconnect")
+    assert stats["cache_blocks_free"] == stats["cache_blocks_total"]
+
+
 def test_stats_report_engine_and_memory(server):
     stats = _stats(server)
     assert stats["model"] == "tiny-v32" and stats["state"] == "ready"

@@ -1,0 +1,201 @@
+"""``hearth --cli chat``: a terminal chat with streaming answers.
+
+Answers come from the local engine host (started on demand as a background process, reused if
+one already serves the model, and stopped on exit if this chat started it; ``--keep-engine``
+leaves it running) or, with ``--backend URL`` / ``backend_url`` in the settings, from any
+OpenAI-compatible server.
+
+Commands: ``/system TEXT`` sets the system prompt (``/system`` alone clears it), ``/reset`` forgets
+the conversation, ``/stats`` shows the engine's statistics, ``/help``, ``/exit`` (or Ctrl-D).
+Ctrl-C stops the answer being written (what was written stays in the conversation); Ctrl-C twice
+in a row at the prompt quits. If the local engine dies, the next message restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from hearth.app.cli.common import (
+    Answer,
+    add_common_options,
+    api_key_of,
+    backend_of,
+    consume,
+    resolve_model_path,
+    sampling_options,
+)
+from hearth.app.cli.serve import format_stats
+from hearth.app.client.local_engine import EngineProcess
+from hearth.app.client.openai_client import ChatChunk, ChatClient, ClientError, EngineDiedError
+from hearth.app.store.settings import Settings, load_settings
+
+HELP = ("/system TEXT  set the system prompt (/system alone clears it)\n"
+        "/reset        start a new conversation\n"
+        "/stats        engine statistics\n"
+        "/exit         quit (also Ctrl-D, or Ctrl-C twice at the prompt)\n"
+        "Ctrl-C while an answer is written stops it.")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("chat", help="chat in the terminal", description=__doc__.split("\n\n")[0])
+    add_common_options(parser, sub=True)
+    parser.add_argument("--keep-engine", action="store_true",
+                        help="leave the local engine host running after the chat ends")
+    parser.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    session = ChatSession.open(args, load_settings(), sys.stderr)
+    try:
+        return Repl(session, args.system, sampling_options(args)).run()
+    finally:
+        session.close(keep_engine=getattr(args, "keep_engine", False))
+
+
+class ChatSession:
+    """A client, the model it talks to, and the local engine process behind it (if any)."""
+
+    def __init__(self, client: ChatClient, model: str, proc: EngineProcess | None = None) -> None:
+        self.client = client
+        self.model = model
+        self.proc = proc
+
+    @classmethod
+    def open(cls, args: argparse.Namespace, settings: Settings, err: TextIO) -> ChatSession:
+        url = backend_of(args, settings)
+        if url:
+            client = ChatClient(url, api_key_of(args))
+            return cls(client, args.model or _first_model(client))
+        path = resolve_model_path(args.model, settings)
+        print(f"Starting the engine for {path.name}...", file=err, flush=True)
+        proc = EngineProcess.ensure_running(path, max_model_len=args.max_model_len or settings.context_length)
+        client = proc.client()
+        return cls(client, _first_model(client), proc)
+
+    @property
+    def where(self) -> str:
+        return "the local engine" if self.proc else self.client.base_url
+
+    def stream(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> Iterator[ChatChunk]:
+        return self.client.stream_chat(self.model, messages, **sampling)
+
+    def recover(self, error: EngineDiedError) -> str:
+        """After the connection dropped: restart a dead local engine; returns what happened."""
+        if self.proc is None or self.proc.is_alive():
+            return str(error)
+        self.proc.restart()
+        self.client.close()
+        self.client = self.proc.client()
+        return "the engine stopped unexpectedly; it has been restarted, so send your message again"
+
+    def close(self, keep_engine: bool = False) -> None:
+        self.client.close()
+        if self.proc is not None and self.proc.started_here and not keep_engine:
+            self.proc.stop()
+
+
+class Repl:
+    """The read-answer loop. ``input()`` reads lines, so readline editing works on terminals."""
+
+    def __init__(self, session: ChatSession, system: str | None, sampling: dict[str, Any],
+                 out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self.session = session
+        self.system = system
+        self.sampling = sampling
+        self.history: list[dict[str, str]] = []
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+
+    def run(self) -> int:
+        print(f"Chatting with {self.session.model} ({self.session.where}). /help for commands.", file=self.err)
+        while True:
+            line = self._read()
+            if line is None:
+                return 0
+            if line.startswith("/"):
+                if not self._command(line):
+                    return 0
+            elif line:
+                self._answer(line)
+
+    def _read(self) -> str | None:
+        """The next line; None to quit (Ctrl-D, or a second Ctrl-C in a row)."""
+        warned = False
+        while True:
+            try:
+                return input("> ").strip()
+            except EOFError:
+                self.out.write("\n")
+                return None
+            except KeyboardInterrupt:
+                if warned:
+                    self.out.write("\n")
+                    return None
+                self.out.write("\n(press Ctrl-C again or type /exit to quit)\n")
+                warned = True
+
+    def _command(self, line: str) -> bool:
+        name, _, rest = line.partition(" ")
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/system":
+            self.system = rest.strip() or None
+            print("System prompt set." if self.system else "System prompt cleared.", file=self.err)
+        elif name == "/reset":
+            self.history.clear()
+            print("Conversation cleared.", file=self.err)
+        elif name == "/stats":
+            self._stats()
+        elif name == "/help":
+            print(HELP, file=self.err)
+        else:
+            print(f"unknown command {name}; /help lists them", file=self.err)
+        return True
+
+    def _stats(self) -> None:
+        try:
+            stats = self.session.client.stats()
+        except ClientError as err:
+            print(f"error: {err}", file=self.err)
+            return
+        print(format_stats(stats) if stats else "This backend does not report statistics.", file=self.out)
+
+    def _answer(self, text: str) -> None:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        messages = [*system, *self.history, {"role": "user", "content": text}]
+        answer = Answer()
+        chunks = self.session.stream(messages, self.sampling)
+        try:
+            consume(chunks, self.out, answer)
+        except KeyboardInterrupt:
+            chunks.close()  # closes the HTTP stream, so the server aborts the request
+            self.out.write("\n[stopped]\n")
+            self._remember(text, answer)
+            return
+        except EngineDiedError as err:
+            self.out.write("\n")
+            print(f"error: {self.session.recover(err)}", file=self.err)
+            return
+        except ClientError as err:
+            self.out.write("\n")
+            print(f"error: {err}", file=self.err)
+            return
+        self.out.write("\n")
+        print(answer.speed_line(), file=self.err, flush=True)
+        self._remember(text, answer)
+
+    def _remember(self, text: str, answer: Answer) -> None:
+        self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
+
+
+def _first_model(client: ChatClient) -> str:
+    models = client.models()
+    if not models:
+        raise ClientError(f"{client.base_url} serves no model; pass --model NAME")
+    return models[0]

@@ -1,0 +1,199 @@
+"""Pieces the CLI commands share: the common options, model and backend resolution, turning an
+answer stream into terminal output with a speed line, and the in-process engine as a chunk stream.
+
+Options are declared twice, on the top-level parser (so the E1 form ``hearth --cli --model DIR
+--prompt ...`` works) and on each subcommand with ``default=SUPPRESS`` (so ``hearth --cli run
+--model DIR`` works too, without the subcommand's defaults overwriting values given before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from hearth.app.client.openai_client import ChatChunk
+from hearth.app.store.settings import Settings
+from hearth.engine.api import HearthError
+
+API_KEY_ENV = "HEARTH_API_KEY"
+
+
+def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
+    """--model, --backend, --api-key, --max-model-len, --debug and the sampling options."""
+    d: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
+    parser.add_argument("--model", "-m", help="model folder, installed name or Hub repo id "
+                        "(default: the default model in the settings)", **d)
+    parser.add_argument("--backend", metavar="URL", help="use this OpenAI-compatible server instead of the "
+                        "local engine (default: backend_url in the settings)", **d)
+    parser.add_argument("--api-key", help=f"API key for --backend (default: ${API_KEY_ENV})", **d)
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="context length for the local engine (default: context_length in the settings)", **d)
+    parser.add_argument("--max-tokens", type=int, metavar="N", help="answer length limit (default: the context)", **d)
+    parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's)", **d)
+    parser.add_argument("--top-p", type=float, metavar="P", **d)
+    parser.add_argument("--top-k", type=int, metavar="K", **d)
+    parser.add_argument("--seed", type=int, metavar="S", help="make sampling reproducible", **d)
+    parser.add_argument("--system", metavar="TEXT", help="system prompt", **d)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks", **d)
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling options given on the command line (None = not given)."""
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed}
+
+
+def backend_of(args: argparse.Namespace, settings: Settings) -> str | None:
+    return args.backend or settings.backend_url
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def resolve_model_path(name: str | None, settings: Settings) -> Path:
+    """A model folder from a path or an installed name; falls back to the default model."""
+    name = name or settings.default_model
+    if not name:
+        raise HearthError(_no_model_message())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if _looks_like_path(name):
+        raise HearthError(f"{name}: no such model folder")
+    try:
+        from hearth.app.hub import resolve_model
+    except ImportError:  # the Hub manager is optional at run time
+        raise HearthError(f"{name}: no such model folder") from None
+    return Path(resolve_model(name))
+
+
+def _looks_like_path(name: str) -> bool:
+    """A folder the user meant (not an installed name or a repo id like ``org/model``)."""
+    return name.startswith((".", "~", os.sep)) or (os.altsep is not None and os.altsep in name) or \
+        Path(name).is_absolute() or name.count("/") > 1
+
+
+def _no_model_message() -> str:
+    try:
+        from hearth.app.hub import list_installed
+
+        names = [m.name for m in list_installed() if m.is_ready]
+    except Exception:  # listing is only a hint; never let it hide the real message
+        names = []
+    if names:
+        return f"no model given; pass --model NAME (installed: {', '.join(names)}) or set a default model"
+    return "no model given and none installed; pass --model DIR or download one with `hearth --cli pull REPO`"
+
+
+def read_prompt(prompt: str | None, stdin: TextIO) -> str:
+    """--prompt TEXT, or stdin for ``--prompt -`` or when stdin is piped and no prompt is given."""
+    if prompt == "-" or (prompt is None and not stdin.isatty()):
+        prompt = stdin.read()
+    if not prompt or not prompt.strip():
+        raise HearthError("no prompt: pass --prompt TEXT, or pipe the prompt on stdin")
+    return prompt
+
+
+def messages_for(prompt: str, system: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return [*messages, {"role": "user", "content": prompt}]
+
+
+# ---- answers -------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """What came back, and how fast."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    time_to_first_token_s: float | None = None
+    total_time_s: float = 0.0
+    chunks: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return int((self.usage or {}).get("completion_tokens", self.chunks))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        decode = self.total_time_s - (self.time_to_first_token_s or 0.0)
+        n = self.completion_tokens
+        return (n - 1) / decode if n > 1 and decode > 0 else None
+
+    def speed_line(self) -> str:
+        parts = [f"{self.completion_tokens} tokens"]
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        if self.time_to_first_token_s is not None:
+            parts.append(f"first token after {self.time_to_first_token_s:.2f} s")
+        if self.finish_reason == "length":
+            parts.append("stopped at the length limit")
+        return "[" + ", ".join(parts) + "]"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "finish_reason": self.finish_reason, "usage": self.usage,
+                "time_to_first_token_s": self.time_to_first_token_s, "tokens_per_s": self.tokens_per_s,
+                "total_time_s": self.total_time_s}
+
+
+def consume(chunks: Iterator[ChatChunk], out: TextIO | None, answer: Answer | None = None) -> Answer:
+    """Read a chunk stream to its end, echoing text to ``out`` as it comes. Pass ``answer`` to keep
+    the partial text when the stream is interrupted (KeyboardInterrupt propagates)."""
+    answer = answer or Answer()
+    start = time.perf_counter()
+    for chunk in chunks:
+        if chunk.text and answer.time_to_first_token_s is None:
+            answer.time_to_first_token_s = time.perf_counter() - start
+        if chunk.text:
+            answer.text += chunk.text
+            answer.chunks += 1
+            if out is not None:
+                out.write(chunk.text)
+                out.flush()
+        if chunk.finish_reason is not None or chunk.usage is not None:
+            answer.finish_reason = chunk.finish_reason or answer.finish_reason
+            answer.usage = chunk.usage or answer.usage
+        answer.total_time_s = time.perf_counter() - start
+    return answer
+
+
+def local_chunks(engine: Any, model_path: Path, messages: list[dict[str, Any]],
+                 options: dict[str, Any]) -> Iterator[ChatChunk]:
+    """The in-process engine's answer as ChatChunks (same shape as a server stream). Unset
+    sampling options take the model's generation_config.json values, as the engine host does."""
+    from hearth.engine.api import Finished, RequestError, SamplingParams
+    from hearth.engine.server_host import generation_defaults
+
+    ids = engine.encode(messages=messages)
+    room = engine.max_model_len - len(ids)
+    if room < 1:
+        raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {engine.max_model_len}; "
+                           "shorten it or raise --max-model-len")
+    given = {k: v for k, v in options.items() if v is not None and k != "max_tokens"}
+    sampling = SamplingParams(**{**generation_defaults(model_path), **given},
+                              max_tokens=min(options.get("max_tokens") or room, room))
+    for event in engine.generate(prompt_token_ids=ids, sampling=sampling):
+        if isinstance(event, Finished):
+            if event.reason not in ("stop", "length"):
+                raise HearthError(event.error or f"the answer ended with {event.reason}")
+            stats = event.stats
+            usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+                     "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+            yield ChatChunk("", event.reason, usage)
+        elif event.text:
+            yield ChatChunk(event.text)
+
+
+def print_json(data: Any, out: TextIO | None = None) -> None:
+    (out or sys.stdout).write(json.dumps(data, indent=2) + "\n")

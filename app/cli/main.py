@@ -1,0 +1,84 @@
+"""``hearth --cli ...``: the headless command line.
+
+    hearth --cli chat [--model M] [--backend URL]       chat in the terminal
+    hearth --cli run --model M --prompt "..." [--json]  answer one prompt
+    hearth --cli --model M --prompt "..."               the same (the one-shot form)
+    hearth --cli serve [--model M --host H --port P --api-key K]
+    hearth --cli stats [--json]                         the running engine's statistics
+    hearth --cli pull | rm | models | search            the model library (Hugging Face Hub)
+
+Errors print one line on stderr and exit with code 1 (``--debug`` shows the traceback); Ctrl-C
+exits with 130. Without a command, a prompt (``--prompt`` or piped stdin) runs one-shot and an
+interactive terminal opens the chat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+from hearth.app.cli import chat, run, serve
+from hearth.app.cli.common import add_common_options
+from hearth.engine.api import HearthError
+
+EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hearth --cli", description="Hearth without the window.",
+                                     epilog="Run `hearth --cli COMMAND --help` for a command's options.")
+    add_common_options(parser, sub=False)
+    run.add_run_options(parser, sub=False)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chat.add_parser(subparsers)
+    run.add_parser(subparsers)
+    serve.add_parser(subparsers)
+    _add_hub_commands(subparsers)
+    return parser
+
+
+def _add_hub_commands(subparsers: argparse._SubParsersAction) -> None:
+    try:
+        from hearth.app.cli.hub_commands import add_subcommands
+    except ImportError as err:  # the Hub manager is a separate piece; the rest of the CLI works without it
+        logging.getLogger(__name__).debug("hub commands unavailable: %s", err)
+        return
+    add_subcommands(subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        if args.prompt is None and sys.stdin.isatty():
+            args.func = chat.cmd_chat
+        else:
+            args.func = run.cmd_run
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(message)s")
+    return _call(args)
+
+
+def _call(args: argparse.Namespace) -> int:
+    try:
+        return int(args.func(args) or EXIT_OK)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of our output went away (`| head`)
+        return EXIT_ERROR
+    except HearthError as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as err:  # noqa: BLE001 - the CLI's promise is one line, not a traceback
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: unexpected {type(err).__name__}: {err} (run with --debug for details)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

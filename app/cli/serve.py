@@ -1,0 +1,100 @@
+"""``hearth --cli serve``: run the engine host (OpenAI-compatible API) in the foreground until
+Ctrl-C, and ``hearth --cli stats``: show the statistics of a running engine (local or --backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hearth.app.cli.common import api_key_of, print_json, resolve_model_path
+from hearth.app.store.settings import load_settings
+from hearth.engine.api import HearthError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the OpenAI-compatible engine host in the foreground",
+                                  description=__doc__.split("\n\n")[0])
+    serve.add_argument("--model", "-m", default=argparse.SUPPRESS,
+                       help="model folder or installed name (default: the default model in the settings)")
+    serve.add_argument("--served-name", help="the model name clients use (default: the folder name)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    serve.add_argument("--api-key", default=argparse.SUPPRESS, help="require this bearer token "
+                       "(default: $HEARTH_API_KEY; strongly advised with --host 0.0.0.0)")
+    serve.add_argument("--max-model-len", type=int, default=argparse.SUPPRESS, metavar="N",
+                       help="context length (default: context_length in the settings)")
+    serve.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="requests decoded together")
+    serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    serve.set_defaults(func=cmd_serve)
+
+    stats = subparsers.add_parser("stats", help="show the running engine's statistics")
+    stats.add_argument("--backend", metavar="URL", default=argparse.SUPPRESS,
+                       help="ask this server (default: the local engine host)")
+    stats.add_argument("--api-key", default=argparse.SUPPRESS, help="API key for --backend")
+    stats.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    stats.set_defaults(func=cmd_stats)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hearth.engine.server import main as server_main
+
+    settings = load_settings()
+    path = resolve_model_path(args.model, settings)
+    argv = ["--model", str(path), "--host", args.host, "--port", str(args.port),
+            "--max-model-len", str(args.max_model_len or settings.context_length),
+            "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
+    if args.served_name:
+        argv += ["--served-name", args.served_name]
+    key = api_key_of(args)
+    if key:
+        argv += ["--api-key", key]
+    if args.debug:
+        argv.append("--debug")
+    return server_main(argv)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from hearth.app.client.local_engine import EngineProcess
+    from hearth.app.client.openai_client import ChatClient
+
+    url = args.backend or load_settings().backend_url
+    if url:
+        client = ChatClient(url, api_key_of(args), timeout=10.0)
+    else:
+        proc = EngineProcess.find_running()
+        if proc is None:
+            raise HearthError("no local engine host is running (`hearth --cli chat` or `serve` starts one)")
+        client = proc.client(timeout=10.0)
+    with client:
+        stats = client.stats()
+    if args.json:
+        print_json(stats)
+    elif not stats:
+        print(f"{client.base_url} does not report statistics (not a Hearth engine host)")
+    else:
+        print(format_stats(stats))
+    return 0
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """A few readable lines from /hearth/stats."""
+    gib = 1024 ** 3
+    memory = stats.get("memory") or {}
+    lines = [
+        f"model      {stats.get('model') or '(none)'}  [{stats.get('state', '?')}]",
+        f"requests   {stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, "
+        f"{stats.get('requests_total', 0)} served",
+        f"speed      {stats.get('decode_tokens_per_s', 0.0):.1f} tok/s (last 5 s), "
+        f"{stats.get('generated_tokens', 0)} tokens generated",
+    ]
+    if "cache_blocks_total" in stats:
+        lines.append(f"kv cache   {stats['cache_blocks_free']} of {stats['cache_blocks_total']} pages free, "
+                     f"context {stats.get('max_model_len')} tokens")
+    if memory:
+        lines.append(f"memory     {memory.get('process_rss_bytes', 0) / gib:.2f} GiB resident, "
+                     f"{memory.get('host_available_bytes', 0) / gib:.1f} GiB of host RAM free")
+    for gpu in memory.get("gpus", []):
+        lines.append(f"gpu {gpu['index']}      {gpu['allocated_bytes'] / gib:.2f} GiB allocated, "
+                     f"{gpu['reserved_bytes'] / gib:.2f} GiB reserved of {gpu['total_bytes'] / gib:.1f} GiB")
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""The GUI's view of an engine, Qt-free: which models can be chosen, the demo model, and one object
+that talks to the engine host (local ``EngineProcess``) or a remote OpenAI-compatible backend.
+
+Everything here blocks, so the GUI calls it only from its engine worker thread or the thread pool.
+The model code itself never runs in the GUI process: the local engine is a separate host process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hearth.app.paths import data_dir
+from hearth.app.store.settings import Settings
+
+DEMO_LABEL = "Demo (random weights)"
+DEMO_ARCH = "deepseek_v32"
+_demo_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """An entry of the model picker. ``path`` is the folder the local engine loads (None: remote)."""
+
+    label: str
+    path: str | None
+    is_demo: bool = False
+    context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class Connected:
+    """A model is loaded and served under ``server_name``; ``context_length`` is what requests may hold."""
+
+    choice: ModelChoice
+    server_name: str
+    context_length: int
+
+
+def demo_model_dir() -> Path:
+    return data_dir() / "demo-model"
+
+
+def ensure_demo_model() -> Path:
+    """The demo model folder, written on first use (random weights, so its text is gibberish)."""
+    folder = demo_model_dir()
+    with _demo_lock:
+        if (folder / "config.json").is_file():
+            return folder
+        from hearth.engine.tiny import write_tiny_model  # lazy: imports torch
+
+        tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=folder.parent))
+        try:
+            write_tiny_model(tmp, DEMO_ARCH, seed=0)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def model_context_length(folder: str | Path | None) -> int | None:
+    """``max_position_embeddings`` from a model folder's config.json, if readable."""
+    if folder is None:
+        return None
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        return int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def available_models(settings: Settings) -> list[ModelChoice]:
+    """Installed, verified models Hearth can run, then the demo model (always offered)."""
+    from hearth.app.hub import HubContext, list_installed
+
+    choices = []
+    try:
+        installed = list_installed(HubContext.from_settings(settings))
+    except Exception:  # a broken cache must not hide the demo model
+        installed = []
+    for model in installed:
+        if model.is_ready and model.is_supported:
+            choices.append(ModelChoice(model.name, str(model.path), False, model_context_length(model.path)))
+    choices.append(ModelChoice(DEMO_LABEL, str(demo_model_dir()), True, 2048))
+    return choices
+
+
+def effective_context(settings: Settings, choice: ModelChoice) -> int:
+    limit = choice.context_length or model_context_length(choice.path)
+    return min(settings.context_length, limit) if limit else settings.context_length
+
+
+class Backend:
+    """One engine connection: the local engine host (default) or ``settings.backend_url``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._engine: Any = None  # hearth.app.client.local_engine.EngineProcess
+        self._client: Any = None  # hearth.app.client.openai_client.ChatClient (streams)
+        self._stats_client: Any = None  # a second client: stats are polled from another thread
+        self.connected: Connected | None = None
+
+    @property
+    def is_remote(self) -> bool:
+        return bool(self.settings.backend_url)
+
+    def connect(self, choice: ModelChoice) -> Connected:
+        """Load ``choice`` (starting the engine host if needed); returns what is now served."""
+        from hearth.app.client.openai_client import ChatClient
+
+        if choice.is_demo:
+            ensure_demo_model()
+        if self.is_remote:
+            base_url, api_key = self.settings.backend_url, None
+        else:
+            base_url, api_key = self._ensure_local(choice)
+        self._close_clients()
+        self._client = ChatClient(base_url, api_key=api_key)
+        self._stats_client = ChatClient(base_url, api_key=api_key)
+        server_name = self._server_name(choice)
+        self.connected = Connected(choice, server_name, effective_context(self.settings, choice))
+        return self.connected
+
+    def _ensure_local(self, choice: ModelChoice) -> tuple[str, str | None]:
+        from hearth.app.client.local_engine import EngineProcess
+
+        if choice.path is None:
+            raise ValueError(f"{choice.label} has no local folder to load")
+        path = str(Path(choice.path).expanduser().resolve())
+        options = self._engine_options(choice)
+        engine = self._engine
+        if not (engine is not None and engine.model == path and engine.options == options and engine.is_alive()):
+            self._engine = EngineProcess.ensure_running(path, **options)
+        return self._engine.base_url, self._engine.api_key
+
+    def _engine_options(self, choice: ModelChoice) -> dict[str, Any]:
+        # NOTE: the engine host takes max_model_len today; the GPU memory and expert-cache budgets
+        # are saved settings the host does not accept yet (see EngineProcess.OPTIONS).
+        return {"max_model_len": effective_context(self.settings, choice)}
+
+    def _server_name(self, choice: ModelChoice) -> str:
+        try:
+            names = [_model_id(m) for m in self._client.models()]
+        except Exception:
+            names = []
+        if self.is_remote:
+            return choice.label if choice.label in names or not names else names[0]
+        return names[0] if names else (choice.path or choice.label)
+
+    def stream(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[Any]:
+        """``ChatChunk``s of one answer; closing the iterator aborts the request."""
+        if self.connected is None or self._client is None:
+            raise RuntimeError("No model is loaded")
+        return self._client.stream_chat(self.connected.server_name, messages, **sampling)
+
+    def stats(self) -> dict[str, Any]:
+        if self._stats_client is None:
+            return {}
+        return dict(self._stats_client.stats())
+
+    def is_alive(self) -> bool:
+        if self.is_remote:
+            return self._stats_client is not None
+        return self._engine is not None and bool(self._engine.is_alive())
+
+    def engine_pid(self) -> int | None:
+        return None if self._engine is None else int(self._engine.pid)
+
+    def restart(self) -> Connected | None:
+        """Start the engine host again (same model and options) and reconnect to it."""
+        choice = self.connected.choice if self.connected else None
+        self.connected = None
+        if self._engine is not None and not self.is_remote:
+            self._engine.restart()
+        return self.connect(choice) if choice is not None else None
+
+    def _close_clients(self) -> None:
+        for client in (self._client, self._stats_client):
+            if client is not None:
+                client.close()
+        self._client = self._stats_client = None
+
+    def close(self) -> None:
+        self._close_clients()
+        if self._engine is not None:
+            self._engine.stop()
+            self._engine = None
+        self.connected = None
+
+
+def _model_id(entry: Any) -> str:
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, dict):
+        return str(entry.get("id"))
+    return str(getattr(entry, "id", entry))

@@ -1,0 +1,320 @@
+"""The chat tab: controls on top, the thread in the middle, the composer below; and the logic of
+sending, streaming (coalesced on a 30 ms timer), stopping, regenerating, editing and versions.
+
+Every message is written to the store when it starts (an empty, incomplete answer) and when it
+completes or stops; ``save_partial()`` writes a running answer (used when quitting).
+"""
+
+from __future__ import annotations
+
+from hearth.app.gui.backend import Connected, ModelChoice
+from hearth.app.gui.chat_controls import ContextMeter, ModelPicker, SamplingPanel, SystemPromptPanel
+from hearth.app.gui.chat_view import ChatView
+from hearth.app.gui.engine_worker import EngineThread, GenerationResult
+from hearth.app.gui.message_widget import MessageView
+from hearth.app.gui.qt import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTimer, QVBoxLayout, QWidget, Signal
+from hearth.app.gui.resources import icon
+from hearth.app.store.chats import ChatStore, Message, Preset
+
+FLUSH_MS = 30
+
+
+class Composer(QPlainTextEdit):
+    """The message box. Ctrl+Enter sends (a window shortcut handles it)."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("composer")
+        self.setPlaceholderText("Message the model (Ctrl+Enter to send, Esc to stop)")
+        self.setMaximumHeight(110)
+
+
+class ChatPanel(QWidget):
+    conversation_changed = Signal(int)  # a conversation was created or changed (sidebar refresh)
+    model_chosen = Signal(object)  # ModelChoice
+    busy_changed = Signal(bool)
+
+    def __init__(self, store: ChatStore, engine: EngineThread, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.store, self.engine = store, engine
+        self.conversation_id: int | None = None
+        self.connected: Connected | None = None
+        self.editing_id: int | None = None
+        self._request_id = 0
+        self._answer: Message | None = None
+        self._answer_text = ""
+        self._pending: list[str] = []
+        self._last_usage = 0
+        self._flush_timer = QTimer(self)
+        self._flush_timer.setInterval(FLUSH_MS)
+        self._flush_timer.timeout.connect(self._flush)
+        self._build()
+        self._wire()
+
+    # ---- layout -----------------------------------------------------------------------------
+    def _build(self) -> None:
+        layout = QVBoxLayout(self)
+        top = QHBoxLayout()
+        self.model_picker = ModelPicker(self)
+        self.system_button = self._toggle("System prompt", "system")
+        self.sampling_button = self._toggle("Sampling", "settings")
+        self.context_meter = ContextMeter(self)
+        for widget in (QLabel("Model:"), self.model_picker, self.system_button, self.sampling_button):
+            top.addWidget(widget)
+        top.addStretch(1)
+        top.addWidget(self.context_meter)
+        layout.addLayout(top)
+        self.system_panel = SystemPromptPanel(self)
+        self.sampling_panel = SamplingPanel(self)
+        self.system_panel.hide()
+        self.sampling_panel.hide()
+        self.system_button.toggled.connect(self.system_panel.setVisible)
+        self.sampling_button.toggled.connect(self.sampling_panel.setVisible)
+        layout.addWidget(self.system_panel)
+        layout.addWidget(self.sampling_panel)
+        self.view = ChatView(self)
+        layout.addWidget(self.view, 1)
+        self.edit_banner = QLabel("Editing a message: Send adds it as a new version (Esc cancels).", self)
+        self.edit_banner.setObjectName("hintLabel")
+        self.edit_banner.hide()
+        layout.addWidget(self.edit_banner)
+        layout.addLayout(self._composer_row())
+
+    def _composer_row(self) -> QHBoxLayout:
+        row = QHBoxLayout()
+        self.composer = Composer(self)
+        self.send_button = QPushButton(icon("send"), "Send", self)
+        self.send_button.setObjectName("primary")
+        self.send_button.setToolTip("Send (Ctrl+Enter)")
+        self.stop_button = QPushButton(icon("stop"), "Stop", self)
+        self.stop_button.setToolTip("Stop the answer (Esc)")
+        self.stop_button.hide()
+        row.addWidget(self.composer, 1)
+        row.addWidget(self.send_button)
+        row.addWidget(self.stop_button)
+        return row
+
+    def _toggle(self, text: str, icon_name: str) -> QPushButton:
+        button = QPushButton(icon(icon_name), text, self)
+        button.setCheckable(True)
+        return button
+
+    def _wire(self) -> None:
+        self.send_button.clicked.connect(self.send)
+        self.stop_button.clicked.connect(self.stop)
+        self.model_picker.chosen.connect(self.model_chosen)
+        self.view.edit_requested.connect(self.begin_edit)
+        self.view.regenerate_requested.connect(self.regenerate)
+        self.view.version_requested.connect(self.show_version)
+        self.sampling_panel.changed.connect(self._save_sampling)
+        self.system_panel.save_preset_requested.connect(self._save_preset)
+        self.system_panel.delete_preset_requested.connect(self._delete_preset)
+        self.system_panel.preset_chosen.connect(self._apply_preset)
+        worker = self.engine.worker
+        worker.chunk.connect(self._on_chunk)
+        worker.generation_done.connect(self._on_done)
+        self.system_panel.set_presets(self.store.presets())
+
+    # ---- state ------------------------------------------------------------------------------
+    @property
+    def is_busy(self) -> bool:
+        return self._answer is not None
+
+    def set_connected(self, connected: Connected | None) -> None:
+        self.connected = connected
+        if connected is not None:
+            self.sampling_panel.set_values(self.store.model_sampling(connected.choice.label))
+        self._update_buttons()
+        self._update_meter()
+
+    def _update_buttons(self) -> None:
+        self.send_button.setVisible(not self.is_busy)
+        self.stop_button.setVisible(self.is_busy)
+        self.send_button.setEnabled(self.connected is not None)
+        self.model_picker.setEnabled(not self.is_busy)
+        self.view.set_busy(self.is_busy)
+
+    def load_conversation(self, conversation_id: int | None) -> None:
+        """Show a conversation (None: a fresh, unsaved one)."""
+        if self.is_busy:
+            return
+        self.save_system_prompt()
+        self.conversation_id = conversation_id
+        self.cancel_edit()
+        conv = self.store.conversation(conversation_id) if conversation_id is not None else None
+        self.system_panel.editor.setPlainText(conv.system_prompt if conv else "")
+        self._last_usage = 0
+        self._reload_thread()
+
+    def _reload_thread(self) -> None:
+        thread = self.store.thread(self.conversation_id) if self.conversation_id is not None else []
+        views = [MessageView(m, tuple(v.id for v in self.store.versions(m.id))) for m in thread]
+        self.view.set_thread(views)
+        self._update_meter()
+
+    # ---- actions ----------------------------------------------------------------------------
+    def send(self) -> None:
+        text = self.composer.toPlainText().strip()
+        if not text or self.is_busy or self.connected is None:
+            return
+        conv_id = self._ensure_conversation(text)
+        if self.editing_id is not None:
+            parent_id = self.store.message(self.editing_id).parent_id
+        else:
+            parent_id = self.store.conversation(conv_id).current_leaf_id
+        user = self.store.add_message(conv_id, "user", text, parent_id=parent_id)
+        self.composer.clear()
+        self.cancel_edit()
+        self._start_answer(user)
+
+    def regenerate(self, assistant_id: int) -> None:
+        if self.is_busy or self.connected is None:
+            return
+        parent_id = self.store.message(assistant_id).parent_id
+        if parent_id is not None:
+            self._start_answer(self.store.message(parent_id))
+
+    def show_version(self, message_id: int) -> None:
+        if not self.is_busy:
+            self.store.select_version(message_id)
+            self._reload_thread()
+
+    def begin_edit(self, user_id: int) -> None:
+        if self.is_busy:
+            return
+        self.editing_id = user_id
+        self.composer.setPlainText(self.store.message(user_id).content)
+        self.edit_banner.show()
+        self.composer.setFocus()
+
+    def cancel_edit(self) -> None:
+        self.editing_id = None
+        self.edit_banner.hide()
+
+    def stop(self) -> None:
+        if self.is_busy:
+            self.engine.worker.stop()
+        elif self.editing_id is not None:
+            self.cancel_edit()
+            self.composer.clear()
+
+    def _ensure_conversation(self, first_text: str) -> int:
+        if self.conversation_id is None:
+            title = " ".join(first_text.split())[:48] or "New chat"
+            conv = self.store.create_conversation(title, system_prompt=self.system_panel.text(),
+                                                  model=self._model_label())
+            self.conversation_id = conv.id
+        else:
+            self.save_system_prompt()
+        self.conversation_changed.emit(self.conversation_id)
+        return self.conversation_id
+
+    def _start_answer(self, user: Message) -> None:
+        assert self.conversation_id is not None and self.connected is not None
+        history = self.store.thread(self.conversation_id, user.id)
+        self._answer = self.store.add_message(self.conversation_id, "assistant", "", parent_id=user.id,
+                                              model=self._model_label(), is_complete=False)
+        self._answer_text, self._pending = "", []
+        self._reload_thread()
+        self._request_id += 1
+        self.engine.request_generate.emit(self._request_id, self._messages(history), self.sampling_panel.values())
+        self._flush_timer.start()
+        self._update_buttons()
+        self.busy_changed.emit(True)
+
+    def _messages(self, history: list[Message]) -> list[dict[str, str]]:
+        system = self.system_panel.text()
+        messages = [{"role": "system", "content": system}] if system else []
+        return messages + [{"role": m.role, "content": m.content} for m in history if m.content or m.role == "user"]
+
+    def _model_label(self) -> str | None:
+        return self.connected.choice.label if self.connected else None
+
+    # ---- streaming --------------------------------------------------------------------------
+    def _on_chunk(self, request_id: int, text: str) -> None:
+        if request_id == self._request_id and self._answer is not None:
+            self._pending.append(text)
+
+    def _flush(self) -> None:
+        if not self._pending or self._answer is None:
+            return
+        self._answer_text += "".join(self._pending)
+        self._pending.clear()
+        widget = self.view.widget_for(self._answer.id)
+        if widget is not None:
+            widget.set_text(self._answer_text)
+        self._update_meter()
+
+    def _on_done(self, result: GenerationResult) -> None:
+        if result.request_id != self._request_id or self._answer is None:
+            return
+        self._flush()
+        self._flush_timer.stop()
+        text = result.text or self._answer_text
+        complete = result.finish_reason in ("stop", "length")
+        message = self.store.finish_message(self._answer.id, text, stats=result.stats,
+                                            finish_reason=result.finish_reason, is_complete=complete)
+        self._answer = None
+        if result.stats.prompt_tokens is not None and result.stats.completion_tokens is not None:
+            self._last_usage = result.stats.prompt_tokens + result.stats.completion_tokens
+        self.view.update_message(message)
+        self._update_buttons()
+        self._update_meter()
+        self.busy_changed.emit(False)
+        if result.error and not result.engine_died:
+            self.window().statusBar().showMessage(f"The answer failed: {result.error}", 10_000)
+        if self.conversation_id is not None:
+            self.conversation_changed.emit(self.conversation_id)
+
+    def save_partial(self) -> None:
+        """Write the running answer as it is now (quitting mid-answer keeps it) and stop it."""
+        if self._answer is None:
+            return
+        self._flush()
+        self._flush_timer.stop()
+        self.store.finish_message(self._answer.id, self._answer_text, finish_reason="abort", is_complete=False)
+        self._answer = None
+        self.engine.worker.stop()
+
+    # ---- context meter, sampling, presets ---------------------------------------------------
+    def _update_meter(self) -> None:
+        limit = self.connected.context_length if self.connected else 0
+        if self._last_usage and not self.is_busy:
+            self.context_meter.set_usage(self._last_usage, limit)
+            return
+        chars = len(self.system_panel.text()) + len(self._answer_text)
+        if self.conversation_id is not None:
+            chars += sum(len(m.content) for m in self.store.thread(self.conversation_id))
+        self.context_meter.set_usage((chars + 3) // 4, limit, estimated=True)
+
+    def _save_sampling(self) -> None:
+        if self.connected is not None:
+            self.store.save_model_sampling(self.connected.choice.label, self.sampling_panel.values())
+
+    def save_system_prompt(self) -> None:
+        if self.conversation_id is not None:
+            self.store.update_conversation(self.conversation_id, system_prompt=self.system_panel.text())
+
+    def _save_preset(self, name: str) -> None:
+        if not name:
+            self.window().statusBar().showMessage("Give the preset a name first", 5000)
+            return
+        self.store.save_preset(Preset(name, self.system_panel.text(), self.sampling_panel.values()))
+        self.system_panel.set_presets(self.store.presets())
+
+    def _delete_preset(self, name: str) -> None:
+        if name:
+            self.store.delete_preset(name)
+            self.system_panel.set_presets(self.store.presets())
+
+    def _apply_preset(self, preset: Preset | None) -> None:
+        if preset is None:
+            return
+        self.system_panel.editor.setPlainText(preset.system_prompt)
+        if preset.sampling:
+            self.sampling_panel.set_values(preset.sampling)
+            self._save_sampling()
+        self.save_system_prompt()
+
+    def set_choices(self, choices: list[ModelChoice], current_label: str | None) -> None:
+        self.model_picker.set_choices(choices, current_label)

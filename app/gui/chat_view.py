@@ -1,0 +1,76 @@
+"""The scrolling list of message bubbles of one conversation thread."""
+
+from __future__ import annotations
+
+from hearth.app.gui.message_widget import MessageView, MessageWidget
+from hearth.app.gui.qt import QFrame, QLabel, QScrollArea, Qt, QVBoxLayout, QWidget, Signal
+from hearth.app.store.chats import Message
+
+
+class ChatView(QScrollArea):
+    """Shows a thread; the last bubble can be updated in place while an answer streams."""
+
+    edit_requested = Signal(int)
+    regenerate_requested = Signal(int)
+    version_requested = Signal(int)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.dark = False
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        container = QWidget(self)
+        self._layout = QVBoxLayout(container)
+        self._layout.setContentsMargins(16, 12, 16, 12)
+        self._layout.setSpacing(10)
+        self._placeholder = QLabel("Start the conversation: type below and press Ctrl+Enter.", container)
+        self._placeholder.setObjectName("hintLabel")
+        self._placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self._layout.addWidget(self._placeholder)
+        self._layout.addStretch(1)
+        self.setWidget(container)
+        self.widgets: list[MessageWidget] = []
+        self.verticalScrollBar().rangeChanged.connect(self._follow)
+        self._stick_to_bottom = True
+
+    def set_thread(self, views: list[MessageView]) -> None:
+        for widget in self.widgets:
+            self._layout.removeWidget(widget)
+            widget.deleteLater()
+        self.widgets = [self._add(view) for view in views]
+        self._placeholder.setVisible(not views)
+        self._stick_to_bottom = True
+
+    def append(self, view: MessageView) -> MessageWidget:
+        widget = self._add(view)
+        self.widgets.append(widget)
+        self._placeholder.hide()
+        self._stick_to_bottom = True
+        return widget
+
+    def _add(self, view: MessageView) -> MessageWidget:
+        widget = MessageWidget(view, self.widget(), self.dark)
+        widget.edit_requested.connect(self.edit_requested)
+        widget.regenerate_requested.connect(self.regenerate_requested)
+        widget.version_requested.connect(self.version_requested)
+        self._layout.insertWidget(self._layout.count() - 1, widget)
+        return widget
+
+    def widget_for(self, message_id: int) -> MessageWidget | None:
+        return next((w for w in self.widgets if w.view.message.id == message_id), None)
+
+    def update_message(self, message: Message) -> None:
+        widget = self.widget_for(message.id)
+        if widget is not None:
+            widget.set_text(message.content)
+            widget.set_message(message)
+
+    def set_busy(self, busy: bool) -> None:
+        for widget in self.widgets:
+            widget.set_busy(busy)
+
+    def _follow(self, _minimum: int, maximum: int) -> None:
+        bar = self.verticalScrollBar()
+        if self._stick_to_bottom or maximum - bar.value() < 80:
+            bar.setValue(maximum)

@@ -1,0 +1,186 @@
+"""The engine worker: a QObject on its own QThread that owns all blocking engine calls.
+
+The GUI talks to it only through queued signals (``request_connect``, ``request_generate``,
+``request_restart``) and the thread-safe ``stop()``; it answers with signals. Each streamed chunk
+is emitted as it arrives; the chat panel coalesces them on a timer before re-rendering.
+Exceptions never escape the worker: they become ``connect_failed`` / ``generation_done`` with an
+error, and a dead engine host becomes ``engine_died``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hearth.app.gui.backend import Backend, ModelChoice
+from hearth.app.gui.qt import QObject, QThread, Signal, Slot
+from hearth.app.store.chats import MessageStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """How one answer ended. ``finish_reason`` is "stop", "length", "abort" or "error"."""
+
+    request_id: int
+    text: str
+    finish_reason: str
+    stats: MessageStats
+    error: str | None = None
+    engine_died: bool = False
+
+
+class EngineWorker(QObject):
+    """Lives on the engine thread; its slots run there, one at a time."""
+
+    connected = Signal(object)  # backend.Connected
+    connect_failed = Signal(str)
+    chunk = Signal(int, str)  # request id, new text
+    generation_done = Signal(object)  # GenerationResult
+    engine_died = Signal(str)
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__()
+        self.backend = backend
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Thread-safe: the running answer ends at its next chunk (the request is aborted)."""
+        self._stop.set()
+
+    @Slot(object)
+    def connect_model(self, choice: ModelChoice) -> None:
+        try:
+            self.connected.emit(self.backend.connect(choice))
+        except Exception as exc:
+            logger.warning("Could not load %s", choice.label, exc_info=exc)
+            self.connect_failed.emit(f"Could not load {choice.label}: {exc}")
+
+    @Slot()
+    def restart(self) -> None:
+        try:
+            result = self.backend.restart()
+        except Exception as exc:
+            logger.warning("Engine restart failed", exc_info=exc)
+            self.connect_failed.emit(f"Could not restart the engine: {exc}")
+            return
+        if result is not None:
+            self.connected.emit(result)
+
+    @Slot(int, object, object)
+    def generate(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any]) -> None:
+        self._stop.clear()
+        started = time.monotonic()
+        state = _Progress()
+        try:
+            self._stream(request_id, messages, sampling, state)
+            reason = "abort" if self._stop.is_set() else (state.finish_reason or "stop")
+            result = GenerationResult(request_id, state.text, reason, state.stats(started))
+        except Exception as exc:
+            died = _is_engine_death(exc) or not self._alive()
+            logger.warning("Generation failed", exc_info=exc)
+            result = GenerationResult(request_id, state.text, "error", state.stats(started),
+                                      str(exc) or type(exc).__name__, engine_died=died)
+            if died:
+                self.engine_died.emit(str(exc) or "The engine stopped")
+        self.generation_done.emit(result)
+
+    def _stream(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any],
+                state: _Progress) -> None:
+        chunks = self.backend.stream(messages, sampling)
+        try:
+            for chunk in chunks:
+                if self._stop.is_set():
+                    break
+                state.add(chunk)
+                if getattr(chunk, "text", ""):
+                    self.chunk.emit(request_id, chunk.text)
+        finally:
+            closer = getattr(chunks, "close", None)
+            if closer is not None:
+                closer()  # aborts the request server-side when we stopped early
+
+    def _alive(self) -> bool:
+        try:
+            return self.backend.is_alive()
+        except Exception:
+            return False
+
+
+class _Progress:
+    """What has arrived of one answer so far."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.first_token_at: float | None = None
+        self.num_chunks = 0
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, chunk: Any) -> None:
+        text = getattr(chunk, "text", "") or ""
+        if text:
+            self.parts.append(text)
+            self.num_chunks += 1
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+        self.finish_reason = getattr(chunk, "finish_reason", None) or self.finish_reason
+        self.usage = getattr(chunk, "usage", None) or self.usage
+
+    def stats(self, started: float) -> MessageStats:
+        end = time.monotonic()
+        completion = _usage_value(self.usage, "completion_tokens") or self.num_chunks or None
+        prompt = _usage_value(self.usage, "prompt_tokens")
+        ttft = self.first_token_at - started if self.first_token_at is not None else None
+        speed = None
+        if self.first_token_at is not None and completion and completion > 1 and end > self.first_token_at:
+            speed = (completion - 1) / (end - self.first_token_at)
+        return MessageStats(speed, ttft, completion, prompt)
+
+
+def _usage_value(usage: Any, key: str) -> int | None:
+    if usage is None:
+        return None
+    value = usage.get(key) if isinstance(usage, dict) else getattr(usage, key, None)
+    return int(value) if value is not None else None
+
+
+def _is_engine_death(exc: BaseException) -> bool:
+    try:
+        from hearth.app.client.openai_client import EngineDiedError
+    except ImportError:
+        return False
+    return isinstance(exc, EngineDiedError)
+
+
+class EngineThread(QObject):
+    """Owns the worker's QThread and the queued signals that drive it from the GUI thread."""
+
+    request_connect = Signal(object)
+    request_generate = Signal(int, object, object)
+    request_restart = Signal()
+
+    def __init__(self, backend: Backend, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("hearth-engine")
+        self.worker = EngineWorker(backend)
+        self.worker.moveToThread(self.thread)
+        self.request_connect.connect(self.worker.connect_model)
+        self.request_generate.connect(self.worker.generate)
+        self.request_restart.connect(self.worker.restart)
+        self.thread.start()
+
+    def shutdown(self, timeout_ms: int = 10_000) -> None:
+        self.worker.stop()
+        self.thread.quit()
+        if not self.thread.wait(timeout_ms):
+            logger.warning("The engine thread did not stop within %d ms", timeout_ms)

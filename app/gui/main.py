@@ -1,0 +1,94 @@
+"""Start the desktop app: ``run(argv)`` opens the main window (``hearth``), or with
+``--screenshot FILE.png`` loads the demo model, plays a short exchange, saves the window as a PNG
+and exits (works with ``QT_QPA_PLATFORM=offscreen``).
+
+    run([])                                   # the app
+    run(["--screenshot", "shot.png"])         # chat view; add --tab models|settings for the others
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from hearth.app.gui.backend import DEMO_LABEL
+from hearth.app.gui.qt import QApplication, QEventLoop, QGuiApplication, Qt, QTimer
+from hearth.app.gui.resources import apply_theme, icon
+from hearth.app.store.settings import load_settings
+
+logger = logging.getLogger(__name__)
+SCREENSHOT_PROMPT = "Hello! Who are you, and what does a hearth do?"
+TABS = ("chat", "models", "settings")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hearth", description="Hearth desktop app")
+    parser.add_argument("--screenshot", metavar="FILE.png", help="render the main window to a PNG and exit")
+    parser.add_argument("--tab", choices=TABS, default="chat", help="which tab the screenshot shows")
+    parser.add_argument("--timeout", type=float, default=120.0, help="screenshot: give up after this many seconds")
+    return parser.parse_args(argv)
+
+
+def make_app(argv: list[str]) -> QApplication:
+    """The QApplication (created once), high-DPI aware, themed from the settings."""
+    app = QApplication.instance()
+    if app is None:
+        QGuiApplication.setHighDpiScaleFactorRoundingPolicy(Qt.HighDpiScaleFactorRoundingPolicy.PassThrough)
+        app = QApplication(["hearth", *argv])
+        app.setApplicationName("Hearth")
+        app.setOrganizationName("Hearth")
+        app.setWindowIcon(icon("hearth"))
+    apply_theme(app, load_settings().theme)
+    return app
+
+
+def run(argv: list[str]) -> int:
+    """The ``hearth`` GUI entry point; returns the process exit code."""
+    args = _parse(argv)
+    app = make_app(argv)
+    from hearth.app.gui.main_window import MainWindow
+
+    if args.screenshot:
+        return _screenshot(app, Path(args.screenshot), args.tab, args.timeout)
+    window = MainWindow()
+    window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+    window.show()
+    return app.exec()
+
+
+def _screenshot(app: QApplication, path: Path, tab: str, timeout_s: float) -> int:
+    from hearth.app.gui.main_window import MainWindow
+
+    settings = load_settings().replace(default_model=DEMO_LABEL)
+    window = MainWindow(settings)
+    window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+    window.show()
+    ok = _wait(app, lambda: window.chat.connected is not None, timeout_s)
+    if ok:
+        window.chat.composer.setPlainText(SCREENSHOT_PROMPT)
+        window.chat.sampling_panel.max_tokens.setValue(40)
+        window.chat.send()
+        ok = _wait(app, lambda: not window.chat.is_busy, timeout_s)
+    window.tabs.setCurrentIndex(TABS.index(tab))
+    _wait(app, lambda: False, 0.3)  # let layouts and the status bar settle
+    saved = ok and window.grab().save(str(path))
+    if not ok:
+        print(f"hearth: the demo model did not answer within {timeout_s:.0f}s", file=sys.stderr)
+    window.close()
+    return 0 if saved else 1
+
+
+def _wait(app: QApplication, done, timeout_s: float) -> bool:
+    """Process events until ``done()`` or the timeout (a local event loop, no sleeping)."""
+    loop = QEventLoop()
+    check = QTimer()
+    check.setInterval(20)
+    check.timeout.connect(lambda: done() and loop.quit())
+    QTimer.singleShot(int(timeout_s * 1000), loop.quit)
+    check.start()
+    if not done():
+        loop.exec()
+    check.stop()
+    return bool(done())

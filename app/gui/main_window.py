@@ -1,0 +1,239 @@
+"""The main window: Chat (sidebar + chat panel), Models and Settings tabs, the status bar, the
+keyboard shortcuts, and the wiring between them and the engine thread.
+
+Quitting writes a running answer as it is (``ChatPanel.save_partial``), pauses downloads, and stops
+the engine host when this window started it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hearth.app.gui.backend import Backend, Connected, ModelChoice, available_models
+from hearth.app.gui.chat_panel import ChatPanel
+from hearth.app.gui.engine_worker import EngineThread
+from hearth.app.gui.models_tab import ModelsTab
+from hearth.app.gui.qt import (
+    QApplication,
+    QCloseEvent,
+    QKeySequence,
+    QMainWindow,
+    QShortcut,
+    QSplitter,
+    Qt,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+from hearth.app.gui.resources import apply_theme, icon
+from hearth.app.gui.settings_tab import SettingsTab
+from hearth.app.gui.sidebar import Sidebar
+from hearth.app.gui.status_bar import CrashBanner, EngineStatusBar, StatsPoller
+from hearth.app.gui.tasks import run_task, wait_for_tasks
+from hearth.app.hub.manager import DownloadOptions
+from hearth.app.store.chats import ChatStore
+from hearth.app.store.settings import Settings, load_settings, save_settings
+
+logger = logging.getLogger(__name__)
+ENGINE_FIELDS = ("backend_url", "gpu_memory_gib", "expert_cache_gib", "context_length")
+
+
+class EngineGoneError(RuntimeError):
+    """The engine host process is not running any more."""
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: Settings | None = None, store: ChatStore | None = None,
+                 backend: Backend | None = None, download_options: DownloadOptions | None = None) -> None:
+        super().__init__()
+        self.settings = settings or load_settings()
+        self.store = store or ChatStore()
+        self._owns_store = store is None
+        self.backend = backend or Backend(self.settings)
+        self._owns_backend = backend is None
+        self.choices: list[ModelChoice] = []
+        self.connected: Connected | None = None
+        self._restarting = False
+        self.setWindowTitle("Hearth")
+        self.setWindowIcon(icon("hearth"))
+        self.resize(1280, 820)
+        self.engine = EngineThread(self.backend, self)
+        self._build(download_options)
+        self._wire()
+        self._shortcuts()
+        self.poller = StatsPoller(self._fetch_stats, self)
+        self.poller.stats.connect(self.status.show_stats)
+        self.poller.failed.connect(self._on_poll_failed)
+        self.poller.timer.start()
+        self.refresh_models(connect=True)
+
+    # ---- layout -----------------------------------------------------------------------------
+    def _build(self, download_options: DownloadOptions | None) -> None:
+        self.tabs = QTabWidget(self)
+        self.sidebar = Sidebar(self.store, self)
+        self.chat = ChatPanel(self.store, self.engine, self)
+        self.crash_banner = CrashBanner(self)
+        right = QWidget(self)
+        column = QVBoxLayout(right)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.crash_banner)
+        column.addWidget(self.chat, 1)
+        split = QSplitter(Qt.Orientation.Horizontal, self)
+        split.addWidget(self.sidebar)
+        split.addWidget(right)
+        split.setStretchFactor(1, 1)
+        split.setSizes([260, 1020])
+        self.models_tab = ModelsTab(self.settings, self, download_options)
+        self.settings_tab = SettingsTab(self.settings, self)
+        self.tabs.addTab(split, icon("chat"), "Chat")
+        self.tabs.addTab(self.models_tab, icon("models"), "Models")
+        self.tabs.addTab(self.settings_tab, icon("settings"), "Settings")
+        self.setCentralWidget(self.tabs)
+        self.status = EngineStatusBar(self)
+        self.setStatusBar(self.status)
+
+    def _wire(self) -> None:
+        worker = self.engine.worker
+        worker.connected.connect(self._on_connected)
+        worker.connect_failed.connect(self._on_connect_failed)
+        worker.engine_died.connect(self.show_engine_died)
+        self.status.restart_requested.connect(self.restart_engine)
+        self.crash_banner.restart_requested.connect(self.restart_engine)
+        self.sidebar.selected.connect(self.open_conversation)
+        self.sidebar.deleted.connect(self._on_deleted)
+        self.chat.conversation_changed.connect(self._on_conversation_changed)
+        self.chat.model_chosen.connect(self.choose_model)
+        self.models_tab.installed_changed.connect(lambda: self.refresh_models(connect=False))
+        self.models_tab.use_model_requested.connect(self._use_installed)
+        self.models_tab.error.connect(lambda text: self.status.showMessage(text, 10_000))
+        self.settings_tab.settings_saved.connect(self.apply_settings)
+
+    def _shortcuts(self) -> None:
+        bindings = (("Ctrl+Return", self.chat.send), ("Ctrl+Enter", self.chat.send), ("Esc", self.chat.stop),
+                    ("Ctrl+N", self.new_chat), ("Ctrl+F", self.focus_search))
+        for keys, slot in bindings:
+            shortcut = QShortcut(QKeySequence(keys), self)
+            shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
+            shortcut.activated.connect(slot)
+
+    # ---- conversations ----------------------------------------------------------------------
+    def new_chat(self) -> None:
+        self.tabs.setCurrentIndex(0)
+        self.chat.load_conversation(None)
+        self.sidebar.select_id(None)
+        self.chat.composer.setFocus()
+
+    def focus_search(self) -> None:
+        self.tabs.setCurrentIndex(0)
+        self.sidebar.focus_search()
+
+    def open_conversation(self, conversation_id: int | None) -> None:
+        if conversation_id is None:
+            self.new_chat()
+        else:
+            self.chat.load_conversation(conversation_id)
+
+    def _on_conversation_changed(self, conversation_id: int) -> None:
+        self.sidebar.refresh()
+        self.sidebar.select_id(conversation_id)
+
+    def _on_deleted(self, conversation_id: int) -> None:
+        if self.chat.conversation_id == conversation_id:
+            self.chat.load_conversation(None)
+
+    # ---- models and engine ------------------------------------------------------------------
+    def refresh_models(self, *, connect: bool) -> None:
+        settings = self.settings
+        run_task(lambda: available_models(settings), lambda choices: self._set_choices(choices, connect),
+                 lambda exc: self.status.showMessage(f"Could not list models: {exc}", 10_000))
+
+    def _set_choices(self, choices: list[ModelChoice], connect: bool) -> None:
+        self.choices = choices
+        current = self.connected.choice.label if self.connected else self.settings.default_model
+        self.chat.set_choices(choices, current)
+        if connect and choices:
+            by_label = {c.label: c for c in choices}
+            self.choose_model(by_label.get(self.settings.default_model or "", choices[0]))
+
+    def choose_model(self, choice: ModelChoice | None) -> None:
+        if choice is None or self.chat.is_busy:
+            return
+        self.status.set_engine_state(f"loading {choice.label}…")
+        self.chat.set_connected(None)
+        self.engine.request_connect.emit(choice)
+        if choice.label != self.settings.default_model:
+            self.settings = self.settings.replace(default_model=choice.label)
+            save_settings(self.settings)
+
+    def _use_installed(self, name: str) -> None:
+        choice = next((c for c in self.choices if c.label == name), None)
+        if choice is None:
+            self.status.showMessage(f"{name} is not a model Hearth can run here", 8000)
+            return
+        self.chat.set_choices(self.choices, name)
+        self.choose_model(choice)
+        self.tabs.setCurrentIndex(0)
+
+    def _on_connected(self, connected: Connected) -> None:
+        self.connected = connected
+        self._restarting = False
+        self.crash_banner.hide()
+        self.chat.set_choices(self.choices or [connected.choice], connected.choice.label)
+        self.chat.set_connected(connected)
+        where = "remote backend" if self.backend.is_remote else "local engine"
+        self.status.set_engine_state(f"{connected.choice.label} ready ({where})")
+
+    def _on_connect_failed(self, message: str) -> None:
+        self._restarting = False
+        self.status.set_engine_state("failed to load", crashed=not self.backend.is_remote)
+        self.status.showMessage(message, 15_000)
+
+    def show_engine_died(self, reason: str) -> None:
+        if self._restarting:
+            return
+        self.connected = None
+        self.chat.set_connected(None)
+        self.status.set_engine_state("stopped", crashed=True)
+        self.crash_banner.show_crash(reason)
+
+    def restart_engine(self) -> None:
+        self._restarting = True
+        self.crash_banner.restart_button.setEnabled(False)
+        self.status.set_engine_state("restarting…")
+        self.engine.request_restart.emit()
+
+    def _fetch_stats(self) -> dict:
+        if self.backend.connected is None:
+            return {}
+        if not self.backend.is_alive():
+            raise EngineGoneError("the engine process exited")
+        return self.backend.stats()
+
+    def _on_poll_failed(self, message: str) -> None:
+        if self.connected is not None and not self._restarting and not self.backend.is_alive():
+            self.show_engine_died(message)
+
+    # ---- settings and quitting --------------------------------------------------------------
+    def apply_settings(self, settings: Settings) -> None:
+        engine_changed = any(getattr(settings, f) != getattr(self.settings, f) for f in ENGINE_FIELDS)
+        self.settings = settings
+        self.backend.settings = settings
+        app = QApplication.instance()
+        if app is not None:
+            self.chat.view.dark = apply_theme(app, settings.theme) == "dark"
+        self.models_tab.apply_settings(settings)
+        if engine_changed and self.connected is not None:
+            self.choose_model(self.connected.choice)
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt's virtual
+        self.chat.save_partial()
+        self.chat.save_system_prompt()
+        self.poller.timer.stop()
+        self.models_tab.close_manager()
+        if self._owns_backend:
+            self.backend.close()  # ends a stream still waiting on the engine host
+        self.engine.shutdown()
+        wait_for_tasks(5000)
+        if self._owns_store:
+            self.store.close()
+        super().closeEvent(event)

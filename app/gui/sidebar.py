@@ -1,0 +1,155 @@
+"""The conversation list: new, rename, delete, export, and full-text search (Ctrl+F)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hearth.app.gui.qt import (
+    QFileDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMessageBox,
+    Qt,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+    Signal,
+)
+from hearth.app.gui.resources import icon
+from hearth.app.store.chats import ChatStore
+
+ID_ROLE = Qt.ItemDataRole.UserRole
+
+
+class Sidebar(QWidget):
+    """Lists conversations (or search hits); ``selected`` carries the conversation id."""
+
+    selected = Signal(object)  # int, or None for a new chat
+    deleted = Signal(int)
+
+    def __init__(self, store: ChatStore, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.setObjectName("sidebar")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        self.search_edit = QLineEdit(self)
+        self.search_edit.setPlaceholderText("Search chats (Ctrl+F)")
+        self.search_edit.addAction(icon("search"), QLineEdit.ActionPosition.LeadingPosition)
+        self.search_edit.setClearButtonEnabled(True)
+        self.search_edit.textChanged.connect(self.refresh)
+        layout.addWidget(self.search_edit)
+        self.list = QListWidget(self)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.itemClicked.connect(self._on_click)
+        self.list.itemActivated.connect(self._on_click)
+        layout.addWidget(self.list, 1)
+        layout.addLayout(self._buttons())
+        self.refresh()
+
+    def _buttons(self) -> QHBoxLayout:
+        row = QHBoxLayout()
+        actions = (("new", "New chat (Ctrl+N)", lambda: self.selected.emit(None)),
+                   ("edit", "Rename", self.rename_current), ("delete", "Delete", self.delete_current),
+                   ("export", "Export Markdown / JSON", self.export_current))
+        for name, tip, slot in actions:
+            button = QToolButton(self)
+            button.setIcon(icon(name))
+            button.setToolTip(tip)
+            button.setAccessibleName(tip)
+            button.clicked.connect(slot)
+            row.addWidget(button)
+        row.addStretch(1)
+        return row
+
+    def refresh(self) -> None:
+        """Re-read the list (all conversations, or the hits of the search text)."""
+        current = self.current_id()
+        self.list.clear()
+        query = self.search_edit.text().strip()
+        if query:
+            entries = [(hit.conversation_id, hit.title, hit.snippet) for hit in self.store.search(query)]
+        else:
+            entries = [(c.id, c.title, None) for c in self.store.conversations()]
+        for conv_id, title, snippet in entries:
+            item = QListWidgetItem(title if not snippet or snippet == title else f"{title}\n  {snippet}")
+            item.setData(ID_ROLE, conv_id)
+            item.setToolTip(title)
+            self.list.addItem(item)
+            if conv_id == current:
+                item.setSelected(True)
+                self.list.setCurrentItem(item)
+
+    def select_id(self, conversation_id: int | None) -> None:
+        for row in range(self.list.count()):
+            item = self.list.item(row)
+            if item.data(ID_ROLE) == conversation_id:
+                self.list.setCurrentItem(item)
+                return
+        self.list.clearSelection()
+        self.list.setCurrentItem(None)
+
+    def current_id(self) -> int | None:
+        item = self.list.currentItem()
+        return item.data(ID_ROLE) if item is not None and item.isSelected() else None
+
+    def focus_search(self) -> None:
+        self.search_edit.setFocus()
+        self.search_edit.selectAll()
+
+    def _on_click(self, item: QListWidgetItem) -> None:
+        self.selected.emit(item.data(ID_ROLE))
+
+    def rename_current(self, title: str | None = None) -> None:
+        conv_id = self.current_id()
+        if conv_id is None:
+            return
+        if title is None:
+            old = self.store.conversation(conv_id).title
+            title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=old)
+            if not ok:
+                return
+        self.store.rename(conv_id, title)
+        self.refresh()
+
+    def delete_current(self, confirm: bool = True) -> None:
+        conv_id = self.current_id()
+        if conv_id is None:
+            return
+        if confirm:
+            title = self.store.conversation(conv_id).title
+            answer = QMessageBox.question(self, "Delete chat", f"Delete “{title}” and all its messages?")
+            if answer != QMessageBox.StandardButton.Yes:
+                return
+        self.store.delete_conversation(conv_id)
+        self.refresh()
+        self.deleted.emit(conv_id)
+
+    def export_current(self, path: str | None = None) -> Path | None:
+        """Write the chat as Markdown (.md) or JSON (.json), chosen by the file name."""
+        conv_id = self.current_id()
+        if conv_id is None:
+            return None
+        if path is None:
+            title = self.store.conversation(conv_id).title
+            path, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{_safe_name(title)}.md",
+                                                  "Markdown (*.md);;JSON (*.json)")
+            if not path:
+                return None
+        target = Path(path)
+        if target.suffix.lower() == ".json":
+            text = json.dumps(self.store.export_json(conv_id), indent=2, ensure_ascii=False)
+        else:
+            text = self.store.export_markdown(conv_id)
+        target.write_text(text, encoding="utf-8")
+        return target
+
+
+def _safe_name(title: str) -> str:
+    keep = "".join(c if c.isalnum() or c in " -_" else "_" for c in title).strip()
+    return keep[:60] or "chat"

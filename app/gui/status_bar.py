@@ -1,0 +1,131 @@
+"""The status bar (engine state, GPU and RAM use, expert-cache hit rate, tok/s), its stats poller,
+and the banner that says the engine stopped, with a Restart button.
+
+Stats come from ``ChatClient.stats()``, polled on a timer through the thread pool, never on the GUI
+thread; a poll is skipped while the previous one is still out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from hearth.app.gui.qt import QFrame, QHBoxLayout, QLabel, QObject, QPushButton, QStatusBar, QTimer, QWidget, Signal
+from hearth.app.gui.resources import icon
+from hearth.app.gui.tasks import run_task
+from hearth.app.hub.units import format_bytes
+
+POLL_MS = 1500
+
+
+class StatsPoller(QObject):
+    """Calls ``fetch()`` off the GUI thread every ``POLL_MS``; emits the dict or the failure."""
+
+    stats = Signal(object)
+    failed = Signal(str)
+
+    def __init__(self, fetch: Callable[[], dict[str, Any]], parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._fetch = fetch
+        self._in_flight = False
+        self.timer = QTimer(self)
+        self.timer.setInterval(POLL_MS)
+        self.timer.timeout.connect(self.poll)
+
+    def poll(self) -> None:
+        if self._in_flight:
+            return
+        self._in_flight = True
+        run_task(self._fetch, self._done, self._failed)
+
+    def _done(self, stats: dict[str, Any]) -> None:
+        self._in_flight = False
+        self.stats.emit(stats)
+
+    def _failed(self, exc: BaseException) -> None:
+        self._in_flight = False
+        self.failed.emit(str(exc) or type(exc).__name__)
+
+
+class EngineStatusBar(QStatusBar):
+    restart_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.engine_label = QLabel("Engine: not started", self)
+        self.memory_label = QLabel("", self)
+        self.cache_label = QLabel("", self)
+        self.speed_label = QLabel("", self)
+        self.restart_button = QPushButton(icon("restart"), "Restart engine", self)
+        self.restart_button.clicked.connect(self.restart_requested)
+        self.restart_button.hide()
+        for widget in (self.engine_label, self.memory_label, self.cache_label, self.speed_label):
+            self.addPermanentWidget(widget)
+        self.addPermanentWidget(self.restart_button)
+
+    def set_engine_state(self, text: str, *, crashed: bool = False) -> None:
+        self.engine_label.setText(f"Engine: {text}")
+        self.restart_button.setVisible(crashed)
+
+    def show_stats(self, stats: dict[str, Any]) -> None:
+        extra = stats.get("extra") if isinstance(stats.get("extra"), dict) else {}
+        merged = {**extra, **stats}
+        self.memory_label.setText(memory_text(merged))
+        experts = merged.get("expert_cache") if isinstance(merged.get("expert_cache"), dict) else {}
+        hit = _first({**experts, **merged}, "expert_cache_hit_rate", "hit_rate")
+        self.cache_label.setText(f"Expert cache hits {hit:.0%}" if hit is not None else "")
+        speed = _first(merged, "decode_tokens_per_s", "tokens_per_s")
+        self.speed_label.setText(f"{speed:.1f} tok/s" if speed else "idle")
+
+
+def memory_text(stats: dict[str, Any]) -> str:
+    """GPU memory from the engine's stats (``memory.gpus``); the engine host's RAM (its RSS), or
+    this machine's RAM in use when the engine does not report it."""
+    memory = stats.get("memory") if isinstance(stats.get("memory"), dict) else {}
+    gpus = [g for g in memory.get("gpus") or [] if isinstance(g, dict)]
+    if gpus:
+        used = sum(int(g.get("reserved_bytes") or g.get("allocated_bytes") or 0) for g in gpus)
+        total = sum(int(g.get("total_bytes") or 0) for g in gpus)
+        gpu = f"GPU {format_bytes(used)} / {format_bytes(total)}" if total else f"GPU {format_bytes(used)}"
+    else:
+        gpu = "GPU n/a"
+    rss = _first(memory, "process_rss_bytes")
+    if rss is not None:
+        ram = f"RAM {format_bytes(rss)} (engine)"
+    else:
+        vm = psutil.virtual_memory()
+        ram = f"RAM {format_bytes(vm.used)} / {format_bytes(vm.total)}"
+    return f"{gpu} · {ram}"
+
+
+def _first(stats: dict[str, Any], *keys: str) -> float | None:
+    for key in keys:
+        value = stats.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+class CrashBanner(QFrame):
+    """"The engine stopped: …  [Restart]" above the chat; hidden while the engine is fine."""
+
+    restart_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("crashBanner")
+        row = QHBoxLayout(self)
+        self.label = QLabel("", self)
+        self.label.setWordWrap(True)
+        self.restart_button = QPushButton(icon("restart"), "Restart", self)
+        self.restart_button.clicked.connect(self.restart_requested)
+        row.addWidget(self.label, 1)
+        row.addWidget(self.restart_button)
+        self.hide()
+
+    def show_crash(self, reason: str) -> None:
+        self.label.setText(f"The engine stopped ({reason}). Your chats are safe; restart it to continue.")
+        self.restart_button.setEnabled(True)
+        self.show()

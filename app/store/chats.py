@@ -1,0 +1,387 @@
+"""The chat store: conversations, message trees with versions, stats, presets, search and export.
+
+One SQLite file (``chats.sqlite3`` under the data folder) in WAL mode, with a ``schema_version``
+table for future migrations. Qt-free, so the CLI and tests use it without a ``QApplication``.
+
+Messages form a tree: every message names its ``parent_id`` (None for the first of a thread).
+Regenerating an answer adds a sibling under the same user message; editing and resending a user
+message adds a sibling under the same parent. Nothing is overwritten, so every earlier version stays
+reachable. A conversation remembers its ``current_leaf_id``; the thread shown is the path from the
+root to that leaf. Switching a message to another version moves the leaf to the newest message in
+that version's subtree.
+
+Full-text search uses FTS5 when SQLite has it, else ``LIKE``. Writes happen when a message starts
+(an empty, incomplete row) and when it completes or is stopped (content + stats), so a partial
+answer survives a stop or a quit.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hearth.app.paths import data_dir
+
+SCHEMA_VERSION = 1
+Role = Literal["system", "user", "assistant"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY, title TEXT NOT NULL, system_prompt TEXT NOT NULL DEFAULT '',
+    model TEXT, sampling TEXT NOT NULL DEFAULT '{}', current_leaf_id INTEGER,
+    created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
+    role TEXT NOT NULL, content TEXT NOT NULL DEFAULT '', model TEXT, created_at REAL NOT NULL,
+    is_complete INTEGER NOT NULL DEFAULT 1, finish_reason TEXT, stats TEXT);
+CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(conversation_id, parent_id);
+CREATE TABLE IF NOT EXISTS presets (
+    name TEXT PRIMARY KEY, system_prompt TEXT NOT NULL, sampling TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS model_sampling (model TEXT PRIMARY KEY, sampling TEXT NOT NULL);
+"""
+
+_FTS_SCHEMA = """
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(content, content='messages', content_rowid='id');
+CREATE TRIGGER IF NOT EXISTS messages_ai AFTER INSERT ON messages BEGIN
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END;
+CREATE TRIGGER IF NOT EXISTS messages_ad AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content); END;
+CREATE TRIGGER IF NOT EXISTS messages_au AFTER UPDATE OF content ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END;
+"""
+
+
+@dataclass(frozen=True)
+class MessageStats:
+    """How an answer was produced; any figure may be unknown (None)."""
+
+    tokens_per_s: float | None = None
+    time_to_first_token_s: float | None = None
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: int
+    parent_id: int | None
+    role: Role
+    content: str
+    model: str | None
+    created_at: float
+    is_complete: bool
+    finish_reason: str | None
+    stats: MessageStats | None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str
+    model: str | None
+    sampling: dict[str, Any]
+    current_leaf_id: int | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    system_prompt: str
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    conversation_id: int
+    title: str
+    message_id: int | None
+    snippet: str
+
+
+def default_path() -> Path:
+    return data_dir() / "chats.sqlite3"
+
+
+class ChatStore:
+    """All chats of one user. Use from one thread at a time; every call commits."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = Path(path) if path else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self.has_fts = False
+        self._migrate()
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        self._db.executescript(_SCHEMA)  # idempotent: every statement is IF NOT EXISTS
+        with self._tx() as db:
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            if row is None:
+                db.execute("INSERT INTO schema_version(version) VALUES (?)", (SCHEMA_VERSION,))
+            elif row["version"] > SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path} was written by a newer Hearth (schema {row['version']})")
+        try:
+            self._db.executescript(_FTS_SCHEMA)
+            self.has_fts = True
+        except sqlite3.OperationalError:  # SQLite built without FTS5: search falls back to LIKE
+            self.has_fts = False
+
+    # ---- conversations ----------------------------------------------------------------------
+    def create_conversation(self, title: str = "New chat", *, system_prompt: str = "",
+                            model: str | None = None, sampling: dict[str, Any] | None = None) -> Conversation:
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO conversations(title, system_prompt, model, sampling, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)", (title, system_prompt, model, json.dumps(sampling or {}), now, now))
+        return self.conversation(int(cur.lastrowid))
+
+    def conversation(self, conversation_id: int) -> Conversation:
+        row = self._db.execute("SELECT * FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no conversation {conversation_id}")
+        return _conversation(row)
+
+    def conversations(self) -> list[Conversation]:
+        """All conversations, most recently updated first."""
+        rows = self._db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id DESC")
+        return [_conversation(r) for r in rows]
+
+    def update_conversation(self, conversation_id: int, **changes: Any) -> Conversation:
+        """Change ``title``, ``system_prompt``, ``model`` or ``sampling`` (a dict)."""
+        allowed = {"title", "system_prompt", "model", "sampling"}
+        unknown = set(changes) - allowed
+        if unknown:
+            raise ValueError(f"cannot change {', '.join(sorted(unknown))}")
+        if "sampling" in changes:
+            changes["sampling"] = json.dumps(changes["sampling"] or {})
+        sets = ", ".join(f"{name} = ?" for name in changes)
+        with self._tx() as db:
+            db.execute(f"UPDATE conversations SET {sets}, updated_at = ? WHERE id = ?",
+                       (*changes.values(), time.time(), conversation_id))
+        return self.conversation(conversation_id)
+
+    def rename(self, conversation_id: int, title: str) -> Conversation:
+        return self.update_conversation(conversation_id, title=title.strip() or "Untitled")
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM messages WHERE conversation_id = ?", (conversation_id,))
+            db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # ---- messages ---------------------------------------------------------------------------
+    def add_message(self, conversation_id: int, role: Role, content: str, *, parent_id: int | None,
+                    model: str | None = None, is_complete: bool = True,
+                    stats: MessageStats | None = None, finish_reason: str | None = None) -> Message:
+        """Append a message under ``parent_id``; it becomes the conversation's current leaf."""
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO messages(conversation_id, parent_id, role, content, model, created_at, is_complete, "
+                "finish_reason, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, parent_id, role, content, model, now, int(is_complete), finish_reason,
+                 _stats_json(stats)))
+            db.execute("UPDATE conversations SET current_leaf_id = ?, updated_at = ? WHERE id = ?",
+                       (cur.lastrowid, now, conversation_id))
+        return self.message(int(cur.lastrowid))
+
+    def finish_message(self, message_id: int, content: str, *, stats: MessageStats | None = None,
+                       finish_reason: str | None = None, is_complete: bool = True) -> Message:
+        """Store an answer's final (or partial, when stopped) text and its stats."""
+        with self._tx() as db:
+            db.execute("UPDATE messages SET content = ?, stats = ?, finish_reason = ?, is_complete = ? "
+                       "WHERE id = ?", (content, _stats_json(stats), finish_reason, int(is_complete), message_id))
+            db.execute("UPDATE conversations SET updated_at = ? WHERE id = "
+                       "(SELECT conversation_id FROM messages WHERE id = ?)", (time.time(), message_id))
+        return self.message(message_id)
+
+    def message(self, message_id: int) -> Message:
+        row = self._db.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no message {message_id}")
+        return _message(row)
+
+    def thread(self, conversation_id: int, leaf_id: int | None = None) -> list[Message]:
+        """The messages from the root to ``leaf_id`` (default: the current leaf), oldest first."""
+        if leaf_id is None:
+            leaf_id = self.conversation(conversation_id).current_leaf_id
+        path: list[Message] = []
+        while leaf_id is not None:
+            message = self.message(leaf_id)
+            path.append(message)
+            leaf_id = message.parent_id
+        return path[::-1]
+
+    def versions(self, message_id: int) -> list[Message]:
+        """A message and its siblings (same parent, same role), oldest first."""
+        message = self.message(message_id)
+        parent_clause = "parent_id IS NULL" if message.parent_id is None else "parent_id = ?"
+        params: tuple[Any, ...] = (message.conversation_id, message.role)
+        if message.parent_id is not None:
+            params += (message.parent_id,)
+        rows = self._db.execute(f"SELECT * FROM messages WHERE conversation_id = ? AND role = ? AND {parent_clause} "
+                                "ORDER BY id", params)
+        return [_message(r) for r in rows]
+
+    def select_version(self, message_id: int) -> list[Message]:
+        """Show ``message_id`` in its conversation: the leaf becomes its newest descendant."""
+        leaf = message_id
+        while True:
+            row = self._db.execute("SELECT id FROM messages WHERE parent_id = ? ORDER BY id DESC LIMIT 1",
+                                   (leaf,)).fetchone()
+            if row is None:
+                break
+            leaf = row["id"]
+        conversation_id = self.message(message_id).conversation_id
+        with self._tx() as db:
+            db.execute("UPDATE conversations SET current_leaf_id = ? WHERE id = ?", (leaf, conversation_id))
+        return self.thread(conversation_id, leaf)
+
+    def all_messages(self, conversation_id: int) -> list[Message]:
+        rows = self._db.execute("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))
+        return [_message(r) for r in rows]
+
+    # ---- presets ----------------------------------------------------------------------------
+    def save_preset(self, preset: Preset) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO presets(name, system_prompt, sampling) VALUES (?, ?, ?)",
+                       (preset.name, preset.system_prompt, json.dumps(preset.sampling)))
+
+    def presets(self) -> list[Preset]:
+        rows = self._db.execute("SELECT * FROM presets ORDER BY name COLLATE NOCASE")
+        return [Preset(r["name"], r["system_prompt"], json.loads(r["sampling"])) for r in rows]
+
+    def delete_preset(self, name: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM presets WHERE name = ?", (name,))
+
+    def model_sampling(self, model: str) -> dict[str, Any]:
+        """The sampling settings last used with ``model`` (empty: the defaults)."""
+        row = self._db.execute("SELECT sampling FROM model_sampling WHERE model = ?", (model,)).fetchone()
+        return json.loads(row["sampling"]) if row else {}
+
+    def save_model_sampling(self, model: str, sampling: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO model_sampling(model, sampling) VALUES (?, ?)",
+                       (model, json.dumps(sampling)))
+
+    # ---- search and export ------------------------------------------------------------------
+    def search(self, query: str, limit: int = 50) -> list[SearchHit]:
+        """Conversations whose title or any message (any version) matches every word of ``query``."""
+        words = query.split()
+        if not words:
+            return []
+        hits: dict[int, SearchHit] = {}
+        title_sql = "SELECT id, title FROM conversations WHERE " + _all_like("title", len(words))
+        for row in self._db.execute(title_sql, [_like(w) for w in words]):
+            hits[row["id"]] = SearchHit(row["id"], row["title"], None, row["title"])
+        for row in self._message_matches(words, limit):
+            hits.setdefault(row["conversation_id"], SearchHit(row["conversation_id"], row["title"], row["id"],
+                                                              _snippet(row["content"], words)))
+        return list(hits.values())[:limit]
+
+    def _message_matches(self, words: list[str], limit: int) -> list[sqlite3.Row]:
+        select = ("SELECT m.id, m.conversation_id, m.content, c.title FROM messages m "
+                  "JOIN conversations c ON c.id = m.conversation_id ")
+        if self.has_fts:
+            match = " ".join('"' + w.replace('"', '""') + '"*' for w in words)
+            sql = select + "JOIN messages_fts f ON f.rowid = m.id WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?"
+            return self._db.execute(sql, (match, limit)).fetchall()
+        sql = select + "WHERE " + _all_like("m.content", len(words)) + " ORDER BY m.id DESC LIMIT ?"
+        return self._db.execute(sql, (*[_like(w) for w in words], limit)).fetchall()
+
+    def export_markdown(self, conversation_id: int) -> str:
+        """The shown thread as Markdown: a title, the system prompt, then each turn."""
+        conv = self.conversation(conversation_id)
+        lines = [f"# {conv.title}", ""]
+        if conv.system_prompt:
+            lines += ["**System**", "", conv.system_prompt, ""]
+        for message in self.thread(conversation_id):
+            lines += [f"**{message.role.capitalize()}**", "", message.content, ""]
+            note = _stats_note(message)
+            if note:
+                lines += [f"*{note}*", ""]
+        return "\n".join(lines).rstrip() + "\n"
+
+    def export_json(self, conversation_id: int) -> dict[str, Any]:
+        """Everything about a conversation: settings, the shown thread and every version."""
+        conv = self.conversation(conversation_id)
+        thread_ids = [m.id for m in self.thread(conversation_id)]
+        return {"format": "hearth-chat", "version": SCHEMA_VERSION, "conversation": asdict(conv),
+                "thread": thread_ids, "messages": [asdict(m) for m in self.all_messages(conversation_id)]}
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    return Conversation(row["id"], row["title"], row["system_prompt"], row["model"], json.loads(row["sampling"]),
+                        row["current_leaf_id"], row["created_at"], row["updated_at"])
+
+
+def _message(row: sqlite3.Row) -> Message:
+    stats = MessageStats(**json.loads(row["stats"])) if row["stats"] else None
+    return Message(row["id"], row["conversation_id"], row["parent_id"], row["role"], row["content"], row["model"],
+                   row["created_at"], bool(row["is_complete"]), row["finish_reason"], stats)
+
+
+def _stats_json(stats: MessageStats | None) -> str | None:
+    return json.dumps(asdict(stats)) if stats is not None else None
+
+
+def _stats_note(message: Message) -> str:
+    parts = []
+    if message.model and message.role == "assistant":
+        parts.append(message.model)
+    stats = message.stats
+    if stats is not None and stats.tokens_per_s is not None:
+        parts.append(f"{stats.tokens_per_s:.1f} tok/s")
+    if stats is not None and stats.time_to_first_token_s is not None:
+        parts.append(f"first token {stats.time_to_first_token_s:.2f} s")
+    if message.role == "assistant" and not message.is_complete:
+        parts.append("stopped")
+    return " · ".join(parts)
+
+
+def _all_like(column: str, count: int) -> str:
+    return " AND ".join([f"{column} LIKE ? ESCAPE '\\'"] * count)
+
+
+def _like(word: str) -> str:
+    escaped = word.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+def _snippet(content: str, words: list[str], width: int = 80) -> str:
+    lowered = content.lower()
+    at = min((i for i in (lowered.find(w.lower()) for w in words) if i >= 0), default=0)
+    start = max(at - width // 3, 0)
+    text = content[start:start + width].replace("\n", " ")
+    return ("…" if start else "") + text + ("…" if start + width < len(content) else "")

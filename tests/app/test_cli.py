@@ -1,0 +1,204 @@
+"""The headless CLI: the one-shot form and ``run`` (in-process and with ``--backend``), one-line
+errors for broken models, ``stats``, the ``hearth`` entry point, and the chat REPL driven through
+a pseudo-terminal (streaming, /stats, /reset, Ctrl-C during an answer, /exit)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from hearth.app import main as hearth_main
+from hearth.app.cli.main import main as cli
+from hearth.app.client import ChatClient
+from hearth.app.client.local_engine import STATE_FILE
+from hearth.app.store.settings import Settings, save_settings
+from hearth.engine.tiny import write_tiny_model
+from tests.app._fixtures_a1 import Terminal, broken_copies, hearth_cmd, run_hearth
+from tests.engine.test_server_support import start_server
+
+KEY = "cli-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("cli") / "tiny-v32", "deepseek_v32", seed=7)
+
+
+@pytest.fixture(scope="module")
+def broken(model_dir, tmp_path_factory):
+    return broken_copies(model_dir, tmp_path_factory.mktemp("broken"))
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir, tmp_path_factory):
+    """A second engine host, reached only through --backend URL."""
+    running = start_server(model_dir, tmp_path_factory.mktemp("cli-backend"), api_key=KEY)
+    yield running
+    running.stop()
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_one_shot_form_streams_the_answer_and_the_speed(model_dir):
+    result = run_hearth("--model", str(model_dir), "--prompt", "Hello", "--max-tokens", "12",
+                        "--temperature", "0.8", "--seed", "3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "tok/s" in result.stderr and "first token after" in result.stderr
+
+
+def test_run_reads_stdin_and_prints_json(model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", _Piped("Hello from a pipe"))
+    assert cli(["run", "--model", str(model_dir), "--max-tokens", "4", "--temperature", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "tiny-v32" and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 4 and out["text"]
+
+
+@pytest.mark.parametrize(("defect", "words"), [
+    ("truncated", "not a valid safetensors file"), ("missing_shard", "is missing"),
+    ("wrong_shape", "has shape"), ("unknown_type", "unsupported model_type 'llama'"),
+])
+def test_broken_models_fail_with_one_clear_line(broken, defect, words, capsys):
+    assert cli(["--model", str(broken[defect]), "--prompt", "hi"]) == 1
+    assert words in _one_error_line(capsys.readouterr().err)
+
+
+def test_broken_model_in_a_real_process_has_no_traceback(broken):
+    result = run_hearth("--model", str(broken["truncated"]), "--prompt", "hi")
+    assert result.returncode == 1
+    assert "not a valid safetensors file" in _one_error_line(result.stderr)
+
+
+def test_missing_model_prompt_too_long_and_no_model(model_dir, tmp_path, capsys):
+    assert cli(["run", "--model", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 1
+    assert "no such model folder" in _one_error_line(capsys.readouterr().err)
+    assert cli(["run", "--model", str(model_dir), "--max-model-len", "64", "--prompt", "word " * 100]) == 1
+    assert "the context holds 64" in _one_error_line(capsys.readouterr().err)
+    assert cli(["run", "--prompt", "hi"]) == 1
+    assert "no model given" in _one_error_line(capsys.readouterr().err)
+
+
+def test_backend_url_gives_the_same_greedy_answer(model_dir, backend, capsys):
+    args = ["--max-tokens", "8", "--temperature", "0", "--prompt", "Hello", "--json"]
+    assert cli(["run", "--model", str(model_dir), *args]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert cli(["run", "--backend", backend.base_url + "/v1", "--api-key", KEY, *args]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert remote["model"] == "tiny-v32" and remote["text"] == local["text"]
+    assert remote["usage"] == local["usage"]
+
+
+def test_settings_backend_url_and_stats(backend, monkeypatch, capsys):
+    save_settings(Settings(backend_url=backend.base_url))
+    monkeypatch.setenv("HEARTH_API_KEY", KEY)
+    assert cli(["run", "--prompt", "Hi", "--max-tokens", "3"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert cli(["stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "tiny-v32"
+    assert cli(["stats"]) == 0
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_unreachable_backend_is_one_line(capsys):
+    assert cli(["run", "--backend", "http://127.0.0.1:9", "--model", "x", "--prompt", "hi"]) == 1
+    assert "cannot connect to http://127.0.0.1:9" in _one_error_line(capsys.readouterr().err)
+
+
+def test_stats_without_an_engine_is_one_line(capsys):
+    assert cli(["stats"]) == 1
+    assert "no local engine host is running" in _one_error_line(capsys.readouterr().err)
+
+
+def test_serve_runs_the_engine_host_until_interrupted(model_dir):
+    proc = subprocess.Popen(hearth_cmd("serve", "--model", str(model_dir), "--port", "0", "--max-model-len", "256"),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stderr.readline()  # blocks until the server listens (or exits)
+        match = re.search(r"tiny-v32 on (http://127.0.0.1:\d+/v1)", banner)
+        assert match, banner + proc.stderr.read()
+        with ChatClient(match.group(1)) as client:
+            assert client.models() == ["tiny-v32"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_hearth_entry_point_forwards_cli_and_reports_a_missing_gui(monkeypatch, capsys, tmp_path):
+    assert hearth_main.main(["--cli", "run", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 1
+    monkeypatch.setitem(sys.modules, "hearth.app.gui.main", None)  # as if the GUI were not installed
+    assert hearth_main.main(["--screenshot", str(tmp_path / "shot.png")]) == 2
+    err = capsys.readouterr().err
+    assert "desktop app is not part of this installation" in err and len(err.strip().splitlines()) == 2
+
+
+def test_chat_repl_in_a_terminal(model_dir, isolated_home):
+    argv = hearth_cmd("chat", "--model", str(model_dir), "--max-tokens", "400", "--temperature", "0",
+                      "--max-model-len", "512")
+    term = Terminal(argv, {**os.environ, "TERM": "dumb"})
+    try:
+        term.expect(r"Chatting with tiny-v32", timeout=90)
+        term.expect(r"> ")
+        term.send("Hello there\r")
+        answer = term.expect(r"\[\d+ tokens", timeout=60)
+        assert len(answer.split("Hello there", 1)[-1].strip()) > 5  # streamed text before the speed line
+        term.expect(r"> ")
+        state = json.loads((isolated_home / "run" / STATE_FILE).read_text())
+
+        term.send("/stats\r")
+        term.expect(r"requests\s+0 running")
+        term.send("/reset\r")
+        term.expect(r"Conversation cleared")
+        term.send("/system Be brief.\r")
+        term.expect(r"System prompt set")
+
+        term.send("Tell me more\r")
+        term.expect(r"Tell me more\r?\n")
+        term.expect(r"\S")  # the answer has started
+        term.send("\x03")
+        term.expect(r"\[stopped\]", timeout=30)
+        term.expect(r"> ")
+        term.send("/stats\r")  # still alive, and the stopped request left the engine
+        term.expect(r"requests\s+0 running, 0 waiting")
+        term.send("/exit\r")
+        assert term.wait(30) == 0
+    finally:
+        term.close()
+    assert not (isolated_home / "run" / STATE_FILE).exists()  # the chat stopped the engine it started
+    assert not _pid_alive(state["pid"])
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class _Piped:
+    """Stands in for a piped stdin."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def isatty(self) -> bool:
+        return False
+
+    def read(self) -> str:
+        return self._text

@@ -1,0 +1,97 @@
+"""Helpers shared by the GUI tests (no tests here): window factories that close what they open
+and fail on leaked top-level widgets, and a demo-model engine backend shared per test module."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hearth.app.gui.backend import DEMO_LABEL, Backend, ModelChoice, demo_model_dir, ensure_demo_model
+from hearth.app.gui.qt import QApplication, QEvent, QWidget
+from hearth.app.hub.manager import DownloadOptions
+from hearth.app.paths import HOME_ENV
+from hearth.app.store.settings import Settings
+
+FAST_DOWNLOADS = DownloadOptions(stall_timeout_s=0.5, max_retries=4, backoff_base_s=0.05, backoff_max_s=0.2,
+                                 progress_interval_s=0.05, chunk_bytes=16 * 1024)
+
+
+def flush_deletes() -> None:
+    """Run pending deleteLater()s so closed windows really go away."""
+    app = QApplication.instance()
+    for _ in range(3):
+        app.processEvents()
+        QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+
+
+def assert_no_leaks() -> None:
+    flush_deletes()
+    leaked = QApplication.topLevelWidgets()
+    assert not leaked, f"top-level widgets left after the test: {leaked}"
+
+
+class Windows:
+    """Opens widgets for a test and closes + deletes them afterwards."""
+
+    def __init__(self) -> None:
+        self.opened: list[QWidget] = []
+
+    def track(self, widget: QWidget) -> QWidget:
+        self.opened.append(widget)
+        widget.show()
+        return widget
+
+    def close(self, widget: QWidget) -> None:
+        widget.close()
+        widget.deleteLater()
+        flush_deletes()
+        if widget in self.opened:
+            self.opened.remove(widget)
+
+    def close_all(self) -> None:
+        for widget in list(self.opened):
+            self.close(widget)
+
+
+@contextmanager
+def windows_checked() -> Iterator[Windows]:
+    windows = Windows()
+    try:
+        yield windows
+    finally:
+        windows.close_all()
+    assert_no_leaks()
+
+
+@contextmanager
+def shared_demo_backend(home: Path) -> Iterator[Backend]:
+    """One engine host serving the demo model for a whole test module, started under ``home``."""
+    old = os.environ.get(HOME_ENV)
+    os.environ[HOME_ENV] = str(home)
+    backend = Backend(Settings())
+    try:
+        ensure_demo_model()
+        backend.connect(ModelChoice(DEMO_LABEL, str(demo_model_dir()), True, 2048))
+        yield backend
+    finally:
+        backend.close()
+        if old is None:
+            os.environ.pop(HOME_ENV, None)
+        else:
+            os.environ[HOME_ENV] = old
+
+
+def link_demo_model(shared_home: Path) -> None:
+    """Point this test's demo-model folder at the shared one (same real path: the host is reused)."""
+    target = demo_model_dir()
+    if not target.exists():
+        target.symlink_to(shared_home / "data" / "demo-model", target_is_directory=True)
+
+
+def isolated_settings(tmp_path: Path, **changes: object) -> Settings:
+    """Settings that keep the tests off the user's HF cache and the network."""
+    return Settings(hf_cache_dir=str(tmp_path / "hf-cache"), offline=True).replace(**changes)
+
+

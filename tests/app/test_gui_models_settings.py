@@ -1,0 +1,172 @@
+"""The Models tab against the fake Hub (search, details with sizes and fit, a download with
+progress, pause/resume, delete, import) and the Settings tab (persisted across a restart; the
+Hugging Face token goes to the library's login store, never to Hearth's settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants as hf_constants
+
+from hearth.app.gui import settings_tab as settings_module
+from hearth.app.gui.models_tab import ModelsTab
+from hearth.app.gui.qt import Qt
+from hearth.app.gui.settings_tab import SettingsTab
+from hearth.app.hub import events as ev
+from hearth.app.paths import settings_path
+from hearth.app.store.settings import Settings, load_settings
+from tests.app.conftest import TINY_REPO, write_tiny_model
+from tests.app.fakehub import FakeHub, Fault
+from tests.app.test_gui_helpers import FAST_DOWNLOADS, windows_checked
+
+TIMEOUT_MS = 20_000
+
+
+@pytest.fixture
+def windows():
+    with windows_checked() as opened:
+        yield opened
+
+
+@pytest.fixture
+def models_tab(qtbot, settings: Settings, windows):
+    tab = ModelsTab(settings, options=FAST_DOWNLOADS)
+    windows.track(tab)
+    yield tab
+    tab.close_manager()
+
+
+def _row_of(table, text: str) -> int:
+    rows = [r for r in range(table.rowCount()) if table.item(r, 0).text() == text]
+    assert rows, f"{text} not in the table"
+    return rows[0]
+
+
+def _open_details(qtbot, tab: ModelsTab) -> None:
+    tab.query_edit.setText("tiny")
+    tab.sort_combo.setCurrentText("likes")
+    qtbot.mouseClick(tab.search_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: tab.results.rowCount() > 0 and tab.search_button.isEnabled(), timeout=TIMEOUT_MS)
+    tab.results.selectRow(_row_of(tab.results, TINY_REPO))
+    qtbot.waitUntil(tab.download_button.isEnabled, timeout=TIMEOUT_MS)
+
+
+def test_search_details_and_fit(qtbot, models_tab: ModelsTab):
+    _open_details(qtbot, models_tab)
+    files = {models_tab.files_table.item(r, 0).text(): models_tab.files_table.item(r, 1).text()
+             for r in range(models_tab.files_table.rowCount())}
+    assert files["model.safetensors"].endswith("kB") and "config.json" in files
+    assert models_tab.fit_label.text().startswith("Fit: runs")
+    assert TINY_REPO in models_tab.details_label.text()
+
+
+def test_download_shows_progress_and_completes(qtbot, models_tab: ModelsTab, fake_hub: FakeHub):
+    fake_hub.add_fault(TINY_REPO, "model.safetensors", Fault("slow", chunk=16 * 1024, seconds=0.04))
+    progress: list[tuple[int, str]] = []
+
+    def record(event: object) -> None:
+        if isinstance(event, ev.DownloadProgress):
+            bar = models_tab.downloads.progress_bar(event.item_id)
+            row = models_tab.downloads.rows[event.item_id]
+            progress.append((bar.value(), models_tab.downloads.item(row, 3).text()))
+
+    models_tab.bridge.event.connect(record)
+    _open_details(qtbot, models_tab)
+    qtbot.mouseClick(models_tab.download_button, Qt.MouseButton.LeftButton)
+    item_id = f"{TINY_REPO}@main"
+    qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id) == "ready", timeout=TIMEOUT_MS)
+    assert any(0 < value < 1000 and speed.endswith("/s") for value, speed in progress), progress
+    assert models_tab.downloads.progress_bar(item_id).value() == 1000
+    qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 1, timeout=TIMEOUT_MS)
+    row = _row_of(models_tab.installed_table, TINY_REPO)
+    assert models_tab.installed_table.item(row, 4).text() == "yes"
+
+    models_tab.installed_table.selectRow(row)
+    models_tab.delete_selected()
+    qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 0, timeout=TIMEOUT_MS)
+
+
+def test_pause_resume_and_cancel(qtbot, models_tab: ModelsTab, fake_hub: FakeHub):
+    fake_hub.add_fault(TINY_REPO, "model.safetensors", Fault("slow", chunk=8 * 1024, seconds=0.1))
+    _open_details(qtbot, models_tab)
+    models_tab.download_selected()
+    item_id = f"{TINY_REPO}@main"
+    qtbot.waitUntil(lambda: models_tab.downloads.progress_bar(item_id) is not None
+                    and models_tab.downloads.progress_bar(item_id).value() > 0, timeout=TIMEOUT_MS)
+    models_tab.downloads.pause_requested.emit(item_id)
+    qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id) == "paused", timeout=TIMEOUT_MS)
+    models_tab.downloads.resume_requested.emit(item_id)
+    qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id) == "ready", timeout=TIMEOUT_MS)
+
+    fake_hub.add_fault(TINY_REPO, "model.safetensors", Fault("slow", chunk=8 * 1024, seconds=0.1))
+    qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 1, timeout=TIMEOUT_MS)
+    models_tab.installed_table.selectRow(0)
+    models_tab.delete_selected()
+    qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 0, timeout=TIMEOUT_MS)
+    models_tab.download_selected()
+    qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id) == "downloading", timeout=TIMEOUT_MS)
+    models_tab.downloads.cancel_requested.emit(item_id)
+    qtbot.waitUntil(lambda: item_id not in models_tab.downloads.rows, timeout=TIMEOUT_MS)
+
+
+def test_import_local_folder(qtbot, models_tab: ModelsTab, tmp_path: Path):
+    folder = write_tiny_model(tmp_path / "my-model")
+    models_tab.import_folder(str(folder))
+    qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 1, timeout=TIMEOUT_MS)
+    assert models_tab.installed_table.item(0, 0).text() == "my-model"
+    assert models_tab.installed_table.item(0, 3).text() == "imported"
+
+
+def test_settings_persist_across_restarts(qtbot, windows):
+    tab = windows.track(SettingsTab(load_settings()))
+    saved: list[Settings] = []
+    tab.settings_saved.connect(saved.append)
+    tab.gpu_memory.setValue(20.0)
+    tab.expert_cache.setValue(6.5)
+    tab.context_length.setValue(32768)
+    tab.backend_kind.setCurrentIndex(1)
+    tab.backend_url.setText("http://gpu-box:8000/v1")
+    tab.endpoint.setText("https://hf-mirror.example/")
+    tab.theme.setCurrentText("dark")
+    qtbot.mouseClick(tab.save_button, Qt.MouseButton.LeftButton)
+    assert tab.status_label.text() == "Saved." and len(saved) == 1
+    windows.close(tab)
+
+    expected = Settings(gpu_memory_gib=20.0, expert_cache_gib=6.5, context_length=32768,
+                        backend_url="http://gpu-box:8000/v1", hf_endpoint="https://hf-mirror.example", theme="dark")
+    assert load_settings() == expected == saved[0]
+    again = windows.track(SettingsTab(load_settings()))
+    assert again.gpu_memory.value() == 20.0 and again.expert_cache.value() == 6.5
+    assert again.backend_kind.currentIndex() == 1 and again.backend_url.text() == "http://gpu-box:8000/v1"
+    assert again.theme.currentText() == "dark" and again.context_length.value() == 32768
+    again.gpu_memory.setValue(0.0)  # "auto"
+    again.backend_kind.setCurrentIndex(0)
+    again.save()
+    assert load_settings().gpu_memory_gib is None and load_settings().backend_url is None
+
+
+def test_bad_endpoint_is_not_saved(qtbot, windows):
+    tab = windows.track(SettingsTab(Settings()))
+    tab.endpoint.setText("ftp://nope")
+    tab.save()
+    assert tab.status_label.text().startswith("Not saved") and not settings_path().exists()
+
+
+def test_token_goes_to_the_login_store_only(qtbot, windows, monkeypatch: pytest.MonkeyPatch):
+    logged_in: list[str] = []
+
+    def fake_login(token: str, add_to_git_credential: bool) -> None:  # the real one asks the Hub (whoami)
+        logged_in.append(token)
+        Path(hf_constants.HF_TOKEN_PATH).write_text(token)
+
+    monkeypatch.setattr(settings_module, "hf_login", fake_login)
+    tab = windows.track(SettingsTab(Settings()))
+    assert "No token stored" in tab.token_state.text()
+    tab.token_edit.setText("hf_secret_value_123")
+    tab.save_token()
+    assert tab.token_edit.text() == ""
+    qtbot.waitUntil(lambda: "A token is stored" in tab.token_state.text(), timeout=TIMEOUT_MS)
+    assert logged_in == ["hf_secret_value_123"]
+    tab.save()
+    assert "hf_secret" not in settings_path().read_text() and "hf_secret" not in tab.token_state.text()

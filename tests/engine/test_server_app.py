@@ -1,0 +1,87 @@
+"""The engine host's failure paths, in-process (Starlette's TestClient, a real tiny engine):
+an engine step that raises fails only the requests in flight (500 JSON / an SSE error event) and
+the host keeps serving; an unexpected handler error is a 500 without traceback text; no model is 503."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from hearth.engine.api import EngineConfig
+from hearth.engine.server_app import create_app
+from hearth.engine.server_host import EngineHost
+from hearth.engine.tiny import write_tiny_model
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("app") / "tiny", "deepseek_v32", seed=4)
+    engine_host = EngineHost(EngineConfig(max_model_len=256, device="cpu"))
+    engine_host.load(model)
+    engine_host.start()
+    yield engine_host
+    engine_host.close()
+
+
+@pytest.fixture
+def http(host):
+    with TestClient(create_app(host), raise_server_exceptions=False) as client:
+        yield client
+
+
+def _break_next_step(host: EngineHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = host._engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_a_failing_step_is_a_500_and_the_host_recovers(host, http, monkeypatch):
+    _break_next_step(host, monkeypatch)
+    response = http.post("/v1/chat/completions", json=BODY)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "simulated" not in error["message"]
+    again = http.post("/v1/chat/completions", json=BODY)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    stats = http.get("/hearth/stats").json()
+    assert stats["requests_failed"] >= 1 and stats["running"] == 0
+
+
+def test_a_failing_step_ends_a_stream_with_an_error_event(host, http, monkeypatch):
+    _break_next_step(host, monkeypatch)
+    with http.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "internal error" in json.loads(events[-2])["error"]["message"]
+
+
+def test_an_unexpected_handler_error_is_a_500_without_traceback(host, http, monkeypatch):
+    def explode(*_, **__):
+        raise ValueError("boom: secret internals")
+
+    monkeypatch.setattr(host, "submit", explode)
+    response = http.post("/v1/chat/completions", json=BODY)
+    assert response.status_code == 500
+    assert "boom" not in response.text and "Traceback" not in response.text
+    assert response.json()["error"]["type"] == "server_error"
+
+
+def test_no_model_is_503():
+    empty = EngineHost(EngineConfig(device="cpu"))
+    with TestClient(create_app(empty), raise_server_exceptions=False) as client:
+        assert client.get("/health").json() == {"status": "no_model", "model": None}
+        response = client.post("/v1/chat/completions", json=BODY)
+        assert response.status_code == 503 and "no model is loaded" in response.json()["error"]["message"]
+        assert client.get("/v1/models").json()["data"] == []
