@@ -86,6 +86,8 @@ def test_send_streams_the_answer_into_the_view(qtbot, open_window):
 
 def test_stop_keeps_the_partial_answer(qtbot, open_window):
     window = open_window()
+    # Greedy, so the (deterministic) answer cannot end on an early end-of-sentence token by chance.
+    window.chat.sampling_panel.temperature.setValue(0.0)
     ask(qtbot, window, "Tell me a very long story", max_tokens=1800)
     qtbot.waitUntil(lambda: len(window.chat.view.widgets) == 2 and bool(window.chat.view.widgets[1].text),
                     timeout=TIMEOUT_MS)
@@ -186,6 +188,7 @@ def test_new_chat_and_rename_and_delete(qtbot, open_window):
 
 def test_quitting_mid_answer_keeps_the_partial_answer(qtbot, open_window, windows, tmp_path: Path):
     window = open_window()
+    window.chat.sampling_panel.temperature.setValue(0.0)
     ask(qtbot, window, "Another long story please", max_tokens=1800)
     qtbot.waitUntil(lambda: len(window.chat.view.widgets) == 2 and bool(window.chat.view.widgets[1].text),
                     timeout=TIMEOUT_MS)
