@@ -25,18 +25,25 @@ class PagedCache:
     ``[num_slots, index_head_dim]`` (``num_slots = num_blocks * block_size``)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, index_fp8: bool = False) -> None:
+        """index_fp8: store indexer keys in the kernels' 132-byte FP8 paged layout
+        (uint8 [num_blocks, block_size * 132]) instead of one float row per slot."""
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.index_fp8 = index_fp8
         num_slots = num_blocks * block_size
         self.latent = [
             torch.zeros(num_slots, config.latent_dim, dtype=dtype, device=device)
             for _ in range(config.num_hidden_layers)
         ]
+        def index_cache() -> torch.Tensor:
+            if index_fp8:
+                return torch.zeros(num_blocks, block_size * (config.index_head_dim + 4), dtype=torch.uint8,
+                                   device=device)
+            return torch.zeros(num_slots, config.index_head_dim, dtype=dtype, device=device)
+
         self.index_keys: list[torch.Tensor | None] = [
-            torch.zeros(num_slots, config.index_head_dim, dtype=dtype, device=device)
-            if config.runs_indexer(layer) else None
-            for layer in range(config.num_hidden_layers)
+            index_cache() if config.runs_indexer(layer) else None for layer in range(config.num_hidden_layers)
         ]
 
     @staticmethod
@@ -58,6 +65,7 @@ class SeqSlice:
     q_len: int
     context_len: int
     slots: torch.Tensor  # (context_len,) int64 physical slots of positions 0..context_len-1
+    block_table: torch.Tensor | None = None  # (num_blocks,) int32 pages of the request (for the kernels)
 
     @property
     def first_position(self) -> int:
@@ -101,7 +109,8 @@ def build_context(cache: PagedCache, requests: list[tuple[list[int], int, int]],
     for block_table, first, q_len in requests:
         context_len = first + q_len
         slots = slots_for(block_table, context_len, cache.block_size, device)
-        seqs.append(SeqSlice(start=start, q_len=q_len, context_len=context_len, slots=slots))
+        table = torch.tensor(block_table, dtype=torch.int32, device=device)
+        seqs.append(SeqSlice(start=start, q_len=q_len, context_len=context_len, slots=slots, block_table=table))
         positions.append(torch.arange(first, context_len, dtype=torch.long, device=device))
         slot_mapping.append(slots[first:context_len])
         start += q_len

@@ -11,6 +11,7 @@ from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.loader import load_checkpoint
+from hearth.engine.models import dsa_kernels
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.offload_setup import attach_offload, plan_placement
 
@@ -64,7 +65,12 @@ class ModelRunner:
             config=self.model_config)
         for layer in self.model.layers:
             layer.self_attn.mli = config.mli
-        self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.use_kernels = config.use_kernels == "auto" and dsa_kernels.kernels_apply(
+            self.model_config, self.block_size, self.device, self.dtype)
+        self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
+                                index_fp8=self.use_kernels)
+        if self.use_kernels:
+            dsa_kernels.enable(self.model)
         self.expert_cache = None
         self.residency = None  # the expert cache as the runahead decoder sees it (when offloaded)
         if self.placement.offload:

@@ -137,13 +137,22 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor]) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = False) -> Path:
-    """Write a complete Hub-layout model folder; returns its path."""
+# Widths the GPU DSA kernels need (indexer head dim 128, 576-wide latents, >= 16 indexer heads).
+KERNEL_SHAPES: dict[str, Any] = {"hidden_size": 256, "num_attention_heads": 16, "num_key_value_heads": 16,
+                                 "q_lora_rank": 128, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
+                                 "qk_rope_head_dim": 64, "v_head_dim": 32, "index_n_heads": 16,
+                                 "index_head_dim": 128, "index_topk": 64}
+
+
+def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = False,
+                     overrides: dict[str, Any] | None = None) -> Path:
+    """Write a complete Hub-layout model folder; returns its path. ``overrides`` replace
+    config.json fields (e.g. KERNEL_SHAPES)."""
     from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raw = tiny_config(arch)
+    raw = {**tiny_config(arch), **(overrides or {})}
     special = write_tiny_tokenizer(out, arch, VOCAB_SIZE)
     raw.update(bos_token_id=special["bos_token_id"], eos_token_id=special["eos_token_id"],
                pad_token_id=special.get("pad_token_id"))
@@ -165,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fp8", action="store_true", help="store linear weights as FP8 with block scales")
+    parser.add_argument("--kernel-shapes", action="store_true", help="widths the GPU DSA kernels accept")
     args = parser.parse_args(argv)
-    path = write_tiny_model(args.out, args.arch, args.seed, args.fp8)
+    path = write_tiny_model(args.out, args.arch, args.seed, args.fp8, KERNEL_SHAPES if args.kernel_shapes else None)
     print(f"wrote {args.arch} tiny model to {path}")
     return 0
 

@@ -49,6 +49,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept in fp32
         self.scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        self.kernel_rope = None  # a dsa_kernels.RopeTable when the Triton kernels run this layer
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # The indexer's rope dims come first in its head (MLA puts them last).
@@ -66,6 +67,10 @@ class Indexer(nn.Module):
                 ctx: ForwardContext, layer: int) -> list[torch.Tensor]:
         """Write this step's keys, then return per request the top-k (q_len, k) int64 logical
         positions (-1 where a query has fewer than k causal keys)."""
+        if self.kernel_rope is not None:
+            from hearth.engine.models.dsa_kernels import indexer_select
+
+            return indexer_select(self, x, q_resid, cos, sin, ctx, layer, self.kernel_rope)
         n = x.shape[0]
         q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)  # (N, H, D)
         q = self._faithful(self._rope(q, cos, sin))
@@ -137,6 +142,7 @@ class MLAttention(nn.Module):
         # Force a form for tests: None = absorbed for single-token queries, expanded otherwise.
         self.force_absorbed: bool | None = None
         self.mli = False  # Multi-layer Indexer mode (set by the runner)
+        self.use_kernels = False  # Triton sparse MLA + indexer (set by the runner on CUDA)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
@@ -161,6 +167,11 @@ class MLAttention(nn.Module):
 
         selections = self._selections(x, q_resid, cos, sin, ctx)
         side = getattr(self, "_pending_side", None)
+        if self.use_kernels and selections is not None:
+            from hearth.engine.models.dsa_kernels import sparse_attention
+
+            out = sparse_attention(self, q_nope, q_pe, ctx, selections).to(x.dtype)
+            return self._finish(out, side, x)
         out = torch.empty(n, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for i, seq in enumerate(ctx.seqs):
             rows = slice(seq.start, seq.start + seq.q_len)
@@ -169,6 +180,9 @@ class MLAttention(nn.Module):
             absorbed = seq.q_len == 1 if self.force_absorbed is None else self.force_absorbed
             attend = self._attend_absorbed if absorbed else self._attend_expanded
             out[rows] = attend(q_nope[rows], q_pe[rows], latents, mask).to(x.dtype)
+        return self._finish(out, side, x)
+
+    def _finish(self, out: torch.Tensor, side, x: torch.Tensor) -> torch.Tensor:
         if side is not None:  # the next layer reads this layer's selection: join the side stream
             torch.cuda.current_stream(x.device).wait_stream(side)
             self._pending_side = None

@@ -25,7 +25,7 @@ from hearth.engine.server_protocol import (
 )
 
 T = TypeVar("T")
-STARTUP_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 120.0  # generous: CI machines may be busy; the wait ends as soon as it answers
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> T:

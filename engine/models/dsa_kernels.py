@@ -1,0 +1,137 @@
+"""DeepSeek Sparse Attention on the GPU through Hearth's Triton kernels (hearth.kernels).
+
+Used for DSA layers when the model runs on CUDA in bf16 with the kernels' shapes (indexer head
+dim 128, 576-wide latents, a power-of-two number of indexer heads >= 16, power-of-two pages >= 16):
+- indexer keys are written by the fused rope + FP8 (ue8m0) kernel into the 132-byte paged cache;
+- queries are FP8-quantised per (token, head) with their scale folded into the head weights;
+- decode requests are scored together (paged lightning indexer + radix top-k, no host sync);
+  prefill chunks request by request;
+- attention runs the sparse MLA kernels in the absorbed form over the bf16 latent cache.
+The plain-PyTorch path in mla.py stays the reference; both select with the same semantics (ties
+may resolve differently).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import ForwardContext
+from hearth.engine.models.layers import hadamard_matrix
+from hearth.kernels.indexer import indexer_decode_topk, indexer_k_cache_write, indexer_prefill_topk
+from hearth.kernels.indexer.reference import act_quant_ue8m0
+from hearth.kernels.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+
+INDEX_BYTES_PER_TOKEN = 132  # 128 e4m3 + one fp32 scale
+
+
+def kernels_apply(config: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton DSA kernels can run this model as configured."""
+    heads = config.index_n_heads or 0
+    return (
+        device.type == "cuda" and dtype == torch.bfloat16 and config.has_indexer
+        and config.index_head_dim == 128 and config.latent_dim == 576 and config.qk_rope_head_dim <= 128
+        and heads >= 16 and heads & (heads - 1) == 0 and block_size >= 16 and block_size & (block_size - 1) == 0
+    )
+
+
+def enable(model) -> None:
+    """Switch every DSA layer of ``model`` to the Triton kernels (the cache must be index_fp8)."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.use_kernels = True
+        if attn.indexer is not None:
+            attn.indexer.kernel_rope = RopeTable(attn.rotary)
+
+
+def _block_tables(ctx: ForwardContext, rows: list[int]) -> torch.Tensor:
+    """[len(rows), max_blocks] int32 block tables of the given requests (padded with 0)."""
+    width = max(ctx.seqs[i].block_table.shape[0] for i in rows)
+    table = torch.zeros(len(rows), width, dtype=torch.int32, device=ctx.positions.device)
+    for r, i in enumerate(rows):
+        bt = ctx.seqs[i].block_table
+        table[r, : bt.shape[0]] = bt
+    return table
+
+
+class RopeTable:
+    """fp32 cos/sin tables [max_pos, R/2] for the cache-write kernel, grown on demand."""
+
+    def __init__(self, rotary) -> None:
+        self.rotary = rotary
+        self.cos = self.sin = None
+
+    def get(self, needed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None or self.cos.shape[0] < needed:
+            size = max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 4096)
+            cos, sin = self.rotary.cos_sin(torch.arange(size, device=device))
+            self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
+        return self.cos, self.sin
+
+
+def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   ctx: ForwardContext, layer: int, rope_table: RopeTable) -> list[torch.Tensor]:
+    """Kernel version of Indexer.forward: write keys, score, select. Returns per request (q_len, k)
+    int64 logical positions, -1 padded."""
+    n = x.shape[0]
+    cache = ctx.cache.index_keys[layer]
+    bs = ctx.cache.block_size
+    k_raw = indexer.k_norm(indexer.wk(x)).contiguous()  # (N, 128), rope applied inside the kernel
+    table_cos, table_sin = rope_table.get(int(ctx.positions.max()) + 1, x.device)
+    indexer_k_cache_write(k_raw, ctx.slot_mapping, cache, bs, positions=ctx.positions, cos=table_cos,
+                          sin=table_sin, rope_interleaved=indexer.interleaved, hadamard=indexer.faithful)
+    q = indexer._rope(indexer.wq_b(q_resid).view(n, indexer.n_heads, indexer.head_dim), cos, sin)
+    if indexer.faithful:  # the reference's Hadamard rotation (keys get it inside the write kernel)
+        q = (q.float() @ hadamard_matrix(indexer.head_dim, q.device)).to(q.dtype)
+    q8, q_scale = act_quant_ue8m0(q)  # (N, H, 128) e4m3, (N, H)
+    w = (indexer.weights_proj(x.float()).float() * indexer.scale * q_scale).contiguous()  # (N, H)
+    out: list[torch.Tensor | None] = [None] * len(ctx.seqs)
+    decode = [i for i, s in enumerate(ctx.seqs) if s.q_len == 1]
+    if decode:
+        rows = torch.tensor([ctx.seqs[i].start for i in decode], device=x.device)
+        lens = torch.tensor([ctx.seqs[i].context_len for i in decode], dtype=torch.int32, device=x.device)
+        picked = indexer_decode_topk(q8[rows].unsqueeze(1).contiguous(), w[rows].unsqueeze(1).contiguous(), cache,
+                                     _block_tables(ctx, decode), lens, bs, indexer.topk)  # (B, 1, k)
+        for r, i in enumerate(decode):
+            out[i] = picked[r].long()
+    for i, seq in enumerate(ctx.seqs):
+        if seq.q_len == 1:
+            continue
+        rows = slice(seq.start, seq.start + seq.q_len)
+        out[i] = indexer_prefill_topk(q8[rows].contiguous(), w[rows].contiguous(), cache, seq.block_table,
+                                      seq.context_len, bs, indexer.topk).long()
+    return out
+
+
+def sparse_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
+                     selections: list[torch.Tensor]) -> torch.Tensor:
+    """Absorbed sparse MLA for every request of the step: (N, H, v_head_dim)."""
+    w = attn._kv_b()  # (H, nope + v, kv_lora)
+    q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w[:, : attn.nope])  # (N, H, 512)
+    q = torch.cat((q_abs, q_pe), dim=-1).to(torch.bfloat16).contiguous()  # (N, H, 576)
+    latents = ctx.cache.latent[attn.layer].view(ctx.cache.num_blocks, ctx.cache.block_size, -1)
+    out_lat = torch.empty(q.shape[0], q.shape[1], attn.kv_lora, dtype=torch.bfloat16, device=q.device)
+    decode = [i for i, s in enumerate(ctx.seqs) if s.q_len == 1]
+    if decode:
+        rows = torch.tensor([ctx.seqs[i].start for i in decode], device=q.device)
+        lens = torch.tensor([ctx.seqs[i].context_len for i in decode], dtype=torch.int32, device=q.device)
+        idx = _pad_indices([selections[i].view(-1) for i in decode]).to(torch.int32)
+        o, _ = sparse_mla_decode(q[rows].contiguous(), latents, idx, _block_tables(ctx, decode), lens, attn.scale)
+        out_lat[rows] = o
+    for i, seq in enumerate(ctx.seqs):
+        if seq.q_len == 1:
+            continue
+        rows = slice(seq.start, seq.start + seq.q_len)
+        positions = ctx.positions[rows].to(torch.int32)
+        o, _ = sparse_mla_prefill(q[rows].contiguous(), latents, selections[i].to(torch.int32).contiguous(),
+                                  seq.block_table, positions, attn.scale)
+        out_lat[rows] = o
+    return torch.einsum("nhc,hdc->nhd", out_lat.to(w.dtype), w[:, attn.nope:])
+
+
+def _pad_indices(rows: list[torch.Tensor]) -> torch.Tensor:
+    width = max(r.shape[0] for r in rows)
+    out = torch.full((len(rows), width), -1, dtype=torch.long, device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
