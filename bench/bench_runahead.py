@@ -92,7 +92,8 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
             value = torch.zeros(param.shape, device=device)
         else:
             value = torch.randn(param.shape, device=device, generator=gen) * param.shape[-1] ** -0.5
-        keep_fp32 = "mlp.gate" in name or "weights_proj" in name or "k_norm" in name
+        keep_fp32 = name.endswith("mlp.gate.weight") or "e_score_correction_bias" in name \
+            or "weights_proj" in name or "k_norm" in name
         value = value.to(torch.float32 if keep_fp32 else dtype)
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value, requires_grad=False))
     _materialize_buffers(model, device)

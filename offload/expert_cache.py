@@ -177,6 +177,7 @@ class ExpertCache:
         pool, stats = self._pool(layer), self._stats[layer]
         pool.policy.advance()
         lease = ExpertLease(layer, experts, [-1] * len(experts), [False] * len(experts))
+        counted = (stats.hits, stats.merged)  # a refused acquire must not count as hits
         missing: list[int] = []
         for i, expert in enumerate(experts):
             slot = self._slot_of.get((layer, expert))
@@ -189,6 +190,7 @@ class ExpertCache:
                 free = self._take_slots(pool, layer, len(missing))
             except CacheFullError:
                 self.release(lease, record=False)
+                stats.hits, stats.merged = counted
                 raise
             self._fetch(lease, [(i, s) for i, s in zip(missing, free)], stats)
         stats.requests += len(experts)

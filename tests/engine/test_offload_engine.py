@@ -52,4 +52,5 @@ def test_offloaded_fp8_checkpoint(tiny_fp8_model):
 
 def test_model_that_cannot_fit_fails_before_loading(tiny_models):
     with pytest.raises(HearthError, match="does not fit"):
-        Engine.load(str(tiny_models["deepseek_v32"]), EngineConfig(device=TEST_DEVICE, host_memory_gib=1e-6))
+        Engine.load(str(tiny_models["deepseek_v32"]), EngineConfig(device=TEST_DEVICE, host_memory_gib=1e-6,
+                                                                    gpu_memory_gib=1e-6))

@@ -115,3 +115,18 @@ def test_bad_sizes(store):
         ExpertCache(store, "cpu")
     with pytest.raises(ValueError, match="at least one slot"):
         ExpertCache(store, "cpu", num_slots=0)
+
+
+
+def test_refused_acquire_counts_no_hits(store):
+    """A CacheFullError must leave the counters as they were (the runahead decoder retries)."""
+    cache = ExpertCache(store, "cpu", slots_per_layer=2)
+    layer = store.layers[0]
+    held = cache.acquire(layer, [0, 1])
+    before = cache.stats()["total"]
+    with pytest.raises(CacheFullError):
+        cache.acquire(layer, [0, 2])
+    after = cache.stats()["total"]
+    assert after["hits"] == before["hits"] and after["requests"] == before["requests"]
+    assert cache.refcount(layer, 0) == 1
+    cache.release(held)
