@@ -1,0 +1,389 @@
+"""Tiered indexer keys of one request and one indexer layer (LeanSparse-style coarse-to-fine).
+
+Tiers: the ``hot_pages`` most recent pages live on the device (a ring; the partial tail page is
+always hot); every full page is also written through to (pinned, on CUDA) host memory in its
+original format, so the host holds the whole history and demotion costs nothing. For each full
+page the device keeps a compact summary (``coarse_index.summarize_pages``): the bf16 mean key of
+every ``summary_group`` tokens (1 KB per page of 64 tokens against 8448 B of FP8 keys), plus,
+with ``bounds=True``, a per-dimension box (512 B) that bounds every key's score from above.
+
+Decode (``select``): rank every cold page by the best score of its group means, take the best
+``candidate_pages`` pages (all of them when that budget covers every cold page, or when the
+context holds at most ``topk`` tokens: then the result is exact), bring their original keys into
+a device page cache (LRU, persists across steps), score them exactly with the hot pages and keep
+the top-k (``Indexer._select`` order). With bounds, a page whose bound is at least the k-th exact
+score could still hold a selected token: ``exact=True`` fetches and scores those too (one extra
+round suffices, the threshold only rises), otherwise the step is counted as uncertified.
+
+Prefill (``KeyStreamer``): walks layers' key histories through two reusable device buffers; the
+host part of chunk i+1 is copied on a side stream while chunk i is scored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hearth.offload.coarse_index import (
+    KEY_FORMATS,
+    KeyChunk,
+    PagePool,
+    TopkMerger,
+    exact_scores,
+    new_stream,
+    page_estimates,
+    page_upper_bounds,
+    summarize_pages,
+)
+
+
+@dataclass(frozen=True)
+class KeyTierConfig:
+    """Per (request, indexer layer) tiering of indexer keys."""
+
+    page_size: int = 64
+    head_dim: int = 128
+    key_format: str = "fp8"  # "fp8" (e4m3 + fp32 scale, 132 B/token) | "bf16" | "fp32"
+    hot_pages: int = 4  # most recent pages resident on the device (>= 1: holds the partial page)
+    cache_pages: int = 128  # device page cache for fetched cold pages
+    candidate_pages: int = 64  # cold pages scored exactly per decode step
+    topk: int = 2048
+    summary_group: int = 16  # tokens per mean key in the compact form
+    bounds: bool = False  # also keep a per-page box (512 B): certifies steps, needed for ranking/exact
+    ranking: str = "mean"  # candidate order: "mean" (best group mean) | "bound" (box upper bound)
+    exact: bool = False  # also fetch every page the bound cannot rule out (always exact)
+
+    def __post_init__(self) -> None:
+        if self.key_format not in KEY_FORMATS:
+            raise ValueError(f"key_format must be one of {KEY_FORMATS}, got {self.key_format!r}")
+        if self.ranking not in ("mean", "bound"):
+            raise ValueError(f"ranking must be 'mean' or 'bound', got {self.ranking!r}")
+        if self.summary_group < 1 or self.page_size % self.summary_group:
+            raise ValueError(f"summary_group must divide page_size, got {self.summary_group}")
+        if (self.ranking == "bound" or self.exact) and not self.bounds:
+            raise ValueError("ranking='bound' and exact=True need bounds=True")
+        for name in ("page_size", "head_dim", "hot_pages", "cache_pages", "candidate_pages", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def page_bytes(self) -> int:
+        return PagePool.bytes_per_page(self.page_size, self.head_dim, self.key_format)
+
+    @property
+    def summary_rows(self) -> int:
+        return 2 * self.bounds + self.page_size // self.summary_group
+
+    @property
+    def summary_bytes(self) -> int:
+        return self.summary_rows * self.head_dim * 2  # bf16
+
+    def device_bytes(self, num_tokens: int) -> int:
+        """Device bytes at a context of num_tokens (pools + summaries of every page)."""
+        pages = math.ceil(num_tokens / self.page_size)
+        return (self.hot_pages + self.cache_pages) * self.page_bytes + pages * self.summary_bytes
+
+    @classmethod
+    def from_budget(cls, device_bytes: int, max_tokens: int, **kwargs) -> KeyTierConfig:
+        """The largest page cache that fits device_bytes at max_tokens (candidates capped by it)."""
+        base = cls(**kwargs)
+        left = device_bytes - base.device_bytes(max_tokens) + base.cache_pages * base.page_bytes
+        cache = left // base.page_bytes
+        if cache < 1:
+            raise ValueError(f"{device_bytes} B cannot hold {base.hot_pages} hot pages, one cached page and "
+                             f"the summaries of {max_tokens} tokens")
+        return cls(**{**kwargs, "cache_pages": int(cache), "candidate_pages": min(base.candidate_pages, int(cache))})
+
+
+class TieredKeys:
+    """Indexer keys of one request and layer across device and host memory (see the module doc)."""
+
+    def __init__(self, config: KeyTierConfig, device: torch.device, initial_pages: int = 64) -> None:
+        c = self.config = config
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self.host = PagePool(initial_pages, c.page_size, c.head_dim, c.key_format, torch.device("cpu"), self._cuda)
+        self.dev = PagePool(c.hot_pages + c.cache_pages, c.page_size, c.head_dim, c.key_format, self.device)
+        self.summary = torch.zeros(initial_pages, c.summary_rows, c.head_dim, dtype=torch.bfloat16, device=self.device)
+        self.num_tokens = 0
+        self._slot_of_page = torch.full((initial_pages,), -1, dtype=torch.long)  # cache slot or -1
+        self._page_of_slot = torch.full((c.cache_pages,), -1, dtype=torch.long)
+        self._last_used = torch.full((c.cache_pages,), -1, dtype=torch.long)
+        self._staging = PagePool(c.cache_pages, c.page_size, c.head_dim, c.key_format, torch.device("cpu"), self._cuda)
+        self._copy_stream = new_stream(self.device)
+        self._fetched = torch.cuda.Event() if self._cuda else None
+        self._step = 0
+        self._counts = {"steps": 0, "lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes_h2d": 0,
+                        "bytes_d2h": 0, "refined_pages": 0}
+        self._uncertified = torch.zeros((), dtype=torch.long, device=self.device)
+        self._overlap = torch.zeros((), dtype=torch.long, device=self.device)
+        self._prev: torch.Tensor | None = None
+
+    # ---- layout -----------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return math.ceil(self.num_tokens / self.config.page_size)
+
+    @property
+    def num_cold_pages(self) -> int:
+        return max(0, self.num_pages - self.config.hot_pages)
+
+    def device_bytes(self) -> int:
+        """Bytes this object holds on the device now."""
+        return self.dev.nbytes + self.summary.numel() * 2
+
+    def _grow(self, pages: int) -> None:
+        if pages <= self.host.num_pages:
+            return
+        cap = max(pages, 2 * self.host.num_pages)
+        self._sync()  # write-through copies into the old pool must land before it is copied
+        self.host.grow(cap)
+        c = self.config
+        summary = torch.zeros(cap, c.summary_rows, c.head_dim, dtype=torch.bfloat16, device=self.device)
+        summary[: self.summary.shape[0]] = self.summary
+        self.summary = summary
+        slot = torch.full((cap,), -1, dtype=torch.long)
+        slot[: self._slot_of_page.shape[0]] = self._slot_of_page
+        self._slot_of_page = slot
+
+    # ---- writes -----------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Add the next n tokens: keys (n, D) in the stored dtype (e4m3 values for "fp8"),
+        scales (n,) fp32 for "fp8" (None otherwise), on the device."""
+        n, ps, hot = keys.shape[0], self.config.page_size, self.config.hot_pages
+        if n == 0:
+            return
+        old, new = self.num_tokens, self.num_tokens + keys.shape[0]
+        p0, p1 = old // ps, math.ceil(new / ps)
+        self._grow(p1)
+        span = PagePool(p1 - p0, ps, self.config.head_dim, self.config.key_format, self.device)  # touched pages
+        if old % ps:
+            span.buf[0] = self.dev.buf[p0 % hot]  # earlier tokens of the partial page
+        pos = torch.arange(old, new, device=self.device) - p0 * ps
+        span.write(pos // ps, pos % ps, keys, scales)
+        full = new // ps - p0  # touched pages that are now full
+        if full > 0:
+            self.host.buf[p0:p0 + full].copy_(span.buf[:full], non_blocking=True)
+            dq = span.dequantized(torch.arange(full, device=self.device))  # (full, ps, D)
+            self.summary[p0:p0 + full] = summarize_pages(dq, self.config.summary_group, self.config.bounds)
+            self._counts["bytes_d2h"] += full * self.config.page_bytes
+        first_hot = max(p0, p1 - hot)
+        ring = torch.arange(first_hot, p1, device=self.device)
+        self.dev.buf[ring % hot] = span.buf[ring - p0]
+        self.num_tokens = new
+
+    def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stored keys of positions (n,) from whichever tier holds them: ((n, D), (n,) or None)."""
+        pos = positions.long().cpu()
+        page, off = pos // self.config.page_size, pos % self.config.page_size
+        hot = page >= self.num_cold_pages
+        self._sync()
+        keys, scales = self.host.token_at(page.clamp(max=self.host.num_pages - 1), off)
+        hot_keys, hot_scales = self.dev.token_at(page[hot].to(self.device) % self.config.hot_pages,
+                                                 off[hot].to(self.device))
+        keys = keys.to(self.device)
+        keys.view(torch.uint8)[hot.to(self.device)] = hot_keys.view(torch.uint8)
+        if scales is None:
+            return keys, None
+        scales = scales.to(self.device)
+        scales[hot.to(self.device)] = hot_scales
+        return keys, scales
+
+    # ---- decode -----------------------------------------------------------------------------
+    def select(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Top-k of one decode query at position num_tokens - 1 (its key already appended).
+
+        q (H, D) float, w (H,) fp32 (scales folded in) -> (1, min(topk, num_tokens)) int64 positions,
+        best first, ties toward earlier positions."""
+        c = self.config
+        merger = TopkMerger(1, min(c.topk, self.num_tokens), self.device)
+        self._score_hot(q, w, merger)
+        n_cold = self.num_cold_pages
+        if n_cold > 0:
+            self._score_cold(q, w, merger, n_cold)
+        sel = merger.positions()
+        if self._prev is not None and self._prev.shape == sel.shape:
+            self._overlap += torch.isin(sel, self._prev).sum()
+        self._prev = sel
+        self._counts["steps"] += 1
+        self._step += 1
+        return sel
+
+    def _score_hot(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger) -> None:
+        ps = self.config.page_size
+        pages = torch.arange(self.num_cold_pages, self.num_pages, device=self.device)
+        slots = pages % self.config.hot_pages
+        pos = (pages[:, None] * ps + torch.arange(ps, device=self.device)).flatten()  # (n_hot * ps,)
+        keys, scales = self.dev.tokens(slots)
+        merger.update(exact_scores(q[None], w[None], keys, scales), pos, (pos < self.num_tokens)[None])
+
+    def _score_cold(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger, n_cold: int) -> None:
+        c = self.config
+        summary = self.summary[:n_cold]  # (P, R, D)
+        bound = page_upper_bounds(q, w, summary) if c.bounds else None  # (P,)
+        take_all = c.candidate_pages >= n_cold or self.num_tokens <= c.topk
+        chosen = torch.ones(n_cold, dtype=torch.bool, device=self.device)
+        if not take_all:
+            rank = bound if c.ranking == "bound" else page_estimates(q, w, summary[:, 2 * c.bounds:])
+            chosen.fill_(False)
+            chosen[torch.topk(rank, c.candidate_pages).indices] = True
+        self._score_pages(q, w, merger, chosen.nonzero().flatten().cpu())
+        if take_all or bound is None:
+            return
+        open_pages = ~chosen & (bound >= merger.threshold()[0])  # could still hold a selected token
+        if c.exact:
+            extra = open_pages.nonzero().flatten().cpu()
+            self._counts["refined_pages"] += extra.numel()
+            self._score_pages(q, w, merger, extra)
+        else:
+            self._uncertified += open_pages.any()
+
+    def _score_pages(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger, pages: torch.Tensor) -> None:
+        """Score cold pages (host int64, ascending) exactly, through the page cache in chunks."""
+        ps, cap = self.config.page_size, self.config.cache_pages
+        for i in range(0, pages.numel(), cap):
+            chunk = pages[i:i + cap]
+            slots = self._ensure_resident(chunk).to(self.device, non_blocking=True)
+            keys, scales = self.dev.tokens(slots)
+            pos = (chunk.to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)).flatten()
+            merger.update(exact_scores(q[None], w[None], keys, scales), pos)
+
+    def _ensure_resident(self, pages: torch.Tensor) -> torch.Tensor:
+        """Device slots holding pages (host int64, at most cache_pages of them), fetching misses (LRU)."""
+        hot = self.config.hot_pages
+        slot = self._slot_of_page[pages]
+        hit = slot >= 0
+        miss_pages = pages[~hit]
+        self._counts["lookups"] += pages.numel()
+        self._counts["hits"] += int(hit.sum())
+        self._counts["misses"] += miss_pages.numel()
+        if miss_pages.numel():
+            age = self._last_used.clone()
+            age[slot[hit]] = torch.iinfo(torch.long).max  # never evict what this chunk uses
+            victims = torch.topk(age, miss_pages.numel(), largest=False).indices
+            evicted = self._page_of_slot[victims]
+            self._counts["evictions"] += int((evicted >= 0).sum())
+            self._slot_of_page[evicted[evicted >= 0]] = -1
+            self._fetch(miss_pages, victims + hot)
+            self._slot_of_page[miss_pages] = victims
+            self._page_of_slot[victims] = miss_pages
+            slot[~hit] = victims
+        self._last_used[slot] = self._step
+        return slot + hot
+
+    def _fetch(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy host pages into device slots: one host gather into pinned staging + one copy."""
+        n = pages.numel()
+        self._sync()
+        if self._fetched is not None:
+            self._fetched.synchronize()  # the staging buffer's previous copy has finished
+        staged = self._staging.buf[:n]
+        torch.index_select(self.host.buf, 0, pages, out=staged)
+        self._counts["bytes_h2d"] += n * self.config.page_bytes
+        if self._copy_stream is None:
+            self.dev.buf[slots] = staged.to(self.device)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # slots no longer read
+        with torch.cuda.stream(self._copy_stream):
+            self.dev.buf[slots.to(self.device, non_blocking=True)] = staged.to(self.device, non_blocking=True)
+            self._fetched.record()
+        torch.cuda.current_stream(self.device).wait_event(self._fetched)
+
+    def _sync(self) -> None:
+        """Wait for write-through copies before the host reads its pool."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def stats(self) -> dict[str, float]:
+        """Counters as a plain dict (reads two device counters: one sync)."""
+        s = dict(self._counts)
+        s["page_reuse_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        s["uncertified_steps"] = int(self._uncertified) if self.config.bounds else -1  # -1: not tracked
+        k = min(self.config.topk, self.num_tokens)
+        s["selection_overlap"] = int(self._overlap) / (k * max(1, s["steps"] - 1)) if k else 0.0
+        s["device_bytes"] = self.device_bytes()
+        s["host_bytes"] = self.num_pages * self.config.page_bytes
+        return s
+
+
+class KeyStreamer:
+    """Two reusable device buffers of chunk_pages pages through which prefill walks key histories."""
+
+    def __init__(self, config: KeyTierConfig, chunk_pages: int, device: torch.device) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        c = config
+        self.buffers = [PagePool(chunk_pages, c.page_size, c.head_dim, c.key_format, self.device) for _ in range(2)]
+        self.chunk_pages = chunk_pages
+        self._copy_stream = new_stream(self.device)
+        cuda = self.device.type == "cuda"
+        self._ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._free = [torch.cuda.Event() if cuda else None for _ in range(2)]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def layers(self, sources: Sequence[tuple[TieredKeys, int]]) -> Iterator[Iterator[KeyChunk]]:
+        """Per source [(tiers, history_tokens), ...] an iterator over its history chunks; consume
+        each fully before the next. Loads run one chunk ahead, across layer boundaries too."""
+        chunks = self._stream(sources)
+        for _ in sources:
+            yield _until_last(chunks)
+
+    def _stream(self, sources: Sequence[tuple[TieredKeys, int]]) -> Iterator[KeyChunk]:
+        # NOTE: a chunk's tensors stay valid until the chunk after it is requested. Which tier a
+        # page comes from is decided when it is loaded, so appends between layers are fine.
+        tasks = [(i, p) for i, (t, n) in enumerate(sources)
+                 for p in range(0, max(1, math.ceil(n / t.config.page_size)), self.chunk_pages)]
+        if tasks:
+            self._load_host(sources, tasks[0], 0)
+        for j, task in enumerate(tasks):
+            if j + 1 < len(tasks):
+                self._load_host(sources, tasks[j + 1], (j + 1) % 2)  # overlaps the scoring of chunk j
+            last = j + 1 == len(tasks) or tasks[j + 1][0] != task[0]
+            yield self._finish(sources, task, j % 2, last)
+            if self._free[j % 2] is not None:
+                self._free[j % 2].record()
+
+    def _pages(self, sources, task) -> tuple[TieredKeys, int, int, int]:
+        i, p0 = task
+        tiers, n = sources[i]
+        p1 = min(p0 + self.chunk_pages, math.ceil(n / tiers.config.page_size))
+        return tiers, p0, p1, min(p1, max(p0, tiers.num_cold_pages))
+
+    def _load_host(self, sources, task, b: int) -> None:
+        """Copy the chunk's cold pages (contiguous, pinned) to buffer b on the side stream."""
+        tiers, p0, _, p_hot = self._pages(sources, task)
+        dst = self.buffers[b].buf[: p_hot - p0]
+        if self._copy_stream is None:
+            dst.copy_(tiers.host.buf[p0:p_hot])
+            return
+        self._copy_stream.wait_event(self._free[b])
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # write-through copies done
+        with torch.cuda.stream(self._copy_stream):
+            dst.copy_(tiers.host.buf[p0:p_hot], non_blocking=True)
+            self._ready[b].record()
+
+    def _finish(self, sources, task, b: int, last: bool) -> KeyChunk:
+        """Wait for buffer b's host part, add its hot pages from the device ring, return the chunk."""
+        tiers, p0, p1, p_hot = self._pages(sources, task)
+        if self._ready[b] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready[b])
+        buf = self.buffers[b]
+        if p1 > p_hot:
+            ring = torch.arange(p_hot, p1, device=self.device) % tiers.config.hot_pages
+            buf.buf[p_hot - p0:p1 - p0] = tiers.dev.buf[ring]
+        n = max(0, min(p1 * tiers.config.page_size, sources[task[0]][1]) - p0 * tiers.config.page_size)
+        keys, scales = buf.tokens(torch.arange(p1 - p0, device=self.device))
+        return KeyChunk(task[0], p0 * tiers.config.page_size, keys[:n], None if scales is None else scales[:n], last)
+
+
+def _until_last(chunks: Iterator[KeyChunk]) -> Iterator[KeyChunk]:
+    for chunk in chunks:
+        yield chunk
+        if chunk.last:
+            return

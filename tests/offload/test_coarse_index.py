@@ -1,0 +1,94 @@
+"""Coarse index building blocks: order keys / running top-k against a stable sort (ties, -0.0,
+padding), the box bound never below an exact score, page summaries, streamed prefill selection
+against the engine's ``Indexer._select``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hearth.engine.kv_cache import SeqSlice
+from hearth.engine.models.mla import Indexer
+from hearth.offload.coarse_index import (
+    KeyChunk,
+    PagePool,
+    TopkMerger,
+    exact_scores,
+    page_upper_bounds,
+    select_prefill,
+    summarize_pages,
+)
+
+
+def engine_select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_len: int, topk: int) -> torch.Tensor:
+    """The engine's own selection over keys (T, D) for the last q_len positions."""
+    n = keys.shape[0]
+    seq = SeqSlice(start=0, q_len=q_len, context_len=n, slots=torch.arange(n))
+    return Indexer._select(SimpleNamespace(n_heads=q.shape[1], topk=topk), q, w, keys, seq)
+
+
+def int_data(n: int, heads: int, q_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Small-integer keys/queries and power-of-two weights: every score is exact in any order,
+    and ties (many at 0 after the ReLU) are common."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-3, 4, (n, 128), generator=g).float()
+    q = torch.randint(-2, 3, (q_len, heads, 128), generator=g).float()
+    w = torch.tensor([-1.0, 0.5, 1.0, 2.0])[torch.randint(0, 4, (q_len, heads), generator=g)]
+    return keys, q, w
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 300])
+def test_merger_matches_stable_sort(chunk: int) -> None:
+    g = torch.Generator().manual_seed(chunk)
+    scores = torch.randint(-3, 4, (3, 1000), generator=g).float()
+    scores[scores == 0] = -0.0  # sort treats -0.0 == +0.0
+    scores[:, ::3] = 0.0
+    valid = torch.rand(3, 1000, generator=g) > 0.3
+    valid[2] = False
+    valid[2, :5] = True  # fewer valid entries than k: -1 padding
+    merger = TopkMerger(3, 64, torch.device("cpu"))
+    for i in range(0, 1000, chunk):
+        merger.update(scores[:, i:i + chunk], torch.arange(i, min(i + chunk, 1000)), valid[:, i:i + chunk])
+    masked = scores.masked_fill(~valid, -float("inf"))
+    idx = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :64]
+    ref = torch.where(torch.gather(valid, 1, idx), idx, -1)
+    assert torch.equal(merger.positions(), ref)
+    assert merger.threshold()[2] == -float("inf")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8"])
+def test_bound_is_never_below_exact_scores(fmt: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    ps, pages, heads = 16, 40, 8
+    pool = PagePool(pages, ps, 128, fmt, torch.device("cpu"))
+    x = torch.randn(pages * ps, 128, generator=g) * torch.rand(pages * ps, 1, generator=g) * 3
+    idx = torch.arange(pages * ps)
+    scales = torch.exp2(torch.randint(-6, 0, (pages * ps,), generator=g).float()) if fmt == "fp8" else None
+    stored = (x / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn) if fmt == "fp8" else x
+    pool.write(idx // ps, idx % ps, stored, scales)
+    summary = summarize_pages(pool.dequantized(torch.arange(pages)), group=4, bounds=True)
+    assert summary.shape == (pages, 2 + ps // 4, 128) and summary.dtype == torch.bfloat16
+    for trial in range(5):
+        q = torch.randn(heads, 128, generator=g)
+        w = torch.randn(heads, generator=g)
+        keys, sc = pool.tokens(torch.arange(pages))
+        exact = exact_scores(q[None], w[None], keys, sc)[0].view(pages, ps)
+        bound = page_upper_bounds(q, w, summary)
+        assert bool((bound[:, None] >= exact).all()), f"trial {trial}: bound below an exact score"
+
+
+def test_group_means() -> None:
+    x = torch.randn(3, 16, 128)
+    means = summarize_pages(x, group=8, bounds=False)
+    assert means.shape == (3, 2, 128)
+    torch.testing.assert_close(means.float(), x.view(3, 2, 8, 128).mean(2), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("history,q_len,topk", [(0, 5, 8), (63, 9, 16), (200, 40, 4096), (130, 17, 64)])
+def test_select_prefill_matches_engine(history: int, q_len: int, topk: int) -> None:
+    keys, q, w = int_data(history + q_len, 4, q_len, seed=history)
+    chunks = [KeyChunk(0, p, keys[p:min(p + 48, history)], None) for p in range(0, history, 48)]
+    got = select_prefill(q, w, keys[history:], None, history, topk, iter(chunks))
+    assert torch.equal(got, engine_select(q, w, keys, q_len, topk))

@@ -1,0 +1,169 @@
+"""Tiered indexer keys: coarse-to-fine selection equals the engine's exact selection when every
+page is a candidate (odd sizes, ties, k > context), recall on clustered keys at a realistic budget,
+exact mode and write-back under tiny device budgets, page-cache reuse counting, streamed prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearth.offload.coarse_index import select_prefill
+from hearth.offload.tiered_keys import KeyStreamer, KeyTierConfig, TieredKeys
+from tests.offload.test_coarse_index import engine_select, int_data
+
+CPU = torch.device("cpu")
+
+
+def stored(keys: torch.Tensor, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(stored keys, scales, dequantised keys) of small-integer keys: exact in every format."""
+    if fmt != "fp8":
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+        return keys.to(dtype), None, keys
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.exp2(torch.randint(-3, 3, (keys.shape[0],), generator=g).float())
+    return keys.to(torch.float8_e4m3fn), scales, keys * scales[:, None]
+
+
+def append_randomly(tiers: TieredKeys, keys: torch.Tensor, scales: torch.Tensor | None, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    i = 0
+    while i < keys.shape[0]:
+        n = min(keys.shape[0] - i, int(torch.randint(1, 90, (1,), generator=g)))
+        tiers.append(keys[i:i + n], None if scales is None else scales[i:i + n])
+        i += n
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("n", [1, 63, 2049])
+@pytest.mark.parametrize("topk", [100, 4096])
+def test_all_pages_as_candidates_equals_engine(fmt: str, page_size: int, n: int, topk: int) -> None:
+    keys, q, w = int_data(n, 4, 1, seed=n + page_size)
+    k_stored, scales, k_deq = stored(keys, fmt, n)
+    cfg = KeyTierConfig(page_size=page_size, key_format=fmt, hot_pages=2, cache_pages=3,
+                        candidate_pages=10**6, topk=topk)
+    tiers = TieredKeys(cfg, CPU, initial_pages=1)
+    append_randomly(tiers, k_stored, scales, n)
+    assert torch.equal(tiers.select(q[0], w[0]), engine_select(q, w, k_deq, 1, topk))
+    back, back_scales = tiers.read(torch.arange(n))
+    assert torch.equal(back.view(torch.uint8), k_stored.view(torch.uint8))
+    assert back_scales is None if scales is None else torch.equal(back_scales, scales)
+
+
+def clustered_keys(n: int, heads: int, seed: int, centroids: int = 256) -> tuple[torch.Tensor, ...]:
+    """Keys in runs of 32..511 tokens around one of `centroids` random centroids (unit variance per
+    dimension), each run drifting as a random walk (step 0.05) plus noise 0.5; queries near 4 of the
+    centroids (noise 0.7); head weights uniform in [-0.2, 0.8)."""
+    g = torch.Generator().manual_seed(seed)
+    cent = torch.randn(centroids, 128, generator=g)
+    lengths = torch.randint(32, 512, (n // 32 + 1,), generator=g)
+    run = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[:n]  # (n,) run of each token
+    walk = torch.cumsum(torch.randn(n, 128, generator=g) * 0.05, 0)
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]))
+    drift = walk - walk[starts[run]]
+    keys = cent[torch.randint(0, centroids, (lengths.numel(),), generator=g)][run] + drift
+    keys = keys + 0.5 * torch.randn(n, 128, generator=g)
+    hot = cent[torch.randint(0, centroids, (4,), generator=g)]
+    q = (hot[torch.randint(0, 4, (heads,), generator=g)] + 0.7 * torch.randn(heads, 128, generator=g)) / 128**0.5
+    return keys.to(torch.bfloat16), q, torch.rand(heads, generator=g) - 0.2
+
+
+def test_recall_on_clustered_keys_at_a_realistic_budget() -> None:
+    """32K tokens, k = 512, 64 candidate pages of 64 (8 k tokens, 1/8 of the context)."""
+    n, k = 32768, 512
+    recalls = []
+    for seed in range(4):
+        keys, q, w = clustered_keys(n, 16, seed)
+        cfg = KeyTierConfig(page_size=64, key_format="bf16", cache_pages=64, candidate_pages=64, topk=k)
+        tiers = TieredKeys(cfg, CPU)
+        tiers.append(keys)
+        ref = engine_select(q[None], w[None], keys, 1, k)
+        recalls.append(float(torch.isin(tiers.select(q, w), ref).float().mean()))
+    assert sum(recalls) / len(recalls) >= 0.99, recalls
+    assert min(recalls) >= 0.95, recalls
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_exact_mode_with_tiny_budgets_never_loses_a_token(fmt: str) -> None:
+    """Random appends, a selection after each; one hot page, two cached pages, one candidate."""
+    keys, q, w = int_data(900, 4, 60, seed=3)
+    k_stored, scales, k_deq = stored(keys, fmt, 3)
+    cfg = KeyTierConfig(page_size=16, key_format=fmt, hot_pages=1, cache_pages=2, candidate_pages=1, topk=40,
+                        bounds=True, exact=True)
+    tiers = TieredKeys(cfg, CPU, initial_pages=1)
+    g = torch.Generator().manual_seed(4)
+    step = 0
+    while tiers.num_tokens < 900:
+        n = min(900 - tiers.num_tokens, int(torch.randint(1, 40, (1,), generator=g)))
+        first = tiers.num_tokens
+        tiers.append(k_stored[first:first + n], None if scales is None else scales[first:first + n])
+        got = tiers.select(q[step % 60], w[step % 60])
+        ref = engine_select(q[step % 60][None], w[step % 60][None], k_deq[: first + n], 1, 40)
+        assert torch.equal(got, ref), f"step {step} at {first + n} tokens"
+        step += 1
+    back, _ = tiers.read(torch.randperm(900))
+    assert torch.equal(torch.sort(back.float().sum(1)).values, torch.sort(k_stored.float().sum(1)).values)
+    s = tiers.stats()
+    assert s["misses"] > 0 and s["evictions"] > 0 and s["uncertified_steps"] == 0
+
+
+def test_budget_mode_flags_inexact_steps() -> None:
+    """A step whose selection differs from the exact one must be counted as uncertified."""
+    keys, q, w = int_data(2000, 4, 8, seed=5)
+    cfg = KeyTierConfig(page_size=16, key_format="fp32", hot_pages=1, cache_pages=4, candidate_pages=2, topk=64,
+                        bounds=True)
+    tiers = TieredKeys(cfg, CPU)
+    tiers.append(keys)
+    inexact = 0
+    for i in range(8):
+        before = tiers.stats()["uncertified_steps"]
+        if not torch.equal(tiers.select(q[i], w[i]), engine_select(q[i][None], w[i][None], keys, 1, 64)):
+            inexact += 1
+            assert tiers.stats()["uncertified_steps"] == before + 1
+    assert inexact > 0  # two candidate pages of 125 are not enough here
+
+
+def test_page_cache_reuse_across_decode_steps() -> None:
+    keys, q, w = clustered_keys(8192 + 50, 16, seed=7)
+    cfg = KeyTierConfig(page_size=64, key_format="bf16", hot_pages=2, cache_pages=48, candidate_pages=24, topk=256)
+    tiers = TieredKeys(cfg, CPU)
+    tiers.append(keys[:8192])
+    g = torch.Generator().manual_seed(8)
+    for step in range(50):
+        tiers.append(keys[8192 + step:8193 + step])
+        tiers.select(q + 0.01 * torch.randn(q.shape, generator=g), w)
+    s = tiers.stats()
+    assert s["steps"] == 50 and s["lookups"] == 50 * 24
+    assert s["hits"] + s["misses"] == s["lookups"]
+    assert s["page_reuse_rate"] == s["hits"] / s["lookups"] and s["page_reuse_rate"] > 0.5
+    assert s["bytes_h2d"] == s["misses"] * cfg.page_bytes
+    assert 0.5 < s["selection_overlap"] <= 1.0
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp8"])
+def test_streamed_prefill_matches_engine(fmt: str) -> None:
+    """Two layers' histories through the two buffers; each layer then scores a chunk of queries."""
+    cfg = KeyTierConfig(page_size=16, key_format=fmt, hot_pages=2, cache_pages=2, candidate_pages=2, topk=70)
+    streamer = KeyStreamer(cfg, chunk_pages=3, device=CPU)
+    layers = []
+    for layer, history in enumerate([157, 0]):
+        keys, q, w = int_data(history + 21, 4, 21, seed=10 + layer)
+        k_stored, scales, k_deq = stored(keys, fmt, layer)
+        tiers = TieredKeys(cfg, CPU, initial_pages=1)
+        append_randomly(tiers, k_stored[:history], None if scales is None else scales[:history], layer)
+        layers.append((tiers, history, k_stored, scales, k_deq, q, w))
+    sources = [(t, h) for t, h, *_ in layers]
+    for (tiers, history, k_stored, scales, k_deq, q, w), chunks in zip(layers, streamer.layers(sources)):
+        new_scales = None if scales is None else scales[history:]
+        tiers.append(k_stored[history:], new_scales)  # the chunk's own keys join the request first
+        got = select_prefill(q, w, k_stored[history:], new_scales, history, 70, chunks)
+        assert torch.equal(got, engine_select(q, w, k_deq, 21, 70))
+
+
+def test_from_budget_fits() -> None:
+    cfg = KeyTierConfig.from_budget(4 << 20, max_tokens=131072, candidate_pages=256)
+    assert cfg.device_bytes(131072) <= 4 << 20 and cfg.candidate_pages <= cfg.cache_pages
+    with pytest.raises(ValueError):
+        KeyTierConfig.from_budget(1000, max_tokens=131072)
+    with pytest.raises(ValueError):
+        KeyTierConfig(exact=True)
