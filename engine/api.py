@@ -107,6 +107,12 @@ class EngineConfig:
         layer's attention). Changes the math slightly (selections shift by one indexer layer).
     index_topk_freq / index_skip_topk_offset / index_topk_pattern: IndexCache retention for models
         that do not ship it (keep an indexer on every freq-th layer, or an F/S pattern).
+    index_key_hot_pages: tier the indexer keys (plain-PyTorch path): keep this many recent pages
+        per request and layer on the device, the rest in host RAM behind a compact per-page summary
+        (coarse-to-fine selection, hearth.offload.tiered_keys). None = all keys on the device.
+    index_key_candidate_pages / index_key_cache_pages: cold pages scored exactly per decode step,
+        and the device page cache that keeps fetched pages across steps.
+    index_key_exact: fetch every page a per-page bound cannot rule out (selection always exact).
     scheduler: "sync" advances every running request through the same layer together;
         "runahead" lets requests whose experts are resident run ahead to later layers while
         others wait for expert fetches (see hearth.engine.runahead); "prefetch" is "sync" plus a
@@ -133,6 +139,10 @@ class EngineConfig:
     index_topk_freq: int | None = None
     index_skip_topk_offset: int | None = None
     index_topk_pattern: str | None = None
+    index_key_hot_pages: int | None = None
+    index_key_candidate_pages: int = 64
+    index_key_cache_pages: int = 128
+    index_key_exact: bool = False
     scheduler: Literal["sync", "runahead", "prefetch"] = "sync"
 
     def __post_init__(self) -> None:

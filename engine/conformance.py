@@ -33,10 +33,11 @@ class ConformanceModel:
         table = blocks.block_table(seq_id)
         step = chunk_size or len(ids)
         out = [
-            self.runner.run([StepInput(table, start, ids[start:start + step])], all_logits=True)
+            self.runner.run([StepInput(table, start, ids[start:start + step], seq_id)], all_logits=True)
             for start in range(0, len(ids), step)
         ]
         blocks.free(seq_id)
+        self.runner.forget(seq_id)
         return torch.cat(out).cpu()
 
 

@@ -66,7 +66,9 @@ class Engine:
         self.config = config
         self.model_config = runner.model_config
         self.max_model_len = runner.max_model_len
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        # Tiered indexer keys live per request outside the pages, so pages cannot be shared.
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
+                                   enable_prefix_caching=getattr(runner, "key_tiers", None) is None)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
@@ -79,6 +81,7 @@ class Engine:
         if config.scheduler == "runahead":
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device)
             self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
+        self.scheduler.on_preempt.append(lambda seq: self._forget(seq.request_id))
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
@@ -158,7 +161,8 @@ class Engine:
             try:
                 logits = self.runner.run([
                     StepInput(self.blocks.block_table(c.seq.request_id), c.seq.num_computed,
-                              c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens])
+                              c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
+                              c.seq.request_id)
                     for c in chunks
                 ])
             except torch.OutOfMemoryError:
@@ -253,6 +257,7 @@ class Engine:
         seq = request.seq
         if self.decoder is not None:
             self.decoder.drop(seq.request_id)
+        self._forget(seq.request_id)
         self.scheduler.finish(seq)
         self._requests.pop(seq.request_id, None)
         now = time.perf_counter()
@@ -264,6 +269,11 @@ class Engine:
             total_time_s=now - request.arrival,
         )
         return Finished(seq.request_id, reason, request.text, stats, error)
+
+    def _forget(self, request_id: str) -> None:
+        forget = getattr(self.runner, "forget", None)
+        if forget is not None:
+            forget(request_id)
 
     def _fail_all(self, seqs: list[Seq], message: str) -> list[Event]:
         requests = [self._requests[s.request_id] for s in seqs if s.request_id in self._requests]

@@ -25,9 +25,10 @@ class PagedCache:
     ``[num_slots, index_head_dim]`` (``num_slots = num_blocks * block_size``)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, index_fp8: bool = False) -> None:
+                 device: torch.device, index_fp8: bool = False, key_tiers=None) -> None:
         """index_fp8: store indexer keys in the kernels' 132-byte FP8 paged layout
-        (uint8 [num_blocks, block_size * 132]) instead of one float row per slot."""
+        (uint8 [num_blocks, block_size * 132]) instead of one float row per slot.
+        key_tiers: a KeyTiers store; indexer keys then live there (per request) instead of here."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.index_fp8 = index_fp8
@@ -42,8 +43,10 @@ class PagedCache:
                                    device=device)
             return torch.zeros(num_slots, config.index_head_dim, dtype=dtype, device=device)
 
+        self.key_tiers = key_tiers
         self.index_keys: list[torch.Tensor | None] = [
-            index_cache() if config.runs_indexer(layer) else None for layer in range(config.num_hidden_layers)
+            index_cache() if config.runs_indexer(layer) and key_tiers is None else None
+            for layer in range(config.num_hidden_layers)
         ]
 
     @staticmethod
@@ -66,6 +69,7 @@ class SeqSlice:
     context_len: int
     slots: torch.Tensor  # (context_len,) int64 physical slots of positions 0..context_len-1
     block_table: torch.Tensor | None = None  # (num_blocks,) int32 pages of the request (for the kernels)
+    seq_id: str | None = None  # the request, for per-request state such as tiered indexer keys
 
     @property
     def first_position(self) -> int:
@@ -102,15 +106,17 @@ def slots_for(block_table: list[int], num_tokens: int, block_size: int, device: 
 
 
 def build_context(cache: PagedCache, requests: list[tuple[list[int], int, int]],
-                  device: torch.device) -> ForwardContext:
+                  device: torch.device, seq_ids: list[str | None] | None = None) -> ForwardContext:
     """Build the context for requests given as (block_table, first_position, q_len)."""
     seqs, positions, slot_mapping = [], [], []
     start = 0
-    for block_table, first, q_len in requests:
+    seq_ids = seq_ids or [None] * len(requests)
+    for (block_table, first, q_len), seq_id in zip(requests, seq_ids):
         context_len = first + q_len
         slots = slots_for(block_table, context_len, cache.block_size, device)
         table = torch.tensor(block_table, dtype=torch.int32, device=device)
-        seqs.append(SeqSlice(start=start, q_len=q_len, context_len=context_len, slots=slots, block_table=table))
+        seqs.append(SeqSlice(start=start, q_len=q_len, context_len=context_len, slots=slots, block_table=table,
+                             seq_id=seq_id))
         positions.append(torch.arange(first, context_len, dtype=torch.long, device=device))
         slot_mapping.append(slots[first:context_len])
         start += q_len

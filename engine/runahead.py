@@ -148,7 +148,8 @@ class RunaheadDecoder:
         for i, flight in enumerate(group):
             slots = slots_for(flight.block_table, flight.position + 1, self.cache.block_size, self.device)
             table = torch.tensor(flight.block_table, dtype=torch.int32, device=self.device)
-            seqs.append(SeqSlice(start=i, q_len=1, context_len=flight.position + 1, slots=slots, block_table=table))
+            seqs.append(SeqSlice(start=i, q_len=1, context_len=flight.position + 1, slots=slots, block_table=table,
+                                 seq_id=flight.request_id))
             positions.append(flight.position)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         slot_mapping = torch.stack([s.slots[-1] for s in seqs])

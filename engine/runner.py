@@ -9,6 +9,7 @@ import torch
 
 from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
+from hearth.engine.key_tiers import KeyTiers
 from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.loader import load_checkpoint
 from hearth.engine.models import dsa_kernels
@@ -26,6 +27,7 @@ class StepInput:
     block_table: list[int]
     first_position: int
     token_ids: list[int]
+    seq_id: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,8 +69,12 @@ class ModelRunner:
             layer.self_attn.mli = config.mli
         self.use_kernels = config.use_kernels == "auto" and dsa_kernels.kernels_apply(
             self.model_config, self.block_size, self.device, self.dtype)
+        self.key_tiers = None
+        if config.index_key_hot_pages is not None and self.model_config.has_indexer:
+            self.use_kernels = False  # tiered keys run on the plain-PyTorch indexer path
+            self.key_tiers = KeyTiers(self.model_config, config, self.block_size, self.dtype, self.device)
         self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
-                                index_fp8=self.use_kernels)
+                                index_fp8=self.use_kernels, key_tiers=self.key_tiers)
         if self.use_kernels:
             dsa_kernels.enable(self.model)
         self.expert_cache = None
@@ -77,6 +83,11 @@ class ModelRunner:
             self.expert_cache, self.residency = attach_offload(
                 self.model, path, self.placement, self.device, self.dtype, config.expert_cache_policy,
                 prefetch=config.scheduler == "prefetch")
+
+    def forget(self, seq_id: str) -> None:
+        """Drop per-request state outside the paged cache (tiered indexer keys)."""
+        if self.key_tiers is not None:
+            self.key_tiers.drop(seq_id)
 
     def expert_stats(self) -> dict:
         """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded."""
@@ -87,6 +98,6 @@ class ModelRunner:
         """Forward the step; returns fp32 logits of each request's last token (B, vocab), or of
         every token (N, vocab) with all_logits."""
         ctx = build_context(self.cache, [(s.block_table, s.first_position, len(s.token_ids)) for s in inputs],
-                            self.device)
+                            self.device, [s.seq_id for s in inputs])
         ids = torch.tensor([t for s in inputs for t in s.token_ids], dtype=torch.long, device=self.device)
         return self.model(ids, ctx, all_logits=all_logits)

@@ -42,7 +42,6 @@ logger = logging.getLogger("hearth.engine.server")
 
 Sink = Callable[[Event], None]
 _IDLE_WAIT_S = 0.25
-_STATS_EVERY_S = 0.1
 
 
 class NoModelError(HearthError):
@@ -81,7 +80,6 @@ class EngineHost:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
         self._snapshot: EngineStats | None = None
-        self._snapshot_at = 0.0
         self._counts = {"requests_total": 0, "requests_finished": 0, "requests_aborted": 0, "requests_failed": 0}
         self._started = time.time()
 
@@ -195,7 +193,7 @@ class EngineHost:
             engine = self._engine
             self._wake.clear()
             if engine is None or not engine.has_unfinished():
-                self._take_snapshot(engine, force=True)
+                self._take_snapshot(engine)
                 self._wake.wait(_IDLE_WAIT_S)
                 continue
             try:
@@ -230,10 +228,11 @@ class EngineHost:
         return [_failed(r, "error", "the engine hit an internal error (details are in the engine host's log)")
                 for r in ids]
 
-    def _take_snapshot(self, engine: Engine | None, force: bool = False) -> None:
-        now = time.monotonic()
-        if engine is not None and (force or now - self._snapshot_at >= _STATS_EVERY_S):
-            self._snapshot, self._snapshot_at = engine.stats(), now
+    def _take_snapshot(self, engine: Engine | None) -> None:
+        # NOTE: Engine.stats() reads scheduler state, so it is called here on the engine thread
+        # (after every step, and while idle) and handlers read the snapshot.
+        if engine is not None:
+            self._snapshot = engine.stats()
 
     # ---- stats -----------------------------------------------------------------------------
 

@@ -75,14 +75,31 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)  # (N, H, D)
         q = self._faithful(self._rope(q, cos, sin))
         k = self._faithful(self._rope(self.k_norm(self.wk(x)), cos, sin))  # (N, D)
+        w = self.weights_proj(x.float()).float() * self.scale  # (N, H)
+        if ctx.cache.key_tiers is not None:
+            return [self._select_tiered(q[s.start:s.start + s.q_len], w[s.start:s.start + s.q_len],
+                                        k[s.start:s.start + s.q_len], s, ctx.cache.key_tiers.get(s.seq_id, layer))
+                    for s in ctx.seqs]
         keys = ctx.cache.index_keys[layer]
         keys[ctx.slot_mapping] = k.to(keys.dtype)
-        w = self.weights_proj(x.float()).float() * self.scale  # (N, H)
-        return [self._select(q[s.start:s.start + s.q_len], w[s.start:s.start + s.q_len], keys, s)
+        return [self._select(q[s.start:s.start + s.q_len], w[s.start:s.start + s.q_len], keys[s.slots], s)
                 for s in ctx.seqs]
 
-    def _select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
-        k_all = keys[seq.slots].float()  # (T, D)
+    def _select_tiered(self, q, w, k_new, seq: SeqSlice, tiers) -> torch.Tensor:
+        """Keys in host/device tiers (hearth.offload.tiered_keys): decode selects coarse-to-fine,
+        a prefill chunk scores the whole history read back from the tiers."""
+        if tiers.num_tokens != seq.first_position:
+            raise RuntimeError(f"tiered keys of request {seq.seq_id} hold {tiers.num_tokens} tokens, "
+                               f"the step starts at position {seq.first_position}")
+        tiers.append(k_new.to(torch.float32 if tiers.config.key_format == "fp32" else torch.bfloat16))
+        if seq.q_len == 1:
+            return tiers.select(q[0].float(), w[0])
+        k_all, _ = tiers.read(torch.arange(seq.context_len, device=q.device))
+        return self._select(q, w, k_all, seq)
+
+    def _select(self, q: torch.Tensor, w: torch.Tensor, k_all: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
+        """Exact top-k of the request's queries q (q_len, H, D) over its keys k_all (T, D)."""
+        k_all = k_all.float()
         qf = q.float()
         chunk = max(1, _SCORE_BUDGET // max(1, self.n_heads * seq.context_len))
         scores = torch.cat([
