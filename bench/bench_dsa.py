@@ -1,0 +1,363 @@
+"""Benchmark Hearth's DSA kernels (indexer + top-k, sparse MLA; decode and prefill) on one GPU against
+plain-torch baselines of the same math, measured in the same run, after a correctness check.
+
+    python bench/bench_dsa.py [--out DIR] [--quick] [--sweep]
+
+Prints one line per result (median time, GB/s or TFLOP/s, % of ceiling, torch time, ratio) and writes
+`dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .).
+Ceilings from docs/bench.md: 4.28 TB/s copy, ~790 TFLOP/s bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from hearth.kernels._utils import FP8_E4M3
+from hearth.kernels.indexer import (
+    indexer_decode_topk,
+    indexer_prefill_topk,
+    lightning_indexer_decode,
+    lightning_indexer_prefill,
+)
+from hearth.kernels.indexer.reference import gather_request_keys, indexer_logits_ref
+from hearth.kernels.sparse_mla import quantize_latent_fp8, sparse_mla_decode, sparse_mla_prefill
+from hearth.kernels.sparse_mla.reference import sparse_mla_ref
+from hearth.kernels.topk import topk_indices
+from hearth.kernels.topk.reference import check_topk
+
+BW = 4.28e12
+TFLOPS = 790e12
+BS = 64
+K = 2048
+ROWS: list[dict] = []
+
+
+def emit(what: str, shape: str, t_s: float, base_s: float | None, nbytes: float = 0, flops: float = 0, **extra):
+    gbs = nbytes / t_s / 1e9 if nbytes else None
+    tfs = flops / t_s / 1e12 if flops else None
+    pct = 100 * max((nbytes / t_s) / BW if nbytes else 0, (flops / t_s) / TFLOPS if flops else 0)
+    row = dict(
+        what=what,
+        shape=shape,
+        us=t_s * 1e6,
+        gbs=gbs,
+        tflops=tfs,
+        pct=pct,
+        torch_us=base_s * 1e6 if base_s else None,
+        speedup=(base_s / t_s) if base_s else None,
+        **extra,
+    )
+    ROWS.append(row)
+    rate = f"{gbs:8.0f} GB/s" if gbs else f"{tfs:8.1f} TF/s"
+    base = f"torch {base_s * 1e6:10.1f} us  x{base_s / t_s:6.1f}" if base_s else "torch        n/a"
+    print(f"{what:34s} {shape:28s} {t_s * 1e6:10.1f} us {rate} {pct:5.1f}%  {base}", flush=True)
+
+
+def bench(fn, graph: bool = False, rep: int = 60) -> float:
+    """Median seconds; decode paths are replayed from a CUDA graph like the engine's decode step."""
+    fn()
+    torch.cuda.synchronize()
+    ms = do_bench_cudagraph(fn, rep=rep, return_mode="median") if graph else do_bench(fn, rep=rep, return_mode="median")
+    return ms * 1e-3
+
+
+def random_indexer_cache(num_blocks: int) -> torch.Tensor:
+    """Random FP8 keys (no NaN codes) and power-of-two scales in the paged layout."""
+    cache = torch.randint(0, 256, (num_blocks, BS * 132), dtype=torch.uint8, device="cuda")
+    data = cache[:, : BS * 128]
+    data[(data & 0x7F) == 0x7F] = 0x10
+    scales = torch.exp2(torch.randint(-10, -4, (num_blocks, BS), device="cuda").float())
+    cache[:, BS * 128 :] = scales.view(torch.uint8).view(num_blocks, BS * 4)
+    return cache
+
+
+def torch_indexer_topk(q, w, cache, table, ctx_len: int, k: int):
+    """Plain torch decode indexer + torch.topk (all requests share ctx_len): gather, bf16 GEMM, relu,
+    head-weighted sum, scale, topk."""
+    nb = cache.shape[0]
+    pages = cache.view(FP8_E4M3).as_strided((nb, BS, 128), (BS * 132, 128, 1))
+    scales = cache.view(torch.float32).as_strided((nb, BS), (BS * 33, 1), storage_offset=BS * 32)
+    t = torch.arange(ctx_len, device=cache.device)
+    page, off = table.long()[:, t // BS], t % BS  # (B, n)
+    k_b = pages[page, off].to(torch.bfloat16)  # (B, n, 128)
+    s = torch.einsum("bhd,bnd->bhn", q[:, 0].to(torch.bfloat16), k_b).float().relu_()
+    logits = torch.einsum("bhn,bh->bn", s, w[:, 0]) * scales[page, off]
+    return torch.topk(logits, min(k, ctx_len), dim=-1).indices
+
+
+def decode_indexer(batch: int, ctx_len: int, heads: int = 64, sweep: bool = False, check: bool = False):
+    max_blocks = ctx_len // BS
+    cache = random_indexer_cache(batch * max_blocks)
+    table = torch.randperm(batch * max_blocks, device="cuda").int().view(batch, max_blocks)
+    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")
+    q = (torch.randn(batch, 1, heads, 128, device="cuda") * 2).to(FP8_E4M3)
+    w = torch.randn(batch, 1, heads, device="cuda") * 0.05
+    shape = f"B{batch} ctx{ctx_len // 1024}K H{heads} k{K}"
+    if check:
+        logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx, BS)
+        for b in range(min(batch, 2)):
+            kk, ks = gather_request_keys(cache, table[b], ctx_len, BS)
+            last = torch.tensor([ctx_len - 1], device="cuda")
+            ref = indexer_logits_ref(q[b], w[b], kk, ks, last)[0]
+            mag = indexer_logits_ref(q[b].float().abs(), w[b].abs(), kk.abs(), ks, last)[0]
+            err = float(((logits[b, :ctx_len] - ref).abs() / (mag + 1e-6)).max())
+            assert err < 1e-3, f"decode indexer logits err {err} (relative to sum |w| |q||k| ks)"
+        idx = indexer_decode_topk(q, w, cache, table, ctx, BS, K)
+        check_topk(idx[:2, 0], logits[:2], lengths[:2], K)
+        print(f"  check ok: decode indexer {shape}", flush=True)
+    n_bytes_keys = batch * ctx_len * 132
+    t_base = (
+        bench(lambda: torch_indexer_topk(q, w, cache, table, ctx_len, K), rep=40)
+        if batch * ctx_len <= 64 * 131072
+        else None
+    )
+    cfgs = [None]
+    if sweep:
+        cfgs += [{"tiles": t, "num_warps": nw} for t in (1, 2, 4, 8, 16) for nw in (4, 8)]
+        cfgs += [{"fp8_precise": True}]
+    best = None
+    for cfg in cfgs:
+        t_idx = bench(lambda cfg=cfg: lightning_indexer_decode(q, w, cache, table, ctx, BS, config=cfg), graph=True)
+        if best is None or t_idx < best[0]:
+            best = (t_idx, cfg)
+        if sweep:
+            print(f"    sweep {cfg}: {t_idx * 1e6:.1f} us", flush=True)
+    t_idx, cfg = best
+    emit("decode indexer logits", shape, t_idx, None, nbytes=n_bytes_keys + batch * ctx_len * 4, cfg=str(cfg))
+    t_full = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, fuse_hist=True, config=cfg), graph=True)
+    emit("decode indexer+topk (fused hist)", shape, t_full, t_base, nbytes=n_bytes_keys)
+    t_nf = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, fuse_hist=False, config=cfg), graph=True)
+    emit("decode indexer+topk (unfused)", shape, t_nf, t_base, nbytes=n_bytes_keys)
+    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx, BS, config=cfg)
+    t_tk = bench(lambda: topk_indices(logits, lengths, K), graph=True)
+    t_tt = bench(lambda: torch.topk(logits, K, dim=-1))
+    emit("decode topk only (radix)", f"{batch}x{ctx_len}", t_tk, t_tt, nbytes=batch * ctx_len * 4)
+
+
+def random_latent(num_blocks: int, fp8: bool) -> torch.Tensor:
+    lat = torch.randn(num_blocks, BS, 576, device="cuda").to(torch.bfloat16)
+    return quantize_latent_fp8(lat) if fp8 else lat
+
+
+def torch_sparse_mla(q, cache, idx, table_rows, limits, sm_scale):
+    """Plain torch gathered attention (bf16 GEMMs, fp32 softmax)."""
+    lat = cache.flatten(0, 1)
+    valid = (idx >= 0) & (idx <= limits[:, None])
+    safe = torch.where(valid, idx, 0).long()
+    slots = table_rows.long().gather(1, safe // BS) * BS + safe % BS
+    kv = lat[slots]  # (R, topk, 576)
+    s = torch.einsum("rhd,rnd->rhn", q, kv).float() * sm_scale
+    s.masked_fill_(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, -1).to(torch.bfloat16)
+    return torch.einsum("rhn,rnd->rhd", p, kv[..., :512])
+
+
+def decode_sparse_mla(batch: int, fp8: bool, heads: int = 128, ctx_len: int = 32768, sweep: bool = False):
+    max_blocks = ctx_len // BS
+    cache = random_latent(batch * max_blocks, fp8)
+    table = torch.randperm(batch * max_blocks, device="cuda").int().view(batch, max_blocks)
+    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, 576, device="cuda").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(ctx_len, device="cuda")[:K] for _ in range(batch)]).int()
+    sm = 0.1352
+    shape = f"B{batch} H{heads} k{K} {'fp8' if fp8 else 'bf16'}"
+    out, lse = sparse_mla_decode(q, cache, idx, table, ctx, sm)
+    ro, rl = sparse_mla_ref(q[:4], cache, idx[:4], table[:4], ctx[:4] - 1, sm)
+    err = float((out[:4].float() - ro).norm() / ro.norm())
+    assert err < 1e-2 and float((lse[:4] - rl).abs().max()) < 1e-3, f"sparse MLA decode err {err}"
+    print(f"  check ok: sparse MLA decode {shape} (rel err {err:.1e})", flush=True)
+    flops = batch * heads * K * (576 + 512) * 2
+    nbytes = batch * K * (656 if fp8 else 1152) + q.numel() * 2 + batch * heads * 512 * 2
+    t_base = None
+    if not fp8:
+        t_base = bench(lambda: torch_sparse_mla(q, cache, idx, table, ctx - 1, sm), rep=40)
+    cfgs = [None]
+    if sweep:
+        cands = [(32, 8, 2), (64, 8, 1), (32, 8, 3), (32, 8, 1)] + ([] if fp8 else [(64, 8, 2)])
+        cfgs += [{"block_n": bn, "num_warps": nw, "num_stages": ns} for bn, nw, ns in cands]
+        if batch == 1:
+            cfgs += [{"splits": s} for s in (8, 16, 32)]
+        if batch == 64:
+            cfgs += [{"splits": 2}]
+    best = None
+    for cfg in cfgs:
+        try:
+            t = bench(lambda cfg=cfg: sparse_mla_decode(q, cache, idx, table, ctx, sm, config=cfg), graph=True)
+        except Exception as e:  # a config can exceed shared memory on this GPU
+            print(f"    sweep {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            continue
+        if sweep:
+            print(f"    sweep {cfg}: {t * 1e6:.1f} us", flush=True)
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    emit("decode sparse MLA", shape, best[0], t_base, flops=flops, nbytes=nbytes, cfg=str(best[1]))
+
+
+def prefill(ctx_len: int, n_q: int = 4096, sweep: bool = False, mla_fp8: bool = False, run_mla: bool = True):
+    heads = 64
+    max_blocks = ctx_len // BS
+    cache = random_indexer_cache(max_blocks)
+    table = torch.randperm(max_blocks, device="cuda").int()
+    q = (torch.randn(n_q, heads, 128, device="cuda") * 2).to(FP8_E4M3)
+    w = torch.randn(n_q, heads, device="cuda") * 0.05
+    pos = ctx_len - n_q + torch.arange(n_q, device="cuda")
+    shape = f"T{n_q} ctx{ctx_len // 1024}K H{heads}"
+    logits = lightning_indexer_prefill(q, w, cache, table, ctx_len, BS)
+    kk, ks = gather_request_keys(cache, table, ctx_len, BS)
+    ref = indexer_logits_ref(q[-64:], w[-64:], kk, ks, pos[-64:])
+    mag = indexer_logits_ref(q[-64:].float().abs(), w[-64:].abs(), kk.abs(), ks, pos[-64:])
+    fin = torch.isfinite(ref)
+    err = float(((logits[-64:][fin] - ref[fin]).abs() / (mag[fin] + 1e-6)).max())
+    assert err < 1e-3 and torch.equal(fin, torch.isfinite(logits[-64:])), f"prefill indexer err {err}"
+    print(f"  check ok: prefill indexer {shape}", flush=True)
+    flops = float(((pos + 1).sum()) * heads * 128 * 2)
+    # torch baseline: dense bf16 logits, 512 queries at a time, then torch.topk
+    keys_bf = kk.to(torch.bfloat16)
+
+    def torch_prefill():
+        for i in range(0, n_q, 512):
+            s = torch.einsum("thd,nd->thn", q[i : i + 512].to(torch.bfloat16), keys_bf).float().relu_()
+            lg = torch.einsum("thn,th->tn", s, w[i : i + 512]) * ks
+            torch.topk(lg, K, dim=-1)
+
+    t_base = bench(torch_prefill, rep=1) if ctx_len <= 32768 else None
+    cfgs = [None]
+    if sweep:
+        cfgs += [
+            {"block_q": bq, "block_t": bt, "num_warps": nw, "num_stages": ns}
+            for bq, bt, nw, ns in ((64, 128, 8, 3), (128, 128, 4, 3), (64, 256, 4, 3))
+        ]
+        cfgs += [{"fp8_precise": True}]
+    best = None
+    for cfg in cfgs:
+        t = bench(lambda cfg=cfg: lightning_indexer_prefill(q, w, cache, table, ctx_len, BS, config=cfg), rep=30)
+        if sweep:
+            print(f"    sweep {cfg}: {t * 1e3:.2f} ms", flush=True)
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    emit("prefill indexer logits (fp8)", shape, best[0], None, flops=flops, cfg=str(best[1]))
+    t_full = bench(lambda: indexer_prefill_topk(q, w, cache, table, ctx_len, BS, K, config=best[1]), rep=30)
+    emit("prefill indexer+topk", shape, t_full, t_base, flops=flops)
+    lengths = (pos + 1).int()
+    lg = logits.contiguous()
+    t_tk = bench(lambda: topk_indices(lg, lengths, K), rep=30)
+    emit(
+        "prefill topk only (radix)",
+        f"{n_q}x{ctx_len}",
+        t_tk,
+        bench(lambda: torch.topk(lg, K, dim=-1), rep=30),
+        nbytes=float(lengths.sum()) * 4 * 4,
+    )
+    if not run_mla:
+        return
+    mheads = 128
+    lat = random_latent(max_blocks, mla_fp8)
+    qm = torch.randn(n_q, mheads, 576, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, ctx_len - n_q, (n_q, K), device="cuda").int()
+    posi = pos.int()
+    out, lse = sparse_mla_prefill(qm, lat, idx, table, posi, 0.1352)
+    ro, rl = sparse_mla_ref(qm[-8:], lat, idx[-8:], table[None].expand(8, -1), posi[-8:], 0.1352)
+    err = float((out[-8:].float() - ro).norm() / ro.norm())
+    assert err < 1e-2, f"sparse MLA prefill err {err}"
+    mflops = n_q * mheads * K * (576 + 512) * 2
+
+    def torch_mla():
+        for i in range(0, n_q, 256):
+            torch_sparse_mla(
+                qm[i : i + 256], lat, idx[i : i + 256], table[None].expand(256, -1), posi[i : i + 256], 0.1352
+            )
+
+    t_base = bench(torch_mla, rep=1) if not mla_fp8 else None
+    cfgs = [None] + (
+        [{"block_n": 64, "num_warps": 8, "num_stages": 1}, {"block_n": 32, "num_warps": 8, "num_stages": 3}]
+        if sweep
+        else []
+    )
+    best = None
+    for cfg in cfgs:
+        t = bench(lambda cfg=cfg: sparse_mla_prefill(qm, lat, idx, table, posi, 0.1352, config=cfg), rep=30)
+        if sweep:
+            print(f"    sweep {cfg}: {t * 1e3:.2f} ms", flush=True)
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    emit(
+        "prefill sparse MLA",
+        f"T{n_q} H{mheads} k{K} {'fp8' if mla_fp8 else 'bf16'}",
+        best[0],
+        t_base,
+        flops=mflops,
+        cfg=str(best[1]),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="a few shapes only")
+    ap.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
+    ap.add_argument("--only", default="decode_indexer,decode_mla,prefill")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name()} torch {torch.__version__} "
+        f"triton {triton.__version__}",
+        flush=True,
+    )
+    t0 = time.time()
+    jobs = []
+    if "decode_indexer" in only:
+        for batch in (1, 8, 64):
+            for ctx_len in (131072,) if args.quick else (8192, 32768, 131072):
+                check = ctx_len == 8192 or (args.quick and batch == 1)
+                jobs.append(
+                    (decode_indexer, (batch, ctx_len), dict(sweep=args.sweep and ctx_len == 131072, check=check))
+                )
+    if "decode_mla" in only:
+        for batch in (1, 8, 64):
+            for fp8 in (False, True):
+                jobs.append((decode_sparse_mla, (batch, fp8), dict(sweep=args.sweep)))
+    if "prefill" in only:
+        for ctx_len in (32768, 131072):
+            jobs.append((prefill, (ctx_len,), dict(sweep=args.sweep and ctx_len == 32768, run_mla=ctx_len == 32768)))
+    for fn, a, kw in jobs:
+        try:  # one failing case must not hide the others' numbers
+            fn(*a, **kw)
+        except Exception:
+            traceback.print_exc()
+            print(f"FAILED {fn.__name__}{a}", flush=True)
+        torch.cuda.empty_cache()
+    print(f"# total {time.time() - t0:.0f} s", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "dsa_bench.jsonl", "w") as f:
+        for r in ROWS:
+            f.write(json.dumps(r) + "\n")
+    lines = [
+        "| what | shape | median us | GB/s | TFLOP/s | % ceiling | torch us | speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in ROWS:
+
+        def fmt(v, p):
+            return "" if v is None else f"{v:.{p}f}"
+
+        lines.append(
+            f"| {r['what']} | {r['shape']} | {r['us']:.1f} | {fmt(r['gbs'], 0)} | {fmt(r['tflops'], 1)} | "
+            f"{r['pct']:.1f} | {fmt(r['torch_us'], 1)} | {fmt(r['speedup'], 1)} |"
+        )
+    (out / "dsa_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

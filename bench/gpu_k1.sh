@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# K1 device script (run on the H200 through the device tool): GPU-side kernel tests (all of
+# tests/kernels, the small odd-size cases on CUDA plus the `gpu`-marked real shapes), then the DSA
+# benchmark. Logs and the result table go to $OUT.   usage: bash bench/gpu_k1.sh [tests|bench|all] [bench args]
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/k1_out}
+mkdir -p "$OUT" /tmp/hp
+ln -sfn "$PWD" /tmp/hp/hearth  # the repo's top-level folders form the `hearth` namespace
+export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+rc=0
+if [[ $what == tests || $what == all ]]; then
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -40
+    rc=${PIPESTATUS[0]}
+fi
+if [[ $what == bench || $what == all ]]; then
+    python3 bench/bench_dsa.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+exit $rc

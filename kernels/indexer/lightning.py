@@ -1,0 +1,415 @@
+"""Lightning indexer logits over the paged FP8 indexer-key cache, and the fused indexer + top-k.
+
+logits[q, t] = k_scale[t] * sum_h w[q, h] * relu(q[q, h] . k[t]) for t <= position(q), -inf after.
+`w` carries the per-token q scale and the softmax / head scales (the caller folds them); q is e4m3
+(multiplied with the e4m3 keys on the tensor cores, fp32 accumulation) or bf16 (keys widened to bf16).
+
+Decode: B requests with `next_n` (1..4) queries each, the last `next_n` positions of the request;
+one program scores `TILES * BLOCK_T` cache tokens for all of a request's queries and heads at once
+(keys are read once), reduces over heads in registers, and may add the first radix-select histogram
+of its logits to the top-k workspace (`FUSE_HIST`), so top-k needs only two more histogram passes.
+Prefill: one request, a chunk of T queries (the last T positions) against its whole cache; one program
+per (BLOCK_Q queries, BLOCK_T keys) tile loops over the heads. Neither materialises [queries, heads, keys].
+Cache layout: see `hearth.kernels.indexer.cache_write`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hearth.kernels._utils import (
+    FP8_E4M3,
+    check_tensor,
+    float_order_key,
+    is_interpreter,
+    is_power_of_two,
+    mma,
+    mma_fp8,
+    require,
+)
+from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, new_workspace, radix_digit, radix_topk_launch
+
+INDEX_DIM = 128
+MAX_NEXT_N = 4
+
+
+@triton.jit
+def _indexer_decode_kernel(
+    q_ptr,
+    w_ptr,
+    cache_u8_ptr,
+    cache_f32_ptr,
+    table_ptr,
+    ctx_ptr,
+    logits_ptr,
+    len_ptr,
+    ws_ptr,
+    stride_table,
+    stride_logits,
+    stride_blk,
+    NEXT_N: tl.constexpr,
+    NEXT_N_P2: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    TILES: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    FUSE_HIST: tl.constexpr,
+    NBINS: tl.constexpr,
+    BITS: tl.constexpr,
+    WS_STRIDE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_s = tl.program_id(1)
+    n_ctx = tl.load(ctx_ptr + i_b)
+    o_j = tl.arange(0, NEXT_N_P2)
+    m_j = o_j < NEXT_N
+    o_qpos = n_ctx - NEXT_N + o_j  # position of query j
+    i_row0 = i_b * NEXT_N
+    if i_s == 0:
+        tl.store(len_ptr + i_row0 + o_j, tl.maximum(o_qpos + 1, 0), mask=m_j)
+    i_t0 = i_s * (TILES * BLOCK_T)
+    if i_t0 < n_ctx:
+        M: tl.constexpr = NEXT_N_P2 * H
+        o_m = tl.arange(0, M)
+        o_d = tl.arange(0, D)
+        m_m = (o_m // H) < NEXT_N
+        p_q = q_ptr + (i_row0 * H + o_m)[:, None].to(tl.int64) * D + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_m[:, None], other=0.0)
+        b_w = tl.load(w_ptr + i_row0 * H + o_m, mask=m_m, other=0.0)
+        if FUSE_HIST:
+            b_hist = tl.zeros([NEXT_N_P2 * NBINS], dtype=tl.int32)
+            n_skip = 0
+        for i_tile in range(TILES):
+            o_t = i_t0 + i_tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            m_t = o_t < n_ctx
+            b_page = tl.load(table_ptr + i_b.to(tl.int64) * stride_table + o_t // BLOCK_SIZE, mask=m_t, other=0)
+            b_page = b_page.to(tl.int64)
+            o_off = o_t % BLOCK_SIZE
+            p_k = cache_u8_ptr + (b_page * stride_blk + o_off * D)[:, None] + o_d[None, :]
+            b_k = tl.load(p_k, mask=m_t[:, None], other=0)
+            p_ks = cache_f32_ptr + b_page * (stride_blk // 4) + (BLOCK_SIZE * D // 4) + o_off
+            b_ks = tl.load(p_ks, mask=m_t, other=0.0)
+            b_k = b_k.to(tl.float8e4nv, bitcast=True)
+            if Q_FP8:
+                b_s = mma_fp8(b_q, tl.trans(b_k), tl.zeros([M, BLOCK_T], dtype=tl.float32), UPCAST, PRECISE)
+            else:
+                b_s = mma(b_q, tl.trans(b_k.to(tl.bfloat16)), tl.zeros([M, BLOCK_T], dtype=tl.float32), UPCAST)
+            b_s = tl.maximum(b_s, 0.0) * b_w[:, None]  # (M, BLOCK_T)
+            b_l = tl.sum(tl.reshape(b_s, [NEXT_N_P2, H, BLOCK_T]), axis=1) * b_ks[None, :]  # (J, BLOCK_T)
+            m_valid = m_j[:, None] & m_t[None, :] & (o_t[None, :] <= o_qpos[:, None])
+            b_l = tl.where(m_valid, b_l, float("-inf"))
+            p_l = logits_ptr + (i_row0 + o_j)[:, None].to(tl.int64) * stride_logits + o_t[None, :]
+            tl.store(p_l, b_l, mask=m_j[:, None] & m_t[None, :])
+            if FUSE_HIST:
+                b_bin = o_j[:, None] * NBINS + radix_digit(float_order_key(b_l), 0, NBINS, BITS)
+                b_bin = tl.where(m_valid, b_bin, 0)
+                b_hist += tl.histogram(tl.reshape(b_bin, [NEXT_N_P2 * BLOCK_T]), NEXT_N_P2 * NBINS)
+                n_skip += tl.sum(tl.sum((~m_valid).to(tl.int32), axis=1), axis=0)
+        if FUSE_HIST:
+            o_h = tl.arange(0, NEXT_N_P2 * NBINS)
+            b_hist -= tl.where(o_h == 0, n_skip, 0)
+            p_h = ws_ptr + (i_row0 + o_h // NBINS).to(tl.int64) * WS_STRIDE + o_h % NBINS
+            tl.atomic_add(p_h, b_hist, mask=(b_hist > 0) & ((o_h // NBINS) < NEXT_N))
+
+
+@triton.jit
+def _indexer_prefill_kernel(
+    q_ptr,
+    w_ptr,
+    cache_u8_ptr,
+    cache_f32_ptr,
+    table_ptr,
+    logits_ptr,
+    T,
+    n_ctx,
+    stride_logits,
+    stride_blk,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    i_q = tl.program_id(0)
+    i_t = tl.program_id(1)
+    o_q = i_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    m_q = o_q < T
+    o_qpos = n_ctx - T + o_q
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    i_last = tl.minimum(i_q * BLOCK_Q + BLOCK_Q, T) - 1
+    p_l = logits_ptr + o_q[:, None].to(tl.int64) * stride_logits + o_t[None, :]
+    m_out = m_q[:, None] & (o_t < n_ctx)[None, :]
+    # tiles entirely after the block's last query position need no scoring, only their -inf
+    if i_t * BLOCK_T > n_ctx - T + i_last:
+        tl.store(p_l, tl.full([BLOCK_Q, BLOCK_T], float("-inf"), dtype=tl.float32), mask=m_out)
+    else:
+        m_t = o_t < n_ctx
+        o_d = tl.arange(0, D)
+        b_page = tl.load(table_ptr + o_t // BLOCK_SIZE, mask=m_t, other=0).to(tl.int64)
+        o_off = o_t % BLOCK_SIZE
+        p_k = cache_u8_ptr + (b_page * stride_blk + o_off * D)[:, None] + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_t[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        if not Q_FP8:
+            b_k = b_k.to(tl.bfloat16)
+        b_kt = tl.trans(b_k)  # (D, BLOCK_T)
+        b_ks = tl.load(cache_f32_ptr + b_page * (stride_blk // 4) + (BLOCK_SIZE * D // 4) + o_off, mask=m_t, other=0.0)
+        b_acc = tl.zeros([BLOCK_Q, BLOCK_T], dtype=tl.float32)
+        p_q = q_ptr + o_q[:, None].to(tl.int64) * (H * D) + o_d[None, :]
+        p_w = w_ptr + o_q.to(tl.int64) * H
+        for i_h in range(H):
+            b_q = tl.load(p_q + i_h * D, mask=m_q[:, None], other=0.0)
+            b_w = tl.load(p_w + i_h, mask=m_q, other=0.0)
+            if Q_FP8:
+                b_s = mma_fp8(b_q, b_kt, tl.zeros([BLOCK_Q, BLOCK_T], dtype=tl.float32), UPCAST, PRECISE)
+            else:
+                b_s = mma(b_q, b_kt, tl.zeros([BLOCK_Q, BLOCK_T], dtype=tl.float32), UPCAST)
+            b_acc += tl.maximum(b_s, 0.0) * b_w[:, None]
+        b_l = b_acc * b_ks[None, :]
+        b_l = tl.where(o_t[None, :] <= o_qpos[:, None], b_l, float("-inf"))
+        tl.store(p_l, b_l, mask=m_out)
+
+
+def _check_cache(kv_cache: torch.Tensor, block_size: int, device: torch.device) -> None:
+    require(
+        is_power_of_two(block_size) and block_size >= 16, f"block_size must be a power of two >= 16, got {block_size}"
+    )
+    check_tensor("kv_cache", kv_cache, dtypes=(torch.uint8,), ndim=2, device=device)
+    require(
+        kv_cache.shape[1] == block_size * (INDEX_DIM + 4),
+        f"kv_cache must be [num_blocks, {block_size * 132}] for block_size {block_size}, got {tuple(kv_cache.shape)}",
+    )
+
+
+def _decode_config(n_req: int, n_cols: int, heads: int, next_n: int) -> dict:
+    block_t = 64
+    total = n_req * triton.cdiv(n_cols, block_t)
+    tiles = 1
+    while tiles < 32 and total // (tiles * 2) >= 1056:  # keep >= ~8 waves of 132 SMs
+        tiles *= 2
+    return {
+        "block_t": block_t,
+        "tiles": tiles,
+        "num_warps": 4 if heads * next_n <= 64 else 8,
+        "num_stages": 2,
+        "fp8_precise": True,
+    }
+
+
+def lightning_indexer_decode(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    *,
+    workspace: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode indexer logits over the paged FP8 key cache.
+
+    Args:
+        q: [B, next_n, H, 128] float8_e4m3fn or bf16, contiguous; next_n in 1..4, H a power of two
+            (64 DeepSeek, 32 GLM). Query j of request b sits at position context_lens[b] - next_n + j.
+        weights: [B, next_n, H] fp32 contiguous (head weights with the q scale and softmax scales folded in).
+        kv_cache: uint8 [num_blocks, block_size*132] (see cache_write's layout).
+        block_table: [B, max_blocks] int32, unit last stride.
+        context_lens: [B] int32, tokens in the cache per request (this step's included), <= max_blocks*block_size.
+        block_size: tokens per page, power of two >= 16.
+        workspace: optional zeroed int32 top-k workspace [B*next_n, WS_STRIDE]: if given, the kernel adds
+            the first radix-select histogram of each row to it (used by `indexer_decode_topk`).
+        config: optional tuning override (block_t, tiles, num_warps, num_stages).
+    Returns:
+        logits: fp32 [B*next_n, max_blocks*block_size]; row b*next_n+j holds valid logits at t <= that
+            query's position and -inf for later t < context_len; columns past context_len are unwritten.
+        lengths: int32 [B*next_n], valid entries per row (position + 1, >= 0).
+    """
+    check_tensor("q", q, dtypes=(FP8_E4M3, torch.bfloat16), ndim=4)
+    n_req, next_n, heads, dim = q.shape
+    require(dim == INDEX_DIM, f"q must be [B, next_n, H, 128], got {tuple(q.shape)}")
+    require(1 <= next_n <= MAX_NEXT_N, f"next_n must be in 1..{MAX_NEXT_N}, got {next_n}")
+    require(is_power_of_two(heads) and heads >= 16, f"H must be a power of two >= 16, got {heads}")
+    dev = q.device
+    check_tensor("weights", weights, dtypes=(torch.float32,), shape=(n_req, next_n, heads), device=dev)
+    _check_cache(kv_cache, block_size, dev)
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=False, device=dev)
+    require(
+        block_table.shape[0] == n_req and block_table.stride(1) == 1,
+        "block_table must be [B, max_blocks] with unit last stride",
+    )
+    check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(n_req,), device=dev)
+    n_cols = block_table.shape[1] * block_size
+    rows = n_req * next_n
+    logits = torch.empty(rows, n_cols, dtype=torch.float32, device=dev)
+    lengths = torch.empty(rows, dtype=torch.int32, device=dev)
+    if workspace is not None:
+        check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, WS_STRIDE), device=dev)
+    cfg = _decode_config(n_req, n_cols, heads, next_n) | (config or {})
+    grid = (n_req, triton.cdiv(n_cols, cfg["tiles"] * cfg["block_t"]))
+    _indexer_decode_kernel[grid](
+        q,
+        weights,
+        kv_cache,
+        kv_cache.view(torch.float32),
+        block_table,
+        context_lens,
+        logits,
+        lengths,
+        workspace if workspace is not None else lengths,
+        block_table.stride(0),
+        logits.stride(0),
+        kv_cache.stride(0),
+        NEXT_N=next_n,
+        NEXT_N_P2=triton.next_power_of_2(next_n),
+        H=heads,
+        D=INDEX_DIM,
+        BLOCK_SIZE=block_size,
+        BLOCK_T=cfg["block_t"],
+        TILES=cfg["tiles"],
+        Q_FP8=q.dtype == FP8_E4M3,
+        FUSE_HIST=workspace is not None,
+        NBINS=NBINS,
+        BITS=RADIX_BITS,
+        WS_STRIDE=WS_STRIDE,
+        UPCAST=is_interpreter(),
+        PRECISE=cfg["fp8_precise"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return logits, lengths
+
+
+def indexer_decode_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    k: int,
+    *,
+    fuse_hist: bool = False,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Decode indexer + exact top-k: int32 [B, next_n, k] logical token positions, -1 padded.
+
+    Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
+    request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
+    fuse_hist=True adds the first radix histogram inside the indexer kernel instead of a separate pass
+    (measured slower on the H200 with Triton 3.6's tl.histogram, so off by default)."""
+    n_req, next_n = q.shape[0], q.shape[1]
+    ws = new_workspace(n_req * next_n, q.device)
+    logits, lengths = lightning_indexer_decode(
+        q,
+        weights,
+        kv_cache,
+        block_table,
+        context_lens,
+        block_size,
+        workspace=ws if fuse_hist else None,
+        config=config,
+    )
+    out = torch.empty(n_req * next_n, k, dtype=torch.int32, device=q.device)
+    radix_topk_launch(logits, lengths, k, out, ws, first_pass_done=fuse_hist)
+    return out.view(n_req, next_n, k)
+
+
+def _check_prefill(q, weights, kv_cache, block_table, context_len, block_size):
+    check_tensor("q", q, dtypes=(FP8_E4M3, torch.bfloat16), ndim=3)
+    n_q, heads, dim = q.shape
+    require(dim == INDEX_DIM, f"q must be [T, H, 128], got {tuple(q.shape)}")
+    dev = q.device
+    check_tensor("weights", weights, dtypes=(torch.float32,), shape=(n_q, heads), device=dev)
+    _check_cache(kv_cache, block_size, dev)
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=1, device=dev)
+    require(
+        n_q <= context_len <= block_table.shape[0] * block_size,
+        f"need T <= context_len <= max_blocks*block_size, got T={n_q}, context_len={context_len}",
+    )
+
+
+def lightning_indexer_prefill(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Prefill indexer logits of one request's chunk of queries against its whole cache.
+
+    Args:
+        q: [T, H, 128] float8_e4m3fn or bf16 contiguous; query i sits at position context_len - T + i.
+        weights: [T, H] fp32 contiguous.
+        kv_cache: uint8 [num_blocks, block_size*132]; the chunk's keys must already be written.
+        block_table: [max_blocks] int32, the request's pages.
+        context_len: host int, tokens in the cache for the request (chunk included).
+        block_size: tokens per page, power of two >= 16.
+    Returns:
+        logits fp32 [T, context_len] (a view; row stride padded to 16): -inf after each query's position.
+    """
+    _check_prefill(q, weights, kv_cache, block_table, context_len, block_size)
+    n_q, heads, _ = q.shape
+    cfg = {"block_q": 64, "block_t": 128, "num_warps": 4, "num_stages": 3, "fp8_precise": False} | (config or {})
+    stride = triton.cdiv(max(context_len, 1), 16) * 16
+    logits = torch.empty(n_q, stride, dtype=torch.float32, device=q.device)
+    if n_q > 0:
+        grid = (triton.cdiv(n_q, cfg["block_q"]), triton.cdiv(context_len, cfg["block_t"]))
+        _indexer_prefill_kernel[grid](
+            q,
+            weights,
+            kv_cache,
+            kv_cache.view(torch.float32),
+            block_table,
+            logits,
+            n_q,
+            context_len,
+            logits.stride(0),
+            kv_cache.stride(0),
+            H=heads,
+            D=INDEX_DIM,
+            BLOCK_SIZE=block_size,
+            BLOCK_Q=cfg["block_q"],
+            BLOCK_T=cfg["block_t"],
+            Q_FP8=q.dtype == FP8_E4M3,
+            UPCAST=is_interpreter(),
+            PRECISE=cfg["fp8_precise"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+    return logits[:, :context_len]
+
+
+def indexer_prefill_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    k: int,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Prefill indexer + exact top-k: int32 [T, k] logical positions (<= each query's position), -1 padded.
+
+    Arguments as in `lightning_indexer_prefill`. Materialises the [T, context_len] fp32 logits (chunk T
+    to bound memory), never [T, H, context_len]."""
+    logits = lightning_indexer_prefill(q, weights, kv_cache, block_table, context_len, block_size, config=config)
+    n_q = q.shape[0]
+    lengths = (context_len - n_q + 1 + torch.arange(n_q, device=q.device, dtype=torch.int32)).contiguous()
+    out = torch.empty(n_q, k, dtype=torch.int32, device=q.device)
+    if n_q > 0:
+        radix_topk_launch(logits, lengths, k, out, new_workspace(n_q, q.device))
+    return out

@@ -1,0 +1,349 @@
+"""DSA sparse MLA forward in absorbed (MQA) form over the paged latent cache.
+
+For each query row r (a decode request or a prefill token) and head h:
+    s[n]   = sm_scale * q[r, h, :576] . kv[slot(idx[r, n]), :576]   for valid n (0 <= idx <= limit[r])
+    out    = softmax(s) @ kv[slot(idx[r, n]), :512],  lse = log sum exp s   (fp32 softmax)
+The selection idx[r] (logical token positions, shared by all heads) is mapped to physical slots
+through the row's block table. One program owns (row, BLOCK_H heads, one split of the selection) and
+streams BLOCK_N gathered latent rows at a time through an online softmax; with several splits the
+fp32 partial results are merged by a second small kernel (decode at small batch).
+Latent cache: bf16 [num_blocks, block_size, 576] or FP8 uint8 [num_blocks, block_size, 656]
+(512 e4m3 + 4 fp32 scales for 128-dim groups + 64 bf16 rope dims), dequantised to bf16 on load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from hearth.kernels._utils import check_tensor, is_interpreter, is_power_of_two, mma, require
+
+D_LATENT = 512
+D_ROPE = 64
+D_QK = D_LATENT + D_ROPE
+FP8_TOKEN_BYTES = 656
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr,
+    kv_ptr,
+    kv_f32_ptr,
+    kv_bf16_ptr,
+    idx_ptr,
+    table_ptr,
+    limit_ptr,
+    o_ptr,
+    lse_ptr,
+    H,
+    TOPK,
+    CHUNK,
+    qk_scale,
+    stride_q_r,
+    stride_q_h,
+    stride_idx_r,
+    stride_table_r,
+    stride_o_r,
+    stride_o_s,
+    stride_o_h,
+    stride_lse_r,
+    stride_lse_s,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    DV: tl.constexpr,
+    DR: tl.constexpr,
+    UPCAST: tl.constexpr,
+    Q_RELOAD: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_s = tl.program_id(2)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_v = tl.arange(0, DV)
+    o_e = tl.arange(0, DR)
+    i_r64 = i_r.to(tl.int64)
+    p_q = q_ptr + i_r64 * stride_q_r + o_h[:, None] * stride_q_h
+    if not Q_RELOAD:
+        b_q = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # (BLOCK_H, 512)
+        b_qe = tl.load(p_q + DV + o_e[None, :], mask=m_h[:, None], other=0.0)  # (BLOCK_H, 64)
+    n_limit = tl.load(limit_ptr + i_r)
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+    i_start = i_s * CHUNK
+    i_end = tl.minimum(i_start + CHUNK, TOPK)
+    for i0 in range(i_start, i_end, BLOCK_N):
+        o_n = i0 + tl.arange(0, BLOCK_N)
+        b_idx = tl.load(idx_ptr + i_r64 * stride_idx_r + o_n, mask=o_n < i_end, other=-1)
+        m_n = (b_idx >= 0) & (b_idx <= n_limit)
+        b_idx = tl.where(m_n, b_idx, 0)
+        b_page = tl.load(table_ptr + i_r64 * stride_table_r + b_idx // BLOCK_SIZE, mask=m_n, other=0)
+        b_slot = b_page.to(tl.int64) * BLOCK_SIZE + b_idx % BLOCK_SIZE
+        if IS_FP8:
+            p_kv = kv_ptr + b_slot[:, None] * 656 + o_v[None, :]
+            b_raw = tl.load(p_kv, mask=m_n[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+            p_sc = kv_f32_ptr + b_slot[:, None] * 164 + 128 + (o_v // 128)[None, :]
+            b_sc = tl.load(p_sc, mask=m_n[:, None], other=0.0)
+            b_kv = (b_raw.to(tl.float32) * b_sc).to(tl.bfloat16)
+            b_ke = tl.load(kv_bf16_ptr + b_slot[:, None] * 328 + 264 + o_e[None, :], mask=m_n[:, None], other=0.0)
+        else:
+            p_kv = kv_bf16_ptr + b_slot[:, None] * (DV + DR)
+            b_kv = tl.load(p_kv + o_v[None, :], mask=m_n[:, None], other=0.0)
+            b_ke = tl.load(p_kv + DV + o_e[None, :], mask=m_n[:, None], other=0.0)
+        if Q_RELOAD:
+            # re-read q (L1/L2 hits) so it is staged through shared memory, not held in registers
+            b_q = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)
+            b_qe = tl.load(p_q + DV + o_e[None, :], mask=m_h[:, None], other=0.0)
+        b_s = mma(b_q, tl.trans(b_kv), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), UPCAST)
+        b_s = mma(b_qe, tl.trans(b_ke), b_s, UPCAST)
+        b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))  # log2 domain
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp2(b_m - b_m_use)
+        b_p = tl.exp2(b_s - b_m_use[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = mma(b_p.to(tl.bfloat16), b_kv, b_acc * b_alpha[:, None], UPCAST)
+        b_m = b_m_new
+    m_any = b_l > 0
+    b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]
+    b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.0))) * 0.6931471805599453, float("-inf"))
+    p_o = o_ptr + i_r64 * stride_o_r + i_s * stride_o_s + o_h[:, None] * stride_o_h + o_v[None, :]
+    if PARTIAL:
+        tl.store(p_o, b_out, mask=m_h[:, None])
+    else:
+        tl.store(p_o, b_out.to(o_ptr.dtype.element_ty), mask=m_h[:, None])
+    tl.store(lse_ptr + i_r64 * stride_lse_r + i_s * stride_lse_s + o_h, b_lse, mask=m_h)
+
+
+@triton.jit
+def _sparse_mla_combine_kernel(
+    po_ptr,
+    plse_ptr,
+    o_ptr,
+    lse_ptr,
+    H,
+    S,
+    BLOCK_H: tl.constexpr,
+    DV: tl.constexpr,
+):
+    """Merge S partial (out, lse) of one row: po fp32 [R, S, H, DV], plse [R, S, H]."""
+    i_r = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_v = tl.arange(0, DV)
+    b_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for i_s in range(S):
+        b_max = tl.maximum(b_max, tl.load(plse_ptr + (i_r * S + i_s) * H + o_h, mask=m_h, other=float("-inf")))
+    b_use = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+    for i_s in range(S):
+        b_lse = tl.load(plse_ptr + (i_r * S + i_s) * H + o_h, mask=m_h, other=float("-inf"))
+        b_wt = tl.exp(b_lse - b_use)
+        b_o = tl.load(po_ptr + ((i_r * S + i_s) * H + o_h)[:, None] * DV + o_v[None, :], mask=m_h[:, None], other=0.0)
+        b_sum += b_wt
+        b_acc += b_wt[:, None] * b_o
+    m_any = b_sum > 0
+    b_out = b_acc / tl.where(m_any, b_sum, 1.0)[:, None]
+    tl.store(o_ptr + (i_r * H + o_h)[:, None] * DV + o_v[None, :], b_out.to(o_ptr.dtype.element_ty), mask=m_h[:, None])
+    b_lse = tl.where(m_any, b_use + tl.log(tl.where(m_any, b_sum, 1.0)), float("-inf"))
+    tl.store(lse_ptr + i_r * H + o_h, b_lse, mask=m_h)
+
+
+def _check_cache(kv_cache: torch.Tensor, device: torch.device) -> tuple[int, bool]:
+    check_tensor("kv_cache", kv_cache, dtypes=(torch.bfloat16, torch.uint8), ndim=3, device=device)
+    block_size = kv_cache.shape[1]
+    is_fp8 = kv_cache.dtype == torch.uint8
+    width = FP8_TOKEN_BYTES if is_fp8 else D_QK
+    require(
+        kv_cache.shape[2] == width,
+        f"kv_cache must be [num_blocks, block_size, {width}] for {kv_cache.dtype}, got {tuple(kv_cache.shape)}",
+    )
+    require(
+        is_power_of_two(block_size) and block_size >= 16,
+        f"block_size (kv_cache.shape[1]) must be a power of two >= 16, got {block_size}",
+    )
+    return block_size, is_fp8
+
+
+def _launch(q, kv_cache, indices, table, stride_table_r, limits, sm_scale, config, out=None, lse=None):
+    n_rows, heads, _ = q.shape
+    topk = indices.shape[1]
+    block_size, is_fp8 = _check_cache(kv_cache, q.device)
+    # NOTE: measured on the H200 (Triton 3.6): block_n 64 at 8 warps wins despite a few hundred bytes
+    # of register spills ([64, 512] fp32 accumulator + q); FP8 dequantises through shared memory and
+    # only fits one pipeline stage (227 KiB)
+    cfg = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1 if is_fp8 else 2, "splits": None}
+    cfg |= {"q_reload": False} | (config or {})
+    block_h = min(cfg["block_h"], max(16, triton.next_power_of_2(heads)))
+    n_hb = triton.cdiv(heads, block_h)
+    splits = cfg["splits"]
+    if splits is None:
+        programs = n_rows * n_hb
+        splits = 1 if programs >= 96 else min(triton.cdiv(topk, cfg["block_n"]), triton.cdiv(264, programs))
+    chunk = triton.cdiv(triton.cdiv(topk, splits), cfg["block_n"]) * cfg["block_n"]
+    chunk = max(chunk, cfg["block_n"])
+    splits = max(1, triton.cdiv(topk, chunk))
+    if out is None:
+        out = torch.empty(n_rows, heads, D_LATENT, dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(n_rows, heads, dtype=torch.float32, device=q.device)
+    check_tensor("out", out, dtypes=(torch.bfloat16,), shape=(n_rows, heads, D_LATENT), device=q.device)
+    check_tensor("lse", lse, dtypes=(torch.float32,), shape=(n_rows, heads), device=q.device)
+    if n_rows == 0:
+        return out, lse
+    partial = splits > 1
+    if partial:
+        po = torch.empty(n_rows, splits, heads, D_LATENT, dtype=torch.float32, device=q.device)
+        plse = torch.empty(n_rows, splits, heads, dtype=torch.float32, device=q.device)
+    else:
+        po, plse = out.unsqueeze(1), lse.unsqueeze(1)
+    kv_u8 = kv_cache if is_fp8 else kv_cache.view(torch.uint8)
+    kv_f32 = kv_cache.view(torch.float32)
+    kv_bf16 = kv_cache.view(torch.bfloat16)
+    grid = (n_rows, n_hb, splits)
+    _sparse_mla_fwd_kernel[grid](
+        q,
+        kv_u8,
+        kv_f32,
+        kv_bf16,
+        indices,
+        table,
+        limits,
+        po,
+        plse,
+        heads,
+        topk,
+        chunk,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        indices.stride(0),
+        stride_table_r,
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        plse.stride(0),
+        plse.stride(1),
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_N=cfg["block_n"],
+        IS_FP8=is_fp8,
+        PARTIAL=partial,
+        DV=D_LATENT,
+        DR=D_ROPE,
+        UPCAST=is_interpreter(),
+        Q_RELOAD=cfg["q_reload"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if partial:
+        _sparse_mla_combine_kernel[(n_rows, triton.cdiv(heads, 16))](
+            po,
+            plse,
+            out,
+            lse,
+            heads,
+            splits,
+            BLOCK_H=16,
+            DV=D_LATENT,
+            num_warps=4,
+        )
+    return out, lse
+
+
+def _check_q_indices(q, indices, n_rows_name):
+    check_tensor("q", q, dtypes=(torch.bfloat16,), ndim=3, contiguous=False)
+    require(
+        q.shape[2] == D_QK and q.stride(2) == 1,
+        f"q must be [{n_rows_name}, H, 576] with unit last stride, got {tuple(q.shape)}",
+    )
+    check_tensor("indices", indices, dtypes=(torch.int32,), ndim=2, contiguous=False, device=q.device)
+    require(
+        indices.shape[0] == q.shape[0] and indices.stride(1) == 1,
+        f"indices must be [{n_rows_name}, topk] with unit last stride, got {tuple(indices.shape)}",
+    )
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode, absorbed form.
+
+    Args:
+        q: [B, H, 576] bf16 (512 absorbed q_nope then 64 rope dims), unit last stride.
+        kv_cache: bf16 [num_blocks, block_size, 576] or uint8 [num_blocks, block_size, 656] (FP8), contiguous.
+        indices: [B, topk] int32 logical token positions, -1 = none (shared by all heads).
+        block_table: [B, max_blocks] int32, unit last stride.
+        context_lens: [B] int32; index i is used iff 0 <= i < context_lens[b].
+        sm_scale: softmax scale (0.13523378 DeepSeek-V3.2, 0.0625 GLM-5).
+        out, lse: optional preallocated outputs (shapes and dtypes as returned), e.g. for CUDA graphs.
+        config: optional tuning override (block_h, block_n, num_warps, num_stages, splits, q_reload).
+    Returns:
+        out [B, H, 512] bf16 (zeros where no index is valid), lse [B, H] fp32 natural-log
+        log-sum-exp of the scaled scores (-inf where none is valid).
+    """
+    _check_q_indices(q, indices, "B")
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=False, device=q.device)
+    require(
+        block_table.shape[0] == q.shape[0] and block_table.stride(1) == 1,
+        "block_table must be [B, max_blocks] with unit last stride",
+    )
+    check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(q.shape[0],), device=q.device)
+    limits = context_lens - 1
+    return _launch(q, kv_cache, indices, block_table, block_table.stride(0), limits, sm_scale, config, out, lse)
+
+
+def sparse_mla_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    sm_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill for one request's chunk, absorbed form, per-query selections.
+
+    Args:
+        q: [T, H, 576] bf16, unit last stride.
+        kv_cache: as in `sparse_mla_decode` (the chunk's latents already written).
+        indices: [T, topk] int32 logical positions; index i is used iff 0 <= i <= positions[t] (causal).
+        block_table: [max_blocks] int32, the request's pages.
+        positions: [T] int32, each query's position in the request.
+        sm_scale: softmax scale.
+        out, lse, config: as in `sparse_mla_decode`.
+    Returns:
+        out [T, H, 512] bf16, lse [T, H] fp32 (natural log).
+    """
+    _check_q_indices(q, indices, "T")
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=1, device=q.device)
+    check_tensor("positions", positions, dtypes=(torch.int32,), shape=(q.shape[0],), device=q.device)
+    return _launch(q, kv_cache, indices, block_table, 0, positions, sm_scale, config, out, lse)
+
+
+def default_sm_scale(qk_head_dim: int = 192, yarn_factor: float | None = 40.0) -> float:
+    """DeepSeek-V3.2's MLA softmax scale qk_head_dim^-0.5 * (0.1 ln(factor) + 1)^2 (no YaRN: plain)."""
+    mscale = 1.0 if yarn_factor is None else 0.1 * math.log(yarn_factor) + 1.0
+    return qk_head_dim**-0.5 * mscale * mscale

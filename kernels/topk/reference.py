@@ -1,0 +1,45 @@
+"""Plain-torch reference and validity check for the row-wise top-k used by DSA (indices only, unsorted,
+-1 padding when a row has fewer than k valid entries)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def topk_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [R, N] float, lengths [R] int (entries t < lengths[r] are valid) -> int32 [R, k] indices
+    of the k largest valid entries (torch.topk order), -1 where the row has fewer than k entries."""
+    r, n = scores.shape
+    t = torch.arange(n, device=scores.device)
+    valid = t[None, :] < lengths[:, None].long()
+    kk = min(k, n)
+    key = scores.float().masked_fill(~valid, float("-inf"))
+    _, idx = torch.sort(key, dim=1, descending=True, stable=True)
+    # NOTE: a valid -inf entry must still rank before padding: stable re-sort on validity
+    _, reorder = torch.sort((~valid.gather(1, idx)).to(torch.int8), dim=1, stable=True)
+    idx = idx.gather(1, reorder)[:, :kk]
+    out = torch.full((r, k), -1, dtype=torch.int32, device=scores.device)
+    keep = torch.arange(kk, device=scores.device)[None, :] < lengths.long().clamp(0, kk)[:, None]
+    out[:, :kk] = torch.where(keep, idx, -1).int()
+    return out
+
+
+def check_topk(idx: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
+    """Assert idx [R, k] is a valid exact top-k of scores [R, N] under lengths [R] (any tie order).
+
+    Per row: exactly min(L, k) distinct indices in [0, L), the rest -1, and the multiset of their
+    scores equals the min(L, k) largest valid scores."""
+    assert idx.dtype == torch.int32 and idx.shape == (scores.shape[0], k), (idx.dtype, idx.shape)
+    idx, scores, lengths = idx.cpu().long(), scores.cpu().float(), lengths.cpu().long()
+    for r in range(scores.shape[0]):
+        n_valid = min(int(lengths[r]), scores.shape[1])
+        want = min(n_valid, k)
+        row = idx[r]
+        sel = row[row >= 0]
+        assert sel.numel() == want, f"row {r}: {sel.numel()} indices, want {want}"
+        assert int((row == -1).sum()) == k - want, f"row {r}: {int((row == -1).sum())} pads, want {k - want}"
+        assert sel.unique().numel() == want, f"row {r}: duplicate indices"
+        assert bool((sel < n_valid).all()), f"row {r}: index past the valid length {n_valid}"
+        got = scores[r, sel].sort(descending=True).values
+        ref = scores[r, :n_valid].sort(descending=True).values[:want]
+        assert torch.equal(got, ref), f"row {r}: selected scores are not the top-{want}"

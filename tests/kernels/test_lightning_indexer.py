@@ -1,0 +1,172 @@
+"""Lightning indexer logits (decode / prefill, paged FP8 cache) and the fused indexer + top-k,
+against the dense torch reference."""
+
+import pytest
+import torch
+
+from hearth.kernels._utils import FP8_E4M3
+from hearth.kernels.indexer import (
+    indexer_decode_topk,
+    indexer_k_cache_write,
+    indexer_prefill_topk,
+    lightning_indexer_decode,
+    lightning_indexer_prefill,
+)
+from hearth.kernels.indexer.reference import gather_request_keys, indexer_decode_logits_ref, indexer_logits_ref
+from hearth.kernels.topk.reference import check_topk
+from tests.kernels.conftest import logical_slots, paged_table, requires_cuda
+
+
+def _filled_cache(ctx: list[int], block_size: int, max_blocks: int, device):
+    """A paged FP8 indexer cache holding random keys for requests of the given lengths."""
+    n_req = len(ctx)
+    num_blocks = n_req * max_blocks + 2
+    cache = torch.full((num_blocks, block_size * 132), 0xAB, dtype=torch.uint8, device=device)
+    table = paged_table(n_req, max_blocks, num_blocks, device)
+    for b, n in enumerate(ctx):
+        if n:
+            keys = torch.randn(n, 128, device=device) * torch.rand(n, 1, device=device) * 4
+            indexer_k_cache_write(keys, logical_slots(table[b], n, block_size), cache, block_size)
+    return cache, table
+
+
+def _queries(shape, q_dtype, device):
+    q = torch.randn(*shape, device=device) * 3
+    return q.to(FP8_E4M3) if q_dtype == "fp8" else q.to(torch.bfloat16)
+
+
+# Error bound relative to sum_h |w_h| sum_d |q_hd k_d| k_scale (the usual dot-product error scale):
+# Hopper's fp8 MMA accumulates partial sums in reduced precision (the kernels' default, fp8_precise=False).
+LOGIT_TOL = 1e-3
+
+
+def _magnitude(q, w, keys, scales, pos):
+    return indexer_logits_ref(q.float().abs(), w.abs(), keys.abs(), scales, pos)
+
+
+def _decode_magnitudes(q, w, cache, table, ctx, block_size):
+    out = []
+    for b, n in enumerate(ctx):
+        keys, scales = gather_request_keys(cache, table[b], n, block_size)
+        pos = n - q.shape[1] + torch.arange(q.shape[1], device=q.device)
+        out.append(_magnitude(q[b], w[b], keys, scales, pos))
+    return out
+
+
+def _check_logits(got_row: torch.Tensor, ref_row: torch.Tensor, abs_row: torch.Tensor, n_valid: int) -> None:
+    got, ref, mag = got_row[:n_valid].double(), ref_row[:n_valid].double(), abs_row[:n_valid].double()
+    assert torch.isfinite(got).all(), "NaN/inf in valid logits"
+    assert bool(((got - ref).abs() <= LOGIT_TOL * mag + 1e-6).all()), float(((got - ref).abs() / (mag + 1e-6)).max())
+    assert bool(torch.isneginf(got_row[n_valid:]).all()), "causal tail must be -inf"
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("next_n", [1, 3])
+@pytest.mark.parametrize("q_dtype", ["fp8", "bf16"])
+def test_decode_logits_and_topk(block_size, next_n, q_dtype, device):
+    ctx = [1, 63, 2049] if block_size == 64 else [1, 63, 300]
+    heads, k = 16, 64
+    max_blocks = -(-max(ctx) // block_size) + 1
+    cache, table = _filled_cache(ctx, block_size, max_blocks, device)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
+    q = _queries((len(ctx), next_n, heads, 128), q_dtype, device)
+    w = torch.randn(len(ctx), next_n, heads, device=device)
+    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, block_size)
+    ref = indexer_decode_logits_ref(q, w, cache, table, ctx_t, block_size)
+    mag = _decode_magnitudes(q, w, cache, table, ctx, block_size)
+    for b, n in enumerate(ctx):
+        for j in range(next_n):
+            row = b * next_n + j
+            n_valid = max(n - next_n + j + 1, 0)
+            assert int(lengths[row]) == n_valid
+            _check_logits(logits[row, :n], ref[b][j], mag[b][j], n_valid)
+    for fuse in (True, False):
+        idx = indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k, fuse_hist=fuse)
+        assert idx.shape == (len(ctx), next_n, k)
+        check_topk(idx.view(-1, k), logits, lengths, k)
+
+
+def test_decode_topk_k_exceeds_context_and_ties(device):
+    block_size, ctx = 16, [5, 40]
+    cache, table = _filled_cache(ctx, block_size, 4, device)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
+    q = torch.zeros(2, 1, 16, 128, device=device).to(FP8_E4M3)  # all logits 0: one big tie
+    w = torch.randn(2, 1, 16, device=device)
+    idx = indexer_decode_topk(q, w, cache, table, ctx_t, block_size, 32)
+    assert sorted(idx[0, 0, :5].tolist()) == list(range(5)) and bool((idx[0, 0, 5:] == -1).all())
+    sel = idx[1, 0]
+    assert sel.unique().numel() == 32 and bool((sel >= 0).all()) and bool((sel < 40).all())
+
+
+@pytest.mark.parametrize("block_size,ctx,n_q", [(16, 63, 40), (64, 2049, 100), (64, 1, 1)])
+@pytest.mark.parametrize("q_dtype", ["fp8", "bf16"])
+def test_prefill_logits_and_topk(block_size, ctx, n_q, q_dtype, device):
+    heads, k = 16, 48
+    max_blocks = -(-ctx // block_size) + 2
+    cache, table = _filled_cache([ctx], block_size, max_blocks, device)
+    q = _queries((n_q, heads, 128), q_dtype, device)
+    w = torch.randn(n_q, heads, device=device)
+    logits = lightning_indexer_prefill(q, w, cache, table[0], ctx, block_size)
+    keys, scales = gather_request_keys(cache, table[0], ctx, block_size)
+    pos = ctx - n_q + torch.arange(n_q, device=device)
+    ref = indexer_logits_ref(q, w, keys, scales, pos)
+    mag = _magnitude(q, w, keys, scales, pos)
+    for i in range(n_q):
+        _check_logits(logits[i], ref[i], mag[i], int(pos[i]) + 1)
+    idx = indexer_prefill_topk(q, w, cache, table[0], ctx, block_size, k)
+    check_topk(idx, logits.contiguous(), (pos + 1).int(), k)
+
+
+def test_layout_errors(device):
+    cache, table = _filled_cache([10], 16, 2, device)
+    q = torch.randn(1, 1, 16, 128, device=device).to(FP8_E4M3)
+    w = torch.randn(1, 1, 16, device=device)
+    ctx = torch.tensor([10], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="next_n"):
+        lightning_indexer_decode(
+            q.expand(1, 5, 16, 128).contiguous(), w.expand(1, 5, 16).contiguous(), cache, table, ctx, 16
+        )
+    with pytest.raises(ValueError, match="weights"):
+        lightning_indexer_decode(q, w.half(), cache, table, ctx, 16)
+    with pytest.raises(ValueError, match="kv_cache"):
+        lightning_indexer_decode(q, w, cache, table, ctx, 64)
+    with pytest.raises(ValueError, match="context_lens"):
+        lightning_indexer_decode(q, w, cache, table, ctx.long(), 16)
+    with pytest.raises(ValueError, match="context_len"):
+        lightning_indexer_prefill(q[0], w[0], cache, table[0], 40, 16)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("heads", [64, 32])
+def test_decode_real_shapes_gpu(heads):
+    ctx = [32768, 1, 4097, 20000, 63, 32000, 8192, 2049]
+    cache, table = _filled_cache(ctx, 64, 513, "cuda")
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = _queries((8, 1, heads, 128), "fp8", "cuda")
+    w = torch.randn(8, 1, heads, device="cuda") * 0.01
+    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, 64)
+    ref = indexer_decode_logits_ref(q, w, cache, table, ctx_t, 64)
+    mag = _decode_magnitudes(q, w, cache, table, ctx, 64)
+    for b, n in enumerate(ctx):
+        _check_logits(logits[b, :n], ref[b][0], mag[b][0], n)
+    idx = indexer_decode_topk(q, w, cache, table, ctx_t, 64, 2048)
+    check_topk(idx.view(-1, 2048), logits, lengths, 2048)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_prefill_real_shapes_gpu():
+    ctx, n_q = 8192, 1024
+    cache, table = _filled_cache([ctx], 64, 130, "cuda")
+    q = _queries((n_q, 64, 128), "fp8", "cuda")
+    w = torch.randn(n_q, 64, device="cuda") * 0.01
+    logits = lightning_indexer_prefill(q, w, cache, table[0], ctx, 64)
+    keys, scales = gather_request_keys(cache, table[0], ctx, 64)
+    pos = ctx - n_q + torch.arange(n_q, device="cuda")
+    ref = indexer_logits_ref(q, w, keys, scales, pos)
+    mag = _magnitude(q, w, keys, scales, pos)
+    for i in range(0, n_q, 97):
+        _check_logits(logits[i], ref[i], mag[i], int(pos[i]) + 1)
+    idx = indexer_prefill_topk(q, w, cache, table[0], ctx, 64, 2048)
+    check_topk(idx[-64:], logits[-64:].contiguous(), (pos[-64:] + 1).int(), 2048)
