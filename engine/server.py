@@ -49,9 +49,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together (default: 8)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per cache page (default: 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prompt tokens per step")
+    parser.add_argument("--offload", choices=["auto", "always", "never"], default="auto",
+                        help="routed experts in host RAM behind a GPU cache: auto (if they do not fit), always, never")
+    parser.add_argument("--expert-cache-slots", type=int, help="experts per MoE layer kept on the GPU")
+    parser.add_argument("--expert-cache-policy", choices=["lru", "lfu"], default="lru")
+    parser.add_argument("--gpu-memory-gib", type=float, help="cap on the GPU memory Hearth plans with")
+    parser.add_argument("--expert-cache-gib", type=float, help="GPU memory for the expert cache")
+    parser.add_argument("--host-memory-gib", type=float, help="cap on host RAM for the expert store")
+    parser.add_argument("--scheduler", choices=["sync", "runahead", "prefetch"], default="sync",
+                        help="decode scheduling with offloaded experts (runahead: ready requests run ahead)")
+    parser.add_argument("--mli", type=_flag, default=False, help="Multi-layer Indexer (true/false)")
+    parser.add_argument("--index-topk-freq", type=int, help="IndexCache retention: an indexer every N layers")
+    parser.add_argument("--index-key-hot-pages", type=int,
+                        help="keep this many recent indexer-key pages per request on the device, the rest in RAM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of start-up errors")
     return parser
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
-        config = EngineConfig(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                              max_num_seqs=args.max_num_seqs)
+        config = EngineConfig(
+            device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, offload=args.offload,
+            expert_cache_slots=args.expert_cache_slots, expert_cache_policy=args.expert_cache_policy,
+            gpu_memory_gib=args.gpu_memory_gib, expert_cache_gib=args.expert_cache_gib,
+            host_memory_gib=args.host_memory_gib, scheduler=args.scheduler, mli=args.mli,
+            index_topk_freq=args.index_topk_freq, index_key_hot_pages=args.index_key_hot_pages)
         host = EngineHost(config)
         if args.model:
             host.load(args.model, args.served_name)

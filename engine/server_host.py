@@ -245,6 +245,7 @@ class EngineHost:
                                "uptime_s": round(time.time() - self._started, 3), **self._counts}
         if snapshot is not None and model is not None:
             out.update(asdict(snapshot))
+            out.update(snapshot.extra)  # expert_cache_hit_rate etc. at the top level for status bars
         out["memory"] = memory_usage()
         return out
 

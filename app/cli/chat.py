@@ -115,14 +115,17 @@ class Repl:
     def run(self) -> int:
         print(f"Chatting with {self.session.model} ({self.session.where}). /help for commands.", file=self.err)
         while True:
-            line = self._read()
-            if line is None:
-                return 0
-            if line.startswith("/"):
-                if not self._command(line):
+            try:
+                line = self._read()
+                if line is None:
                     return 0
-            elif line:
-                self._answer(line)
+                if line.startswith("/"):
+                    if not self._command(line):
+                        return 0
+                elif line:
+                    self._answer(line)
+            except KeyboardInterrupt:  # Ctrl-C between prompts (e.g. while /stats prints) is harmless
+                self.out.write("\n")
 
     def _read(self) -> str | None:
         """The next line; None to quit (Ctrl-D, or a second Ctrl-C in a row)."""

@@ -38,7 +38,9 @@ from hearth.engine.api import HearthError
 STATE_FILE = "engine-host.json"
 LOG_FILE = "engine-host.log"
 API_KEY_ENV = "HEARTH_API_KEY"  # the name hearth.engine.server reads (not imported: that pulls in torch)
-OPTIONS = ("served_name", "max_model_len", "max_num_seqs", "device", "dtype")
+OPTIONS = ("served_name", "max_model_len", "max_num_seqs", "device", "dtype", "block_size", "offload",
+           "expert_cache_slots", "expert_cache_policy", "gpu_memory_gib", "expert_cache_gib", "host_memory_gib",
+           "scheduler", "mli", "index_topk_freq", "index_key_hot_pages")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 _POLL_S = 0.05
 
@@ -252,7 +254,9 @@ def _failure(log_path: Path, log_offset: int, returncode: int | None) -> str:
     errors = [line[len("error:"):].strip() for line in lines if line.startswith("error:")]
     if errors:
         return errors[-1]
-    return f"the engine host exited with code {returncode} while starting (see {log_path})"
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    detail = f": {last}" if last else ""
+    return f"the engine host exited with code {returncode} while starting{detail} (see {log_path})"
 
 
 def _terminate(popen: subprocess.Popen[bytes], timeout: float = 10.0) -> None:

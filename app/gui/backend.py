@@ -142,9 +142,12 @@ class Backend:
         return self._engine.base_url, self._engine.api_key
 
     def _engine_options(self, choice: ModelChoice) -> dict[str, Any]:
-        # NOTE: the engine host takes max_model_len today; the GPU memory and expert-cache budgets
-        # are saved settings the host does not accept yet (see EngineProcess.OPTIONS).
-        return {"max_model_len": effective_context(self.settings, choice)}
+        """The settings the engine host runs with (None values are left to the host's planner)."""
+        s = self.settings
+        return {key: value for key, value in {
+            "max_model_len": effective_context(s, choice), "gpu_memory_gib": s.gpu_memory_gib,
+            "expert_cache_gib": s.expert_cache_gib, "host_memory_gib": s.host_memory_gib,
+        }.items() if value is not None}
 
     def _server_name(self, choice: ModelChoice) -> str:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -44,9 +45,26 @@ def make_app(argv: list[str]) -> QApplication:
     return app
 
 
+def _no_display(offscreen_ok: bool) -> str | None:
+    """Why no window can open here (Linux without X11/Wayland), or None. Qt would abort instead."""
+    if not sys.platform.startswith("linux") or os.environ.get("QT_QPA_PLATFORM"):
+        return None
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return None
+    if offscreen_ok:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"  # --screenshot renders without a screen
+        return None
+    return ("no display to open the window on (DISPLAY/WAYLAND_DISPLAY unset); use `hearth --cli ...`, "
+            "or QT_QPA_PLATFORM=offscreen with --screenshot")
+
+
 def run(argv: list[str]) -> int:
     """The ``hearth`` GUI entry point; returns the process exit code."""
     args = _parse(argv)
+    problem = _no_display(bool(args.screenshot))
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     app = make_app(argv)
     from hearth.app.gui.main_window import MainWindow
 

@@ -104,6 +104,9 @@ def resolve_model(name_or_path: str | Path, ctx: HubContext | None = None) -> Pa
         if not Path(imported).is_dir():
             raise HubError(f"The folder imported as {name} is gone ({imported}); import it again")
         return Path(imported)
+    if "/" not in name or name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise HubError(f"No model called {name}: not a folder, an imported name or a downloaded repo "
+                       "(see `hearth --cli models`)")
     cache = RepoCache(ctx.cache_dir, name)
     entry = registry.ready().get(name)
     if entry is not None and cache.snapshot(entry["commit"]).is_dir():
