@@ -58,3 +58,16 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
             out.append(token)
             result = model(torch.tensor([[token]]), **{cache_arg: result.past_key_values}, use_cache=True)
     return out
+
+
+def run_to_completion(engine, prompts, sampling) -> list[list[int]]:
+    """Add every prompt at once, step the engine until all finish; the tokens of each, in order."""
+    from hearth.engine import TokenDelta
+
+    ids = [engine.add_request(prompt_token_ids=p, sampling=sampling) for p in prompts]
+    out = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for event in engine.step():
+            if isinstance(event, TokenDelta):
+                out[event.request_id].extend(event.token_ids)
+    return [out[i] for i in ids]

@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from hearth.engine import Engine, EngineConfig, SamplingParams, TokenDelta, load_model
-from tests.engine.conftest import TEST_DEVICE
+from hearth.engine import Engine, EngineConfig, SamplingParams, load_model
+from tests.engine.conftest import TEST_DEVICE, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def _run(engine: Engine, prompts) -> list[list[int]]:
-    ids = [engine.add_request(prompt_token_ids=p, sampling=GREEDY) for p in prompts]
-    out = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for event in engine.step():
-            if isinstance(event, TokenDelta):
-                out[event.request_id].extend(event.token_ids)
-    return [out[i] for i in ids]
+    return run_to_completion(engine, prompts, GREEDY)
 
 
 PROMPTS = [[(17 * i + 5 * j) % 460 + 20 for j in range(60 + 25 * i)] for i in range(3)]

@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from hearth.engine import Engine, EngineConfig, HearthError, SamplingParams, TokenDelta
-from tests.engine.conftest import TEST_DEVICE
+from hearth.engine import Engine, EngineConfig, HearthError, SamplingParams
+from tests.engine.conftest import TEST_DEVICE, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def _run(engine: Engine, prompts) -> list[list[int]]:
-    ids = [engine.add_request(prompt_token_ids=p, sampling=GREEDY) for p in prompts]
-    out = {i: [] for i in ids}
-    while engine.has_unfinished():
-        for event in engine.step():
-            if isinstance(event, TokenDelta):
-                out[event.request_id].extend(event.token_ids)
-    return [out[i] for i in ids]
+    return run_to_completion(engine, prompts, GREEDY)
 
 
 PROMPTS = [[(13 * i + 7 * j) % 450 + 30 for j in range(20 + 3 * i)] for i in range(4)]
