@@ -11,10 +11,12 @@ installed.
 from __future__ import annotations
 
 import json
+import os
 from importlib import resources
 from pathlib import Path
 
 DEMO_FOLDER = "demo_model"
+NO_BUNDLED_DEMO_ENV = "HEARTH_NO_BUNDLED_DEMO"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -24,6 +26,8 @@ def bundled_demo_path() -> Path | None:
     None when ``hearth.resources`` is missing, when the folder was left out of a build, or when the
     resources live inside a zip (the engine memory-maps real files, so it needs a folder on disk).
     """
+    if os.environ.get(NO_BUNDLED_DEMO_ENV):
+        return None  # forces the random-weight fallback (GUI tests pin that small, fast model)
     try:
         root = resources.files("hearth.resources").joinpath(DEMO_FOLDER)
     except ModuleNotFoundError:

@@ -61,6 +61,8 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 def resolve_model_path(name: str | None, settings: Settings) -> Path:
     """A model folder from a path or an installed name; falls back to the default model."""
     name = name or settings.default_model
+    if name in ("demo", "Demo (tiny model)") or (not name and not _installed_names()):
+        return _bundled_demo(explicit=bool(name))
     if not name:
         raise HearthError(_no_model_message())
     path = Path(name).expanduser()
@@ -81,16 +83,35 @@ def _looks_like_path(name: str) -> bool:
         Path(name).is_absolute() or name.count("/") > 1
 
 
-def _no_model_message() -> str:
+def _bundled_demo(explicit: bool) -> Path:
+    """The bundled demo model (a tiny DeepSeek-V3.2 trained on Python's docs)."""
+    from hearth.app.demo_model import bundled_demo_path
+
+    path = bundled_demo_path()
+    if path is None:
+        raise HearthError(_no_model_message())
+    if not explicit:
+        print("note: no model installed; using the bundled tiny demo model (it only imitates English). "
+              "Download a real one with `hearth --cli search deepseek` and `hearth --cli pull REPO`.",
+              file=sys.stderr)
+    return path
+
+
+def _installed_names() -> list[str]:
     try:
         from hearth.app.hub import list_installed
 
-        names = [m.name for m in list_installed() if m.is_ready]
+        return [m.name for m in list_installed() if m.is_ready]
     except Exception:  # listing is only a hint; never let it hide the real message
-        names = []
+        return []
+
+
+def _no_model_message() -> str:
+    names = _installed_names()
     if names:
         return f"no model given; pass --model NAME (installed: {', '.join(names)}) or set a default model"
-    return "no model given and none installed; pass --model DIR or download one with `hearth --cli pull REPO`"
+    return ("no model given and none installed; pass --model DIR, try the bundled demo with --model demo, "
+            "or download one with `hearth --cli pull REPO`")
 
 
 def read_prompt(prompt: str | None, stdin: TextIO) -> str:

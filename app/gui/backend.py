@@ -20,7 +20,7 @@ from typing import Any
 from hearth.app.paths import data_dir
 from hearth.app.store.settings import Settings
 
-DEMO_LABEL = "Demo (random weights)"
+DEMO_LABEL = "Demo (tiny model)"
 DEMO_ARCH = "deepseek_v32"
 _demo_lock = threading.Lock()
 
@@ -49,7 +49,13 @@ def demo_model_dir() -> Path:
 
 
 def ensure_demo_model() -> Path:
-    """The demo model folder, written on first use (random weights, so its text is gibberish)."""
+    """The demo model folder: the trained one bundled in hearth.resources, or (a build without it)
+    a random-weight tiny model written on first use, whose text is gibberish."""
+    from hearth.app.demo_model import bundled_demo_path
+
+    bundled = bundled_demo_path()
+    if bundled is not None:
+        return bundled
     folder = demo_model_dir()
     with _demo_lock:
         if (folder / "config.json").is_file():
@@ -89,7 +95,10 @@ def available_models(settings: Settings) -> list[ModelChoice]:
     for model in installed:
         if model.is_ready and model.is_supported:
             choices.append(ModelChoice(model.name, str(model.path), False, model_context_length(model.path)))
-    choices.append(ModelChoice(DEMO_LABEL, str(demo_model_dir()), True, 2048))
+    from hearth.app.demo_model import bundled_demo_path
+
+    demo = bundled_demo_path() or demo_model_dir()
+    choices.append(ModelChoice(DEMO_LABEL, str(demo), True, model_context_length(demo) or 2048))
     return choices
 
 

@@ -122,6 +122,7 @@ class ChatPanel(QWidget):
 
     def set_connected(self, connected: Connected | None) -> None:
         self.connected = connected
+        self.view.set_demo_hint(connected is not None and connected.choice.is_demo)
         if connected is not None:
             self.sampling_panel.set_values(self.store.model_sampling(connected.choice.label))
         self._update_buttons()

@@ -6,6 +6,11 @@ from hearth.app.gui.message_widget import MessageView, MessageWidget
 from hearth.app.gui.qt import QFrame, QLabel, QScrollArea, Qt, QVBoxLayout, QWidget, Signal
 from hearth.app.store.chats import Message
 
+START_HINT = "Start the conversation: type below and press Ctrl+Enter."
+DEMO_HINT = ("This is Hearth's tiny demo model, trained on Python's docs: it only imitates English. For real "
+             "answers open Models, search DeepSeek-V3.2 or GLM-5 and pick one marked \"runs on the GPU\" or "
+             "\"runs with experts in RAM\" for this machine.")
+
 
 class ChatView(QScrollArea):
     """Shows a thread; the last bubble can be updated in place while an answer streams."""
@@ -24,8 +29,9 @@ class ChatView(QScrollArea):
         self._layout = QVBoxLayout(container)
         self._layout.setContentsMargins(16, 12, 16, 12)
         self._layout.setSpacing(10)
-        self._placeholder = QLabel("Start the conversation: type below and press Ctrl+Enter.", container)
+        self._placeholder = QLabel(START_HINT, container)
         self._placeholder.setObjectName("hintLabel")
+        self._placeholder.setWordWrap(True)
         self._placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self._layout.addWidget(self._placeholder)
         self._layout.addStretch(1)
@@ -33,6 +39,10 @@ class ChatView(QScrollArea):
         self.widgets: list[MessageWidget] = []
         self.verticalScrollBar().rangeChanged.connect(self._follow)
         self._stick_to_bottom = True
+
+    def set_demo_hint(self, is_demo: bool) -> None:
+        """Explain, on an empty chat with the demo model, what to download for real answers."""
+        self._placeholder.setText(f"{START_HINT}\n\n{DEMO_HINT}" if is_demo else START_HINT)
 
     def set_thread(self, views: list[MessageView]) -> None:
         for widget in self.widgets:

@@ -90,8 +90,11 @@ def test_missing_model_prompt_too_long_and_no_model(model_dir, tmp_path, capsys)
     assert "no such model folder" in _one_error_line(capsys.readouterr().err)
     assert cli(["run", "--model", str(model_dir), "--max-model-len", "64", "--prompt", "word " * 100]) == 1
     assert "the context holds 64" in _one_error_line(capsys.readouterr().err)
-    assert cli(["run", "--prompt", "hi"]) == 1
-    assert "no model given" in _one_error_line(capsys.readouterr().err)
+    # Nothing installed and no default: the bundled demo model answers, with a one-line note.
+    assert cli(["run", "--prompt", "The", "--max-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "bundled tiny demo model" in captured.err
+    assert cli(["run", "--model", "demo", "--prompt", "The", "--max-tokens", "4"]) == 0
 
 
 def test_backend_url_gives_the_same_greedy_answer(model_dir, backend, capsys):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hearth.app.gui.backend import DEMO_LABEL
 from hearth.app.gui.main import run
 from hearth.app.gui.main_window import MainWindow
 from hearth.app.gui.qt import Qt
@@ -78,7 +79,7 @@ def test_send_streams_the_answer_into_the_view(qtbot, open_window):
     assert user.text == "Hello there"
     stored = window.store.thread(window.chat.conversation_id)[-1]
     assert len(chunks) > 1 and stored.content == "".join(chunks) == answer.text
-    assert stored.is_complete and stored.model == "Demo (random weights)"
+    assert stored.is_complete and stored.model == DEMO_LABEL
     assert "tok/s" in answer.stats_label.text() and "first token" in answer.stats_label.text()
     assert "/ 2,048" in window.chat.context_meter.text()
     assert window.sidebar.list.count() == 1
@@ -223,3 +224,10 @@ def test_engine_crash_shows_restart_and_restart_recovers(qtbot, open_window, bac
     ask(qtbot, window, "Still there?")
     wait_idle(qtbot, window)
     assert window.store.thread(window.chat.conversation_id)[-1].is_complete
+
+
+def test_demo_model_shows_what_to_download(qtbot, open_window):
+    window = open_window()
+    qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
+    hint = window.chat.view._placeholder.text()
+    assert "demo model" in hint and "runs with experts in RAM" in hint

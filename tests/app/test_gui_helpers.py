@@ -70,6 +70,7 @@ def shared_demo_backend(home: Path) -> Iterator[Backend]:
     """One engine host serving the demo model for a whole test module, started under ``home``."""
     old = os.environ.get(HOME_ENV)
     os.environ[HOME_ENV] = str(home)
+    os.environ["HEARTH_NO_BUNDLED_DEMO"] = "1"  # the random tiny demo: fast, and its answers run long
     backend = Backend(Settings())
     try:
         ensure_demo_model()
@@ -77,6 +78,7 @@ def shared_demo_backend(home: Path) -> Iterator[Backend]:
         yield backend
     finally:
         backend.close()
+        os.environ.pop("HEARTH_NO_BUNDLED_DEMO", None)
         if old is None:
             os.environ.pop(HOME_ENV, None)
         else:
