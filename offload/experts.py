@@ -6,7 +6,9 @@ Both implement ``backend(layer_idx, x [T, D], topk_ids [T, K], topk_weights [T, 
 - :class:`ResidentExperts`: every expert of every layer on one device.
 - :class:`OffloadedExperts`: experts in the host store, a device :class:`ExpertCache` in front. Per
   call: look the needed experts up, start copies of the missing ones on the copy stream, compute the
-  resident ones meanwhile, then the fetched ones, and combine.
+  resident ones meanwhile, then the fetched ones, and combine. When a call needs more experts than
+  the pool holds (long prompts), they stream through the two halves of the pool: round i+1 is
+  copied while round i computes.
 """
 
 from __future__ import annotations
@@ -80,14 +82,34 @@ class OffloadedExperts:
         needed = list(dict.fromkeys(topk_ids.flatten().tolist()))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         capacity = self.cache.capacity(layer_idx)
-        # More distinct experts than the pool holds (large batches): serve them in rounds.
-        for start in range(0, len(needed), capacity):
-            lease = self.cache.acquire(layer_idx, needed[start:start + capacity])
+        if len(needed) <= capacity:
+            lease = self.cache.acquire(layer_idx, needed)
             try:
                 self._compute(lease, out, x, topk_ids, topk_weights)
             finally:
                 self.cache.release(lease)
+        else:
+            self._stream(layer_idx, needed, capacity, out, x, topk_ids, topk_weights)
         return out.to(x.dtype)
+
+    def _stream(self, layer: int, needed: list[int], capacity: int, out: torch.Tensor, x: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """More distinct experts than the pool holds (prefill, large batches): stream them through
+        two halves of the pool, so the copies of round i+1 run while round i computes."""
+        size = max(1, capacity // 2)
+        rounds = [needed[i:i + size] for i in range(0, len(needed), size)]
+        current = self.cache.acquire(layer, rounds[0])
+        try:
+            for nxt in rounds[1:] + [None]:
+                upcoming = self.cache.acquire(layer, nxt) if nxt is not None else None  # copies start now
+                try:
+                    self._compute(current, out, x, topk_ids, topk_weights)
+                finally:
+                    self.cache.release(current)
+                current = upcoming
+        finally:
+            if current is not None:
+                self.cache.release(current)
 
     def _slot_ids(self, lease: ExpertLease, topk_ids: torch.Tensor, want_ready: bool) -> torch.Tensor | None:
         """[T, K] slot per pair for the lease's experts whose readiness is ``want_ready``, -1 elsewhere."""

@@ -83,3 +83,19 @@ def test_offloaded_with_kernel(tmp_path):
         x = x.bfloat16()
         out = backend(1, x.to(device), ids.to(device), w.to(device)).cpu()
         _assert_close(out, reference_moe(tensors, 1, x, ids, w), rtol=2e-2)
+
+
+def test_prefill_streams_through_two_halves_of_the_pool(tmp_path, monkeypatch):
+    """A long prompt needs all 12 experts with a 5-slot pool: they stream in rounds of 2, the next
+    round acquired (its copies started) before the current one computes; the result is exact."""
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=5)
+    backend = OffloadedExperts(cache)
+    events: list[str] = []
+    acquire, compute = cache.acquire, backend._compute
+    monkeypatch.setattr(cache, "acquire", lambda l, e: (events.append(f"acquire {len(e)}"), acquire(l, e))[1])
+    monkeypatch.setattr(backend, "_compute", lambda *a: (events.append("compute"), compute(*a))[1])
+    x, ids, w = _routing(torch.Generator().manual_seed(5), tokens=64)
+    _assert_close(backend(1, x, ids, w), reference_moe(tensors, 1, x, ids, w), rtol=1e-5)
+    assert events[:3] == ["acquire 2", "acquire 2", "compute"]  # round 2's copies before round 1's compute
+    assert events.count("compute") == 6 and all(cache.refcount(1, e) == 0 for e in range(NUM_EXPERTS))
