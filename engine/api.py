@@ -113,6 +113,8 @@ class EngineConfig:
     index_key_candidate_pages / index_key_cache_pages: cold pages scored exactly per decode step,
         and the device page cache that keeps fetched pages across steps.
     index_key_exact: fetch every page a per-page bound cannot rule out (selection always exact).
+    latent_hot_rows: tier the MLA latents (DSA models): all rows in host RAM, this many per request
+        and layer on the device; decode gathers the selected rows (misses copied from the host).
     scheduler: "sync" advances every running request through the same layer together;
         "runahead" lets requests whose experts are resident run ahead to later layers while
         others wait for expert fetches (see hearth.engine.runahead); "prefetch" is "sync" plus a
@@ -143,6 +145,7 @@ class EngineConfig:
     index_key_candidate_pages: int = 64
     index_key_cache_pages: int = 128
     index_key_exact: bool = False
+    latent_hot_rows: int | None = None
     scheduler: Literal["sync", "runahead", "prefetch"] = "sync"
 
     def __post_init__(self) -> None:

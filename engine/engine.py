@@ -67,8 +67,8 @@ class Engine:
         self.model_config = runner.model_config
         self.max_model_len = runner.max_model_len
         # Tiered indexer keys live per request outside the pages, so pages cannot be shared.
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
-                                   enable_prefix_caching=getattr(runner, "key_tiers", None) is None)
+        tiered = getattr(runner, "key_tiers", None) is not None or getattr(runner, "latent_tiers", None) is not None
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=not tiered)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}

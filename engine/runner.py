@@ -9,12 +9,12 @@ import torch
 
 from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
-from hearth.engine.key_tiers import KeyTiers
 from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.loader import load_checkpoint
 from hearth.engine.models import dsa_kernels
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.offload_setup import attach_offload, plan_placement
+from hearth.engine.tiers import KeyTiers, LatentTiers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -73,8 +73,14 @@ class ModelRunner:
         if config.index_key_hot_pages is not None and self.model_config.has_indexer:
             self.use_kernels = False  # tiered keys run on the plain-PyTorch indexer path
             self.key_tiers = KeyTiers(self.model_config, config, self.block_size, self.dtype, self.device)
+        self.latent_tiers = None
+        if config.latent_hot_rows is not None:
+            if not self.model_config.has_indexer:
+                raise HearthError("latent_hot_rows needs a sparse-attention (DSA) model: dense MLA reads every latent")
+            self.use_kernels = False  # tiered latents run on the plain-PyTorch attention path
+            self.latent_tiers = LatentTiers(self.model_config, config.latent_hot_rows, self.dtype, self.device)
         self.cache = PagedCache(self.model_config, self.num_blocks, self.block_size, self.dtype, self.device,
-                                index_fp8=self.use_kernels, key_tiers=self.key_tiers)
+                                index_fp8=self.use_kernels, key_tiers=self.key_tiers, latent_tiers=self.latent_tiers)
         if self.use_kernels:
             dsa_kernels.enable(self.model)
         self.expert_cache = None
@@ -86,8 +92,9 @@ class ModelRunner:
 
     def forget(self, seq_id: str) -> None:
         """Drop per-request state outside the paged cache (tiered indexer keys)."""
-        if self.key_tiers is not None:
-            self.key_tiers.drop(seq_id)
+        for tiers in (self.key_tiers, self.latent_tiers):
+            if tiers is not None:
+                tiers.drop(seq_id)
 
     def expert_stats(self) -> dict:
         """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded."""

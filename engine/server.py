@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--index-topk-freq", type=int, help="IndexCache retention: an indexer every N layers")
     parser.add_argument("--index-key-hot-pages", type=int,
                         help="keep this many recent indexer-key pages per request on the device, the rest in RAM")
+    parser.add_argument("--latent-hot-rows", type=int,
+                        help="keep this many latent rows per request and layer on the device, all of them in RAM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of start-up errors")
     return parser
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             expert_cache_slots=args.expert_cache_slots, expert_cache_policy=args.expert_cache_policy,
             gpu_memory_gib=args.gpu_memory_gib, expert_cache_gib=args.expert_cache_gib,
             host_memory_gib=args.host_memory_gib, scheduler=args.scheduler, mli=args.mli,
-            index_topk_freq=args.index_topk_freq, index_key_hot_pages=args.index_key_hot_pages)
+            index_topk_freq=args.index_topk_freq, index_key_hot_pages=args.index_key_hot_pages,
+            latent_hot_rows=args.latent_hot_rows)
         host = EngineHost(config)
         if args.model:
             host.load(args.model, args.served_name)

@@ -179,8 +179,7 @@ class MLAttention(nn.Module):
         if self.faithful:
             kv = fp8_round_trip(kv, block=min(128, self.kv_lora))
         k_pe = apply_rotary(k_pe, cos, sin, self.rope_interleave)
-        latent_cache = ctx.cache.latent[self.layer]
-        latent_cache[ctx.slot_mapping] = torch.cat((kv, k_pe), dim=-1).to(latent_cache.dtype)
+        self._write_latents(torch.cat((kv, k_pe), dim=-1), ctx)
 
         selections = self._selections(x, q_resid, cos, sin, ctx)
         side = getattr(self, "_pending_side", None)
@@ -192,12 +191,41 @@ class MLAttention(nn.Module):
         out = torch.empty(n, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for i, seq in enumerate(ctx.seqs):
             rows = slice(seq.start, seq.start + seq.q_len)
-            mask = _causal_mask(seq, x.device) if selections is None else _selection_mask(selections[i], seq)
-            latents = latent_cache[seq.slots]  # (T, kv_lora + rope)
+            latents, mask = self._latents(seq, None if selections is None else selections[i], ctx)
             absorbed = seq.q_len == 1 if self.force_absorbed is None else self.force_absorbed
             attend = self._attend_absorbed if absorbed else self._attend_expanded
             out[rows] = attend(q_nope[rows], q_pe[rows], latents, mask).to(x.dtype)
         return self._finish(out, side, x)
+
+    def _write_latents(self, rows: torch.Tensor, ctx: ForwardContext) -> None:
+        """This step's latent rows (N, kv_lora + rope) into the paged cache or the request tiers."""
+        tiers = ctx.cache.latent_tiers
+        if tiers is None:
+            cache = ctx.cache.latent[self.layer]
+            cache[ctx.slot_mapping] = rows.to(cache.dtype)
+            return
+        for seq in ctx.seqs:
+            tier = tiers.get(seq.seq_id, self.layer)
+            if tier.num_tokens != seq.first_position:
+                raise RuntimeError(f"latent tiers of request {seq.seq_id} hold {tier.num_tokens} tokens, "
+                                   f"the step starts at position {seq.first_position}")
+            tier.append(rows[seq.start:seq.start + seq.q_len].to(tiers.config.dtype))
+
+    def _latents(self, seq: SeqSlice, selection: torch.Tensor | None,
+                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (R, kv_lora + rope), mask (q_len, R)) the request's queries attend over: its whole
+        history, or with tiered latents in decode only the rows its selection names."""
+        tiers = ctx.cache.latent_tiers
+        device = ctx.positions.device
+        if tiers is None:
+            rows = ctx.cache.latent[self.layer][seq.slots]
+        elif seq.q_len == 1 and selection is not None:
+            rows, positions = tiers.get(seq.seq_id, self.layer).gather(selection[0])  # (k, W), (k,)
+            return rows, (positions >= 0)[None, :]
+        else:
+            rows = tiers.get(seq.seq_id, self.layer).read(torch.arange(seq.context_len, device=device))
+        mask = _causal_mask(seq, device) if selection is None else _selection_mask(selection, seq)
+        return rows, mask
 
     def _finish(self, out: torch.Tensor, side, x: torch.Tensor) -> torch.Tensor:
         if side is not None:  # the next layer reads this layer's selection: join the side stream

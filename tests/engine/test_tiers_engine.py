@@ -1,6 +1,7 @@
-"""Tiered indexer keys in the engine (C1): recent pages on the device, the rest in host RAM behind
-compact summaries. With tiny device budgets and exact selection, long greedy generations equal the
-all-on-device engine token for token (no token is ever lost by the tier bookkeeping)."""
+"""Tiered indexer keys and latents in the engine (C1): recent key pages on the device, the rest in
+host RAM behind compact summaries; all latents in host RAM with a small device hot buffer of rows.
+With tiny device budgets and exact selection, long greedy generations equal the all-on-device engine
+token for token (no token is ever lost by the tier bookkeeping)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ def test_tiny_key_budget_with_exact_selection_equals_all_on_device(tiny_models, 
     assert tiered.runner.cache.index_keys[0] is None  # nothing of the keys in the paged cache
     assert _run(tiered, PROMPTS) == expected
     assert not tiered.runner.key_tiers.tiers  # every request's tiers were released
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "runahead"])
+def test_tiny_latent_hot_buffer_equals_all_on_device(tiny_models, scheduler):
+    path = str(tiny_models["deepseek_v32"])
+    base = dict(device=TEST_DEVICE, dtype="float32", block_size=16, scheduler=scheduler)
+    expected = _run(Engine.load(path, EngineConfig(**base)), PROMPTS)
+    tiered = Engine.load(path, EngineConfig(**base, latent_hot_rows=20, index_key_hot_pages=1,
+                                            index_key_cache_pages=2, index_key_candidate_pages=1,
+                                            index_key_exact=True))
+    assert tiered.runner.cache.latent[0] is None  # no latent rows in the paged cache
+    assert _run(tiered, PROMPTS) == expected
+    assert not tiered.runner.latent_tiers.tiers
 
 
 def test_coarse_to_fine_budget_keeps_most_of_the_selection(tiny_models):

@@ -1,19 +1,25 @@
-"""Per-request tiered indexer keys for the plain-PyTorch indexer (issue C1).
+"""Per-request tiers for long contexts on a small GPU (issue C1), plain-PyTorch path.
+
+Indexer keys (``KeyTiers``):
 
 With ``EngineConfig.index_key_hot_pages`` set, an indexer layer keeps each request's keys in a
 ``hearth.offload.tiered_keys.TieredKeys``: recent pages on the device, the whole history in host
 RAM, a compact summary per page on the device. Decode selects coarse-to-fine (summaries, then the
 original keys of candidate pages); prefill chunks read the history back and score it exactly.
-Prefix caching is off in this mode (a reused page would have no keys in the request's tiers).
+Latents (``LatentTiers``, HiSparse-style): every MLA latent row of a request lives in host RAM; the
+device keeps a hot buffer of rows; a decode step gathers only the rows its top-k selected (hits reused
+across steps, misses copied from the host). Prefill chunks read the history back.
+Prefix caching is off in these modes (a reused page would have nothing in the request's tiers).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hearth.engine.api import EngineConfig
+from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
 from hearth.offload.tiered_keys import KeyTierConfig, TieredKeys
+from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
 
 
 class KeyTiers:
@@ -44,6 +50,37 @@ class KeyTiers:
 
     def device_bytes(self) -> int:
         return sum(t.device_bytes() for t in self.tiers.values())
+
+    def stats(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for tiers in self.tiers.values():
+            for name, value in tiers.stats().items():
+                total[name] = total.get(name, 0.0) + float(value)
+        return total
+
+
+class LatentTiers:
+    """All requests' latent tiers, keyed by (request id, layer)."""
+
+    def __init__(self, model_config: ModelConfig, hot_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        if hot_rows <= model_config.index_topk:
+            raise HearthError(f"latent_hot_rows ({hot_rows}) must exceed index_topk ({model_config.index_topk}): "
+                              "one decode step's selection has to fit in the hot buffer")
+        self.device = device
+        self.config = LatentTierConfig(width=model_config.latent_dim, dtype=dtype, hot_rows=hot_rows)
+        self.tiers: dict[tuple[str, int], TieredLatents] = {}
+
+    def get(self, seq_id: str | None, layer: int) -> TieredLatents:
+        if seq_id is None:
+            raise RuntimeError("tiered latents need a request id in the forward context")
+        key = (seq_id, layer)
+        if key not in self.tiers:
+            self.tiers[key] = TieredLatents(self.config, self.device, initial_rows=256)
+        return self.tiers[key]
+
+    def drop(self, seq_id: str) -> None:
+        for key in [k for k in self.tiers if k[0] == seq_id]:
+            del self.tiers[key]
 
     def stats(self) -> dict[str, float]:
         total: dict[str, float] = {}
