@@ -156,6 +156,9 @@ class Backend:
         return {key: value for key, value in {
             "max_model_len": effective_context(s, choice), "gpu_memory_gib": s.gpu_memory_gib,
             "expert_cache_gib": s.expert_cache_gib, "host_memory_gib": s.host_memory_gib,
+            "scheduler": s.scheduler if s.scheduler != "sync" else None, "mli": True if s.mli else None,
+            "index_topk_freq": s.index_topk_freq, "index_key_hot_pages": s.index_key_hot_pages,
+            "latent_hot_rows": s.latent_hot_rows,
         }.items() if value is not None}
 
     def _server_name(self, choice: ModelChoice) -> str:

@@ -13,6 +13,7 @@ from huggingface_hub import login as hf_login
 from huggingface_hub import logout as hf_logout
 
 from hearth.app.gui.qt import (
+    QCheckBox,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
@@ -30,6 +31,14 @@ from hearth.app.gui.tasks import run_task
 from hearth.app.store.settings import Settings, save_settings
 
 THEMES = ("system", "light", "dark")
+
+
+def _count_box(parent: QWidget, tip: str) -> QSpinBox:
+    box = QSpinBox(parent)
+    box.setRange(0, 1_000_000)
+    box.setSpecialValueText("off")
+    box.setToolTip(tip)
+    return box
 
 
 def _gib_box(tip: str) -> QDoubleSpinBox:
@@ -85,7 +94,23 @@ class SettingsTab(QWidget):
         form.addRow("Context length", self.context_length)
         form.addRow("Backend", self.backend_kind)
         form.addRow("Backend URL", self.backend_url)
+        self._long_context_rows(box, form)
         return box
+
+    def _long_context_rows(self, box: QGroupBox, form: QFormLayout) -> None:
+        """Scheduling and long-context options of the local engine (0 = off / as the model ships)."""
+        self.scheduler = QComboBox(box)
+        self.scheduler.addItems(["sync", "runahead"])
+        self.scheduler.setToolTip("runahead: requests whose experts are on the GPU run ahead while others wait")
+        self.mli = QCheckBox("Multi-layer Indexer (DSA models)", box)
+        self.index_topk_freq = _count_box(box, "IndexCache: keep an indexer every N layers (0 = as shipped)")
+        self.key_pages = _count_box(box, "Indexer-key pages per request kept on the GPU (0 = all)")
+        self.latent_rows = _count_box(box, "Latent rows per request and layer kept on the GPU (0 = all)")
+        form.addRow("Scheduler", self.scheduler)
+        form.addRow("", self.mli)
+        form.addRow("Indexer retention", self.index_topk_freq)
+        form.addRow("GPU key pages", self.key_pages)
+        form.addRow("GPU latent rows", self.latent_rows)
 
     def _hub_box(self) -> QGroupBox:
         box = QGroupBox("Hugging Face", self)
@@ -125,6 +150,11 @@ class SettingsTab(QWidget):
         self.backend_url.setEnabled(bool(settings.backend_url))
         self.endpoint.setText(settings.hf_endpoint)
         self.theme.setCurrentText(settings.theme)
+        self.scheduler.setCurrentText(settings.scheduler)
+        self.mli.setChecked(settings.mli)
+        self.index_topk_freq.setValue(settings.index_topk_freq or 0)
+        self.key_pages.setValue(settings.index_key_hot_pages or 0)
+        self.latent_rows.setValue(settings.latent_hot_rows or 0)
 
     def edited(self) -> Settings:
         """The settings as the form shows them (raises SettingsError for bad values)."""
@@ -132,7 +162,10 @@ class SettingsTab(QWidget):
         return self.settings.replace(
             gpu_memory_gib=self.gpu_memory.value() or None, expert_cache_gib=self.expert_cache.value() or None,
             context_length=self.context_length.value(), backend_url=self.backend_url.text().strip() if remote else None,
-            hf_endpoint=self.endpoint.text().strip() or "https://huggingface.co", theme=self.theme.currentText())
+            hf_endpoint=self.endpoint.text().strip() or "https://huggingface.co", theme=self.theme.currentText(),
+            scheduler=self.scheduler.currentText(), mli=self.mli.isChecked(),
+            index_topk_freq=self.index_topk_freq.value() or None, index_key_hot_pages=self.key_pages.value() or None,
+            latent_hot_rows=self.latent_rows.value() or None)
 
     def save(self) -> None:
         try:

@@ -47,6 +47,10 @@ class Settings:
     expert_cache_gib: GPU memory for resident experts when experts live in RAM; None = auto.
     context_length: tokens per request the fit estimate and the engine plan for.
     backend_url: an OpenAI-compatible server to use instead of the local engine host; None = local.
+    scheduler: "sync" or "runahead" decode scheduling of the local engine (matters with experts in RAM).
+    mli: Multi-layer Indexer on DSA models. index_topk_freq: IndexCache retention (an indexer every
+    N layers; None = as the model ships). index_key_hot_pages / latent_hot_rows: long-context tiers
+    (indexer-key pages / latent rows kept on the GPU per request; None = everything on the GPU).
     """
 
     hf_endpoint: str = DEFAULT_ENDPOINT
@@ -60,6 +64,11 @@ class Settings:
     backend_url: str | None = None
     theme: Theme = "system"
     default_model: str | None = None
+    scheduler: str = "sync"
+    mli: bool = False
+    index_topk_freq: int | None = None
+    index_key_hot_pages: int | None = None
+    latent_hot_rows: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -69,7 +78,11 @@ class Settings:
             (1 <= self.download_parallelism <= 64, "download_parallelism must be in [1, 64]"),
             (self.context_length >= 2, "context_length must be >= 2"),
             (self.theme in ("light", "dark", "system"), "theme must be light, dark or system"),
+            (self.scheduler in ("sync", "runahead"), "scheduler must be sync or runahead"),
         ]
+        for name in ("index_topk_freq", "index_key_hot_pages", "latent_hot_rows"):
+            value = getattr(self, name)
+            checks.append((value is None or value >= 1, f"{name} must be >= 1 (or null for off)"))
         for name in ("gpu_memory_gib", "expert_cache_gib", "host_memory_gib"):
             value = getattr(self, name)
             checks.append((value is None or value > 0, f"{name} must be > 0 (or null for auto)"))
@@ -93,6 +106,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "backend_url": (str, type(None)),
     "theme": (str,),
     "default_model": (str, type(None)),
+    "scheduler": (str,),
+    "mli": (bool,),
+    "index_topk_freq": (int, type(None)),
+    "index_key_hot_pages": (int, type(None)),
+    "latent_hot_rows": (int, type(None)),
 }
 
 

@@ -82,3 +82,16 @@ def test_platform_folders_without_hearth_home(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
     assert paths.config_dir() == tmp_path / "xdg-config" / "hearth"
     assert paths.data_dir() == tmp_path / "xdg-data" / "hearth"
+
+
+def test_long_context_settings_reach_the_engine_options(tmp_path, monkeypatch):
+    """The GUI backend turns the saved scheduling / long-context settings into engine-host options."""
+    from hearth.app.gui.backend import Backend, ModelChoice
+
+    settings = Settings(scheduler="runahead", mli=True, index_topk_freq=2, index_key_hot_pages=4,
+                        latent_hot_rows=512, gpu_memory_gib=10.0)
+    options = Backend(settings)._engine_options(ModelChoice("m", str(tmp_path), False, 4096))
+    assert options == {"max_model_len": 4096, "gpu_memory_gib": 10.0, "scheduler": "runahead", "mli": True,
+                       "index_topk_freq": 2, "index_key_hot_pages": 4, "latent_hot_rows": 512}
+    with pytest.raises(SettingsError):
+        Settings(scheduler="fast")
