@@ -2,8 +2,10 @@
 
 Supported families (``model_type``): ``deepseek_v32`` (DeepSeek-V3.2 / -Exp / -Speciale),
 ``glm_moe_dsa`` (GLM-5, 5.1, 5.2), ``deepseek_v3`` (DeepSeek-V3/R1, Moonlight) and ``deepseek_v2``
-(DeepSeek-V2 / V2-Lite). All four share MLA attention and DeepSeek-style MoE; the first two add
-DeepSeek Sparse Attention (a lightning indexer choosing ``index_topk`` keys per query).
+(DeepSeek-V2 / V2-Lite) share MLA attention and DeepSeek-style MoE; the first two add DeepSeek
+Sparse Attention (a lightning indexer choosing ``index_topk`` keys per query). ``qwen3_moe``
+(Qwen3-30B-A3B, 235B-A22B) and ``mixtral`` (Mixtral 8x7B, 8x22B) use grouped-query attention with
+a softmax top-k router.
 
 Anything that would change the math but is not implemented raises ``UnsupportedModelError`` naming
 the field, rather than silently computing something else.
@@ -20,7 +22,9 @@ from typing import Any, Literal
 
 from hearth.engine.api import CheckpointError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2"})
+MLA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2"})
+GQA_MODEL_TYPES = frozenset({"qwen3_moe", "mixtral"})
+SUPPORTED_MODEL_TYPES = MLA_MODEL_TYPES | GQA_MODEL_TYPES
 DSA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 
 
@@ -85,9 +89,9 @@ class ModelConfig:
     num_hidden_layers: int
     num_attention_heads: int
     q_lora_rank: int | None
-    kv_lora_rank: int
+    kv_lora_rank: int  # MLA only (0 for grouped-query attention)
     qk_nope_head_dim: int
-    qk_rope_head_dim: int
+    qk_rope_head_dim: int  # MLA: the shared rope key's width; GQA: head_dim (rope on the whole head)
     v_head_dim: int
     rms_norm_eps: float
     rope: RopeConfig
@@ -111,6 +115,14 @@ class ModelConfig:
     index_topk: int | None = None
     indexer_rope_interleave: bool = False
     indexer_types: tuple[Literal["full", "shared"], ...] | None = None
+    # Grouped-query attention (qwen3_moe, mixtral)
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False  # RMSNorm on each q / k head before rope (Qwen3)
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    moe_module: str = "mlp"  # "block_sparse_moe" in Mixtral checkpoints
+    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
     # Misc
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
@@ -128,12 +140,21 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def is_mla(self) -> bool:
+        return self.model_type in MLA_MODEL_TYPES
+
+    @property
     def latent_dim(self) -> int:
-        """Width of one token's MLA cache entry: normalised latent + shared rope key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
+        """Width of one token's cache row per layer: MLA's normalised latent + shared rope key, or
+        GQA's keys then values of every KV head."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
 
     @property
     def softmax_scale(self) -> float:
+        if not self.is_mla:
+            return self.head_dim**-0.5
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -276,6 +297,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
+    if raw.get("model_type") in GQA_MODEL_TYPES:
+        return _parse_gqa(raw)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
@@ -348,5 +371,54 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         quantization=_parse_quant(raw),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+def _gqa_layer_types(raw: dict[str, Any], num_layers: int, n_experts: int) -> tuple[str, ...]:
+    if raw["model_type"] == "mixtral":
+        return ("sparse",) * num_layers
+    dense = set(raw.get("mlp_only_layers") or [])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    return tuple("sparse" if n_experts and i not in dense and (i + 1) % step == 0 else "dense"
+                 for i in range(num_layers))
+
+
+def _parse_gqa(raw: dict[str, Any]) -> ModelConfig:
+    """qwen3_moe and mixtral: grouped-query attention (+ Qwen3's q/k norms), softmax top-k routing."""
+    model_type = raw["model_type"]
+    req = lambda key: _require(raw, key, model_type)  # noqa: E731
+    mixtral = model_type == "mixtral"
+    act = raw.get("hidden_act", "silu")
+    _check(act == "silu", "hidden_act", act, "silu")
+    _check(float(raw.get("partial_rotary_factor") or 1.0) == 1.0, "partial_rotary_factor",
+           raw.get("partial_rotary_factor"), "1.0")
+    if model_type == "qwen3_moe":
+        _check(not raw.get("use_sliding_window"), "use_sliding_window", raw.get("use_sliding_window"), "false")
+    heads, hidden = int(req("num_attention_heads")), int(req("hidden_size"))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    _check(heads % kv_heads == 0, "num_key_value_heads", kv_heads, "a divisor of num_attention_heads")
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    num_layers = int(req("num_hidden_layers"))
+    n_experts = int((raw.get("num_local_experts") if mixtral else raw.get("num_experts")) or 0)
+    inter = int(req("intermediate_size"))
+    return ModelConfig(
+        model_type=model_type, vocab_size=int(req("vocab_size")), hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=num_layers, num_attention_heads=heads, q_lora_rank=None, kv_lora_rank=0,
+        qk_nope_head_dim=0, qk_rope_head_dim=head_dim, v_head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=_parse_rope(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096), rope_interleave=False,
+        moe_intermediate_size=inter if mixtral else int(raw.get("moe_intermediate_size") or inter),
+        n_routed_experts=n_experts, n_shared_experts=0, num_experts_per_tok=int(req("num_experts_per_tok")),
+        n_group=1, topk_group=1, scoring_func="softmax", topk_method="greedy",
+        norm_topk_prob=True if mixtral else bool(raw.get("norm_topk_prob", False)), routed_scaling_factor=1.0,
+        mlp_layer_types=_gqa_layer_types(raw, num_layers, n_experts),
+        num_key_value_heads=kv_heads, head_dim=head_dim, qk_norm=model_type == "qwen3_moe",
+        attention_bias=bool(raw.get("attention_bias", False)),
+        sliding_window=raw.get("sliding_window") if mixtral else None,
+        moe_module="block_sparse_moe" if mixtral else "mlp",
+        expert_proj_names=("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         pad_token_id=raw.get("pad_token_id"),
     )

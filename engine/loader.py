@@ -27,7 +27,8 @@ from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.layers import Fp8Linear, Rotary, dequantize_fp8_blocks, rope_inv_freq
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_FP32_PARAMS = re.compile(r"(mlp\.gate\.weight|e_score_correction_bias|indexer\.weights_proj\.weight|k_norm\.)")
+_FP32_PARAMS = re.compile(r"((mlp|block_sparse_moe)\.gate\.weight|e_score_correction_bias|indexer\.weights_proj\.weight"
+                          r"|indexer\.k_norm\.)")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -159,7 +160,7 @@ def tensor_bytes(path: str | Path) -> dict[str, int]:
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                 "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.")
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,

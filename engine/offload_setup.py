@@ -126,7 +126,8 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
     if store is None:
         fp8 = config.quantization is not None
         store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
-                                             dtype=None if fp8 else dtype)
+                                             dtype=None if fp8 else dtype, module=config.moe_module,
+                                             proj_names=config.expert_proj_names)
     cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=policy)
     backend = OffloadedExperts(cache)
     routed = PrefetchingExperts(backend, model) if prefetch else backend

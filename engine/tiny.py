@@ -26,8 +26,16 @@ from safetensors.torch import save_file
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.layers import FP8_MAX
 
-ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2")
 VOCAB_SIZE = 512
+ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+# Tokenizer family of each architecture (the GQA families reuse the DeepSeek-V3-style chat template).
+_TOKENIZER_FAMILY = {"qwen3_moe": "deepseek_v3", "mixtral": "deepseek_v3"}
+_GQA: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "num_experts_per_tok": 2,
+    "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "initializer_range": 0.02, "torch_dtype": "float32", "attention_bias": False,
+}
 
 _COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 32,
@@ -45,6 +53,13 @@ def tiny_config(arch: str) -> dict[str, Any]:
     """The config.json of the tiny model of one architecture (Hub-style keys)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
+    if arch == "qwen3_moe":
+        return {"model_type": arch, "architectures": ["Qwen3MoeForCausalLM"], **_GQA, "num_experts": 8,
+                "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": [0], "use_sliding_window": False}
+    if arch == "mixtral":
+        return {"model_type": arch, "architectures": ["MixtralForCausalLM"], **_GQA, "num_local_experts": 8,
+                "intermediate_size": 48, "sliding_window": 24}
     dsa = {"index_n_heads": 8, "index_head_dim": 32, "index_topk": 16}
     sigmoid = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
                "routed_scaling_factor": 2.5}
@@ -153,7 +168,7 @@ def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = {**tiny_config(arch), **(overrides or {})}
-    special = write_tiny_tokenizer(out, arch, VOCAB_SIZE)
+    special = write_tiny_tokenizer(out, _TOKENIZER_FAMILY.get(arch, arch), VOCAB_SIZE)
     raw.update(bos_token_id=special["bos_token_id"], eos_token_id=special["eos_token_id"],
                pad_token_id=special.get("pad_token_id"))
     if fp8:

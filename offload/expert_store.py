@@ -179,15 +179,18 @@ class ExpertStore:
     @classmethod
     def from_safetensors(
         cls, files: str | Path | Sequence[str | Path], layers: Sequence[int], num_experts: int,
-        pin: bool | None = None, dtype: torch.dtype | None = None,
+        pin: bool | None = None, dtype: torch.dtype | None = None, module: str = "mlp",
+        proj_names: tuple[str, str, str] = _PROJ,
     ) -> ExpertStore:
         """Fill a store from a checkpoint directory (or its .safetensors files), tensor by tensor.
 
-        Reads ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight`` (+ ``.weight_scale_inv``).
+        Reads ``model.layers.{L}.{module}.experts.{E}.{gate,up,down}.weight`` (+ ``.weight_scale_inv``),
+        the three names given by ``proj_names`` (Mixtral: module "block_sparse_moe", w1, w3, w2).
         ``dtype`` defaults to the checkpoint's; a float checkpoint may be stored as another float dtype.
         """
         where = _tensor_files(files)
-        layout = _infer_layout(where, layers[0], dtype)
+        naming = (module, dict(zip(_PROJ, proj_names)))
+        layout = _infer_layout(where, layers[0], dtype, naming)
         store = cls(layout, layers, num_experts, pin=pin)
         suffixes = ["weight"] + (["weight_scale_inv"] if layout.is_fp8 else [])
         handles: dict[Path, object] = {}
@@ -195,7 +198,7 @@ class ExpertStore:
             for expert in range(num_experts):
                 for proj in _PROJ:
                     for suffix in suffixes:
-                        name = _expert_name(layer, expert, proj, suffix)
+                        name = _expert_name(layer, expert, proj, suffix, naming)
                         if name not in where:
                             raise KeyError(f"checkpoint has no tensor {name}")
                         path = where[name]
@@ -237,8 +240,14 @@ class ExpertStore:
             self.close()
 
 
-def _expert_name(layer: int, expert: int, proj: str, suffix: str) -> str:
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{suffix}"
+_DEFAULT_NAMING = ("mlp", {p: p for p in _PROJ})
+
+
+def _expert_name(layer: int, expert: int, proj: str, suffix: str,
+                 naming: tuple[str, dict[str, str]] = _DEFAULT_NAMING) -> str:
+    """Checkpoint name of one expert tensor; ``proj`` is the canonical gate_proj / up_proj / down_proj."""
+    module, names = naming
+    return f"model.layers.{layer}.{module}.experts.{expert}.{names[proj]}.{suffix}"
 
 
 def _tensor_files(files: str | Path | Sequence[str | Path]) -> dict[str, Path]:
@@ -259,8 +268,9 @@ def _tensor_files(files: str | Path | Sequence[str | Path]) -> dict[str, Path]:
     return where
 
 
-def _infer_layout(where: dict[str, Path], layer: int, dtype: torch.dtype | None) -> ExpertLayout:
-    name = _expert_name(layer, 0, "gate_proj", "weight")
+def _infer_layout(where: dict[str, Path], layer: int, dtype: torch.dtype | None,
+                  naming: tuple[str, dict[str, str]] = _DEFAULT_NAMING) -> ExpertLayout:
+    name = _expert_name(layer, 0, "gate_proj", "weight", naming)
     if name not in where:
         raise KeyError(f"checkpoint has no tensor {name}")
     with safe_open(str(where[name]), framework="pt") as f:

@@ -19,7 +19,7 @@ import torch
 GiB = 1 << 30
 DEFAULT_GPU_RESERVE = 2 * GiB  # CUDA context, allocator fragmentation, kernels' scratch
 DEFAULT_HOST_RESERVE = 4 * GiB  # the OS, the app, the tokenizer
-_ROUTED = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_ROUTED = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 

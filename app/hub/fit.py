@@ -102,11 +102,18 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
     num_layers = int(config.get("num_hidden_layers", 0))
     latent = int(config.get("kv_lora_rank", 512)) + int(config.get("qk_rope_head_dim", 64))
     per_layer = (latent if "kv_lora_rank" in config else LATENT_VALUES_PER_TOKEN) * CACHE_VALUE_BYTES
+    if config.get("model_type") in ("qwen3_moe", "mixtral"):  # grouped-query attention: K and V per KV head
+        heads = int(config.get("num_attention_heads") or 1)
+        head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
+        per_layer = 2 * int(config.get("num_key_value_heads") or heads) * head_dim * CACHE_VALUE_BYTES
     if config.get("model_type") in DSA_MODEL_TYPES:
         per_layer += INDEXER_KEY_BYTES_PER_TOKEN
     moe_layers = _num_moe_layers(config, num_layers)
-    per_expert = 3 * int(config.get("hidden_size", 0)) * int(config.get("moe_intermediate_size", 0))
-    experts = moe_layers * int(config.get("n_routed_experts") or 0) * per_expert * _param_bytes(config)
+    mixtral = config.get("model_type") == "mixtral"
+    inter = int(config.get("intermediate_size" if mixtral else "moe_intermediate_size", 0) or 0)
+    per_expert = 3 * int(config.get("hidden_size", 0)) * inter
+    n_experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0
+    experts = moe_layers * int(n_experts) * per_expert * _param_bytes(config)
     return Footprint(
         weights_bytes=weights_bytes,
         experts_bytes=min(experts, int(weights_bytes * 0.98)),
@@ -182,6 +189,11 @@ def _probe_gpu_bytes() -> int | None:
 
 
 def _num_moe_layers(config: dict[str, Any], num_layers: int) -> int:
+    if config.get("model_type") == "mixtral":
+        return num_layers
+    if config.get("model_type") == "qwen3_moe":
+        dense, step = set(config.get("mlp_only_layers") or []), int(config.get("decoder_sparse_step") or 1)
+        return sum(1 for layer in range(num_layers) if layer not in dense and (layer + 1) % step == 0)
     if not config.get("n_routed_experts"):
         return 0
     first_dense = int(config.get("first_k_dense_replace") or 0)

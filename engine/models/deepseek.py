@@ -1,7 +1,9 @@
-"""DeepSeek-family decoder (DeepSeek-V3.2, GLM-5, DeepSeek-V3, DeepSeek-V2) in plain PyTorch.
+"""MoE decoder in plain PyTorch: the DeepSeek family (DeepSeek-V3.2, GLM-5, DeepSeek-V3, DeepSeek-V2,
+MLA attention) and Qwen3-MoE / Mixtral (grouped-query attention, models/gqa.py).
 
 Module names follow the Hugging Face checkpoints so tensor names map one to one
-(``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.mlp.experts.E.gate_proj.weight``...).
+(``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.mlp.experts.E.gate_proj.weight``,
+Mixtral's ``model.layers.N.block_sparse_moe.experts.E.w1.weight``...).
 
 The model runs layer by layer for any subset of the running requests: ``embed``, then per layer
 ``attend`` (norm + attention + residual), ``ffn_input`` (norm), ``route`` (router) and
@@ -19,6 +21,7 @@ from torch import nn
 
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import ForwardContext
+from hearth.engine.models.gqa import GQAttention
 from hearth.engine.models.layers import RMSNorm
 from hearth.engine.models.mla import MLAttention
 
@@ -27,17 +30,21 @@ ExpertsBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)); silu and product in fp32 as the reference does."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); silu and product in fp32 as the reference does.
+    ``names`` are the checkpoint's (gate, up, down) module names (Mixtral: w1, w3, w2)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._names = names
+        setattr(self, names[0], nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, names[1], nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, names[2], nn.Linear(intermediate, hidden, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
-        return self.down_proj(h.to(x.dtype))
+        gate, up, down = (getattr(self, name) for name in self._names)
+        h = F.silu(gate(x).float()) * up(x).float()
+        return down(h.to(x.dtype))
 
 
 class Gate(nn.Module):
@@ -83,7 +90,8 @@ class MoE(nn.Module):
         self.layer = layer
         self.gate = Gate(config)
         self.experts = nn.ModuleList(
-            [MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)]
+            [MLP(config.hidden_size, config.moe_intermediate_size, config.expert_proj_names)
+             for _ in range(config.n_routed_experts)]
         )
         self.shared_experts = (
             MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
@@ -121,10 +129,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer, faithful)
+        self.self_attn = MLAttention(config, layer, faithful) if config.is_mla else GQAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.is_moe = config.is_moe_layer(layer)
-        self.mlp = MoE(config, layer) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        # NOTE: registered under the checkpoint's module name (Mixtral: block_sparse_moe); `mlp` reads it.
+        self._mlp_name = config.moe_module if self.is_moe else "mlp"
+        ffn = MoE(config, layer) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        setattr(self, self._mlp_name, ffn)
+
+    @property
+    def mlp(self) -> nn.Module:
+        return self._modules[self._mlp_name]
 
     def attend(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return hidden + self.self_attn(self.input_layernorm(hidden), ctx)

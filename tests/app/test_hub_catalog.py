@@ -154,3 +154,20 @@ def test_fit_for_a_hub_repo(ctx, settings):
     machine = Machine(gpu_bytes=None, ram_bytes=64 * GIB, disk_free_bytes=10**12)
     report = fit_for_repo(details, settings, machine)
     assert report.verdict == Verdict.CPU_ONLY and report.download_bytes == details.download_bytes()
+
+
+def test_fit_footprint_of_gqa_moe_models():
+    """Qwen3-30B-A3B-like and Mixtral-8x7B-like configs: experts dominate, KV per token from GQA."""
+    from hearth.app.hub.fit import footprint_from_config
+
+    qwen = {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "moe_intermediate_size": 768,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16"}
+    fp = footprint_from_config(qwen, weights_bytes=61 * 10**9)
+    assert fp.num_moe_layers == 48
+    assert fp.cache_bytes_per_token == 48 * 2 * 4 * 128 * 2
+    assert fp.experts_bytes == 48 * 128 * 3 * 2048 * 768 * 2  # ~58 GB of the 61
+    mixtral = {"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "num_local_experts": 8, "intermediate_size": 14336, "torch_dtype": "bfloat16"}
+    fp = footprint_from_config(mixtral, weights_bytes=93 * 10**9)
+    assert fp.num_moe_layers == 32 and fp.experts_bytes == 32 * 8 * 3 * 4096 * 14336 * 2

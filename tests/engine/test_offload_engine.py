@@ -48,3 +48,14 @@ def test_model_that_cannot_fit_fails_before_loading(tiny_models):
     with pytest.raises(HearthError, match="does not fit"):
         Engine.load(str(tiny_models["deepseek_v32"]), EngineConfig(device=TEST_DEVICE, host_memory_gib=1e-6,
                                                                     gpu_memory_gib=1e-6))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_offloaded_experts_of_gqa_models(tiny_models, arch):
+    """Mixtral's block_sparse_moe.experts.E.w1/w3/w2 and Qwen3's names both fill the expert store."""
+    path = str(tiny_models[arch])
+    expected = _run(Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32")), PROMPTS[:2])
+    engine = Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32", offload="always",
+                                            expert_cache_slots=3))
+    assert _run(engine, PROMPTS[:2]) == expected
+    assert engine.stats().extra["expert_cache_misses"] > 0

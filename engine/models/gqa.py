@@ -1,0 +1,72 @@
+"""Grouped-query attention over the paged cache (Qwen3-MoE, Mixtral), plain PyTorch.
+
+Each token's cache row holds its keys then its values for every KV head: ``2 * kv_heads * head_dim``
+values per layer (the same paged cache the MLA models fill with latents). Rope is NeoX-style
+(``rotate_half``) on the whole head; Qwen3 RMS-normalises each q / k head before it. Attention
+is fp32, causal, with an optional sliding window (a key is visible iff q_pos - k_pos < window).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import ForwardContext, SeqSlice
+from hearth.engine.models.layers import RMSNorm, Rotary, apply_rotary
+
+
+class GQAttention(nn.Module):
+    """Checkpoint names: q_proj, k_proj, v_proj, o_proj (+ q_norm, k_norm for Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, \
+            config.head_dim
+        self.scale = config.softmax_scale
+        self.window = config.sliding_window
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = Rotary(config.rope, self.head_dim)
+        # The sparse-attention switches the runner sets on MLA layers; inert here.
+        self.mli = False
+        self.use_kernels = False
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary.cos_sin(ctx.positions)
+        q, k = apply_rotary(q, cos, sin, interleaved=False), apply_rotary(k, cos, sin, interleaved=False)
+        cache = ctx.cache.latent[self.layer]
+        cache[ctx.slot_mapping] = torch.cat((k.flatten(1), v.flatten(1)), dim=-1).to(cache.dtype)
+        out = torch.empty(n, self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for seq in ctx.seqs:
+            rows = slice(seq.start, seq.start + seq.q_len)
+            out[rows] = self._attend(q[rows], cache[seq.slots], seq).to(x.dtype)
+        return self.o_proj(out.flatten(1))
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
+        """q (q_len, H, D), kv (T, 2 * kv_heads * D) -> (q_len, H, D)."""
+        k, v = kv.float().view(-1, 2, self.kv_heads, self.head_dim).unbind(1)  # (T, kvh, D) each
+        group = self.n_heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, H, D)
+        scores = torch.einsum("qhd,thd->hqt", q.float(), k) * self.scale
+        q_pos = torch.arange(seq.first_position, seq.context_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq.context_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if self.window is not None:
+            visible &= q_pos - k_pos < self.window
+        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+        return torch.einsum("hqt,thd->qhd", probs, v)
