@@ -130,9 +130,10 @@ class RunaheadDecoder:
         """Ask the cache for experts of requests that routed but could not get slots yet."""
         if self.residency is None:
             return
-        for flight in self.flights.values():
-            if flight.phase == "moe" and flight.lease is None:
-                flight.lease = self._acquire(flight)
+        # Fetch order follows the plan: the most lagging request's experts go on the link first.
+        waiting = [f for f in self.flights.values() if f.phase == "moe" and f.lease is None]
+        for flight in sorted(waiting, key=lambda f: f.progress(self.num_layers)):
+            flight.lease = self._acquire(flight)
 
     def _acquire(self, flight: Flight):
         experts = list(dict.fromkeys(flight.routing[0].flatten().tolist()))
