@@ -4,6 +4,7 @@ conditions, seeds and request validation, on the tiny DeepSeek-V3.2 model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hearth.engine import Engine, EngineConfig, Finished, RequestError, SamplingParams, TokenDelta
 from tests.engine.conftest import TEST_DEVICE
@@ -153,3 +154,30 @@ def test_prompt_longer_than_context_is_refused(model_dir):
     out = list(engine.generate(prompt_token_ids=list(range(10, 60)),
                                sampling=SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)))
     assert out[-1].reason == "length" and out[-1].stats.completion_tokens == 14
+
+
+def test_gpu_out_of_memory_fails_the_step_not_the_engine(model_dir, monkeypatch):
+    """An OOM in a forward step finishes that step's requests with a clear error; pages are freed and
+    the engine keeps serving."""
+    engine = _engine(model_dir)
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky_run(inputs, all_logits=False):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_run(inputs, all_logits)
+
+    monkeypatch.setattr(engine.runner, "run", flaky_run)
+    done = _run_all_after_adding(engine, [_prompt(7), _prompt(8)])
+    assert {f.reason for f in done.values()} == {"error"}
+    assert all("ran out of memory" in f.error for f in done.values())
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert len(_tokens(engine, _prompt(9))) == GREEDY.max_tokens  # still works
+
+
+def _run_all_after_adding(engine: Engine, prompts) -> dict[str, Finished]:
+    for p in prompts:
+        engine.add_request(prompt_token_ids=p, sampling=GREEDY)
+    return _run_all(engine)
