@@ -38,6 +38,7 @@ class ChatView(QScrollArea):
         self.setWidget(container)
         self.widgets: list[MessageWidget] = []
         self.verticalScrollBar().rangeChanged.connect(self._follow)
+        self.verticalScrollBar().valueChanged.connect(self._user_scrolled)
         self._stick_to_bottom = True
 
     def set_demo_hint(self, is_demo: bool) -> None:
@@ -79,6 +80,10 @@ class ChatView(QScrollArea):
     def set_busy(self, busy: bool) -> None:
         for widget in self.widgets:
             widget.set_busy(busy)
+
+    def _user_scrolled(self, value: int) -> None:
+        """Reading back up stops following the stream; scrolling to the bottom resumes it."""
+        self._stick_to_bottom = value >= self.verticalScrollBar().maximum() - 80
 
     def _follow(self, _minimum: int, maximum: int) -> None:
         bar = self.verticalScrollBar()

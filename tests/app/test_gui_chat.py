@@ -231,3 +231,4 @@ def test_demo_model_shows_what_to_download(qtbot, open_window):
     qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
     hint = window.chat.view._placeholder.text()
     assert "demo model" in hint and "runs with experts in RAM" in hint
+
