@@ -20,6 +20,7 @@ this is plain layer-by-layer batching.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,6 +63,7 @@ class Flight:
     lease: object | None = None
     selection: torch.Tensor | None = None  # last full indexer layer's top-k, for shared layers
     tokens_done: int = 0  # tokens this request finished before (for lagging-first priority)
+    seq_slice: SeqSlice | None = None  # the token's cache slots, built once and reused by every layer
 
     def progress(self, num_layers: int) -> int:
         return self.tokens_done * num_layers + self.layer
@@ -144,14 +146,17 @@ class RunaheadDecoder:
 
     # ---- running ----------------------------------------------------------------------------
 
-    def _context(self, group: list[Flight]) -> ForwardContext:
-        seqs, positions = [], []
-        for i, flight in enumerate(group):
+    def _slice(self, flight: Flight, start: int) -> SeqSlice:
+        if flight.seq_slice is None:
             slots = slots_for(flight.block_table, flight.position + 1, self.cache.block_size, self.device)
             table = torch.tensor(flight.block_table, dtype=torch.int32, device=self.device)
-            seqs.append(SeqSlice(start=i, q_len=1, context_len=flight.position + 1, slots=slots, block_table=table,
-                                 seq_id=flight.request_id))
-            positions.append(flight.position)
+            flight.seq_slice = SeqSlice(start=0, q_len=1, context_len=flight.position + 1, slots=slots,
+                                        block_table=table, seq_id=flight.request_id)
+        return dataclasses.replace(flight.seq_slice, start=start)
+
+    def _context(self, group: list[Flight]) -> ForwardContext:
+        seqs = [self._slice(flight, i) for i, flight in enumerate(group)]
+        positions = [flight.position for flight in group]
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         slot_mapping = torch.stack([s.slots[-1] for s in seqs])
         ctx = ForwardContext(positions=positions_t, slot_mapping=slot_mapping, seqs=seqs, cache=self.cache)
