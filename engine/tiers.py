@@ -14,6 +14,8 @@ Prefix caching is off in these modes (a reused page would have nothing in the re
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hearth.engine.api import EngineConfig, HearthError
@@ -22,69 +24,72 @@ from hearth.offload.tiered_keys import KeyTierConfig, TieredKeys
 from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
 
 
-class KeyTiers:
-    """All requests' tiers, keyed by (request id, layer)."""
+class _PerRequestTiers:
+    """Tier objects keyed by (request id, layer), created on first use and dropped with the request."""
+
+    what = "tiers"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tiers: dict[tuple[str, int], Any] = {}
+
+    def _new(self) -> Any:
+        raise NotImplementedError
+
+    def get(self, seq_id: str | None, layer: int) -> Any:
+        if seq_id is None:
+            raise RuntimeError(f"{self.what} need a request id in the forward context")
+        key = (seq_id, layer)
+        if key not in self.tiers:
+            self.tiers[key] = self._new()
+        return self.tiers[key]
+
+    def drop(self, seq_id: str) -> None:
+        for key in [k for k in self.tiers if k[0] == seq_id]:
+            del self.tiers[key]
+
+    def stats(self) -> dict[str, float]:
+        """Every request's counters added up."""
+        total: dict[str, float] = {}
+        for tiers in self.tiers.values():
+            for name, value in tiers.stats().items():
+                total[name] = total.get(name, 0.0) + float(value)
+        return total
+
+
+class KeyTiers(_PerRequestTiers):
+    """All requests' indexer-key tiers (hearth.offload.tiered_keys.TieredKeys)."""
+
+    what = "tiered indexer keys"
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.device = device
+        super().__init__(device)
         self.config = KeyTierConfig(
             page_size=block_size, head_dim=model_config.index_head_dim,
             key_format="fp32" if dtype == torch.float32 else "bf16",
             hot_pages=max(1, config.index_key_hot_pages), cache_pages=config.index_key_cache_pages,
             candidate_pages=config.index_key_candidate_pages, topk=model_config.index_topk,
             bounds=config.index_key_exact, exact=config.index_key_exact)
-        self.tiers: dict[tuple[str, int], TieredKeys] = {}
 
-    def get(self, seq_id: str | None, layer: int) -> TieredKeys:
-        if seq_id is None:
-            raise RuntimeError("tiered indexer keys need a request id in the forward context")
-        key = (seq_id, layer)
-        if key not in self.tiers:
-            self.tiers[key] = TieredKeys(self.config, self.device, initial_pages=8)
-        return self.tiers[key]
-
-    def drop(self, seq_id: str) -> None:
-        for key in [k for k in self.tiers if k[0] == seq_id]:
-            del self.tiers[key]
+    def _new(self) -> TieredKeys:
+        return TieredKeys(self.config, self.device, initial_pages=8)
 
     def device_bytes(self) -> int:
         return sum(t.device_bytes() for t in self.tiers.values())
 
-    def stats(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for tiers in self.tiers.values():
-            for name, value in tiers.stats().items():
-                total[name] = total.get(name, 0.0) + float(value)
-        return total
 
+class LatentTiers(_PerRequestTiers):
+    """All requests' latent tiers (hearth.offload.tiered_latents.TieredLatents)."""
 
-class LatentTiers:
-    """All requests' latent tiers, keyed by (request id, layer)."""
+    what = "tiered latents"
 
     def __init__(self, model_config: ModelConfig, hot_rows: int, dtype: torch.dtype, device: torch.device) -> None:
         if hot_rows <= model_config.index_topk:
             raise HearthError(f"latent_hot_rows ({hot_rows}) must exceed index_topk ({model_config.index_topk}): "
                               "one decode step's selection has to fit in the hot buffer")
-        self.device = device
+        super().__init__(device)
         self.config = LatentTierConfig(width=model_config.latent_dim, dtype=dtype, hot_rows=hot_rows)
-        self.tiers: dict[tuple[str, int], TieredLatents] = {}
 
-    def get(self, seq_id: str | None, layer: int) -> TieredLatents:
-        if seq_id is None:
-            raise RuntimeError("tiered latents need a request id in the forward context")
-        key = (seq_id, layer)
-        if key not in self.tiers:
-            self.tiers[key] = TieredLatents(self.config, self.device, initial_rows=256)
-        return self.tiers[key]
-
-    def drop(self, seq_id: str) -> None:
-        for key in [k for k in self.tiers if k[0] == seq_id]:
-            del self.tiers[key]
-
-    def stats(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for tiers in self.tiers.values():
-            for name, value in tiers.stats().items():
-                total[name] = total.get(name, 0.0) + float(value)
-        return total
+    def _new(self) -> TieredLatents:
+        return TieredLatents(self.config, self.device, initial_rows=256)
