@@ -38,6 +38,7 @@ from hearth.engine.server_protocol import (
     sampling_fields,
     sse,
 )
+from hearth.engine.tool_calls import parse_tool_calls
 
 logger = logging.getLogger("hearth.engine.server")
 _DISCONNECT_POLL_S = 0.5
@@ -218,7 +219,7 @@ def _add_openai_routes(app: FastAPI, host: EngineHost) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(host, body.model)
-        prompt = {"messages": body.message_dicts(), "chat_options": body.chat_template_kwargs}
+        prompt = {"messages": body.message_dicts(), "chat_options": body.chat_options()}
         return await _serve(host, request, body, prompt, body.requested_max_tokens(), chat=True)
 
     @app.post("/v1/completions")
@@ -251,8 +252,10 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
     submission = await run_in_threadpool(lambda: host.submit(stream.sink, sampling=sampling,
                                                              max_tokens=max_tokens, **prompt))
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
+    model_type = host.model.model_type if host.model else ""
+    tools = isinstance(body, ChatCompletionRequest) and body.uses_tools
     if body.stream:
-        chunks = _stream_chunks(stream, request, writer, body.include_usage)
+        chunks = _stream_chunks(stream, request, writer, body.include_usage, model_type if tools else None)
         return StreamWithCleanup(chunks, on_close=lambda: host.abort(submission.request_id))
     try:
         finished = await _wait_finished(stream, request)
@@ -261,7 +264,7 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
     error = finish_error(finished)
     if error is not None:
         raise error
-    return writer.response(finished)
+    return writer.response(finished, parse_tool_calls(finished.text, model_type) if tools else None)
 
 
 async def _wait_finished(stream: RequestStream, request: Request) -> Finished:
@@ -276,20 +279,30 @@ async def _wait_finished(stream: RequestStream, request: Request) -> Finished:
 
 
 async def _stream_chunks(stream: RequestStream, request: Request, writer: ResponseWriter,
-                         include_usage: bool) -> AsyncIterator[bytes]:
+                         include_usage: bool, tools_model_type: str | None = None) -> AsyncIterator[bytes]:
+    """SSE chunks. With tools offered the answer is held back until it ends (a tool call is only
+    known once complete), then sent as content and tool_calls chunks."""
     if writer.chat:
         yield sse(writer.chunk("", first=True))
     try:
         async for event in stream.events(request):
             if isinstance(event, TokenDelta):
-                if event.text:
+                if event.text and tools_model_type is None:
                     yield sse(writer.chunk(event.text))
                 continue
             error = finish_error(event)
             if error is not None:
                 yield sse(error.body())
                 break
-            yield sse(writer.chunk(None, event.reason))
+            reason = event.reason
+            if tools_model_type is not None:
+                content, calls = parse_tool_calls(event.text, tools_model_type)
+                if content:
+                    yield sse(writer.chunk(content))
+                if calls:
+                    yield sse(writer.tool_calls_chunk(calls))
+                    reason = "tool_calls"
+            yield sse(writer.chunk(None, reason))
             if include_usage:
                 yield sse(writer.usage_chunk(event.stats))
     except ClientGone:

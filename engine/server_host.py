@@ -64,6 +64,7 @@ class LoadedModel:
     path: Path
     max_model_len: int
     sampling_defaults: dict[str, Any]  # from generation_config.json; used where a request says nothing
+    model_type: str = ""  # picks the tool-call format
 
 
 class EngineHost:
@@ -121,7 +122,7 @@ class EngineHost:
                 config = EngineConfig(**{**asdict(config), "max_model_len": max_model_len})
             engine = Engine.load(str(folder), config)
             model = LoadedModel(served_name or folder.resolve().name, folder.resolve(), engine.max_model_len,
-                                generation_defaults(folder))
+                                generation_defaults(folder), engine.model_config.model_type)
             with self._lock:
                 self._engine, self._model = engine, model
             logger.info("loaded %s from %s (context %d tokens)", model.name, folder, model.max_model_len)

@@ -84,6 +84,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools offered to the model (``tool_choice`` "auto" or unset; "none" hides them)."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "tool_choice must be \"auto\" or \"none\" (forcing a tool is not supported)",
+                           param="tool_choice")
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def chat_options(self) -> dict[str, Any]:
+        options = dict(self.chat_template_kwargs or {})
+        if self.uses_tools:
+            options["tools"] = self.tools
+        return options
 
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -186,11 +202,16 @@ class ResponseWriter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def response(self, finished: Finished) -> dict[str, Any]:
-        """The non-streaming body."""
+    def response(self, finished: Finished, tool_calls: tuple[str, list[dict[str, Any]]] | None = None
+                 ) -> dict[str, Any]:
+        """The non-streaming body; ``tool_calls`` = (content, calls) parsed from the answer."""
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": finished.text},
-                                      "logprobs": None, "finish_reason": finished.reason}
+            message: dict[str, Any] = {"role": "assistant", "content": finished.text}
+            reason = finished.reason
+            if tool_calls is not None and tool_calls[1]:
+                message = {"role": "assistant", "content": tool_calls[0] or None, "tool_calls": tool_calls[1]}
+                reason = "tool_calls"
+            choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": finished.reason}
@@ -208,6 +229,12 @@ class ResponseWriter:
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def tool_calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """One streamed chunk carrying whole tool calls (each with its index)."""
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                         "finish_reason": None}])
 
     def usage_chunk(self, stats: RequestStats) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
