@@ -12,25 +12,19 @@ from fastapi.testclient import TestClient
 from hearth.engine.api import EngineConfig
 from hearth.engine.server_app import create_app
 from hearth.engine.server_host import EngineHost
-from hearth.engine.tiny import write_tiny_model
+from tests.engine.test_server_support import in_process_host, serving_client
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("app") / "tiny", "deepseek_v32", seed=4)
-    engine_host = EngineHost(EngineConfig(max_model_len=256, device="cpu"))
-    engine_host.load(model)
-    engine_host.start()
-    yield engine_host
-    engine_host.close()
+    yield from in_process_host(tmp_path_factory.mktemp("app"), max_model_len=256)
 
 
 @pytest.fixture
 def http(host):
-    with TestClient(create_app(host), raise_server_exceptions=False) as client:
-        yield client
+    yield from serving_client(host)
 
 
 def _break_next_step(host: EngineHost, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,3 +155,28 @@ def test_writer_and_finish_errors():
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert finish_error(Finished("r1", "stop", "", stats)) is None
     assert finish_error(Finished("r1", "error", "", stats, "GPU out of memory")).status == 500
+
+
+def in_process_host(root: Path, max_model_len: int, seed: int = 4):
+    """A started EngineHost serving a tiny DeepSeek-V3.2 named "tiny" (a generator: close after)."""
+    from hearth.engine.api import EngineConfig
+    from hearth.engine.server_host import EngineHost
+    from hearth.engine.tiny import write_tiny_model
+
+    engine_host = EngineHost(EngineConfig(max_model_len=max_model_len, device="cpu"))
+    engine_host.load(write_tiny_model(root / "tiny", "deepseek_v32", seed=seed))
+    engine_host.start()
+    try:
+        yield engine_host
+    finally:
+        engine_host.close()
+
+
+def serving_client(engine_host):
+    """Starlette's TestClient over the host's app, errors answered as HTTP (a generator)."""
+    from fastapi.testclient import TestClient
+
+    from hearth.engine.server_app import create_app
+
+    with TestClient(create_app(engine_host), raise_server_exceptions=False) as client:
+        yield client

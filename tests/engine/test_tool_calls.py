@@ -8,14 +8,11 @@ import dataclasses
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from hearth.engine.api import EngineConfig
 from hearth.engine.dsv32_encoding import encode_tool_calls
-from hearth.engine.server_app import create_app
 from hearth.engine.server_host import EngineHost
-from hearth.engine.tiny import write_tiny_model
 from hearth.engine.tool_calls import parse_tool_calls
+from tests.engine.test_server_support import in_process_host, serving_client
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                              "parameters": {"type": "object",
@@ -40,18 +37,12 @@ def test_parse_dsml_and_hermes_formats():
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    model = write_tiny_model(tmp_path_factory.mktemp("tools") / "tiny", "deepseek_v32", seed=4)
-    engine_host = EngineHost(EngineConfig(max_model_len=512, device="cpu"))
-    engine_host.load(model)
-    engine_host.start()
-    yield engine_host
-    engine_host.close()
+    yield from in_process_host(tmp_path_factory.mktemp("tools"), max_model_len=512)
 
 
 @pytest.fixture
 def http(host):
-    with TestClient(create_app(host), raise_server_exceptions=False) as client:
-        yield client
+    yield from serving_client(host)
 
 
 def test_tools_are_rendered_into_the_prompt(http):
