@@ -96,6 +96,9 @@ class EngineConfig:
     faithful: reproduce the official DeepSeek inference rounding: Hadamard + FP8 (ue8m0) on
         indexer q/k and an FP8 round trip of the latent cache. Off = exact bf16/fp32 math.
     use_kernels: run the Triton DSA kernels on CUDA ("auto"), or force plain PyTorch ("never").
+    cuda_graphs: capture decode steps in CUDA graphs (one per batch-size bucket up to
+        max_num_seqs, captured on first use) where the step allows: the DSA kernel path with every
+        request decoding one token, routed experts resident on the GPU, no tiers, MLI off.
     offload: where routed experts live. "auto": on the GPU when they fit, else in host RAM behind
         a GPU expert cache sized by the memory planner; "always": host RAM + cache (also on CPU,
         mainly for tests); "never": with the rest of the model.
@@ -131,6 +134,7 @@ class EngineConfig:
     keep_fp8: bool | None = None
     faithful: bool = False
     use_kernels: Literal["auto", "never"] = "auto"
+    cuda_graphs: bool = True
     offload: Literal["auto", "always", "never"] = "auto"
     expert_cache_slots: int | None = None
     expert_cache_policy: Literal["lru", "lfu"] = "lru"

@@ -79,6 +79,17 @@ class SeqSlice:
 
 
 @dataclass
+class DecodeMeta:
+    """A step where every request decodes one token (token i of the batch is request i), described
+    by device tensors only, so the kernel path reads no per-request Python state and the step can be
+    captured in a CUDA graph (``hearth.engine.cuda_graphs``)."""
+
+    block_tables: torch.Tensor  # (B, max_blocks) int32, unused entries any valid page
+    context_lens: torch.Tensor  # (B,) int32, this step's token included
+    max_context: int  # upper bound on context_lens (sizes the rope table without a host sync)
+
+
+@dataclass
 class ForwardContext:
     """Metadata of one forward step over a flat batch of ``N`` tokens from several requests."""
 
@@ -89,6 +100,7 @@ class ForwardContext:
     # Per request (index into seqs): top-k of the most recent layer that ran its indexer, reused
     # by IndexCache "shared" layers. (q_len, k) int64, -1 = no token.
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode: DecodeMeta | None = None  # set when the whole step is single-token decodes (kernel path)
 
     @property
     def num_tokens(self) -> int:

@@ -190,8 +190,16 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head in fp32: (N, D) -> (N, vocab)."""
-        return F.linear(self.model.norm(hidden).float(), self.lm_head.weight.float())
+        """Final norm + lm_head with fp32 accumulation and output: (N, D) -> (N, vocab)."""
+        normed, weight = self.model.norm(hidden), self.lm_head.weight
+        if normed.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+            # fp32 out of the 16-bit GEMM: the same products as upcasting first, without an fp32 copy
+            # of the vocabulary matrix every step
+            try:
+                return torch.mm(normed.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+            except (NotImplementedError, RuntimeError, TypeError):  # a torch without mm(out_dtype=)
+                pass
+        return F.linear(normed.float(), weight.float())
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
         """All requests through all layers; logits of each request's last token (B, vocab), or of
@@ -199,6 +207,6 @@ class DeepseekForCausalLM(nn.Module):
         hidden = self.embed(input_ids)
         for layer in self.model.layers:
             hidden = layer(hidden, ctx)
-        if not all_logits:
+        if not all_logits and ctx.decode is None:  # (a decode step's tokens are its requests' last tokens)
             hidden = hidden[ctx.last_token_indices()]
         return self.logits(hidden)

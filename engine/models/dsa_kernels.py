@@ -77,7 +77,8 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.T
     cache = ctx.cache.index_keys[layer]
     bs = ctx.cache.block_size
     k_raw = indexer.k_norm(indexer.wk(x)).contiguous()  # (N, 128), rope applied inside the kernel
-    table_cos, table_sin = rope_table.get(int(ctx.positions.max()) + 1, x.device)
+    needed = ctx.decode.max_context if ctx.decode is not None else int(ctx.positions.max()) + 1
+    table_cos, table_sin = rope_table.get(needed, x.device)
     indexer_k_cache_write(k_raw, ctx.slot_mapping, cache, bs, positions=ctx.positions, cos=table_cos,
                           sin=table_sin, rope_interleaved=indexer.interleaved, hadamard=indexer.faithful)
     q = indexer._rope(indexer.wq_b(q_resid).view(n, indexer.n_heads, indexer.head_dim), cos, sin)
@@ -85,6 +86,11 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.T
         q = (q.float() @ hadamard_matrix(indexer.head_dim, q.device)).to(q.dtype)
     q8, q_scale = act_quant_ue8m0(q)  # (N, H, 128) e4m3, (N, H)
     w = (indexer.weights_proj(x.float()).float() * indexer.scale * q_scale).contiguous()  # (N, H)
+    if ctx.decode is not None:  # all single-token decodes, token i = request i: no per-request work
+        meta = ctx.decode
+        picked = indexer_decode_topk(q8.unsqueeze(1), w.unsqueeze(1), cache, meta.block_tables, meta.context_lens,
+                                     bs, indexer.topk)  # (B, 1, k) int32
+        return list(picked.unbind(0))
     out: list[torch.Tensor | None] = [None] * len(ctx.seqs)
     decode = [i for i, s in enumerate(ctx.seqs) if s.q_len == 1]
     if decode:
@@ -110,6 +116,11 @@ def sparse_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: Forwar
     q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w[:, : attn.nope])  # (N, H, 512)
     q = torch.cat((q_abs, q_pe), dim=-1).to(torch.bfloat16).contiguous()  # (N, H, 576)
     latents = ctx.cache.latent[attn.layer].view(ctx.cache.num_blocks, ctx.cache.block_size, -1)
+    if ctx.decode is not None:  # all single-token decodes: one launch, selections stacked as they are
+        meta = ctx.decode
+        idx = torch.stack([s.view(-1) for s in selections]).to(torch.int32)  # (B, k)
+        out_lat, _ = sparse_mla_decode(q, latents, idx, meta.block_tables, meta.context_lens, attn.scale)
+        return torch.einsum("nhc,hdc->nhd", out_lat.to(w.dtype), w[:, attn.nope:])
     out_lat = torch.empty(q.shape[0], q.shape[1], attn.kv_lora, dtype=torch.bfloat16, device=q.device)
     decode = [i for i, s in enumerate(ctx.seqs) if s.q_len == 1]
     if decode:

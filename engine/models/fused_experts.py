@@ -1,0 +1,101 @@
+"""Routed experts resident on the GPU through the fused MoE kernel (hearth.kernels.moe).
+
+Each MoE layer's experts are stacked once into ``w13 [E, 2I, D]`` (gate rows, then up rows) and
+``w2 [E, D, I]`` — bf16/fp16, or FP8 e4m3 with the checkpoint's 128x128 block scales — and the
+expert modules' parameters become views into those tensors, so there is no second copy. A call is
+one grouped kernel launch pair with no host synchronisation (the router's choice never goes back to
+the host), which also lets a decode step run inside a CUDA graph. ``MoE.local_experts``, a Python
+loop over the experts in use, stays the CPU path and the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hearth.engine.models.layers import Fp8Linear
+from hearth.kernels.moe import fused_moe
+
+_SCALE_BLOCK = (128, 128)
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class FusedExperts:
+    """The ``MoE.backend`` of one layer: ``(layer, x [T, D], ids [T, K], weights [T, K] fp32) -> [T, D]``."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None, s2: torch.Tensor | None):
+        self.w13, self.w2, self.s13, self.s2 = w13, w2, s13, s2
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x.contiguous(), ids, weights.float(), self.w13, self.w2, self.s13, self.s2).to(x.dtype)
+
+
+def _projections(moe) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+    return [tuple(getattr(expert, name) for name in expert._names) for expert in moe.experts]
+
+
+def _stackable(projs: list[tuple[nn.Module, nn.Module, nn.Module]], require_cuda: bool) -> str | None:
+    """"fp8", "float" or None (mixed kinds, not on CUDA, unsupported block size)."""
+    flat = [p for triple in projs for p in triple]
+    if require_cuda and not all(p.weight.is_cuda for p in flat):
+        return None
+    if all(isinstance(p, Fp8Linear) and p.block == _SCALE_BLOCK for p in flat):
+        return "fp8"
+    if (all(type(p) is nn.Linear and p.weight.dtype in _FLOAT for p in flat)
+            and len({p.weight.dtype for p in flat}) == 1):
+        return "float"
+    return None
+
+
+def _repoint(module: nn.Module, name: str, view: torch.Tensor) -> None:
+    setattr(module, name, nn.Parameter(view, requires_grad=False))
+
+
+def stack_layer(moe, require_cuda: bool = True) -> FusedExperts | None:
+    """Stack one MoE layer's experts (see the module doc); None when they cannot be stacked.
+    require_cuda=False also stacks CPU experts (tests: the kernel under Triton's interpreter)."""
+    projs = _projections(moe)
+    kind = _stackable(projs, require_cuda)
+    if kind is None or not projs:
+        return None
+    gate0, _, down0 = projs[0]
+    inter, hidden = gate0.weight.shape
+    n = len(projs)
+    w13 = torch.empty(n, 2 * inter, hidden, dtype=gate0.weight.dtype, device=gate0.weight.device)
+    w2 = torch.empty(n, hidden, inter, dtype=down0.weight.dtype, device=down0.weight.device)
+    s13 = s2 = None
+    if kind == "fp8":
+        (si, sd), (sdi, sii) = gate0.weight_scale_inv.shape, down0.weight_scale_inv.shape
+        s13 = torch.empty(n, 2 * si, sd, dtype=torch.float32, device=w13.device)
+        s2 = torch.empty(n, sdi, sii, dtype=torch.float32, device=w13.device)
+    for e, (gate, up, down) in enumerate(projs):
+        w13[e, :inter].copy_(gate.weight)
+        w13[e, inter:].copy_(up.weight)
+        w2[e].copy_(down.weight)
+        _repoint(gate, "weight", w13[e, :inter])
+        _repoint(up, "weight", w13[e, inter:])
+        _repoint(down, "weight", w2[e])
+        if kind == "fp8":
+            si = gate.weight_scale_inv.shape[0]
+            s13[e, :si].copy_(gate.weight_scale_inv)
+            s13[e, si:].copy_(up.weight_scale_inv)
+            s2[e].copy_(down.weight_scale_inv)
+            _repoint(gate, "weight_scale_inv", s13[e, :si])
+            _repoint(up, "weight_scale_inv", s13[e, si:])
+            _repoint(down, "weight_scale_inv", s2[e])
+    return FusedExperts(w13, w2, s13, s2)
+
+
+def enable(model, require_cuda: bool = True) -> int:
+    """Give every MoE layer of ``model`` whose experts sit on CUDA (and have no other backend) the
+    fused backend. Returns how many layers got it."""
+    done = 0
+    for layer in model.layers:
+        moe = layer.mlp
+        if not layer.is_moe or moe.backend is not None or not len(moe.experts):
+            continue
+        backend = stack_layer(moe, require_cuda)
+        if backend is not None:
+            moe.backend = backend
+            done += 1
+    return done

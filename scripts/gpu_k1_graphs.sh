@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the H200: CUDA-graph decode and fused resident experts (GPU tests), then the whole-decode-step
+# benchmark (bench/bench_decode_step.py). Logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/hearth-out}"; mkdir -p "$OUT"
+mkdir -p /tmp/hp/hearth
+for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
+export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1
+if [ -z "${K1_SKIP_TESTS:-}" ]; then
+  HEARTH_TEST_DEVICE=cuda timeout "${K1_TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -x \
+      tests/engine/test_cuda_graphs.py tests/engine/test_fused_experts.py tests/engine/test_dsa_kernels_engine.py \
+      2>&1 | tee "$OUT/k1_graphs_tests.log" | tail -25
+fi
+timeout "${K1_BENCH_TIMEOUT:-200}" python3 bench/bench_decode_step.py --context 4096 --batch 1 8 --steps 30 \
+    --json "$OUT/decode_step.json" 2>&1 | tee "$OUT/decode_step.log"
