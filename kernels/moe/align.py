@@ -29,7 +29,7 @@ def group_by_slot(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple
     counts = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))  # (S+1,) scatter_add: bincount would sync
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_slots] = 0
+    padded[num_slots:].zero_()  # (not `= 0`: a host scalar copy, which a CUDA graph cannot capture)
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
     start = torch.cumsum(counts, 0) - counts
