@@ -37,10 +37,15 @@ def test_kernels_are_on_and_logits_match_reference(kernel_model):
     ref_bf16 = hf_model(kernel_model, torch.bfloat16)(torch.tensor([ids])).logits[0].float().detach()
     bar = (ref_bf16 - ref).abs().max(-1).values.median()
     assert (got - ref).abs().max(-1).values.median() <= 2 * bar + 0.02
-    # Up to index_topk tokens the selection is every causal key: kernels and torch must agree there.
-    # Past it, FP8 indexer keys flip near-tied selections of this random model (measured ~85% top-1).
+    # Up to index_topk tokens the selection is every causal key: where the fp32 reference's top-1
+    # leads its runner-up by more than bf16 noise, the kernel path must pick it (near-ties of this
+    # random model may flip either way: the kernels accumulate in another order than torch).
+    # Past index_topk, FP8 indexer keys flip near-tied selections (measured ~85% top-1 vs torch).
     dense = slice(0, 64)
-    assert (got[dense].argmax(-1) == ref_torch[dense].argmax(-1)).float().mean() >= 0.95
+    top2 = ref[dense].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * bar
+    assert clear.sum() >= 16
+    assert (got[dense].argmax(-1) == ref[dense].argmax(-1))[clear].float().mean() >= 0.95
     assert (got.argmax(-1) == ref_torch.argmax(-1)).float().mean() >= 0.7
 
 
