@@ -1,13 +1,15 @@
-"""Triton grouped SwiGLU over routed tokens, reading expert weights from cache slots by slot index.
+"""Fused routed-expert SwiGLU over expert cache slots: input checks, path choice and launches.
 
-Two launches: (1) gate/up GEMM + SwiGLU for each block of expert-sorted (token, k) pairs into
-``h`` [P, I]; (2) down GEMM, scaled by the routing weight, into one fp32 row per pair, summed over k
-afterwards (deterministic: no atomics). Weights are bf16/fp16/fp32 or FP8 e4m3 with 128x128 block
-scales; FP8 tiles are widened in registers and each tile's dot product is multiplied by its one scale.
+Two paths, same result. Few (token, k) pairs per slot (decode): the GEMV kernels of ``gemv.py``,
+bandwidth-bound, one weight read per block of BLOCK_M <= 8 pairs. More pairs per slot (prefill): the
+grouped tl.dot kernels of ``mma.py`` over blocks of 16..64 pairs. Either way gate/up + SwiGLU writes
+``h`` in the activation dtype, down writes one fp32 row per pair (and K split), and a last small
+kernel adds those rows over k into ``out`` in a fixed order: deterministic, no atomics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -15,132 +17,79 @@ import triton
 import triton.language as tl
 
 from hearth.kernels.moe.align import group_by_slot
+from hearth.kernels.moe.gemv import down_gemv_kernel, gate_up_gemv_kernel, sum_pairs_kernel
+from hearth.kernels.moe.mma import down_mma_kernel, gate_up_mma_kernel
 
 SCALE_BLOCK = 128
 _FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
+# Estimated pairs per distinct slot up to which the GEMV path runs (else the tl.dot path).
+GEMV_MAX_PAIRS_PER_SLOT = 6.0
+_SUM_BLOCK = 1024
 
 
-@triton.jit
-def _gate_up_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    h_ptr,
-    pairs_ptr,
-    block_slot_ptr,
-    num_pairs,
-    D,
-    I,
-    TOPK,
-    NUM_SCALE_ROWS,
-    stride_xt,
-    stride_ws,
-    stride_wn,
-    stride_ss,
-    stride_sn,
-    stride_hp,
-    HAS_SCALE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + i_m).to(tl.int64)
-    if slot < 0:
-        return
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    b_pair = tl.load(pairs_ptr + o_m)
-    m_m = b_pair < num_pairs
-    b_tok = (b_pair // TOPK).to(tl.int64)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < I
-    p_w = w_ptr + slot * stride_ws
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < D
-        m_w = m_n[:, None] & m_k[None, :]
-        b_x = tl.load(
-            x_ptr + b_tok[:, None] * stride_xt + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
-        )  # (BM, BK)
-        b_g = tl.load(p_w + o_n[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
-        b_u = tl.load(p_w + (I + o_n)[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)
-        b_x = b_x.to(DOT_DTYPE)
-        d_g = tl.dot(b_x, tl.trans(b_g.to(DOT_DTYPE)), input_precision=PRECISION)
-        d_u = tl.dot(b_x, tl.trans(b_u.to(DOT_DTYPE)), input_precision=PRECISION)
-        if HAS_SCALE:
-            # NOTE: BLOCK_N and BLOCK_K divide 128, so one scale covers the whole tile.
-            p_s = s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn + k0 // 128
-            d_g = d_g * tl.load(p_s)
-            d_u = d_u * tl.load(p_s + NUM_SCALE_ROWS * stride_sn)
-        acc_g += d_g
-        acc_u += d_u
-    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    p_h = h_ptr + o_m[:, None].to(tl.int64) * stride_hp + o_n[None, :]
-    tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one kernel: output columns and K per step, warps, pipeline depth, K splits."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+    split_k: int = 1  # honoured by the GEMV down kernel only
+
+    def __post_init__(self):
+        if SCALE_BLOCK % self.block_n or self.block_k & (self.block_k - 1) or self.split_k < 1:
+            raise ValueError(f"block_n must divide {SCALE_BLOCK}, block_k be a power of two, split_k >= 1: {self}")
 
 
-@triton.jit
-def _down_kernel(
-    h_ptr,
-    w_ptr,
-    s_ptr,
-    y_ptr,
-    rw_ptr,
-    pairs_ptr,
-    block_slot_ptr,
-    num_pairs,
-    D,
-    I,
-    stride_hp,
-    stride_ws,
-    stride_wn,
-    stride_ss,
-    stride_sn,
-    stride_yp,
-    HAS_SCALE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + i_m).to(tl.int64)
-    if slot < 0:
-        return
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    b_pair = tl.load(pairs_ptr + o_m)
-    m_m = b_pair < num_pairs
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < D
-    p_w = w_ptr + slot * stride_ws
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < I
-        b_h = tl.load(
-            h_ptr + o_m[:, None].to(tl.int64) * stride_hp + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
+@dataclasses.dataclass(frozen=True)
+class MoeLaunch:
+    """How :func:`fused_moe_launch` runs: ``gemv`` picks the path; ``block_m`` pairs per block (1 on
+    the GEMV path means one pair per program in pair order, with no grouping pass)."""
+
+    gemv: bool
+    block_m: int
+    gate_up: TileConfig
+    down: TileConfig
+
+    def __post_init__(self):
+        lo, hi = (1, 8) if self.gemv else (16, 64)
+        if self.block_m & (self.block_m - 1) or not lo <= self.block_m <= hi:
+            raise ValueError(f"block_m must be a power of two in [1, 8] (GEMV) or [16, 64] (tl.dot): {self}")
+
+    def describe(self) -> str:
+        g, d = self.gate_up, self.down
+        path = "gemv" if self.gemv else "mma"
+        return (
+            f"{path} m{self.block_m} gu(n{g.block_n} k{g.block_k} w{g.num_warps} s{g.num_stages}) "
+            f"dn(n{d.block_n} k{d.block_k} w{d.num_warps} s{d.num_stages} x{d.split_k})"
         )
-        b_w = tl.load(
-            p_w + o_n[:, None] * stride_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0
-        )  # (BN, BK)
-        d = tl.dot(b_h.to(DOT_DTYPE), tl.trans(b_w.to(DOT_DTYPE)), input_precision=PRECISION)
-        if HAS_SCALE:
-            d = d * tl.load(s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn + k0 // 128)
-        acc += d
-    b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)
-    acc = acc * b_rw[:, None]
-    p_y = y_ptr + b_pair[:, None].to(tl.int64) * stride_yp + o_n[None, :]
-    tl.store(p_y, acc, mask=m_m[:, None] & m_n[None, :])
 
 
-def _check_inputs(x, slot_ids, weights, w13, w2, s13, s2) -> None:
+def pairs_per_slot(num_pairs: int, num_slots: int) -> float:
+    """Expected pairs per distinct slot when ``num_pairs`` pick uniformly among ``num_slots``."""
+    distinct = num_slots * (1.0 - (1.0 - 1.0 / max(num_slots, 1)) ** num_pairs)
+    return num_pairs / max(distinct, 1.0)
+
+
+def default_launch(num_pairs: int, num_slots: int, fp8: bool) -> MoeLaunch:
+    """The launch :func:`fused_moe` uses for ``num_pairs`` routed pairs over ``num_slots`` slots."""
+    per_slot = pairs_per_slot(num_pairs, num_slots)
+    if per_slot <= GEMV_MAX_PAIRS_PER_SLOT:
+        block_m = 1 if per_slot <= 1.25 else 2 if per_slot <= 2.5 else 4
+        block_k = 512 if block_m == 1 else 256
+        return MoeLaunch(
+            gemv=True,
+            block_m=block_m,
+            gate_up=TileConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=2),
+            down=TileConfig(block_n=16, block_k=block_k, num_warps=4, num_stages=2),
+        )
+    block_m = 16 if per_slot <= 16 else 32 if per_slot <= 32 else 64
+    tile = TileConfig(block_n=64, block_k=128 if fp8 else 64, num_warps=4, num_stages=3)
+    return MoeLaunch(gemv=False, block_m=block_m, gate_up=tile, down=tile)
+
+
+def _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out) -> None:
     t, d = x.shape
     s, two_i, d_w = w13.shape
     inter = two_i // 2
@@ -168,11 +117,8 @@ def _check_inputs(x, slot_ids, weights, w13, w2, s13, s2) -> None:
             )
         if s13.dtype != torch.float32 or s2.dtype != torch.float32 or s13.stride(2) != 1 or s2.stride(2) != 1:
             raise ValueError("scales must be fp32 with unit stride on the last dimension")
-
-
-def _block_m(num_pairs: int, num_slots: int) -> int:
-    per_slot = num_pairs / max(1, min(num_slots, num_pairs))
-    return 16 if per_slot <= 16 else 32 if per_slot <= 32 else 64
+    if out is not None and (out.shape != (t, d) or out.dtype != torch.float32 or out.device != x.device):
+        raise ValueError(f"out must be fp32 [T={t}, D={d}] on {x.device}, got {out.dtype} {tuple(out.shape)}")
 
 
 def fused_moe(
@@ -194,7 +140,23 @@ def fused_moe(
     The slot dimension may have any stride (slots are views into one byte buffer).
     out: optional [T, D] fp32 accumulator. Returns it (or a new one), [T, D] fp32.
     """
-    _check_inputs(x, slot_ids, weights, w13, w2, s13, s2)
+    launch = default_launch(slot_ids.numel(), w13.shape[0], s13 is not None)
+    return fused_moe_launch(x, slot_ids, weights, w13, w2, s13, s2, out, launch=launch)
+
+
+def fused_moe_launch(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    s13: torch.Tensor | None,
+    s2: torch.Tensor | None,
+    out: torch.Tensor | None,
+    launch: MoeLaunch,
+) -> torch.Tensor:
+    """:func:`fused_moe` with an explicit :class:`MoeLaunch` (tests and the benchmark's sweep)."""
+    _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out)
     t, d = x.shape
     num_slots, inter = w13.shape[0], w13.shape[1] // 2
     if out is None:
@@ -202,70 +164,63 @@ def fused_moe(
     num_pairs = slot_ids.numel()
     if num_pairs == 0:
         return out
-    block_m = _block_m(num_pairs, num_slots)
-    sorted_pairs, block_slot = group_by_slot(slot_ids, num_slots, block_m)
-    num_blocks = block_slot.numel()
-    h = torch.empty((num_blocks * block_m, inter), dtype=x.dtype, device=x.device)  # (P, I)
-    y = torch.zeros((num_pairs, d), dtype=torch.float32, device=x.device)  # (T*K, D)
     has_scale = s13 is not None
-    # NOTE: the interpreter's bf16 tl.dot is wrong (triton 3.9 on numpy); fp32 there is exact enough.
-    dot_dtype = (
-        tl.float32
-        if os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32
-        else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
-    )
-    precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit operands
-    block_n, block_k = 64, (128 if has_scale else 64)
-    meta = dict(
-        HAS_SCALE=has_scale,
-        DOT_DTYPE=dot_dtype,
-        PRECISION=precision,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=4,
-        num_stages=3,
-    )
-    s13_, s2_ = (s13, s2) if has_scale else (w13, w2)  # unused pointers when HAS_SCALE is off
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x,
-        w13,
-        s13_,
-        h,
-        sorted_pairs,
-        block_slot,
-        num_pairs,
-        d,
-        inter,
-        slot_ids.shape[1],
-        triton.cdiv(inter, SCALE_BLOCK),
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        s13_.stride(0),
-        s13_.stride(1),
-        h.stride(0),
-        **meta,
-    )
+    block_m = launch.block_m
+    flat_slots = slot_ids.reshape(-1).contiguous()  # (T*K,)
+    identity = launch.gemv and block_m == 1
+    if identity:
+        block_slot = flat_slots.to(torch.int32)
+        sorted_pairs = block_slot  # unused: the kernels read pair = block index
+    else:
+        sorted_pairs, block_slot = group_by_slot(slot_ids, num_slots, block_m)
+    num_blocks = block_slot.numel()
+    split = launch.down.split_k if launch.gemv else 1
+    h = torch.empty((num_blocks * block_m, inter), dtype=x.dtype, device=x.device)  # (rows, I)
+    y = torch.empty((split, num_pairs, d), dtype=torch.float32, device=x.device)  # (SPLIT, T*K, D)
     rw = weights.reshape(-1).contiguous()  # (T*K,)
-    _down_kernel[(num_blocks, triton.cdiv(d, block_n))](
-        h,
-        w2,
-        s2_,
-        y,
-        rw,
-        sorted_pairs,
-        block_slot,
-        num_pairs,
-        d,
-        inter,
-        h.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        s2_.stride(0),
-        s2_.stride(1),
-        y.stride(0),
-        **meta,
-    )
-    out += y.view(t, -1, d).sum(1)  # (T, K, D) -> (T, D)
+    s13_, s2_ = (s13, s2) if has_scale else (w13, w2)  # unused pointers when HAS_SCALE is off
+    gu, dn = launch.gate_up, launch.down
+    common = (num_pairs, d, inter)
+    if launch.gemv:
+        gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter, gu.block_n))](
+            x, w13, s13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1], triton.cdiv(inter, SCALE_BLOCK),
+            x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), h.stride(0),
+            HAS_SCALE=has_scale, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+            num_warps=gu.num_warps, num_stages=gu.num_stages,
+        )  # fmt: skip
+        k_per_split = triton.cdiv(triton.cdiv(inter, split), dn.block_k) * dn.block_k
+        down_gemv_kernel[(num_blocks, triton.cdiv(d, dn.block_n), split)](
+            h, w2, s2_, y, rw, sorted_pairs, block_slot, *common, k_per_split,
+            h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), y.stride(0), y.stride(1),
+            HAS_SCALE=has_scale, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+            num_warps=dn.num_warps, num_stages=dn.num_stages,
+        )  # fmt: skip
+    else:
+        if has_scale and (gu.block_k > SCALE_BLOCK or dn.block_k > SCALE_BLOCK):
+            raise ValueError(f"the tl.dot path needs block_k <= {SCALE_BLOCK} with FP8 weights: {launch}")
+        # NOTE: the interpreter's bf16 tl.dot is wrong (triton 3.9 on numpy); fp32 there is exact enough.
+        dot_dtype = (
+            tl.float32
+            if os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32
+            else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
+        )
+        precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+        meta = dict(HAS_SCALE=has_scale, DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m)
+        gate_up_mma_kernel[(num_blocks, triton.cdiv(inter, gu.block_n))](
+            x, w13, s13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1], triton.cdiv(inter, SCALE_BLOCK),
+            x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), h.stride(0),
+            BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **meta,
+        )  # fmt: skip
+        down_mma_kernel[(num_blocks, triton.cdiv(d, dn.block_n))](
+            h, w2, s2_, y, rw, sorted_pairs, block_slot, *common,
+            h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), y.stride(1),
+            BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages, **meta,
+        )  # fmt: skip
+    target = out if out.stride(1) == 1 else torch.zeros((t, d), dtype=torch.float32, device=x.device)
+    sum_pairs_kernel[(t, triton.cdiv(d, _SUM_BLOCK))](
+        y, flat_slots, target, d, slot_ids.shape[1], y.stride(0), y.stride(1), target.stride(0),
+        SPLIT=split, BLOCK=_SUM_BLOCK, num_warps=4,
+    )  # fmt: skip
+    if target is not out:
+        out += target
     return out

@@ -1,12 +1,15 @@
 """Fused routed-expert MoE kernel vs the torch reference (interpreter at small odd shapes; GPU at
-DeepSeek-V3 width with few experts), plus the device-side grouping by slot."""
+DeepSeek-V3 width with few experts), both paths (decode GEMV and grouped tl.dot) forced through explicit
+launches as well as the default choice, plus the device-side grouping by slot."""
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
 from hearth.kernels.moe import fused_moe, group_by_slot, max_blocks, moe_reference
+from hearth.kernels.moe.fused_moe import MoeLaunch, TileConfig, default_launch, fused_moe_launch
 
 HAS_CUDA = torch.cuda.is_available()
 CAN_RUN = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
@@ -42,13 +45,29 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def _check(t, k, d, i, s, wdtype, device):
-    args = _inputs(t, k, d, i, s, wdtype)
+def _check(t, k, d, i, s, wdtype, device, launch=None, ids=None):
+    args = list(_inputs(t, k, d, i, s, wdtype))
+    if ids is not None:
+        args[1] = ids
     want = moe_reference(*(a.to(device) if a is not None else None for a in args)).cpu()
     on_dev = [a.to(device) if a is not None else None for a in args]
     out = torch.full((t, d), 3.0, device=device)  # accumulates into whatever is there
-    got = fused_moe(*on_dev, out=out).cpu() - 3.0
-    assert _rel_err(got, want) < 2e-2
+    if launch is None:
+        got = fused_moe(*on_dev, out=out)
+    else:
+        got = fused_moe_launch(*on_dev, out, launch=launch)
+    assert got is out
+    assert _rel_err(got.cpu() - 3.0, want) < 2e-2
+
+
+def _gemv(block_m, block_n=16, block_k=64, split_k=1, num_warps=4):
+    gu = TileConfig(block_n=block_n, block_k=block_k, num_warps=num_warps)
+    return MoeLaunch(gemv=True, block_m=block_m, gate_up=gu, down=dataclasses.replace(gu, split_k=split_k))
+
+
+def _mma(block_m=16, block_n=64, block_k=64, num_warps=4):
+    tile = TileConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3)
+    return MoeLaunch(gemv=False, block_m=block_m, gate_up=tile, down=tile)
 
 
 @needs_triton
@@ -64,6 +83,76 @@ def test_fused_moe_small(t, k, d, i, s, wdtype):
 @pytest.mark.parametrize("t", [1, 8, 67])
 def test_fused_moe_real_width(t, wdtype):
     _check(t, 8, 7168, 2048, 16, wdtype, "cuda")
+
+
+# Decode GEMV at odd sizes: partial edge blocks in D and I (and in the FP8 scale blocks), K splits
+# that leave the last split short or empty, one pair per program (m1, no grouping) and grouped blocks.
+@needs_triton
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "t,launch",
+    [
+        (1, _gemv(1)),
+        (1, _gemv(1, block_n=8, block_k=256, split_k=4)),
+        (3, _gemv(1, block_k=32, split_k=3)),
+        (3, _gemv(2, block_n=32, block_k=128, split_k=2)),
+        (3, _gemv(8)),
+    ],
+    ids=lambda v: v.describe() if isinstance(v, MoeLaunch) else None,
+)
+def test_gemv_path(t, launch, wdtype):
+    _check(t, 4, 200, 72, 5, wdtype, DEVICE, launch=launch)
+
+
+@needs_triton
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("launch", [_gemv(1, split_k=2), _gemv(4), _mma()], ids=lambda v: v.describe())
+def test_repeated_and_skipped_slots(launch, wdtype):
+    # a slot twice in one token, a slot shared by all tokens, a whole token skipped
+    ids = torch.tensor([[2, 2, 0, -1], [2, 1, -1, 0], [-1, -1, -1, -1]])
+    _check(3, 4, 130, 96, 3, wdtype, DEVICE, launch=launch, ids=ids)
+
+
+@needs_triton
+def test_unwritten_buffers_stay_out(monkeypatch):
+    """Poison every torch.empty inside fused_moe: rows the kernels must not read would show as NaN."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        buf = empty(*args, **kwargs)
+        return buf.fill_(float("nan")) if buf.is_floating_point() else buf.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for launch in (_gemv(1, split_k=2), _gemv(2), _mma()):
+        _check(3, 4, 64, 40, 6, torch.bfloat16, DEVICE, launch=launch)
+
+
+def test_default_launch_picks_gemv_for_decode():
+    assert default_launch(8, 64, fp8=True).gemv and default_launch(8, 64, fp8=True).block_m == 1
+    assert default_launch(8 * 32, 64, fp8=True).gemv
+    assert not default_launch(8 * 128, 64, fp8=True).gemv
+    with pytest.raises(ValueError, match="block_m"):
+        MoeLaunch(gemv=True, block_m=16, gate_up=TileConfig(16, 64), down=TileConfig(16, 64))
+    with pytest.raises(ValueError, match="block_n"):
+        TileConfig(block_n=96, block_k=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "t,launch",
+    [
+        (1, _gemv(1, block_k=512)),
+        (1, _gemv(1, block_n=32, block_k=256, split_k=2, num_warps=8)),
+        (4, _gemv(2, block_k=256)),
+        (8, _gemv(8, block_k=128)),
+        (40, _mma(block_m=16, block_n=128, block_k=128, num_warps=8)),
+    ],
+    ids=lambda v: v.describe() if isinstance(v, MoeLaunch) else None,
+)
+def test_launches_real_width(t, launch, wdtype):
+    _check(t, 8, 7168, 2048, 16, wdtype, "cuda", launch=launch)
 
 
 @needs_triton

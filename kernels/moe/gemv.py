@@ -1,0 +1,174 @@
+"""Decode-sized MoE kernels: bandwidth-bound GEMV over expert slots, for few (token, k) pairs per slot.
+
+Each program owns BLOCK_N output rows of one slot and streams those weight rows in wide tiles
+(BLOCK_N, BLOCK_K), multiplying them by the block's BLOCK_M (1..8) activation rows with a broadcast
+product and a sum over K: no tl.dot, so no 16-row padding. FP8 block scales are folded into the few
+activation values (a gather of ``k // 128`` on a [BLOCK_M, BLOCK_K] tile) rather than into the weight
+tile, so the weights cost one widening and one FMA per element. BLOCK_N divides 128, so one tile
+lies in one scale row.
+
+The down kernel may split K; each split writes its own fp32 rows of ``y`` [SPLIT, P, D] and
+:func:`sum_pairs_kernel` adds them, with the top-k, into ``out`` in a fixed order (deterministic).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    h_ptr,
+    pairs_ptr,
+    block_slot_ptr,
+    num_pairs,
+    D,
+    I,
+    TOPK,
+    NUM_SCALE_ROWS,
+    stride_xt,
+    stride_ws,
+    stride_wn,
+    stride_ss,
+    stride_sn,
+    stride_hp,
+    HAS_SCALE: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """h[row] = silu(x[tok] Wg^T) * (x[tok] Wu^T) for the BLOCK_M rows of block ``i_m``, BLOCK_N columns."""
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + i_m).to(tl.int64)
+    if slot < 0:
+        return
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if IDENTITY:
+        b_pair = o_m  # one pair per block, in pair order: no grouping pass
+    else:
+        b_pair = tl.load(pairs_ptr + o_m)
+    m_m = b_pair < num_pairs
+    b_tok = (b_pair // TOPK).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I
+    p_g = w_ptr + slot * stride_ws + o_n[:, None].to(tl.int64) * stride_wn  # (BN, 1)
+    p_u = p_g + I * stride_wn
+    p_s = s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < D
+        m_w = m_n[:, None] & m_k[None, :]
+        b_g = tl.load(p_g + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
+        b_u = tl.load(p_u + o_k[None, :], mask=m_w, other=0.0)
+        b_x = tl.load(
+            x_ptr + b_tok[:, None] * stride_xt + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
+        ).to(tl.float32)  # (BM, BK)
+        if HAS_SCALE:
+            b_xg = b_x * tl.load(p_s + o_k // 128, mask=m_k, other=0.0)[None, :]
+            b_xu = b_x * tl.load(p_s + NUM_SCALE_ROWS * stride_sn + o_k // 128, mask=m_k, other=0.0)[None, :]
+        else:
+            b_xg = b_x
+            b_xu = b_x
+        acc_g += tl.sum(b_xg[:, None, :] * b_g.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
+        acc_u += tl.sum(b_xu[:, None, :] * b_u.to(tl.float32)[None, :, :], axis=2)
+    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    p_h = h_ptr + o_m[:, None].to(tl.int64) * stride_hp + o_n[None, :]
+    tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def down_gemv_kernel(
+    h_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    rw_ptr,
+    pairs_ptr,
+    block_slot_ptr,
+    num_pairs,
+    D,
+    I,
+    K_PER_SPLIT,
+    stride_hp,
+    stride_ws,
+    stride_wn,
+    stride_ss,
+    stride_sn,
+    stride_ys,
+    stride_yp,
+    HAS_SCALE: tl.constexpr,
+    IDENTITY: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y[split, pair] = rw[pair] * h[row, k-range] Wd[:, k-range]^T for one block, BLOCK_N columns of D."""
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_s = tl.program_id(2)
+    slot = tl.load(block_slot_ptr + i_m).to(tl.int64)
+    if slot < 0:
+        return
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if IDENTITY:
+        b_pair = o_m
+    else:
+        b_pair = tl.load(pairs_ptr + o_m)
+    m_m = b_pair < num_pairs
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < D
+    p_w = w_ptr + slot * stride_ws + o_n[:, None].to(tl.int64) * stride_wn  # (BN, 1)
+    p_s = s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn
+    p_h = h_ptr + o_m[:, None].to(tl.int64) * stride_hp  # (BM, 1)
+    k_start = i_s * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, I)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < k_end
+        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # (BN, BK)
+        b_h = tl.load(p_h + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # (BM, BK)
+        if HAS_SCALE:
+            b_h = b_h * tl.load(p_s + o_k // 128, mask=m_k, other=0.0)[None, :]
+        acc += tl.sum(b_h[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
+    b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)
+    acc = acc * b_rw[:, None]
+    p_y = y_ptr + i_s * stride_ys + b_pair[:, None].to(tl.int64) * stride_yp + o_n[None, :]
+    tl.store(p_y, acc, mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def sum_pairs_kernel(
+    y_ptr,
+    slot_ptr,
+    out_ptr,
+    D,
+    TOPK,
+    stride_ys,
+    stride_yp,
+    stride_ot,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[t] += sum over k (pairs with a slot) and splits of y[split, t*K + k], in a fixed order."""
+    i_t = tl.program_id(0)
+    i_n = tl.program_id(1)
+    o_n = i_n * BLOCK + tl.arange(0, BLOCK)
+    m_n = o_n < D
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(TOPK):
+        pair = i_t * TOPK + k
+        # NOTE: rows of skipped pairs (slot -1) are never written; the mask keeps them out.
+        m_p = m_n & ((tl.zeros((BLOCK,), dtype=tl.int32) + tl.load(slot_ptr + pair)) >= 0)
+        for i_s in tl.static_range(SPLIT):
+            acc += tl.load(y_ptr + i_s * stride_ys + pair.to(tl.int64) * stride_yp + o_n, mask=m_p, other=0.0)
+    p_o = out_ptr + i_t.to(tl.int64) * stride_ot + o_n
+    tl.store(p_o, tl.load(p_o, mask=m_n, other=0.0) + acc, mask=m_n)
