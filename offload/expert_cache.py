@@ -4,6 +4,7 @@ eviction, and copies from the host store on a dedicated CUDA stream ordered by e
 
 On a CPU device the copies are synchronous and the bookkeeping is the same, so the logic is tested
 without a GPU. ``acquire`` merges duplicate requests: an expert already in flight is not copied twice.
+Every copy records its own event, so a caller can compute with each expert as soon as it lands.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hearth.offload.expert_store import ExpertStore, ExpertWeights
+from hearth.offload.fetch_plan import IN_FLIGHT, MISSING, RESIDENT
 from hearth.offload.stats import LayerCacheStats, summarize
 
 Key = tuple[int, int]  # (layer, expert)
@@ -103,18 +105,29 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LF
 @dataclass
 class ExpertLease:
     """Experts of one layer held for a computation. ``slots[i]`` holds ``experts[i]``; it is valid now
-    when ``ready[i]``, otherwise after :meth:`wait`. Give it back with ``ExpertCache.release``."""
+    when ``ready[i]``, otherwise after ``expert_events[i]`` (:meth:`wait_for`) or :meth:`wait` (all).
+    Give it back with ``ExpertCache.release``."""
 
     layer: int
     experts: list[int]
     slots: list[int]
     ready: list[bool]
-    events: list = field(default_factory=list)  # torch.cuda.Event to wait for (empty on CPU)
+    events: list = field(default_factory=list)  # torch.cuda.Event: all done = every slot filled (empty on CPU)
+    expert_events: list = field(default_factory=list)  # per expert: its copy's event, None when ready
 
     def wait(self) -> None:
         """Make the current stream wait until every fetched slot of this lease is filled."""
         for event in self.events:
             torch.cuda.current_stream().wait_event(event)
+
+    def wait_for(self, indices: Sequence[int]) -> None:
+        """Make the current stream wait until the slots of ``experts[i]``, i in ``indices``, are filled."""
+        seen: set[int] = set()
+        for i in indices:
+            event = self.expert_events[i] if self.expert_events else None
+            if event is not None and id(event) not in seen:
+                seen.add(id(event))
+                torch.cuda.current_stream().wait_event(event)
 
 
 @dataclass
@@ -167,6 +180,24 @@ class ExpertCache:
     def resident(self, layer: int) -> list[int]:
         return sorted(e for (l, e) in self._slot_of if l == layer)
 
+    def lookup(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """State of each expert now: ``RESIDENT`` (ready), ``IN_FLIGHT`` (copy queued) or ``MISSING``."""
+        out = []
+        for expert in experts:
+            slot = self._slot_of.get((layer, expert))
+            if slot is None:
+                out.append(MISSING)
+                continue
+            event = self._ready[slot]
+            if event is not None and event.query():
+                self._ready[slot] = event = None
+            out.append(RESIDENT if event is None else IN_FLIGHT)
+        return out
+
+    def count_cpu_computed(self, layer: int, num_experts: int) -> None:
+        """Record experts of ``layer`` that a caller computed on the host instead of fetching."""
+        self._stats[layer].cpu_computed += num_experts
+
     def refcount(self, layer: int, expert: int) -> int:
         slot = self._slot_of.get((layer, expert))
         return 0 if slot is None else self._refs[slot]
@@ -176,7 +207,8 @@ class ExpertCache:
         experts = list(dict.fromkeys(experts))
         pool, stats = self._pool(layer), self._stats[layer]
         pool.policy.advance()
-        lease = ExpertLease(layer, experts, [-1] * len(experts), [False] * len(experts))
+        lease = ExpertLease(layer, experts, [-1] * len(experts), [False] * len(experts),
+                            expert_events=[None] * len(experts))
         counted = (stats.hits, stats.merged)  # a refused acquire must not count as hits
         missing: list[int] = []
         for i, expert in enumerate(experts):
@@ -205,6 +237,7 @@ class ExpertCache:
             lease.ready[i] = True
         else:
             stats.merged += 1
+            lease.expert_events[i] = event
             if event not in lease.events:
                 lease.events.append(event)
         lease.slots[i] = slot
@@ -229,8 +262,8 @@ class ExpertCache:
         return [pool.free.pop() for _ in range(n)]
 
     def _fetch(self, lease: ExpertLease, todo: list[tuple[int, int]], stats: LayerCacheStats) -> None:
-        """Copy host -> slot for (lease index, slot) pairs; on CUDA on the copy stream, after the
-        slots' last readers (their release events)."""
+        """Copy host -> slot for (lease index, slot) pairs in the given order; on CUDA on the copy
+        stream, after the slots' last readers (their release events), one event per copy."""
         layer, pool = lease.layer, self._pool(lease.layer)
         for i, slot in todo:
             key = (layer, lease.experts[i])
@@ -254,9 +287,10 @@ class ExpertCache:
             start.record(stream)
             for i, slot in todo:
                 self.buffer[slot].copy_(self.store.expert(layer, lease.experts[i]), non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(stream)
+                self._ready[slot] = lease.expert_events[i] = landed
             end.record(stream)
-        for _, slot in todo:
-            self._ready[slot] = end
         lease.events.append(end)
         self._copy_events.append((layer, start, end))
 

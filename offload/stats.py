@@ -16,6 +16,7 @@ class LayerCacheStats:
     evictions: int = 0
     bytes_fetched: int = 0
     copy_ms: float = 0.0
+    cpu_computed: int = 0  # missed experts computed on the host instead of fetched (not in requests)
 
     @property
     def hit_rate(self) -> float:

@@ -130,3 +130,19 @@ def test_refused_acquire_counts_no_hits(store):
     assert after["hits"] == before["hits"] and after["requests"] == before["requests"]
     assert cache.refcount(layer, 0) == 1
     cache.release(held)
+
+
+def test_lookup_states_and_host_computed_count(store):
+    from hearth.offload.fetch_plan import MISSING, RESIDENT
+
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    lease = cache.acquire(0, [2, 5])
+    assert lease.expert_events == [None, None]  # CPU copies are synchronous
+    lease.wait_for([0, 1])  # no-op without events
+    assert cache.lookup(0, [5, 1, 2]) == [RESIDENT, MISSING, RESIDENT]
+    assert cache.lookup(1, [5]) == [MISSING]
+    cache.release(lease)
+    cache.count_cpu_computed(1, 3)
+    st = cache.stats()
+    assert st["layers"][1]["cpu_computed"] == 3 and st["total"]["cpu_computed"] == 3
+    assert st["layers"][1]["requests"] == 0  # host-computed experts are not cache requests

@@ -92,10 +92,81 @@ def test_prefill_streams_through_two_halves_of_the_pool(tmp_path, monkeypatch):
     cache = ExpertCache(store, "cpu", slots_per_layer=5)
     backend = OffloadedExperts(cache)
     events: list[str] = []
-    acquire, compute = cache.acquire, backend._compute
+    acquire, compute = cache.acquire, backend._compute_round
     monkeypatch.setattr(cache, "acquire", lambda l, e: (events.append(f"acquire {len(e)}"), acquire(l, e))[1])
-    monkeypatch.setattr(backend, "_compute", lambda *a: (events.append("compute"), compute(*a))[1])
+    monkeypatch.setattr(backend, "_compute_round", lambda *a: (events.append("compute"), compute(*a))[1])
     x, ids, w = _routing(torch.Generator().manual_seed(5), tokens=64)
     _assert_close(backend(1, x, ids, w), reference_moe(tensors, 1, x, ids, w), rtol=1e-5)
     assert events[:3] == ["acquire 2", "acquire 2", "compute"]  # round 2's copies before round 1's compute
     assert events.count("compute") == 6 and all(cache.refcount(1, e) == 0 for e in range(NUM_EXPERTS))
+
+
+def test_result_does_not_depend_on_residency_or_grouping(tmp_path):
+    """Every pair gets its own row, summed over k at the end: a cold cache, a warm one, one group per
+    fetched expert, no overlap and a streamed call all give the same bits."""
+    store, _ = _store(tmp_path, torch.float8_e4m3fn)
+    x, ids, w = _routing(torch.Generator().manual_seed(6), tokens=3)
+    x = x.bfloat16()
+    outs = []
+    for slots, overlap, group_bytes in ((12, True, 1), (12, False, 1 << 30), (5, True, 1), (3, True, 1 << 30)):
+        backend = OffloadedExperts(ExpertCache(store, "cpu", slots_per_layer=slots), overlap=overlap,
+                                   group_bytes=group_bytes)
+        outs.append(backend(1, x, ids, w))  # cold
+        outs.append(backend(1, x, ids, w))  # warm (or streamed again)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_fetched_experts_compute_group_by_group(tmp_path, monkeypatch):
+    """Resident experts in one call first, then one call per fetched expert, largest first."""
+    from hearth.offload import experts as experts_mod
+
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=8)
+    backend = OffloadedExperts(cache, group_bytes=1)
+    ids = torch.tensor([[0, 1, 2, 3], [0, 1, 4, 5], [0, 6, 7, 3]])  # 0: 3 pairs, 1 and 3: 2, the rest 1
+    w = torch.rand(3, 4, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(8))
+    cache.release(cache.acquire(1, [4, 5]))  # resident before the call
+    calls: list[int] = []
+    into = experts_mod._experts_into
+    monkeypatch.setattr(experts_mod, "_experts_into", lambda out, *a: (calls.append(out.shape[0]), into(out, *a)))
+    _assert_close(backend(1, x, ids, w), reference_moe(tensors, 1, x, ids, w), rtol=1e-5)
+    assert calls == [2, 3, 2, 2, 1, 1, 1]  # resident {4, 5}; then 0 (3 pairs), 1, 3, then 2, 6, 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_missed_experts_on_the_host(tmp_path, dtype):
+    """host_experts='on': every miss is computed from the store on the host, nothing is fetched."""
+    store, tensors = _store(tmp_path, dtype)
+    cache = ExpertCache(store, "cpu", slots_per_layer=12)
+    backend = OffloadedExperts(cache, host_experts="on")
+    cache.release(cache.acquire(2, [0, 1, 2]))
+    cache.reset_stats()
+    x, ids, w = _routing(torch.Generator().manual_seed(9), tokens=4)
+    _assert_close(backend(2, x, ids, w), reference_moe(tensors, 2, x, ids, w), rtol=1e-5)
+    st = cache.stats()["layers"][2]
+    assert st["misses"] == 0 and st["cpu_computed"] == len(set(ids.flatten().tolist()) - {0, 1, 2})
+    assert cache.resident(2) == [0, 1, 2]
+
+
+def test_auto_host_experts_is_off_without_a_link(tmp_path):
+    store, _ = _store(tmp_path, torch.float32)
+    assert OffloadedExperts(ExpertCache(store, "cpu", slots_per_layer=4)).host_experts == "off"
+    with pytest.raises(ValueError, match="host_experts"):
+        OffloadedExperts(ExpertCache(store, "cpu", slots_per_layer=4), host_experts="maybe")
+
+
+@pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_kernel_offloaded_bitwise_equals_resident(tmp_path):
+    """With the fused kernel: per-expert groups, streamed rounds and a resident run agree bit for bit."""
+    store, _ = _store(tmp_path, torch.float8_e4m3fn)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    resident = ResidentExperts(store, device, use_kernel=True)
+    backend = OffloadedExperts(ExpertCache(store, device, slots_per_layer=5), use_kernel=True, host_experts="off",
+                               group_bytes=1)
+    g = torch.Generator().manual_seed(10)
+    for tokens in (1, 3, 6):  # 6 tokens need more than 5 experts: streamed
+        x, ids, w = (t.to(device) for t in _routing(g, tokens))
+        x = x.bfloat16()
+        assert torch.equal(backend(2, x, ids, w), resident(2, x, ids, w))
