@@ -1,27 +1,41 @@
-"""Long context on a small GPU: decode cost per layer of tiered indexer keys + tiered latents
-against everything on the device, at DeepSeek-V3.2 shapes (64 indexer heads x 128, k 2048,
-576-wide bf16 latents), after a correctness check in the same run.
+"""Long context on a small GPU (issue C1, item 5) at DeepSeek-V3.2 shapes: 64 indexer heads x 128,
+FP8 indexer keys (132 B/token), FP8 MLA latents (656 B/token), 128 attention heads, k 2048, 61 layers.
 
-    python bench/bench_longctx.py [--out DIR] [--contexts 32768,131072,524288] [--steps 40]
-    python bench/bench_longctx.py --small        # CPU smoke test (small shapes, torch baseline)
+    python bench/bench_longctx.py [--out DIR] [--contexts 32768,131072,524288] [--time-limit 330]
+    python bench/bench_longctx.py --small        # CPU smoke test: tiny shapes, torch stand-ins
 
-Per context and budget it prints, in the bench.md format: what, shape, median time per layer and
-decode step, GB/s (device bytes read / time), % of the 4,278 GB/s ceiling, the all-on-device
-baseline's time in the same run and the ratio; then device bytes per request (one layer and x61
-layers), recall of the coarse-to-fine top-k against the exact one, page-cache reuse, latent hit
-rate and bytes copied from the host per step.
+Sections, each printed as it finishes (bench.md row format) and written to DIR/bench_longctx.json:
+  0. check: coarse-to-fine with every page a candidate == exact selection; tiered latents == gather.
+  1. one layer of decode (indexer + top-k + sparse MLA) per context: (a) all on the GPU with the Triton
+     kernels (indexer_decode_topk over the full paged FP8 key cache, sparse_mla_decode over the FP8
+     latent cache), eager and in a CUDA graph; (b) tiered keys + tiered latents per budget
+     (candidate_pages:hot_rows): coarse stage in torch, fine stage with the same Triton indexer over
+     the device page cache, sparse_mla_decode reading the latent hot buffer. The tiered step has host
+     syncs (candidate page ids, latent misses) and cannot be graphed: its time is wall time per step.
+     Recall = |tiered selection & full-cache selection| / k against the same kernel over every key.
+     Device bytes per layer and per request (x61), page-cache reuse, latent hit rate, host->GPU bytes.
+  2. a 61-layer decode stack per context: per layer the Triton indexer (F layers) + sparse MLA + a small
+     bf16 MLP (hidden 7168 -> --mlp-inter -> 7168); attention/indexer queries are fixed per layer (the
+     q/kv projections are not modelled). Modes: IndexCache at retention 1 (= the unmodified model,
+     all on the GPU), 1/2, 1/4 (S layers reuse the last F layer's top-k and hold no indexer keys), and
+     MLI at the same retentions (an F layer attends the previous F layer's selection while its own
+     indexer runs on a side stream, joined after its attention). Timed as CUDA-graph replays (eager
+     timing too), tok/s = 1 / step.
+  3. capacity: max concurrent 128K requests in --budget-gb of GPU memory for caches, COMPUTED as
+     floor(budget / device bytes per request) from section 1 and 2's byte counts (not run).
+  4. targets: key memory ratio, tiered slowdown, recall, MLI vs IndexCache at 1/2, capacity ratio.
 
-Keys are clustered synthetic data (runs of 32..511 tokens around 1 of 256 centroids, random-walk
-drift, noise 0.5; FP8 e4m3 with ue8m0 per-token scales); decode queries sit near 4 centroids and
-drift slightly from step to step, so consecutive steps select mostly the same pages.
-Baseline (a): on CUDA the Triton indexer + radix top-k over the full FP8 paged cache
-(`indexer_decode_topk`) and a gather of 2048 latent rows; on the CPU the plain-torch exact scores.
+Keys are SYNTHETIC with clustered structure (no trained DSA indexer fits this machine): runs of
+32..511 tokens around 1 of 256 centroids, random-walk drift, noise 0.5, FP8 e4m3 with ue8m0 per-token
+scales; decode queries sit near 4 centroids and drift slightly from step to step, so consecutive
+steps select mostly the same pages. Latents are random (their values do not change the timing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -31,24 +45,48 @@ from pathlib import Path
 import torch
 
 from hearth.kernels.indexer.reference import act_quant_ue8m0
+from hearth.kernels.sparse_mla.reference import quantize_latent_fp8
 from hearth.offload.coarse_index import PagePool, TopkMerger, exact_scores
 from hearth.offload.tiered_keys import KeyTierConfig, TieredKeys
 from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
 
 BW = 4.278e12  # device copy ceiling, bytes/s (bench.md)
-LAYERS = 61  # DeepSeek-V3.2 layers, each with an indexer
-ROWS: list[dict] = []
+LAT_B, KEY_B = 656, 132  # FP8 latent and indexer-key bytes per token per layer
+ATTN_HEADS, HIDDEN = 128, 7168
+SM_SCALE = 0.13523378  # DeepSeek-V3.2 softmax scale (sparse_mla docs)
+RESULT: dict = {"rows": [], "meta": {}}
+T0 = time.perf_counter()
 
 
-def emit(what: str, shape: str, t_s: float, base_s: float | None, nbytes: float, **extra) -> None:
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def save(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_longctx.json").write_text(json.dumps(RESULT, indent=1, default=str))
+
+
+def over_time(args, what: str) -> bool:
+    if time.perf_counter() - T0 > args.time_limit:
+        log(f"  SKIPPED (time limit {args.time_limit:.0f} s): {what}")
+        RESULT["rows"].append(dict(section="skipped", what=what))
+        return True
+    return False
+
+
+def emit(section: str, what: str, shape: str, t_s: float, base_s: float | None, nbytes: float, **extra) -> dict:
     gbs = nbytes / t_s / 1e9
-    row = dict(what=what, shape=shape, us=t_s * 1e6, gbs=gbs, pct=100 * gbs * 1e9 / BW,
+    row = dict(section=section, what=what, shape=shape, us=t_s * 1e6, gbs=gbs, pct=100 * gbs * 1e9 / BW,
                base_us=base_s * 1e6 if base_s else None, ratio=base_s / t_s if base_s else None, **extra)
-    ROWS.append(row)
+    RESULT["rows"].append(row)
     base = f"base {base_s * 1e6:10.1f} us  x{base_s / t_s:6.2f}" if base_s else "base         n/a"
-    print(f"{what:30s} {shape:34s} {t_s * 1e6:10.1f} us {gbs:8.1f} GB/s {row['pct']:5.1f}%  {base}", flush=True)
+    log(f"{what:34s} {shape:28s} {t_s * 1e6:10.1f} us {gbs:8.1f} GB/s {row['pct']:5.1f}%  {base}")
+    return row
 
 
+# ---- data -------------------------------------------------------------------------------------
 def clustered_keys(n: int, device: torch.device, seed: int) -> torch.Tensor:
     """(n, 128) fp32 keys in drifting runs around 256 centroids (see the module docstring)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -69,7 +107,27 @@ def queries(heads: int, steps: int, device: torch.device, seed: int) -> tuple[to
     q0 = hot[torch.randint(0, 4, (heads,), generator=g)] + 0.7 * torch.randn(heads, 128, generator=g)
     drift = torch.cumsum(0.02 * torch.randn(steps, heads, 128, generator=g), 0)
     w = (torch.rand(heads, generator=g) - 0.2) / heads
-    return ((q0 + drift) / 128**0.5).to(device), w.to(device)
+    q = ((q0 + drift) / 128**0.5).to(torch.bfloat16).float()  # exactly representable in the kernel's bf16
+    return q.to(device), w.to(device)
+
+
+def fp8_latents(n: int, device: torch.device, seed: int) -> torch.Tensor:
+    """(n, 656) uint8 FP8 latent cache entries of random latents, built in chunks."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(n, LAT_B, dtype=torch.uint8, device=device)
+    for i in range(0, n, 1 << 16):
+        m = min(1 << 16, n - i)
+        out[i:i + m] = quantize_latent_fp8(torch.randn(m, 576, generator=g, device=device).to(torch.bfloat16))
+    return out
+
+
+def key_pool(k8: torch.Tensor, ks: torch.Tensor, ps: int) -> PagePool:
+    """The paged FP8 indexer-key cache (kernel layout) holding keys in order."""
+    n = k8.shape[0]
+    pool = PagePool(math.ceil(n / ps), ps, 128, "fp8", k8.device)
+    idx = torch.arange(n, device=k8.device)
+    pool.write(idx // ps, idx % ps, k8, ks)
+    return pool
 
 
 def exact_topk(q: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, ks: torch.Tensor, k: int) -> torch.Tensor:
@@ -81,142 +139,410 @@ def exact_topk(q: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, ks: torch.Ten
     return merger.positions()[0]
 
 
-def timed(fn, device: torch.device, *args):
+# ---- timing -----------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device):
     """(result, seconds) of one synchronised call."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
-    out = fn(*args)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    out = fn()
+    sync(device)
     return out, time.perf_counter() - t0
 
 
-def decode_step(tiers: TieredKeys, lat: TieredLatents, k8: torch.Tensor, ks: torch.Tensor, row: torch.Tensor,
-                q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """One layer of one decode step: write the new key and latent, select, gather the latent rows."""
-    tiers.append(k8, ks)
-    lat.append(row)
-    sel = tiers.select(q, w)
-    lat.gather(sel[0])
-    return sel
+def eager_time(fn, device: torch.device, reps: int) -> float:
+    """Median seconds per call, back to back (launch overhead included)."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        times.append(timed(fn, device)[1])
+    return statistics.median(times)
 
 
-def baseline(ctx: int, q: torch.Tensor, w: torch.Tensor, k8, ks, latents, k: int, ps: int, reps: int) -> float:
-    """All on the device: indexer + top-k over every key, then a gather of the selected latent rows."""
-    dev = q.device
-    if dev.type != "cuda":
-        return statistics.median(timed(lambda: latents[exact_topk(q[0], w, k8, ks, k)], dev)[1] for _ in range(reps))
-    from triton.testing import do_bench
+def graph_time(fn, reps: int) -> float | None:
+    """Median seconds per replay of fn captured in a CUDA graph; None when capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()  # warm up (Triton compiles) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        del graph
+        return statistics.median(times)
+    except Exception as exc:  # noqa: BLE001 - report and fall back to eager timing
+        log(f"  (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:160]}; eager timing only)")
+        torch.cuda.synchronize()
+        return None
 
-    from hearth.kernels.indexer import indexer_decode_topk
 
-    pool = PagePool(ctx // ps, ps, 128, "fp8", dev)
-    idx = torch.arange(ctx, device=dev)
-    pool.write(idx // ps, idx % ps, k8, ks)
-    table = torch.arange(ctx // ps, device=dev, dtype=torch.int32)[None]
-    lens = torch.tensor([ctx], device=dev, dtype=torch.int32)
-    qb, wb = q[0][None, None].to(torch.bfloat16), w[None, None].float()
+# ---- ops: Triton kernels on CUDA, plain-torch stand-ins on the CPU -------------------------------
+class Ops:
+    """Indexer + top-k over a paged FP8 key cache and sparse MLA decode over a paged FP8 latent cache."""
 
-    def step() -> None:
-        sel = indexer_decode_topk(qb, wb, pool.buf, table, lens, ps, k)
-        latents[sel.view(-1).long()]
+    def __init__(self, device: torch.device, ps: int, k: int) -> None:
+        self.device, self.ps, self.k = device, ps, k
+        self.cuda = device.type == "cuda"
 
-    return do_bench(step, rep=100, return_mode="median") * 1e-3
+    def indexer(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+                lens: torch.Tensor) -> torch.Tensor:
+        """q (H, 128) fp32, w (H,), keys uint8 (P, ps*132), table (1, P) int32, lens (1,) -> (1, k) int32."""
+        if self.cuda:
+            from hearth.kernels.indexer import indexer_decode_topk
+
+            qb = q.to(torch.bfloat16)[None, None]
+            return indexer_decode_topk(qb, w.float()[None, None], keys, table, lens, self.ps, self.k).view(1, -1)
+        pool = PagePool(keys.shape[0], self.ps, 128, "fp8", self.device)
+        pool.buf = keys
+        k8, ks = pool.tokens(table[0].long())
+        n = int(lens[0])
+        return exact_topk(q, w, k8[:n], ks[:n], self.k)[None].int()
+
+    def attention(self, q: torch.Tensor, cache: torch.Tensor, idx: torch.Tensor, table: torch.Tensor,
+                  lens: torch.Tensor) -> torch.Tensor:
+        """q (1, 128, 576) bf16, cache uint8 (blocks, ps, 656), idx (1, k) int32 -> (1, 128, 512)."""
+        if self.cuda:
+            from hearth.kernels.sparse_mla import sparse_mla_decode
+
+            return sparse_mla_decode(q, cache, idx, table, lens, SM_SCALE)[0]
+        rows = cache.view(-1, LAT_B)[idx[0].long().clamp(min=0)].float()  # stand-in: read the rows
+        return (rows[:, :512].sum(0) * q[0, :, :512].float()).to(torch.bfloat16)[None]
 
 
+# ---- 0. correctness ------------------------------------------------------------------------------
 def check(device: torch.device, ps: int) -> None:
-    """Correctness first: with every page a candidate the tiered selection equals the exact one, and
-    tiered latents return the rows of an in-memory gather."""
+    """With every page a candidate the tiered selection equals the exact one (torch fine stage), the
+    kernel fine stage picks the same set, and tiered latents return the rows of an in-memory gather."""
     n, heads = 3000, 64
-    x = clustered_keys(n, device, seed=99)
-    k8, ks = act_quant_ue8m0(x)
+    k8, ks = act_quant_ue8m0(clustered_keys(n, device, seed=99))
     q, w = queries(heads, 3, device, seed=99)
-    tiers = TieredKeys(KeyTierConfig(page_size=ps, hot_pages=2, cache_pages=8, candidate_pages=10**6), device)
-    tiers.append(k8[:1000], ks[:1000])
-    tiers.append(k8[1000:], ks[1000:])
-    got = tiers.select(q[0], w)[0]
     want = exact_topk(q[0], w, k8, ks, 2048)
-    assert torch.equal(got, want), "tiered selection differs from the exact selection"
-    rows = torch.randn(n, 576, device=device).to(torch.bfloat16)
-    lat = TieredLatents(LatentTierConfig(hot_rows=2100), device)
+    for fine_kernel in (False, True) if device.type == "cuda" else (False,):
+        tiers = TieredKeys(KeyTierConfig(page_size=ps, hot_pages=2, cache_pages=64, candidate_pages=10**6,
+                                         fine_kernel=fine_kernel), device)
+        tiers.append(k8[:1000], ks[:1000])
+        tiers.append(k8[1000:], ks[1000:])
+        got = tiers.select(q[0], w)[0]
+        same = torch.equal(torch.sort(got).values, torch.sort(want).values) if fine_kernel else torch.equal(got, want)
+        assert same, f"tiered selection (fine_kernel={fine_kernel}) differs from the exact selection"
+    rows = fp8_latents(n, device, seed=5)
+    lat = TieredLatents(LatentTierConfig(width=LAT_B, dtype=torch.uint8, hot_rows=2112), device)
     lat.append(rows)
     for _ in range(3):
         out, _ = lat.gather(want)
         assert torch.equal(out, rows[want]), "tiered latents differ from the in-memory gather"
         want = torch.randperm(n, device=device)[:2048]
-    print(f"  check ok: tiered keys == exact top-k (ctx {n}, page {ps}); tiered latents == gather", flush=True)
+    stages = "torch and Triton fine stage" if device.type == "cuda" else "torch fine stage"
+    log(f"  check ok: tiered keys == exact top-k (ctx {n}, page {ps}, {stages}); tiered latents == gather")
 
 
-def run_context(ctx: int, budgets: list[tuple[int, int]], args, device: torch.device) -> None:
-    ps, k, heads = args.page_size, args.topk, args.heads
-    x = clustered_keys(ctx + args.steps, device, seed=ctx)
-    k8, ks = act_quant_ue8m0(x)  # (n, 128) e4m3, (n,) fp32
-    del x
-    latents = torch.randn(ctx + args.steps, 576, device=device).to(torch.bfloat16)
-    q, w = queries(heads, args.steps, device, seed=ctx)
-    shape = f"ctx{ctx // 1024}K H{heads} k{k} page{ps}"
-    t_base = baseline(ctx, q, w, k8[:ctx], ks[:ctx], latents[:ctx], k, ps, reps=3)
-    full_bytes = ctx * 132 + ctx * 1152  # FP8 keys + bf16 latents, one layer
-    emit("(a) all on device", shape, t_base, None, nbytes=ctx * 132 + k * 1152,
-         device_mb=full_bytes / 2**20, request_gb=full_bytes * LAYERS / 2**30)
-    for cand, hot_rows in budgets:
-        kcfg = KeyTierConfig(page_size=ps, cache_pages=2 * cand, candidate_pages=cand, topk=k)
+# ---- 1. one layer ----------------------------------------------------------------------------------
+def run_layer(ctx: int, budgets: list[tuple[int, int, int]], args, device: torch.device, ops: Ops) -> dict:
+    """Section 1 at one context; returns the numbers sections 3 and 4 use."""
+    ps, k, heads, layers = args.page_size, args.topk, args.heads, args.layers
+    steps = args.steps if ctx <= 131072 else max(6, args.steps // 3)
+    n = ctx + steps
+    k8, ks = act_quant_ue8m0(clustered_keys(n, device, seed=ctx))  # (n, 128) e4m3, (n,) fp32
+    latents = fp8_latents(n, device, seed=ctx)  # (n, 656)
+    q, w = queries(heads, steps, device, seed=ctx)
+    q_attn = (torch.randn(1, ATTN_HEADS, 576, device=device) / 8).to(torch.bfloat16)
+    pool = key_pool(k8, ks, ps)
+    n_blocks = math.ceil(n / ps)
+    lat_cache = torch.zeros(n_blocks * ps, LAT_B, dtype=torch.uint8, device=device)
+    lat_cache[:n] = latents
+    lat_cache = lat_cache.view(n_blocks, ps, LAT_B)
+    table = torch.arange(n_blocks, device=device, dtype=torch.int32)[None]
+    lens = torch.tensor([ctx], device=device, dtype=torch.int32)
+    shape = f"ctx{ctx // 1024}K H{heads} k{k} p{ps}"
+
+    def full_step() -> torch.Tensor:
+        sel = ops.indexer(q[0], w, pool.buf, table, lens)
+        return ops.attention(q_attn, lat_cache, sel, table, lens)
+
+    t_eager = eager_time(full_step, device, reps=20 if ops.cuda else 2)
+    t_graph = graph_time(full_step, reps=50) if ops.cuda else None
+    keys_dev, lat_dev = ctx * KEY_B, ctx * LAT_B
+    read = ctx * KEY_B + k * LAT_B
+    res = dict(ctx=ctx, all_eager=t_eager, all_graph=t_graph, all_key_bytes=keys_dev, all_lat_bytes=lat_dev,
+               tiered=[])
+    emit("layer", "(a) all on GPU, eager", shape, t_eager, None, read, key_mb=keys_dev / 2**20,
+         latent_mb=lat_dev / 2**20, request_gb=(keys_dev + lat_dev) * layers / 2**30)
+    if t_graph:
+        emit("layer", "(a) all on GPU, CUDA graph", shape, t_graph, None, read)
+    log(f"    all on GPU: keys {keys_dev / 2**20:.1f} MB + latents {lat_dev / 2**20:.1f} MB per layer, "
+        f"{(keys_dev + lat_dev) * layers / 2**30:.2f} GB per request ({layers} layers)")
+
+    for cand, hot_rows, cache in budgets:
+        if over_time(args, f"layer tiered c{cand} hot{hot_rows} ctx {ctx}"):
+            break
+        hot_rows = math.ceil(hot_rows / ps) * ps  # the hot buffer doubles as a paged kernel cache
+        kcfg = KeyTierConfig(page_size=ps, cache_pages=cache, candidate_pages=cand, topk=k,
+                             fine_kernel=ops.cuda)
         tiers = TieredKeys(kcfg, device)
         tiers.append(k8[:ctx], ks[:ctx])
-        lat = TieredLatents(LatentTierConfig(hot_rows=hot_rows), device)
+        lat = TieredLatents(LatentTierConfig(width=LAT_B, dtype=torch.uint8, hot_rows=hot_rows), device,
+                            initial_rows=n)
         lat.append(latents[:ctx])
+        hot_table = torch.arange(hot_rows // ps, device=device, dtype=torch.int32)[None]
+        hot_lens = torch.tensor([hot_rows], device=device, dtype=torch.int32)
+
+        def tiered_step(p: int, s: int, tiers=tiers, lat=lat, hot_table=hot_table, hot_lens=hot_lens) -> torch.Tensor:
+            tiers.append(k8[p:p + 1], ks[p:p + 1])
+            lat.append(latents[p:p + 1])
+            sel = tiers.select(q[s], w)
+            slots = lat.slots(sel[0])
+            ops.attention(q_attn, lat.hot.view(-1, ps, LAT_B), slots.int()[None], hot_table, hot_lens)
+            return sel
+
         times, recalls = [], []
-        for s in range(args.steps):
+        for s in range(steps):
             p = ctx + s
-            sel, dt = timed(decode_step, device, tiers, lat, k8[p:p + 1], ks[p:p + 1], latents[p:p + 1], q[s], w)
+            sel, dt = timed(lambda p=p, s=s: tiered_step(p, s), device)
             times.append(dt)
-            if s % max(1, args.steps // 8) == 0 or s == args.steps - 1:
-                ref = exact_topk(q[s], w, k8[:p + 1], ks[:p + 1], k)
-                recalls.append(float(torch.isin(sel[0], ref).float().mean()))
+            if ops.cuda or s % max(1, steps // 3) == 0 or s == steps - 1:
+                ref = ops.indexer(q[s], w, pool.buf, table, torch.tensor([p + 1], device=device, dtype=torch.int32))
+                ref = ref[0].long()
+                recalls.append(float(torch.isin(sel[0], ref[ref >= 0]).float().sum() / (ref >= 0).sum()))
         warm = times[len(times) // 4:]
+        t_tier = statistics.median(warm)
         ksx, lsx = tiers.stats(), lat.stats()
-        dev_bytes = tiers.device_bytes() + lat.config.device_bytes
-        read = kcfg.summary_bytes * tiers.num_cold_pages + (cand + kcfg.hot_pages) * kcfg.page_bytes + k * 1152
-        emit(f"(b) tiered c{cand} hot{hot_rows}", shape, statistics.median(warm), t_base, nbytes=read,
-             device_mb=dev_bytes / 2**20, request_gb=dev_bytes * LAYERS / 2**30, recall=min(recalls),
-             recall_mean=sum(recalls) / len(recalls), page_reuse=ksx["page_reuse_rate"],
-             latent_hit=lsx["hit_rate"], h2d_kb_step=(ksx["bytes_h2d"] + lsx["bytes_h2d"]) / args.steps / 1024,
-             selection_overlap=ksx["selection_overlap"])
-        r = ROWS[-1]
-        print(f"    device {r['device_mb']:.1f} MB/layer ({r['request_gb']:.2f} GB/request, all-on-device "
-              f"{full_bytes / 2**20:.1f} MB/layer); recall min {r['recall']:.4f} mean {r['recall_mean']:.4f}; "
-              f"page reuse {r['page_reuse']:.3f}; latent hit {r['latent_hit']:.3f}; "
-              f"h2d {r['h2d_kb_step']:.0f} KB/step; selection overlap {r['selection_overlap']:.3f}", flush=True)
+        key_b, lat_b = tiers.device_bytes(), lat.config.device_bytes
+        read_t = kcfg.summary_bytes * tiers.num_cold_pages + (cand + kcfg.hot_pages) * kcfg.page_bytes + k * LAT_B
+        row = emit("layer", f"(b) tiered c{cand} cache{cache} hot{hot_rows}", shape, t_tier, t_eager, read_t,
+                   vs_graph=(t_graph / t_tier) if t_graph else None, key_mb=key_b / 2**20, latent_mb=lat_b / 2**20,
+                   request_gb=(key_b + lat_b) * layers / 2**30, key_ratio=keys_dev / key_b,
+                   recall=min(recalls), recall_mean=sum(recalls) / len(recalls), page_reuse=ksx["page_reuse_rate"],
+                   latent_hit=lsx["hit_rate"], h2d_kb_step=(ksx["bytes_h2d"] + lsx["bytes_h2d"]) / steps / 1024,
+                   selection_overlap=ksx["selection_overlap"], steps=steps)
+        res["tiered"].append(dict(cand=cand, cache=cache, hot=hot_rows, t=t_tier, key_bytes=key_b, lat_bytes=lat_b,
+                                  recall=row["recall"], recall_mean=row["recall_mean"]))
+        log(f"    keys {key_b / 2**20:.2f} MB/layer ({keys_dev / key_b:.1f}x less than all on GPU), latents "
+            f"{lat_b / 2**20:.2f} MB/layer, {row['request_gb']:.3f} GB/request; recall min {row['recall']:.4f} "
+            f"mean {row['recall_mean']:.4f}; page reuse {row['page_reuse']:.3f}; latent hit {row['latent_hit']:.3f}; "
+            f"h2d {row['h2d_kb_step']:.0f} KB/step; overlap {row['selection_overlap']:.3f}; "
+            f"slowdown vs eager x{t_tier / t_eager:.2f}" + (f", vs graph x{t_tier / t_graph:.2f}" if t_graph else ""))
+    return res
+
+
+# ---- 2. 61-layer stack ----------------------------------------------------------------------------
+def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:
+    """Section 2 at one context: step time of IndexCache and MLI at retentions 1, 1/2, 1/4."""
+    ps, k, heads, layers = args.page_size, args.topk, args.heads, args.layers
+    hidden, inter = (HIDDEN, args.mlp_inter) if ops.cuda else (256, 64)
+    n_blocks = math.ceil(ctx / ps)
+    k8, ks = act_quant_ue8m0(clustered_keys(ctx, device, seed=ctx + 1))
+    key_tpl = key_pool(k8, ks, ps).buf  # (P, ps*132)
+    del k8, ks
+    lat_tpl = torch.zeros(n_blocks * ps, LAT_B, dtype=torch.uint8, device=device)
+    lat_tpl[:ctx] = fp8_latents(ctx, device, seed=ctx + 2)
+    lat_tpl = lat_tpl.view(n_blocks, ps, LAT_B)
+    keys = [key_tpl.clone() for _ in range(layers)]  # every layer its own caches: no cross-layer L2 reuse
+    lats = [lat_tpl.clone() for _ in range(layers)]
+    del key_tpl, lat_tpl
+    q, w = queries(heads, layers, device, seed=ctx + 1)
+    g = torch.Generator(device=device).manual_seed(3)
+    q_attn = [(torch.randn(1, ATTN_HEADS, 576, device=device, generator=g) / 8).to(torch.bfloat16)
+              for _ in range(layers)]
+    w1 = [(torch.randn(hidden, inter, device=device, generator=g) / hidden**0.5).to(torch.bfloat16)
+          for _ in range(layers)]
+    w2 = [(torch.randn(inter, hidden, device=device, generator=g) / inter**0.5).to(torch.bfloat16)
+          for _ in range(layers)]
+    x0 = torch.randn(1, hidden, device=device).to(torch.bfloat16)
+    table = torch.arange(n_blocks, device=device, dtype=torch.int32)[None]
+    lens = torch.tensor([ctx], device=device, dtype=torch.int32)
+    side = torch.cuda.Stream(device) if ops.cuda else None
+    shape = f"ctx{ctx // 1024}K {layers} layers"
+    res = {"ctx": ctx}
+
+    def layer_body(i: int, x: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        out = ops.attention(q_attn[i], lats[i], sel, table, lens)  # (1, 128, 512)
+        h = x + out.reshape(1, -1)[:, :hidden]
+        return x + torch.relu(h @ w1[i]) @ w2[i]
+
+    def make_step(freq: int, mli: bool):
+        full = [i % freq == 0 for i in range(layers)]
+
+        def step() -> torch.Tensor:
+            x, sel = x0, None
+            for i in range(layers):
+                if not full[i]:
+                    x = layer_body(i, x, sel)
+                elif mli and sel is not None and side is not None:
+                    main = torch.cuda.current_stream(device)
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        nxt = ops.indexer(q[i], w, keys[i], table, lens)
+                    out = ops.attention(q_attn[i], lats[i], sel, table, lens)
+                    # Joined after the attention, as mla.py does. NOTE: nxt needs no record_stream: the side
+                    # stream allocates again only after waiting for main, which has then read nxt.
+                    main.wait_stream(side)
+                    h = x + out.reshape(1, -1)[:, :hidden]
+                    x = x + torch.relu(h @ w1[i]) @ w2[i]
+                    sel = nxt
+                else:
+                    own = ops.indexer(q[i], w, keys[i], table, lens)
+                    x = layer_body(i, x, sel if (mli and sel is not None) else own)
+                    sel = own
+            return x
+
+        return step
+
+    modes = [("IndexCache r=1 (all on GPU)", 1, False), ("IndexCache r=1/2", 2, False),
+             ("IndexCache r=1/4", 4, False), ("MLI r=1", 1, True), ("MLI r=1/2", 2, True), ("MLI r=1/4", 4, True)]
+    base = None
+    reps = 20 if ctx <= 131072 else 8
+    for name, freq, mli in modes:
+        if over_time(args, f"stack {name} ctx {ctx}"):
+            break
+        step = make_step(freq, mli)
+        t_eager = eager_time(step, device, reps=5 if ops.cuda else 1)
+        t_graph = graph_time(step, reps) if ops.cuda else None
+        t = t_graph or t_eager
+        base = base or t
+        n_full = sum(i % freq == 0 for i in range(layers))
+        req_bytes = layers * ctx * LAT_B + n_full * ctx * KEY_B
+        read = layers * k * LAT_B + n_full * ctx * KEY_B + layers * 2 * hidden * inter * 2
+        emit("stack", name, shape, t, base, read, tok_s=1 / t, eager_us=t_eager * 1e6,
+             graph_us=t_graph * 1e6 if t_graph else None, request_gb=req_bytes / 2**30, indexer_layers=n_full)
+        log(f"    {1 / t:8.1f} tok/s ({'graph' if t_graph else 'eager'}; eager {t_eager * 1e3:.2f} ms); "
+            f"{n_full} indexer layers; GPU memory per request {req_bytes / 2**30:.2f} GB")
+        res[name] = dict(t=t, request_bytes=req_bytes)
+    return res
+
+
+# ---- 3./4. capacity and targets ---------------------------------------------------------------------
+def capacity(layer128: dict | None, stack128: dict | None, args) -> None:
+    budget = args.budget_gb * 2**30
+    log(f"\n## 3. Max concurrent 128K requests in {args.budget_gb:.0f} GiB of GPU cache memory "
+        "(COMPUTED: floor(budget / device bytes per request), not run)")
+    rows = []
+    if layer128:
+        rows.append(("all on GPU", args.layers * (layer128["all_key_bytes"] + layer128["all_lat_bytes"])))
+        for t in layer128["tiered"]:
+            rows.append((f"tiered keys+latents c{t['cand']} hot{t['hot']}", args.layers * (t["key_bytes"] +
+                                                                                         t["lat_bytes"])))
+            rows.append((f"tiered keys only c{t['cand']}", args.layers * (t["key_bytes"] + layer128["all_lat_bytes"])))
+    if stack128:
+        for name in ("IndexCache r=1/2", "IndexCache r=1/4"):
+            if name in stack128:
+                rows.append((name, stack128[name]["request_bytes"]))
+    base = None
+    for name, b in rows:
+        n = int(budget // b)
+        base = base or n
+        RESULT["rows"].append(dict(section="capacity", what=name, request_gb=b / 2**30, max_requests=n,
+                                   ratio=n / base if base else None, budget_gib=args.budget_gb))
+        log(f"{name:40s} {b / 2**30:8.3f} GB/request  -> {n:6d} requests  x{n / base if base else 0:.2f}")
+
+
+def targets(layers_by_ctx: dict, stacks_by_ctx: dict) -> None:
+    log("\n## 4. Targets (issue C1)")
+    out = {}
+    l128, s128 = layers_by_ctx.get(131072), stacks_by_ctx.get(131072)
+    if l128:
+        for t in l128["tiered"]:
+            ratio = l128["all_key_bytes"] / t["key_bytes"]
+            slow = t["t"] / (l128["all_graph"] or l128["all_eager"])
+            slow_e = t["t"] / l128["all_eager"]
+            ok = ratio >= 4 and slow <= 1.15 and t["recall"] >= 0.99
+            log(f"  tiered c{t['cand']} @128K: key memory {ratio:.1f}x smaller (>= 4), per-layer time x{slow:.2f} of "
+                f"all-on-GPU {'graph' if l128['all_graph'] else 'eager'} (x{slow_e:.2f} of eager; <= 1.15), recall "
+                f"min {t['recall']:.4f} mean {t['recall_mean']:.4f} (>= 0.99): {'MET' if ok else 'NOT MET'}")
+            out[f"tiered_c{t['cand']}"] = dict(key_ratio=ratio, slowdown=slow, slowdown_eager=slow_e,
+                                               recall=t["recall"], met=ok)
+    if s128 and "MLI r=1/2" in s128 and "IndexCache r=1/2" in s128:
+        gain = s128["IndexCache r=1/2"]["t"] / s128["MLI r=1/2"]["t"] - 1
+        log(f"  MLI r=1/2 vs IndexCache r=1/2 @128K: {100 * gain:+.1f}% decode tok/s (>= +10%): "
+            f"{'MET' if gain >= 0.10 else 'NOT MET'}")
+        out["mli_half_gain"] = gain
+    caps = [r for r in RESULT["rows"] if r.get("section") == "capacity"]
+    if caps:
+        best = max(caps, key=lambda r: r["max_requests"])
+        log(f"  capacity: best {best['what']} x{best['ratio']:.2f} the all-on-GPU 128K requests (>= 2x; computed)")
+        out["capacity_best"] = dict(what=best["what"], ratio=best["ratio"])
+    RESULT["targets"] = out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for bench_longctx.json")
     ap.add_argument("--small", action="store_true", help="CPU-sized smoke test")
     ap.add_argument("--contexts", default="32768,131072,524288")
-    ap.add_argument("--budgets", default="128:4096,256:6144,512:8192", help="candidate_pages:hot_rows,...")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--stack-contexts", default=None, help="contexts of section 2 (default: --contexts)")
+    ap.add_argument("--budgets", default="128:4096:192,256:6144:256",
+                    help="candidate_pages:latent_hot_rows[:key_cache_pages (default 2 x candidates)],...")
+    ap.add_argument("--steps", type=int, default=24, help="tiered decode steps per budget (a third at 512K)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--mlp-inter", type=int, default=1024)
+    ap.add_argument("--budget-gb", type=float, default=64.0, help="GPU memory for caches in section 3")
+    ap.add_argument("--time-limit", type=float, default=330.0, help="seconds; later configurations are skipped")
+    ap.add_argument("--skip-stack", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     if args.small:
-        args.contexts, args.budgets, args.steps, args.topk = "8192,16384", "64:1024,128:2048", 6, 512
-    budgets = [tuple(int(v) for v in b.split(":")) for b in args.budgets.split(",")]
+        args.contexts, args.budgets, args.steps, args.topk, args.layers = "8192,16384", "64:1024,128:2048", 6, 512, 4
+        args.stack_contexts = "8192"
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {name} torch {torch.__version__}", flush=True)
+    import triton
+
+    RESULT["meta"] = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=name, torch=torch.__version__,
+                          triton=triton.__version__, argv=sys.argv, keys="synthetic clustered (see docstring)",
+                          args=vars(args))
+    log(f"# {RESULT['meta']['date']} {name} torch {torch.__version__} triton {triton.__version__}")
+    ops = Ops(device, args.page_size, args.topk)
+    log("\n## 0. Check")
     check(device, args.page_size)
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        run_context(ctx, budgets, args, device)
+    budgets = [(*v[:2], v[2] if len(v) > 2 else 2 * v[0])
+               for v in ([int(x) for x in b.split(":")] for b in args.budgets.split(","))]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    stack_contexts = [] if args.skip_stack else [int(c) for c in (args.stack_contexts or args.contexts).split(",")]
+    # Priority order under the time limit: 32K/128K layers, the 128K stack (the MLI target), then the rest.
+    tasks = [("layer", c) for c in contexts if c <= 131072] + [("stack", c) for c in stack_contexts if c == 131072]
+    tasks += [("stack", c) for c in stack_contexts if c < 131072] + [("layer", c) for c in contexts if c > 131072]
+    tasks += [("stack", c) for c in stack_contexts if c > 131072]
+    layers_by_ctx, stacks_by_ctx = {}, {}
+    for kind, ctx in tasks:
+        if over_time(args, f"{kind} ctx {ctx}"):
+            continue
+        if kind == "layer":
+            log(f"\n## 1. One layer at {ctx // 1024}K: indexer + top-k + sparse MLA decode (tiered wall time per "
+                "step; base = all on GPU, eager)")
+            layers_by_ctx[ctx] = run_layer(ctx, budgets, args, device, ops)
+        else:
+            log(f"\n## 2. {args.layers}-layer decode stack at {ctx // 1024}K: IndexCache vs MLI (tok/s; base = "
+                "retention 1, the unmodified model)")
+            stacks_by_ctx[ctx] = run_stack(ctx, args, device, ops)
+        save(args)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "longctx_bench.jsonl", "w") as f:
-        for r in ROWS:
-            f.write(json.dumps(r) + "\n")
+    cap_ctx = 131072 if 131072 in layers_by_ctx else (max(layers_by_ctx) if layers_by_ctx else None)
+    capacity(layers_by_ctx.get(cap_ctx), stacks_by_ctx.get(cap_ctx), args)
+    targets(layers_by_ctx, stacks_by_ctx)
+    RESULT["meta"]["seconds"] = time.perf_counter() - T0
+    save(args)
+    log(f"\n# done in {time.perf_counter() - T0:.0f} s; JSON: {Path(args.out) / 'bench_longctx.json'}")
 
 
 if __name__ == "__main__":

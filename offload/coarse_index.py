@@ -44,6 +44,15 @@ def new_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without a stream sync: a pageable copy would wait for the stream,
+    so on CUDA it goes through a pinned block of the caching host allocator (reused only once the
+    copy has finished)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 class PagePool:
     """``num_pages`` pages of keys in their original format in one tensor ``buf`` (one row a page)."""
 
@@ -99,6 +108,15 @@ class PagePool:
             self._scales()[pages, offsets] = scales.float()
         else:
             self._raw()[pages, offsets] = keys.to(self.buf.dtype)
+
+    def write_run(self, page: int, offset: int, keys: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Store n consecutive tokens from offset within one page (slices: no index tensors)."""
+        n = keys.shape[0]
+        if self.fmt == "fp8":
+            self._raw()[page, offset:offset + n] = keys.view(torch.uint8)
+            self._scales()[page, offset:offset + n] = scales.float()
+        else:
+            self._raw()[page, offset:offset + n] = keys.to(self.buf.dtype)
 
     def tokens(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Keys of whole pages (n,) int64: ((n * page_size, D) stored dtype, (n * page_size,) or None)."""

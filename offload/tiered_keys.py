@@ -14,6 +14,10 @@ a device page cache (LRU, persists across steps), score them exactly with the ho
 the top-k (``Indexer._select`` order). With bounds, a page whose bound is at least the k-th exact
 score could still hold a selected token: ``exact=True`` fetches and scores those too (one extra
 round suffices, the threshold only rises), otherwise the step is counted as uncertified.
+Candidates and hot pages are scored in one pass (one gather, one top-k), in plain torch or, with
+``fine_kernel``, by the Triton paged indexer reading the device pool as its cache. A step syncs with
+the host once (the candidate page ids, needed to fetch misses from host RAM); misses are gathered on
+the host into pinned staging and copied on a side stream; index tensors go up through pinned memory.
 
 Prefill (``KeyStreamer``): walks layers' key histories through two reusable device buffers; the
 host part of chunk i+1 is copied on a side stream while chunk i is scored.
@@ -37,6 +41,7 @@ from hearth.offload.coarse_index import (
     page_estimates,
     page_upper_bounds,
     summarize_pages,
+    to_device,
 )
 
 
@@ -55,6 +60,9 @@ class KeyTierConfig:
     bounds: bool = False  # also keep a per-page box (512 B): certifies steps, needed for ranking/exact
     ranking: str = "mean"  # candidate order: "mean" (best group mean) | "bound" (box upper bound)
     exact: bool = False  # also fetch every page the bound cannot rule out (always exact)
+    # Fine stage through the Triton paged indexer + radix top-k (hearth.kernels.indexer) instead of
+    # plain torch: CUDA and "fp8" only; positions come back unsorted and exact ties break arbitrarily.
+    fine_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.key_format not in KEY_FORMATS:
@@ -65,6 +73,8 @@ class KeyTierConfig:
             raise ValueError(f"summary_group must divide page_size, got {self.summary_group}")
         if (self.ranking == "bound" or self.exact) and not self.bounds:
             raise ValueError("ranking='bound' and exact=True need bounds=True")
+        if self.fine_kernel and (self.key_format != "fp8" or self.exact or self.head_dim != 128):
+            raise ValueError("fine_kernel needs key_format='fp8', head_dim 128 and exact=False")
         for name in ("page_size", "head_dim", "hot_pages", "cache_pages", "candidate_pages", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -114,7 +124,8 @@ class TieredKeys:
         self._last_used = torch.full((c.cache_pages,), -1, dtype=torch.long)
         self._staging = PagePool(c.cache_pages, c.page_size, c.head_dim, c.key_format, torch.device("cpu"), self._cuda)
         self._copy_stream = new_stream(self.device)
-        self._fetched = torch.cuda.Event() if self._cuda else None
+        self._fetched = torch.cuda.Event() if self._cuda else None  # staging -> device copy done
+        self._written = torch.cuda.Event() if self._cuda else None  # write-through copies done
         self._step = 0
         self._counts = {"steps": 0, "lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes_h2d": 0,
                         "bytes_d2h": 0, "refined_pages": 0}
@@ -159,6 +170,10 @@ class TieredKeys:
         old, new = self.num_tokens, self.num_tokens + keys.shape[0]
         p0, p1 = old // ps, math.ceil(new / ps)
         self._grow(p1)
+        if new % ps and p1 - p0 == 1:  # decode: the tokens stay in the partial page, only the ring changes
+            self.dev.write_run(p0 % hot, old - p0 * ps, keys, scales)
+            self.num_tokens = new
+            return
         span = PagePool(p1 - p0, ps, self.config.head_dim, self.config.key_format, self.device)  # touched pages
         if old % ps:
             span.buf[0] = self.dev.buf[p0 % hot]  # earlier tokens of the partial page
@@ -167,6 +182,8 @@ class TieredKeys:
         full = new // ps - p0  # touched pages that are now full
         if full > 0:
             self.host.buf[p0:p0 + full].copy_(span.buf[:full], non_blocking=True)
+            if self._written is not None:
+                self._written.record()
             dq = span.dequantized(torch.arange(full, device=self.device))  # (full, ps, D)
             self.summary[p0:p0 + full] = summarize_pages(dq, self.config.summary_group, self.config.bounds)
             self._counts["bytes_d2h"] += full * self.config.page_bytes
@@ -197,14 +214,34 @@ class TieredKeys:
         """Top-k of one decode query at position num_tokens - 1 (its key already appended).
 
         q (H, D) float, w (H,) fp32 (scales folded in) -> (1, min(topk, num_tokens)) int64 positions,
-        best first, ties toward earlier positions."""
+        best first, ties toward earlier positions (unsorted with ``fine_kernel``).
+
+        Host syncs: one (the candidate page ids) when the candidates are a subset of the cold pages,
+        none when every cold page is a candidate; ``exact`` adds one for the pages left open."""
         c = self.config
-        merger = TopkMerger(1, min(c.topk, self.num_tokens), self.device)
-        self._score_hot(q, w, merger)
         n_cold = self.num_cold_pages
-        if n_cold > 0:
-            self._score_cold(q, w, merger, n_cold)
-        sel = merger.positions()
+        hot_pages = torch.arange(n_cold, self.num_pages)  # host
+        cand, chosen, bound = self._candidates(q, w, n_cold)
+        if c.fine_kernel and cand.numel() <= c.cache_pages:  # every candidate resident at once
+            sel = self._fine_kernel(q, w, cand, hot_pages)
+        else:
+            merger = TopkMerger(1, min(c.topk, self.num_tokens), self.device)
+            if cand.numel() <= c.cache_pages:  # one pass over candidates and hot pages together
+                self._score_pages(q, w, merger, cand, hot_pages)
+            else:
+                self._score_pages(q, w, merger, torch.zeros(0, dtype=torch.long), hot_pages)
+                for i in range(0, cand.numel(), c.cache_pages):
+                    self._score_pages(q, w, merger, cand[i:i + c.cache_pages], None)
+            if chosen is not None and bound is not None:
+                open_pages = ~chosen & (bound >= merger.threshold()[0])  # could still hold a selected token
+                if c.exact:
+                    extra = open_pages.nonzero().flatten().cpu()
+                    self._counts["refined_pages"] += extra.numel()
+                    for i in range(0, extra.numel(), c.cache_pages):
+                        self._score_pages(q, w, merger, extra[i:i + c.cache_pages], None)
+                else:
+                    self._uncertified += open_pages.any()
+            sel = merger.positions()
         if self._prev is not None and self._prev.shape == sel.shape:
             self._overlap += torch.isin(sel, self._prev).sum()
         self._prev = sel
@@ -212,44 +249,65 @@ class TieredKeys:
         self._step += 1
         return sel
 
-    def _score_hot(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger) -> None:
-        ps = self.config.page_size
-        pages = torch.arange(self.num_cold_pages, self.num_pages, device=self.device)
-        slots = pages % self.config.hot_pages
-        pos = (pages[:, None] * ps + torch.arange(ps, device=self.device)).flatten()  # (n_hot * ps,)
-        keys, scales = self.dev.tokens(slots)
-        merger.update(exact_scores(q[None], w[None], keys, scales), pos, (pos < self.num_tokens)[None])
-
-    def _score_cold(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger, n_cold: int) -> None:
+    def _candidates(self, q: torch.Tensor, w: torch.Tensor,
+                    n_cold: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(candidate cold pages (host int64, ascending), chosen mask (P,) bool on the device or None
+        when every cold page is a candidate, page bounds (P,) or None)."""
         c = self.config
+        if n_cold == 0:
+            return torch.zeros(0, dtype=torch.long), None, None
         summary = self.summary[:n_cold]  # (P, R, D)
         bound = page_upper_bounds(q, w, summary) if c.bounds else None  # (P,)
-        take_all = c.candidate_pages >= n_cold or self.num_tokens <= c.topk
-        chosen = torch.ones(n_cold, dtype=torch.bool, device=self.device)
-        if not take_all:
-            rank = bound if c.ranking == "bound" else page_estimates(q, w, summary[:, 2 * c.bounds:])
-            chosen.fill_(False)
-            chosen[torch.topk(rank, c.candidate_pages).indices] = True
-        self._score_pages(q, w, merger, chosen.nonzero().flatten().cpu())
-        if take_all or bound is None:
-            return
-        open_pages = ~chosen & (bound >= merger.threshold()[0])  # could still hold a selected token
-        if c.exact:
-            extra = open_pages.nonzero().flatten().cpu()
-            self._counts["refined_pages"] += extra.numel()
-            self._score_pages(q, w, merger, extra)
-        else:
-            self._uncertified += open_pages.any()
+        if c.candidate_pages >= n_cold or self.num_tokens <= c.topk:
+            return torch.arange(n_cold), None, None
+        rank = bound if c.ranking == "bound" else page_estimates(q, w, summary[:, 2 * c.bounds:])
+        top = torch.topk(rank, c.candidate_pages).indices  # (C,) device
+        chosen = None
+        if bound is not None:
+            chosen = torch.zeros(n_cold, dtype=torch.bool, device=self.device)
+            chosen[top] = True
+        return torch.sort(top.cpu()).values, chosen, bound  # the one sync of a decode step
 
-    def _score_pages(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger, pages: torch.Tensor) -> None:
-        """Score cold pages (host int64, ascending) exactly, through the page cache in chunks."""
-        ps, cap = self.config.page_size, self.config.cache_pages
-        for i in range(0, pages.numel(), cap):
-            chunk = pages[i:i + cap]
-            slots = self._ensure_resident(chunk).to(self.device, non_blocking=True)
-            keys, scales = self.dev.tokens(slots)
-            pos = (chunk.to(self.device)[:, None] * ps + torch.arange(ps, device=self.device)).flatten()
-            merger.update(exact_scores(q[None], w[None], keys, scales), pos)
+    def _table(self, cold: torch.Tensor, hot_pages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device (slots, pages) int64 of cold pages (made resident) followed by the hot pages: one copy."""
+        slots = self._ensure_resident(cold) if cold.numel() else cold
+        pages = cold
+        if hot_pages is not None and hot_pages.numel():
+            slots = torch.cat((slots, hot_pages % self.config.hot_pages))
+            pages = torch.cat((pages, hot_pages))
+        both = to_device(torch.stack((slots, pages)), self.device)  # (2, n)
+        return both[0], both[1]
+
+    def _score_pages(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger, cold: torch.Tensor,
+                     hot_pages: torch.Tensor | None) -> None:
+        """Score cold pages (host int64, at most cache_pages, through the page cache) and hot pages
+        exactly in one pass."""
+        ps = self.config.page_size
+        slots, pages = self._table(cold, hot_pages)
+        if slots.numel() == 0:
+            return
+        keys, scales = self.dev.tokens(slots)
+        pos = (pages[:, None] * ps + torch.arange(ps, device=self.device)).flatten()  # (n * ps,)
+        valid = (pos < self.num_tokens)[None] if hot_pages is not None and hot_pages.numel() else None
+        merger.update(exact_scores(q[None], w[None], keys, scales), pos, valid)
+
+    def _fine_kernel(self, q: torch.Tensor, w: torch.Tensor, cold: torch.Tensor,
+                     hot_pages: torch.Tensor) -> torch.Tensor:
+        """Fine stage with the Triton paged indexer: the device pool is a kernel cache, the table
+        lists candidate slots then hot slots (the partial page last), so logical position j of the
+        table is token j % page_size of page table[j // page_size]."""
+        from hearth.kernels.indexer import indexer_decode_topk
+
+        c, ps = self.config, self.config.page_size
+        k = min(c.topk, self.num_tokens)
+        slots, pages = self._table(cold, hot_pages)
+        n_table = cold.numel() * ps + self.num_tokens - self.num_cold_pages * ps
+        lens = torch.full((1,), n_table, dtype=torch.int32, device=self.device)
+        qb = q.to(torch.bfloat16).reshape(1, 1, *q.shape).contiguous()  # (1, 1, H, D)
+        wb = w.float().reshape(1, 1, -1).contiguous()  # (1, 1, H)
+        logical = indexer_decode_topk(qb, wb, self.dev.buf, slots.int()[None], lens, ps, k).view(1, k).long()
+        real = pages[(logical // ps).clamp(min=0)] * ps + logical % ps
+        return torch.where(logical >= 0, real, torch.full_like(real, -1))
 
     def _ensure_resident(self, pages: torch.Tensor) -> torch.Tensor:
         """Device slots holding pages (host int64, at most cache_pages of them), fetching misses (LRU)."""
@@ -275,10 +333,12 @@ class TieredKeys:
         return slot + hot
 
     def _fetch(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy host pages into device slots: one host gather into pinned staging + one copy."""
+        """Copy host pages into device slots: one host gather into pinned staging + one copy on the
+        side stream, which the compute stream then waits for (no host sync unless the staging
+        buffer's previous copy or a write-through copy of these pages is still in flight)."""
         n = pages.numel()
-        self._sync()
-        if self._fetched is not None:
+        if self._cuda:
+            self._written.synchronize()  # the host pool holds the pages
             self._fetched.synchronize()  # the staging buffer's previous copy has finished
         staged = self._staging.buf[:n]
         torch.index_select(self.host.buf, 0, pages, out=staged)
@@ -286,9 +346,11 @@ class TieredKeys:
         if self._copy_stream is None:
             self.dev.buf[slots] = staged.to(self.device)
             return
+        dst = to_device(slots, self.device)
+        dst.record_stream(self._copy_stream)
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # slots no longer read
         with torch.cuda.stream(self._copy_stream):
-            self.dev.buf[slots.to(self.device, non_blocking=True)] = staged.to(self.device, non_blocking=True)
+            self.dev.buf[dst] = staged.to(self.device, non_blocking=True)
             self._fetched.record()
         torch.cuda.current_stream(self.device).wait_event(self._fetched)
 

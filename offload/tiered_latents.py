@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.offload.coarse_index import new_stream
+from hearth.offload.coarse_index import new_stream, to_device
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class TieredLatents:
         self._pos_of_slot = torch.full((c.hot_rows,), -1, dtype=torch.long)
         self._last_used = torch.full((c.hot_rows,), -1, dtype=torch.long)
         self._copy_stream = new_stream(self.device)
-        self._copied = torch.cuda.Event() if self._cuda else None
+        self._copied = torch.cuda.Event() if self._cuda else None  # staging -> hot buffer copy done
+        self._written = torch.cuda.Event() if self._cuda else None  # backups to the host pool done
         self.num_tokens = 0
         self._step = 0
         self._counts = {"steps": 0, "lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes_h2d": 0,
@@ -85,12 +86,14 @@ class TieredLatents:
         first = self.num_tokens
         self._grow(first + n)
         self.host[first:first + n].copy_(rows, non_blocking=True)  # ordered on the current stream
+        if self._written is not None:
+            self._written.record()
         self._counts["bytes_d2h"] += n * self.config.row_bytes
         self.num_tokens = first + n
         keep = min(n, self.config.hot_rows)
         positions = torch.arange(first + n - keep, first + n)
         slots = self._claim(positions, protected=torch.zeros(0, dtype=torch.long))
-        self.hot[slots.to(self.device)] = rows[n - keep:].to(self.config.dtype)
+        self.hot[to_device(slots, self.device)] = rows[n - keep:].to(self.config.dtype)
 
     def _claim(self, positions: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         """Slots for new positions (host int64), evicting least recently used unprotected rows."""
@@ -112,6 +115,15 @@ class TieredLatents:
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of one step's selection: positions (k,) int64 (-1 = none) -> (rows (k, W) on the
         device, zero where -1; positions (k,) on the device). Misses are fetched (one host sync)."""
+        slots = self.slots(positions)
+        rows = torch.where((slots >= 0)[:, None], self.hot[slots.clamp(min=0)],
+                           torch.zeros((), dtype=self.config.dtype, device=self.device))
+        return rows, positions.to(self.device)
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Hot-buffer slots of one step's selection, fetching misses: positions (k,) int64 (-1 =
+        none) -> (k,) int64 slots on the device (-1 where -1), valid until the next call. A kernel can
+        read ``hot`` through them directly (no copy of the selected rows). One host sync (positions)."""
         pos = positions.long().cpu()
         valid = pos >= 0
         if bool((pos[valid] >= self.num_tokens).any()):
@@ -126,27 +138,29 @@ class TieredLatents:
         self._last_used[slot[hit]] = self._step
         if misses.numel():
             self._fetch(misses, self._claim(misses, protected=slot[hit]))
-        slots = torch.where(valid, self._slot_of_pos[pos.clamp(min=0)], 0).to(self.device, non_blocking=True)
-        valid_dev = valid.to(self.device, non_blocking=True)
-        rows = torch.where(valid_dev[:, None], self.hot[slots], torch.zeros((), dtype=self.config.dtype,
-                                                                          device=self.device))
+        slots = torch.where(valid, self._slot_of_pos[pos.clamp(min=0)], -1)
         self._counts["steps"] += 1
         self._step += 1
-        return rows, positions.to(self.device)
+        return to_device(slots, self.device)
 
     def _fetch(self, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """One host gather into pinned staging + one copy into the hot buffer."""
+        """One host gather into pinned staging + one copy into the hot buffer on the side stream,
+        which the compute stream then waits for."""
         n = positions.numel()
-        self._sync()
+        if self._cuda:
+            self._written.synchronize()  # the host pool holds every backed-up row
+            self._copied.synchronize()  # the staging buffer's previous copy has finished
         staged = self._staging[:n]
         torch.index_select(self.host, 0, positions, out=staged)
         self._counts["bytes_h2d"] += n * self.config.row_bytes
         if self._copy_stream is None:
             self.hot[slots] = staged.to(self.device)
             return
+        dst = to_device(slots, self.device)
+        dst.record_stream(self._copy_stream)
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # evicted slots no longer read
         with torch.cuda.stream(self._copy_stream):
-            self.hot[slots.to(self.device, non_blocking=True)] = staged.to(self.device, non_blocking=True)
+            self.hot[dst] = staged.to(self.device, non_blocking=True)
             self._copied.record()
         torch.cuda.current_stream(self.device).wait_event(self._copied)
 

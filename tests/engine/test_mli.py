@@ -22,6 +22,8 @@ def _capture(monkeypatch):
 
     def spy(self, x, q_resid, cos, sin, ctx):
         result = original(self, x, q_resid, cos, sin, ctx)
+        if x.is_cuda:  # MLI computes ctx.selections on a side stream, joined only after the attention
+            torch.cuda.synchronize(x.device)
         used[self.layer] = [t.clone() for t in result]
         if self.indexer is not None:
             computed[self.layer] = [ctx.selections[i].clone() for i in range(len(ctx.seqs))]

@@ -4,6 +4,8 @@ exact mode and write-back under tiny device budgets, page-cache reuse counting, 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,8 @@ from hearth.offload.tiered_keys import KeyStreamer, KeyTierConfig, TieredKeys
 from tests.offload.test_coarse_index import engine_select, int_data
 
 CPU = torch.device("cpu")
+# HEARTH_TEST_DEVICE=cuda also runs the device-dependent tests (pinned copies, side stream) on the GPU
+DEVICE = torch.device(os.environ.get("HEARTH_TEST_DEVICE", "cpu"))
 
 
 def stored(keys: torch.Tensor, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -90,18 +94,20 @@ def test_exact_mode_with_tiny_budgets_never_loses_a_token(fmt: str) -> None:
     k_stored, scales, k_deq = stored(keys, fmt, 3)
     cfg = KeyTierConfig(page_size=16, key_format=fmt, hot_pages=1, cache_pages=2, candidate_pages=1, topk=40,
                         bounds=True, exact=True)
-    tiers = TieredKeys(cfg, CPU, initial_pages=1)
+    tiers = TieredKeys(cfg, DEVICE, initial_pages=1)
     g = torch.Generator().manual_seed(4)
     step = 0
     while tiers.num_tokens < 900:
         n = min(900 - tiers.num_tokens, int(torch.randint(1, 40, (1,), generator=g)))
         first = tiers.num_tokens
-        tiers.append(k_stored[first:first + n], None if scales is None else scales[first:first + n])
-        got = tiers.select(q[step % 60], w[step % 60])
+        new_scales = None if scales is None else scales[first:first + n].to(DEVICE)
+        tiers.append(k_stored[first:first + n].to(DEVICE), new_scales)
+        got = tiers.select(q[step % 60].to(DEVICE), w[step % 60].to(DEVICE))
         ref = engine_select(q[step % 60][None], w[step % 60][None], k_deq[: first + n], 1, 40)
-        assert torch.equal(got, ref), f"step {step} at {first + n} tokens"
+        assert torch.equal(got.cpu(), ref), f"step {step} at {first + n} tokens"
         step += 1
     back, _ = tiers.read(torch.randperm(900))
+    back = back.cpu()
     assert torch.equal(torch.sort(back.float().sum(1)).values, torch.sort(k_stored.float().sum(1)).values)
     s = tiers.stats()
     assert s["misses"] > 0 and s["evictions"] > 0 and s["uncertified_steps"] == 0
@@ -167,3 +173,26 @@ def test_from_budget_fits() -> None:
         KeyTierConfig.from_budget(1000, max_tokens=131072)
     with pytest.raises(ValueError):
         KeyTierConfig(exact=True)
+
+
+@pytest.mark.parametrize("candidates", [3, 100])
+def test_kernel_fine_stage_selects_the_torch_fine_stage_set(candidates: int) -> None:
+    """The Triton fine stage (CUDA, or the interpreter on the CPU) picks the same tokens as the torch
+    one on continuous data (no ties), with a partial hot page and candidates through the page cache."""
+    from hearth.kernels.indexer.reference import act_quant_ue8m0
+
+    device = torch.device("cuda") if torch.cuda.is_available() else CPU
+    g = torch.Generator().manual_seed(candidates)
+    k8, ks = act_quant_ue8m0(torch.randn(1000, 128, generator=g))
+    q = (torch.randn(16, 128, generator=g) / 10).to(torch.bfloat16).float()  # exact in the kernel's bf16
+    w = torch.rand(16, generator=g)
+    got = {}
+    for fine_kernel in (False, True):
+        cfg = KeyTierConfig(page_size=16, hot_pages=2, cache_pages=100, candidate_pages=candidates, topk=100,
+                            fine_kernel=fine_kernel)
+        tiers = TieredKeys(cfg, device)
+        tiers.append(k8[:500].to(device), ks[:500].to(device))
+        tiers.append(k8[500:].to(device), ks[500:].to(device))
+        got[fine_kernel] = tiers.select(q.to(device), w.to(device))[0].cpu()
+    assert got[True].shape == got[False].shape == (100,)
+    assert torch.equal(torch.sort(got[True]).values, torch.sort(got[False]).values)
