@@ -7,12 +7,30 @@ Model: hidden 7168, MLA 128 heads (q_lora 1536, kv_lora 512 + 64 rope), indexer 
 GPU cache of --cache-fraction of each layer's experts. For each concurrency and scheduler
 (sync = layer-synchronous with on-demand fetch and overlap; prefetch = sync + next-layer router
 prediction; runahead) it runs the same greedy requests and prints tok/s, p50/p99 inter-token latency,
-hit rate, bytes fetched and the link floor (bytes / 55 GB/s). Greedy outputs of the three schedulers
-are compared first (same tokens required).
+hit rate, bytes fetched and the link floor (bytes / 55 GB/s), and whether the schedulers' greedy
+tokens agree.
 
-    python bench/bench_runahead.py [--moe-layers 3] [--concurrency 1 8 32] [--tokens 8] [--small]
+Routing (--routing, both by default):
+- uniform: the random router as built (every expert about equally likely, little reuse between a
+  request's consecutive tokens): the worst case for any expert cache.
+- skewed: a SYNTHETIC model of real MoE routing, not measured from a trained model. (1) Popularity:
+  each MoE layer's e_score_correction_bias (the noaux_tc selection bias) is 0.3 * log(w) with
+  w ~ Pareto(alpha=1.2) per expert, so a few experts of each layer are chosen far more often.
+  (2) Temporal locality: token embeddings are scaled by 0.1, so the router input of a decode token is
+  dominated by its attention output, which averages the request's own context and changes little
+  from one token to the next; consecutive tokens of one request then share many experts while
+  different requests (different prompts) still differ. The measured reuse (share of a request's
+  experts at a layer that its previous token also used) and distinct experts per layer per step are
+  printed, from the sync run (on the --small model: reuse 0.46 vs 0.16 uniform, 9.4 vs 13.4
+  distinct experts of 32 per layer-step at 4 requests).
 
---small uses tiny widths so the script can be smoke-tested on a CPU.
+    python bench/bench_runahead.py [--moe-layers 3] [--concurrency 1 4 8 16 32] [--tokens 8]
+        [--cache-fraction 0.25 0.5] [--routing uniform skewed] [--budget-s 300] [--small]
+
+The host store is built once and the dense model once per routing; each (cache fraction, routing,
+concurrency, scheduler) gets a fresh expert cache, cache fractions outermost. --budget-s skips the
+remaining configurations once that many seconds have passed (reported as skipped). --small uses tiny
+widths so the script can be smoke-tested on a CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +57,8 @@ from hearth.offload.expert_store import ExpertLayout, ExpertStore
 
 LINK_GBPS = 55.0
 VOCAB = 512
+SCHEDULERS = ("sync", "prefetch", "runahead")
+POPULARITY_ALPHA, POPULARITY_SCALE, SKEWED_EMBED_SCALE = 1.2, 0.3, 0.1
 
 
 def model_config(moe_layers: int, small: bool) -> ModelConfig:
@@ -100,17 +120,68 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return model.eval()
 
 
+def skew_routing(model: DeepseekForCausalLM, seed: int = 2) -> None:
+    """The synthetic "skewed" routing of the module docstring: heavy-tailed expert popularity per
+    layer through the selection bias, temporal locality through small token embeddings."""
+    config = model.config
+    gen = torch.Generator().manual_seed(seed)
+    for layer in model.layers:
+        if layer.is_moe:
+            u = torch.rand(config.n_routed_experts, generator=gen).clamp_min(1e-6)
+            w = u ** (-1.0 / POPULARITY_ALPHA)  # Pareto(alpha) by inverse transform
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_((POPULARITY_SCALE * w.log()).to(bias.device, bias.dtype))
+    model.model.embed_tokens.weight.mul_(SKEWED_EMBED_SCALE)
+
+
+class RoutingProbe:
+    """Records each MoE layer's routing of full decode batches (T == concurrency rows, stable order in
+    the sync scheduler) and reports reuse between a request's consecutive tokens and distinct experts
+    per layer per step."""
+
+    def __init__(self, model: DeepseekForCausalLM) -> None:
+        self.gates = {layer.layer: layer.mlp.gate for layer in model.layers if layer.is_moe}
+        self.rows = 0
+        self.calls: dict[int, list[list[set[int]]]] = {i: [] for i in self.gates}
+        for i, gate in self.gates.items():
+            gate.forward = self._wrap(i, gate.forward)
+
+    def _wrap(self, layer: int, forward):
+        def probed(x: torch.Tensor):
+            ids, weights = forward(x)
+            if self.rows and x.shape[0] == self.rows:
+                self.calls[layer].append([set(row) for row in ids.tolist()])
+            return ids, weights
+        return probed
+
+    def remove(self) -> None:
+        for gate in self.gates.values():
+            del gate.forward  # back to the class's method
+
+    def summary(self) -> dict:
+        reuse, distinct = [], []
+        for calls in self.calls.values():
+            for prev, cur in zip(calls, calls[1:]):
+                reuse += [len(a & b) / len(b) for a, b in zip(prev, cur)]
+            distinct += [len(set().union(*call)) for call in calls]
+        return {"reuse": statistics.fmean(reuse) if reuse else 0.0,
+                "distinct_per_layer_step": statistics.fmean(distinct) if distinct else 0.0}
+
+
 class SyntheticRunner(ModelRunner):
     """A ModelRunner over an in-memory synthetic model (nothing read from disk)."""
 
-    def __init__(self, config: ModelConfig, engine_config: EngineConfig, store: ExpertStore, slots: int) -> None:
+    def __init__(self, config: ModelConfig, engine_config: EngineConfig, store: ExpertStore, slots: int,
+                 model: DeepseekForCausalLM) -> None:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model_config = config
         self.max_model_len = 1024
         self.block_size = engine_config.block_size
         self.num_blocks = engine_config.num_cache_blocks or 64 * 32
-        self.model = build_model(config, self.device, self.dtype)
+        self.model = model  # shared across runners: attach_offload re-points its MoE backends
+        self.use_kernels = False  # plain-torch attention, as in the recorded runs
+        self.key_tiers = self.latent_tiers = self.graphs = None
         self.cache = PagedCache(config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.placement = Placement(True, slots, f"synthetic, {slots} slots/layer")
         self.expert_cache, self.residency = attach_offload(
@@ -148,52 +219,105 @@ def run_case(engine: Engine, concurrency: int, tokens: int, prompt_len: int) -> 
     }
 
 
+def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausalLM, tokenizer: Tokenizer,
+               slots: int, concurrency: int, args: argparse.Namespace) -> dict:
+    """One (cache size, concurrency): every scheduler on the same greedy requests."""
+    row = {}
+    for scheduler in args.schedulers:
+        config_e = EngineConfig(block_size=64, max_num_seqs=max(args.concurrency), scheduler=scheduler,
+                                max_num_batched_tokens=4096)
+        runner = SyntheticRunner(config, config_e, store, slots, model)
+        engine = Engine(runner, tokenizer, config_e)
+        run_case(engine, min(concurrency, 2), 2, args.prompt_len)  # warm-up (kernels, allocator)
+        probe = RoutingProbe(model) if scheduler == "sync" else None
+        if probe is not None:
+            probe.rows = concurrency
+        row[scheduler] = run_case(engine, concurrency, args.tokens, args.prompt_len)
+        if probe is not None:
+            row[scheduler].update(probe.summary())
+            probe.remove()
+        del engine, runner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return row
+
+
+def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dict:
+    tokens = [r["tokens"] for r in row.values()]
+    same = all(t == tokens[0] for t in tokens)
+    tag = f"{routing:7s} cache {fraction:.0%} c={concurrency:3d}"
+    for scheduler, r in row.items():
+        print(f"{tag} {scheduler:9s} {r['tok_s']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:7.1f} ms "
+              f"p99 {r['itl_p99_ms']:7.1f} ms  hit {r['hit_rate']:.2f}  fetched {r['gb_fetched']:6.2f} GB "
+              f"(link floor {r['link_floor_s']:.2f} s of {r['elapsed_s']:.2f} s)", flush=True)
+    summary = {"routing": routing, "cache_fraction": fraction, "concurrency": concurrency, "same_tokens": same,
+               **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in row.items()}}
+    if "sync" in row and "reuse" in row["sync"]:
+        print(f"{tag} routing: reuse between consecutive tokens {row['sync']['reuse']:.2f}, distinct experts "
+              f"per layer-step {row['sync']['distinct_per_layer_step']:.1f}", flush=True)
+    if "runahead" in row:
+        ra = row["runahead"]
+        for base in ("sync", "prefetch"):
+            if base in row:
+                b = row[base]
+                summary[f"runahead_over_{base}"] = ra["tok_s"] / b["tok_s"]
+                summary[f"runahead_p99_over_{base}"] = ra["itl_p99_ms"] / max(b["itl_p99_ms"], 1e-9)
+                summary[f"runahead_bytes_over_{base}"] = ra["gb_fetched"] / max(b["gb_fetched"], 1e-12)
+        ratios = ", ".join(f"runahead/{b} {summary[f'runahead_over_{b}']:.2f}x tok/s, "
+                           f"p99 {summary[f'runahead_p99_over_{b}']:.2f}x, "
+                           f"bytes {summary[f'runahead_bytes_over_{b}']:.2f}x"
+                           for b in ("sync", "prefetch") if b in row)
+        print(f"{tag} {ratios}; same greedy tokens: {same}", flush=True)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--moe-layers", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--cache-fraction", type=float, default=0.25)
+    parser.add_argument("--cache-fraction", type=float, nargs="+", default=[0.25, 0.5])
+    parser.add_argument("--routing", choices=["uniform", "skewed"], nargs="+", default=["uniform", "skewed"])
+    parser.add_argument("--schedulers", choices=SCHEDULERS, nargs="+", default=list(SCHEDULERS))
+    parser.add_argument("--budget-s", type=float, default=None, help="skip configurations after this many seconds")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    t_start = time.perf_counter()
     config = model_config(args.moe_layers, args.small)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     store = build_store(config, device)
     print(f"store: {store.total_bytes / 1e9:.1f} GB, pinned {store.pinned_bytes / 1e9:.1f} GB, "
-          f"built in {time.perf_counter() - t0:.1f} s", flush=True)
-    slots = max(config.num_experts_per_tok, int(args.cache_fraction * config.n_routed_experts))
+          f"built in {time.perf_counter() - t_start:.1f} s", flush=True)
     tok_dir = tempfile.mkdtemp()
     write_tiny_tokenizer(tok_dir, "deepseek_v32", VOCAB)
     tokenizer = Tokenizer.from_pretrained(tok_dir, "deepseek_v32")
-    results = []
-    for concurrency in args.concurrency:
-        row = {}
-        for scheduler in ("sync", "prefetch", "runahead"):
-            config_e = EngineConfig(block_size=64, max_num_seqs=max(args.concurrency), scheduler=scheduler,
-                                    max_num_batched_tokens=4096)
-            runner = SyntheticRunner(config, config_e, store, slots)
-            engine = Engine(runner, tokenizer, config_e)
-            run_case(engine, min(concurrency, 2), 2, args.prompt_len)  # warm-up (kernels, allocator)
-            row[scheduler] = run_case(engine, concurrency, args.tokens, args.prompt_len)
-            del engine, runner
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        same = row["sync"]["tokens"] == row["runahead"]["tokens"] == row["prefetch"]["tokens"]
-        for scheduler, r in row.items():
-            print(f"c={concurrency:3d} {scheduler:9s} {r['tok_s']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:7.1f} ms "
-                  f"p99 {r['itl_p99_ms']:7.1f} ms  hit {r['hit_rate']:.2f}  fetched {r['gb_fetched']:6.1f} GB "
-                  f"(link floor {r['link_floor_s']:.2f} s of {r['elapsed_s']:.2f} s)", flush=True)
-        print(f"c={concurrency:3d} runahead/sync {row['runahead']['tok_s'] / row['sync']['tok_s']:.2f}x, "
-              f"runahead/prefetch {row['runahead']['tok_s'] / row['prefetch']['tok_s']:.2f}x, "
-              f"same greedy tokens: {same}", flush=True)
-        results.append({"concurrency": concurrency, **{k: {m: v for m, v in r.items() if m != "tokens"}
-                                                        for k, r in row.items()}, "same_tokens": same})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    results, skipped = [], []
+    models: dict[str, DeepseekForCausalLM] = {}
+    for fraction in args.cache_fraction:  # fraction outermost: --budget-s cuts the larger cache first
+        slots = max(config.num_experts_per_tok, int(fraction * config.n_routed_experts))
+        for routing in args.routing:
+            for concurrency in args.concurrency:
+                if args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+                    skipped.append({"routing": routing, "cache_fraction": fraction, "concurrency": concurrency})
+                    print(f"{routing:7s} cache {fraction:.0%} c={concurrency:3d} skipped (--budget-s)", flush=True)
+                    continue
+                if routing not in models:
+                    models[routing] = build_model(config, device, dtype)
+                    if routing == "skewed":
+                        skew_routing(models[routing])
+                        print("skewed routing is SYNTHETIC (Pareto expert popularity + context-dominated router "
+                              "input); see the module docstring", flush=True)
+                row = run_config(config, store, models[routing], tokenizer, slots, concurrency, args)
+                results.append(print_row(routing, fraction, concurrency, row))
+                if args.json:  # after every configuration, so a run cut short still leaves its results
+                    with open(args.json, "w") as f:
+                        json.dump({"results": results, "skipped": skipped, "synthetic_skewed_routing": {
+                            "popularity": f"bias = {POPULARITY_SCALE} * log(Pareto(alpha={POPULARITY_ALPHA}))",
+                            "embed_scale": SKEWED_EMBED_SCALE}}, f, indent=2)
+    print(f"total {time.perf_counter() - t_start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Engine-side glue for expert offload: plan where the routed experts live before anything is
 loaded, build the host expert store + device expert cache, and give the model and the runahead
-decoder what they need (the MoE backend, and a ``Residency`` view of the cache)."""
+decoder what they need (the MoE backend, and a ``Residency`` view of the cache whose eviction follows
+the decoder's plan)."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +17,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.loader import tensor_bytes
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.kernels.moe import fused_moe, moe_reference
-from hearth.offload.expert_cache import ExpertCache, ExpertLease
+from hearth.offload.expert_cache import POLICIES, EvictionPolicy, ExpertCache, ExpertLease, Key
 from hearth.offload.expert_store import ExpertStore
 from hearth.offload.experts import OffloadedExperts
 from hearth.offload.planner import MemoryPlan, MemoryPlanError, footprint_from_tensor_bytes, plan_memory, probe_memory
@@ -50,12 +53,55 @@ def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineCo
     return Placement(offload, min(slots, model_config.n_routed_experts) if offload else None, plan.describe())
 
 
+class EvictionPlan:
+    """Which resident experts the runahead decoder still expects to use, per layer: expert -> tier
+    (see hearth.engine.runahead). Empty for the other schedulers, so their eviction is the base policy's."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[int, dict[int, int]] = {}
+
+    def tier(self, key: Key) -> int:
+        return self.tiers.get(key[0], {}).get(key[1], 0)
+
+    def policy(self, base: str | Callable[[], EvictionPolicy]) -> Callable[[], EvictionPolicy]:
+        """A factory of ``base`` policies that evict by tier first (the cache builds one per pool)."""
+        make_base = POLICIES[base] if isinstance(base, str) else base
+        return lambda: PlannedEviction(make_base(), self)
+
+
+class PlannedEviction(EvictionPolicy):
+    """``base``'s order, stably re-sorted by the plan's tier: experts nobody expects go first."""
+
+    def __init__(self, base: EvictionPolicy, plan: EvictionPlan) -> None:
+        self.base = base
+        self.plan = plan
+
+    def advance(self) -> None:
+        self.base.advance()
+
+    def touch(self, key: Key) -> None:
+        self.base.touch(key)
+
+    def remove(self, key: Key) -> None:
+        self.base.remove(key)
+
+    def victims(self, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
+        if not self.plan.tiers:
+            return self.base.victims(n, evictable)
+        ranked = self.base.victims(sys.maxsize, evictable)  # every evictable key, best victim first
+        return sorted(ranked, key=self.plan.tier)[:n]
+
+
 class CacheResidency:
     """The runahead decoder's view of an ExpertCache (see hearth.engine.runahead.Residency)."""
 
-    def __init__(self, cache: ExpertCache, use_kernel: bool) -> None:
+    def __init__(self, cache: ExpertCache, use_kernel: bool, plan: EvictionPlan | None = None) -> None:
         self.cache = cache
         self.use_kernel = use_kernel
+        self.eviction_plan = plan or EvictionPlan()  # the cache's policy must read this same plan
+
+    def plan(self, layer: int, tiers: dict[int, int]) -> None:
+        self.eviction_plan.tiers[layer] = tiers
 
     def acquire(self, layer: int, experts: list[int]) -> ExpertLease:
         return self.cache.acquire(layer, experts)  # CacheFullError is a RuntimeError
@@ -128,9 +174,10 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
         store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
                                              dtype=None if fp8 else dtype, module=config.moe_module,
                                              proj_names=config.expert_proj_names)
-    cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=policy)
+    plan = EvictionPlan()
+    cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=plan.policy(policy))
     backend = OffloadedExperts(cache)
     routed = PrefetchingExperts(backend, model) if prefetch else backend
     for i in layers:
         model.layers[i].mlp.backend = routed
-    return cache, CacheResidency(cache, use_kernel=backend.use_kernel)
+    return cache, CacheResidency(cache, use_kernel=backend.use_kernel, plan=plan)

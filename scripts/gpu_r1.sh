@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the H200 (<= 7 min): the runahead CPU-contract tests on CUDA, then the runahead benchmark for
+# uniform and synthetic skewed routing at 25% cache (50% if the time budget allows).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/hearth-out}"; mkdir -p "$OUT"
+mkdir -p /tmp/hp/hearth
+for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
+export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1
+HEARTH_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:cacheprovider \
+    tests/engine/test_runahead.py tests/engine/test_offload_engine.py \
+    2>&1 | tee "$OUT/r1_tests.log" | tail -8
+# --budget-s: no configuration starts after 230 s; the JSON is rewritten after each one.
+timeout 320 python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 1 --tokens 6 \
+    --cache-fraction 0.25 0.5 --routing uniform skewed --budget-s 230 \
+    --json "$OUT/runahead.json" 2>&1 | tee "$OUT/runahead.log"
