@@ -1,8 +1,9 @@
 """The demo-model pipeline (train/) and the bundled model (resources/demo_model, app/demo_model.py).
 
-Corpus cleaning and the tokenizer on a small hand-written reST set; a ``--smoke`` training run that
-must save a folder the engine loads, with the tensor names hearth.engine.tiny writes; gradients
-through the paged cache and into the indexer only through its KL loss; and the shipped model.
+Corpus cleaning and the tokenizer on a small hand-written reST set; one training step of the smoke
+preset (the batched forward itself is checked against the engine's path in test_train_batched.py);
+the learning-rate schedule; a ``--smoke`` training run that must save a folder the engine loads,
+with the tensor names hearth.engine.tiny writes; and the shipped model.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from hearth.engine import Engine, EngineConfig, Finished, SamplingParams, TokenD
 from hearth.engine.config import ModelConfig
 from hearth.engine.tiny import make_weights
 from train import corpus
-from train.indexer_loss import AttentionTap, indexer_kl_loss
-from train.train_demo import _PRESETS, Batches, demo_config, forward_loss, init_weights, parse, train
+from train.train_demo import _PRESETS, Batches, Schedule, demo_config, init_weights, make_step, parse, set_dense, train
 
 RST = """\
 .. _tut-lists:
@@ -89,7 +89,7 @@ def test_tokenizer_has_the_deepseek_v32_specials(data_dir: Path) -> None:
     assert not (data_dir / "chat_template.jinja").exists()
 
 
-def _small_model(data_dir: Path) -> tuple[torch.nn.Module, Batches]:
+def test_a_training_step_on_the_smoke_preset(data_dir: Path) -> None:
     import numpy as np
 
     from hearth.engine.models.deepseek import DeepseekForCausalLM
@@ -97,36 +97,38 @@ def _small_model(data_dir: Path) -> tuple[torch.nn.Module, Batches]:
     preset = _PRESETS["smoke"]
     model = DeepseekForCausalLM(ModelConfig.from_dict(demo_config(preset, 320)))
     init_weights(model, seed=0)
-    return model, Batches(np.load(data_dir / "tokens.npy"), preset.context, preset.batch, seed=0)
-
-
-def test_gradients_flow_through_the_paged_cache_and_not_into_the_indexer(data_dir: Path) -> None:
-    model, batches = _small_model(data_dir)
+    batches = Batches(np.load(data_dir / "tokens.npy"), preset.context, preset.batch, 0, torch.device("cpu"))
     rows = batches.sample()
-    assert model.config.index_topk < rows.shape[1] - 1  # DSA is active at this context
-    forward_loss(model, rows, torch.device("cpu")).backward()
+    assert rows.shape == (preset.batch, preset.context + 1)
+    windows = batches.val_windows()  # consecutive: each window's last token starts the next
+    assert torch.equal(windows[0], batches.val[:preset.context + 1]) and torch.equal(windows[1:, 0], windows[:-1, -1])
+    set_dense(model, False, preset.model["index_topk"], preset.context)
+    assert model.config.index_topk < preset.context  # DSA is active at this context
+    loss, kl, counts = make_step(model, preset.kl_seqs, preset.dropout)(rows)
+    (loss + kl).backward()
     attn = model.layers[0].self_attn
-    # kv_a_proj only reaches the output through the latents written to and read from the cache
-    assert attn.kv_a_proj_with_mqa.weight.grad is not None and attn.kv_a_proj_with_mqa.weight.grad.abs().sum() > 0
+    assert attn.kv_a_proj_with_mqa.weight.grad.abs().sum() > 0
     assert model.layers[1].mlp.gate.weight.grad.abs().sum() > 0  # the router learns via its weights
-    assert attn.indexer.wk.weight.grad is None  # top-k is not differentiable
-    model.zero_grad(set_to_none=True)
-    tap = AttentionTap(model)
-    forward_loss(model, rows, torch.device("cpu"))
-    kl = indexer_kl_loss(model, tap, max_seqs=1)
-    assert torch.isfinite(kl) and kl >= 0
-    kl.backward()
-    assert attn.indexer.wk.weight.grad.abs().sum() > 0 and attn.indexer.weights_proj.weight.grad.abs().sum() > 0
-    assert attn.kv_a_proj_with_mqa.weight.grad is None  # the indexer's inputs are detached
-    tap.remove()
+    assert attn.indexer.wk.weight.grad.abs().sum() > 0  # from the KL objective only (tests/test_train_batched.py)
+    assert float(counts[1].sum()) == preset.batch * preset.context * model.config.num_experts_per_tok
+
+
+def test_the_schedule_warms_up_holds_and_decays_early_on_a_plateau() -> None:
+    schedule = Schedule(1.0, 100.0, warmup=0.1, decay_frac=0.25, floor=0.0)
+    assert schedule.lr(5) == pytest.approx(0.5) and schedule.lr(50) == 1.0 and schedule.lr(100) == pytest.approx(0)
+    assert not schedule.decaying and schedule.lr(75) == 1.0
+    assert schedule.decay_now(30.0)  # plateau at 30: decay for a third of the run so far
+    assert schedule.decaying and schedule.end == pytest.approx(40.0) and not schedule.decay_now(35.0)
+    assert schedule.lr(35) == pytest.approx(0.5) and schedule.done(40) and not schedule.done(39)
 
 
 def test_smoke_training_saves_a_model_the_engine_loads(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "model"
     summary = train(parse(["--data", str(data_dir), "--out", str(out), "--smoke"]))
     assert summary["steps"] == 4 and summary["tokens_seen"] == 4 * 2 * 64
+    assert summary["val_loss"] < 7 and summary["best_step"] >= 1  # log(320) = 5.8 at the start
     log = (out / "loss_log.csv").read_text(encoding="utf-8").splitlines()
-    assert log[0].startswith("step,tokens") and len(log) == 5
+    assert log[0].startswith("step,tokens") and log[0].endswith(",val_loss") and len(log) == 5
     assert (out / "loss_curve.svg").read_text(encoding="utf-8").startswith("<svg")
     raw = json.loads((out / "config.json").read_text(encoding="utf-8"))
     assert raw["model_type"] == "deepseek_v32" and raw["topk_method"] == "noaux_tc"

@@ -18,9 +18,10 @@ _W, _H, _PAD = 640, 360, 48
 
 
 def write_loss_svg(log: list[dict[str, float]], path: Path) -> None:
-    """Training loss against tokens seen (and the indexer KL, dashed), as a small SVG."""
+    """Training and held-out loss against tokens seen (and the indexer KL, dashed), as a small SVG."""
     points = [(r["tokens"], r["loss"]) for r in log if math.isfinite(r["loss"])]
     kl = [(r["tokens"], r["indexer_kl"]) for r in log if math.isfinite(r["indexer_kl"])]
+    val = [(r["tokens"], r["val_loss"]) for r in log if math.isfinite(r.get("val_loss", math.nan))]
     if not points:
         points = [(0.0, 0.0)]
     x_max = max(p[0] for p in points) or 1.0
@@ -43,8 +44,9 @@ def write_loss_svg(log: list[dict[str, float]], path: Path) -> None:
 {''.join(ticks)}
 <polyline fill="none" stroke="#c0392b" stroke-width="1.5" points="{' '.join(xy(*p) for p in points)}"/>
 <polyline fill="none" stroke="#2c7fb8" stroke-dasharray="4 3" points="{' '.join(xy(*p) for p in kl)}"/>
-<text x="{_W / 2}" y="20" text-anchor="middle" font-size="13">Demo model: training loss (red) and
- indexer KL (blue, dashed) vs tokens</text>
+<polyline fill="none" stroke="#27ae60" stroke-width="1.5" points="{' '.join(xy(*p) for p in val)}"/>
+<text x="{_W / 2}" y="20" text-anchor="middle" font-size="13">Demo model: training loss (red), held-out
+ loss (green) and indexer KL (blue, dashed) vs tokens</text>
 <text x="{_W / 2}" y="{_H - 10}" text-anchor="middle" font-size="11">tokens seen</text>
 </svg>
 """
@@ -90,32 +92,44 @@ def _source(data: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
+def _hardware(s: dict[str, Any]) -> str:
+    if s["device"] == "cpu":
+        return f"CPU ({s['threads']} thread(s))"
+    return f"{s['device']} (torch {s.get('torch', '?')}{', torch.compile' if s.get('compiled') else ''})"
+
+
 def model_card(summary: dict[str, Any], source: dict[str, Any], samples: list[tuple[str, str]]) -> str:
     s = summary
     sample_md = "\n\n".join(f"```text\n{p}{t.rstrip()}\n```" for p, t in samples) or "(not sampled)"
-    status = ("**Trained on the CPU as a stand-in**: the GPU run (`scripts/train_demo_gpu.sh`, 200 s on one "
-              "H200, a 7 M-parameter preset) will replace it.\n" if s["device"] == "cpu" else "")
+    status = ("**Trained on the CPU as a stand-in**: the GPU run (`scripts/train_demo_gpu.sh`, one H200, the "
+              "`h200` preset) will replace it.\n" if s["device"] == "cpu" else "")
+    stop = {"decay finished": "held-out loss plateaued, so the decay started early",
+            "budget": "time budget", "max steps": "step limit"}.get(s.get("stop", ""), s.get("stop", "?"))
     return f"""# Hearth demo model
 
 A tiny DeepSeek-V3.2-architecture model (`model_type: deepseek_v32`: MLA with q-LoRA, YaRN rope, the DSA
 lightning indexer with `index_topk` {s['index_topk']} < training context {s['context']}, a dense first layer then
 MoE layers with sigmoid `noaux_tc` routing and `e_score_correction_bias`) trained from scratch by
-`train/train_demo.py` with Hearth's own model code. It exists so that Hearth has something to run
-on first start: it writes English-looking text about Python and is useless for anything else.
+`train/train_demo.py` with Hearth's own model code (`DeepseekForCausalLM`'s modules, run over whole
+batches by `train/batched.py`). It exists so that Hearth has something to run on first start: it
+writes English-looking text about Python and is useless for anything else.
 
 {status}
 ## Training
 
 | | |
 |---|---|
-| hardware | {s['device']} ({s['threads']} CPU thread(s)) |
+| hardware | {_hardware(s)} |
 | parameters | {s['params']:,} ({s['file_bytes'] / 1e6:.1f} MB in bf16) |
 | steps | {s['steps']} x {s['batch']} sequences x {s['context']} tokens |
-| tokens seen | {s['tokens_seen']:,} ({s['tokens_seen'] / max(1, s['corpus_tokens']):.2f} passes over the corpus) |
-| training time | {s['train_seconds']} s ({s['tokens_per_second']:,} tokens/s) |
-| final train loss | {s['final_train_loss']:.3f} |
-| held-out loss | {s['val_loss']:.3f} (last 1% of the token stream) |
-| schedule | AdamW (0.9, 0.95), weight decay 0.1, peak lr {s['peak_lr']}, cosine over the time budget |
+| tokens seen | {s['tokens_seen']:,} ({s['tokens_seen'] / max(1, s['corpus_tokens']):.1f} passes over the corpus) |
+| training time | {s['train_seconds']} s ({s['tokens_per_second']:,} tokens/s); stopped by: {stop} |
+| final train loss | {s['final_train_loss']:.3f} (with dropout) |
+| held-out loss | {s['val_loss']:.3f} at step {s.get('best_step', s['steps'])}, the weights shipped \
+({s.get('val_tokens', 0):,} held-out tokens: the last 1% of the token stream, in {s['context']}-token windows) |
+| schedule | AdamW (0.9, 0.95), peak lr {s['peak_lr']}: warm-up, constant, cosine decay (started early when the \
+held-out loss stops improving); the weights with the best held-out loss are kept |
+| regularisation | residual dropout {s.get('dropout', 0.0)}, weight decay {s.get('weight_decay', 0.1)} on matrices |
 | DSA | dense attention for the first {s['dense_frac']:.0%} of the run, then sparse top-{s['index_topk']} |
 | indexer | trained by KL(main attention summed over heads, indexer) on detached inputs |
 | balancing | auxiliary-loss-free: `e_score_correction_bias` += {s['bias_rate']} * sign(mean load - load) per step |
