@@ -75,16 +75,21 @@ def test_per_expert_events(store):
     cache.release(lease)
 
 
-def test_offloaded_bitwise_equals_resident(store):
-    """Per-expert overlap: each pair is its own fp32 row summed over k at the end, so the offloaded
-    result equals the resident one bit for bit if the fused kernel is batch-invariant per row."""
+def test_offloaded_matches_resident(store):
+    """Per-expert overlap computes the same sum as the resident experts. Not bit for bit on the GPU:
+    the fused kernel picks its path and tile from the pairs in a launch (the resident call has all of
+    a token's pairs, the offloaded one a group), and bf16 outputs then differ by about one ulp (seen
+    on the H200: 0.0625 on values near 28). The engine-level check that matters, identical greedy
+    tokens with offloaded and resident experts, is tests/engine/test_offload_engine.py."""
     resident = ResidentExperts(store, "cuda")
     offloaded = OffloadedExperts(ExpertCache(store, "cuda", slots_per_layer=6), host_experts="off")
     g = torch.Generator(device="cuda").manual_seed(2)
     for tokens in (1, 1, 3, 8):
         x, ids, w = _routing(g, tokens)
-        want, got = resident(0, x, ids, w), offloaded(0, x, ids, w)
-        assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
+        want, got = resident(0, x, ids, w).float(), offloaded(0, x, ids, w).float()
+        ulp = want.abs().clamp_min(1e-3) * 2.0**-7  # one bf16 ulp of each value (rounded either way)
+        assert ((got - want).abs() <= ulp).float().mean() > 0.99
+        assert ((got - want).norm() / want.norm()).item() < 1e-3
 
 
 def test_host_experts_on_gpu(store):
