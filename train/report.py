@@ -136,6 +136,24 @@ held-out loss stops improving); the weights with the best held-out loss are kept
 
 The curve is in `loss_curve.svg`; `loss_log.csv` has every logged step.
 
+Reproduce (the corpus first, then the run on one GPU; see train/README.md):
+
+```bash
+bash scripts/fetch_corpus.sh
+OUT=/tmp/out bash scripts/train_demo_gpu.sh      # -> /tmp/out/demo_model/
+```
+
+## What it can and cannot do
+
+- It continues a prompt with English sentences in the style of the Python documentation (module,
+  class and function vocabulary, "you can ...", "returns ..."): enough to see that tokenizer, MLA,
+  sparse attention, MoE routing, sampling and streaming work end to end, offline.
+- It cannot answer questions, follow instructions, write code (code blocks were removed from its
+  data), hold a conversation or state facts reliably: its sentences are fluent-looking and often
+  wrong or circular. It was never trained on chat turns, so the chat format only changes the prompt.
+- It has {s['params']:,} parameters and learned from a {s['corpus_tokens']:,}-token corpus; use a real model
+  from the Models tab for anything beyond a smoke test.
+
 ## Data
 
 {source.get('description', 'Python documentation (reStructuredText sources), reduced to prose by train/corpus.py.')}
