@@ -116,6 +116,16 @@ class Indexer(nn.Module):
         return torch.where(valid, idx, torch.full_like(idx, -1))
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream MLI indexers run on, one per device (creating one per layer and step costs)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 def _causal_mask(seq: SeqSlice, device: torch.device) -> torch.Tensor:
     """(q_len, context_len) bool: query i (position first+i) may see key t iff t <= first+i."""
     q_pos = torch.arange(seq.first_position, seq.context_len, device=device)
@@ -250,7 +260,7 @@ class MLAttention(nn.Module):
                 raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer ran an indexer")
             return previous
         if self.mli and previous is not None and x.is_cuda:
-            side = torch.cuda.Stream(x.device)
+            side = _side_stream(x.device)
             side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):
                 chosen = self.indexer(x, q_resid, cos, sin, ctx, self.layer)
