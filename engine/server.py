@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler", choices=["sync", "runahead", "prefetch"], default="sync",
                         help="decode scheduling with offloaded experts (runahead: ready requests run ahead)")
     parser.add_argument("--mli", type=_flag, default=False, help="Multi-layer Indexer (true/false)")
+    parser.add_argument("--cuda-graphs", type=_flag, default=True,
+                        help="replay decode steps from CUDA graphs where the step allows (true/false; default true)")
     parser.add_argument("--index-topk-freq", type=int, help="IndexCache retention: an indexer every N layers")
     parser.add_argument("--index-key-hot-pages", type=int,
                         help="keep this many recent indexer-key pages per request on the device, the rest in RAM")
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, offload=args.offload,
             expert_cache_slots=args.expert_cache_slots, expert_cache_policy=args.expert_cache_policy,
             gpu_memory_gib=args.gpu_memory_gib, expert_cache_gib=args.expert_cache_gib,
-            host_memory_gib=args.host_memory_gib, scheduler=args.scheduler, mli=args.mli,
+            host_memory_gib=args.host_memory_gib, scheduler=args.scheduler, mli=args.mli, cuda_graphs=args.cuda_graphs,
             index_topk_freq=args.index_topk_freq, index_key_hot_pages=args.index_key_hot_pages,
             latent_hot_rows=args.latent_hot_rows)
         host = EngineHost(config)

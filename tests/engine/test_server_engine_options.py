@@ -33,3 +33,10 @@ def test_offload_and_runahead_options(tmp_path):
         assert stats["expert_cache_misses"] > 0 and 0 <= stats["expert_cache_hit_rate"] <= 1
     finally:
         offloaded.stop()
+
+
+def test_cuda_graphs_flag():
+    from hearth.engine.server import build_parser
+
+    assert build_parser().parse_args([]).cuda_graphs is True
+    assert build_parser().parse_args(["--cuda-graphs", "false"]).cuda_graphs is False
