@@ -114,7 +114,9 @@ class EngineConfig:
         per request and layer on the device, the rest in host RAM behind a compact per-page summary
         (coarse-to-fine selection, hearth.offload.tiered_keys). None = all keys on the device.
     index_key_candidate_pages / index_key_cache_pages: cold pages scored exactly per decode step,
-        and the device page cache that keeps fetched pages across steps.
+        and the device page cache that keeps fetched pages across steps. None: 8 x index_topk /
+        block_size candidates (256 for DeepSeek-V3.2 at 64-token pages; top-k recall >= 0.99 on
+        clustered keys, docs/benchmarks.md) and a cache as large.
     index_key_exact: fetch every page a per-page bound cannot rule out (selection always exact).
     latent_hot_rows: tier the MLA latents (DSA models): all rows in host RAM, this many per request
         and layer on the device; decode gathers the selected rows (misses copied from the host).
@@ -146,8 +148,8 @@ class EngineConfig:
     index_skip_topk_offset: int | None = None
     index_topk_pattern: str | None = None
     index_key_hot_pages: int | None = None
-    index_key_candidate_pages: int = 64
-    index_key_cache_pages: int = 128
+    index_key_candidate_pages: int | None = None
+    index_key_cache_pages: int | None = None
     index_key_exact: bool = False
     latent_hot_rows: int | None = None
     scheduler: Literal["sync", "runahead", "prefetch"] = "sync"

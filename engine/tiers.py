@@ -65,6 +65,8 @@ class KeyTiers(_PerRequestTiers):
     def __init__(self, model_config: ModelConfig, config: EngineConfig, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__(device)
+        # None budgets take KeyTierConfig's defaults: 8 x index_topk / block_size candidate pages, a
+        # page cache of as many, e4m3 page summaries (see hearth.offload.tiered_keys)
         self.config = KeyTierConfig(
             page_size=block_size, head_dim=model_config.index_head_dim,
             key_format="fp32" if dtype == torch.float32 else "bf16",

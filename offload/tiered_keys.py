@@ -3,9 +3,23 @@
 Tiers: the ``hot_pages`` most recent pages live on the device (a ring; the partial tail page is
 always hot); every full page is also written through to (pinned, on CUDA) host memory in its
 original format, so the host holds the whole history and demotion costs nothing. For each full
-page the device keeps a compact summary (``coarse_index.summarize_pages``): the bf16 mean key of
-every ``summary_group`` tokens (1 KB per page of 64 tokens against 8448 B of FP8 keys), plus,
-with ``bounds=True``, a per-dimension box (512 B) that bounds every key's score from above.
+page the device keeps a compact summary (``coarse_index.summarize_pages``): the mean key of every
+``summary_group`` tokens, in e4m3 with an fp32 scale per mean (``summary_format="fp8"``, 528 B per
+page of 64 tokens against 8448 B of FP8 keys) or in bf16 (1 KB), plus, with ``bounds=True``, a
+per-dimension box (512 B, bf16) that bounds every key's score from above.
+
+Device memory per request and layer: (hot_pages + cache_pages) pages + one summary per page + the
+last selection (topk int64, kept for the overlap counter). The summaries grow with the context (by
+1/16 at a time, so they hold at most about 6% spare rows); the pools do not. DeepSeek-V3.2 shapes at
+128K (2048 pages, FP8 keys 16.5 MiB): defaults 260 pages 2.09 MiB + fp8 summaries 1.03 MiB + 16 KiB
+= 3.14 MiB, 5.25x less (bf16 summaries: 4.11 MiB, 4.0x). Per-step temporaries (estimates, scores,
+top-k) are freed after the step.
+
+Default budgets: ``candidate_pages`` = 8 x topk / page_size (256 pages at k 2048, page 64) and
+``cache_pages`` = candidate_pages. The candidates must cover the pages holding the exact top-k,
+which depends on k and on how the keys cluster, not on the context length: on the bench's
+clustered keys those are 50-175 pages at 16K..512K, and 99% recall needed up to 241 candidates
+(128K, 10 data seeds), so a fraction of the context would overspend at long contexts.
 
 Decode (``select``): rank every cold page by the best score of its group means, take the best
 ``candidate_pages`` pages (all of them when that budget covers every cold page, or when the
@@ -40,9 +54,12 @@ from hearth.offload.coarse_index import (
     new_stream,
     page_estimates,
     page_upper_bounds,
+    quantize_means,
     summarize_pages,
     to_device,
 )
+
+CANDIDATE_FACTOR = 8  # default candidate pages: page_size tokens each, for 8x the selected tokens
 
 
 @dataclass(frozen=True)
@@ -53,10 +70,11 @@ class KeyTierConfig:
     head_dim: int = 128
     key_format: str = "fp8"  # "fp8" (e4m3 + fp32 scale, 132 B/token) | "bf16" | "fp32"
     hot_pages: int = 4  # most recent pages resident on the device (>= 1: holds the partial page)
-    cache_pages: int = 128  # device page cache for fetched cold pages
-    candidate_pages: int = 64  # cold pages scored exactly per decode step
+    cache_pages: int | None = None  # device page cache for fetched cold pages (None: candidate_pages)
+    candidate_pages: int | None = None  # cold pages scored exactly per decode step (None: 8 x topk / page_size)
     topk: int = 2048
     summary_group: int = 16  # tokens per mean key in the compact form
+    summary_format: str = "fp8"  # group means in "fp8" (e4m3 + fp32 scale per mean) | "bf16"
     bounds: bool = False  # also keep a per-page box (512 B): certifies steps, needed for ranking/exact
     ranking: str = "mean"  # candidate order: "mean" (best group mean) | "bound" (box upper bound)
     exact: bool = False  # also fetch every page the bound cannot rule out (always exact)
@@ -65,6 +83,16 @@ class KeyTierConfig:
     fine_kernel: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("page_size", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # NOTE: budgets left as None are resolved here, once; the fields are ints from then on
+        if self.candidate_pages is None:
+            object.__setattr__(self, "candidate_pages", CANDIDATE_FACTOR * math.ceil(self.topk / self.page_size))
+        if self.cache_pages is None:
+            object.__setattr__(self, "cache_pages", self.candidate_pages)
+        if self.summary_format not in ("fp8", "bf16"):
+            raise ValueError(f"summary_format must be 'fp8' or 'bf16', got {self.summary_format!r}")
         if self.key_format not in KEY_FORMATS:
             raise ValueError(f"key_format must be one of {KEY_FORMATS}, got {self.key_format!r}")
         if self.ranking not in ("mean", "bound"):
@@ -84,17 +112,21 @@ class KeyTierConfig:
         return PagePool.bytes_per_page(self.page_size, self.head_dim, self.key_format)
 
     @property
-    def summary_rows(self) -> int:
-        return 2 * self.bounds + self.page_size // self.summary_group
+    def summary_groups(self) -> int:
+        return self.page_size // self.summary_group
 
     @property
     def summary_bytes(self) -> int:
-        return self.summary_rows * self.head_dim * 2  # bf16
+        """Device bytes of one page's summary (box + means + mean scales)."""
+        box = 2 * self.bounds * self.head_dim * 2  # bf16
+        if self.summary_format == "bf16":
+            return box + self.summary_groups * self.head_dim * 2
+        return box + self.summary_groups * (self.head_dim + 4)
 
     def device_bytes(self, num_tokens: int) -> int:
-        """Device bytes at a context of num_tokens (pools + summaries of every page)."""
+        """Device bytes at a context of num_tokens (pools, summaries of every page, last selection)."""
         pages = math.ceil(num_tokens / self.page_size)
-        return (self.hot_pages + self.cache_pages) * self.page_bytes + pages * self.summary_bytes
+        return (self.hot_pages + self.cache_pages) * self.page_bytes + pages * self.summary_bytes + 8 * self.topk
 
     @classmethod
     def from_budget(cls, device_bytes: int, max_tokens: int, **kwargs) -> KeyTierConfig:
@@ -117,7 +149,10 @@ class TieredKeys:
         self._cuda = self.device.type == "cuda"
         self.host = PagePool(initial_pages, c.page_size, c.head_dim, c.key_format, torch.device("cpu"), self._cuda)
         self.dev = PagePool(c.hot_pages + c.cache_pages, c.page_size, c.head_dim, c.key_format, self.device)
-        self.summary = torch.zeros(initial_pages, c.summary_rows, c.head_dim, dtype=torch.bfloat16, device=self.device)
+        self.box: torch.Tensor | None = None  # (P, 2, D) bf16 [lo, hi] with bounds
+        self.means = torch.zeros(0)  # (P, G, D) bf16 or e4m3
+        self.mean_scales: torch.Tensor | None = None  # (P, G) fp32 with summary_format "fp8"
+        self._grow_summary(initial_pages)
         self.num_tokens = 0
         self._slot_of_page = torch.full((initial_pages,), -1, dtype=torch.long)  # cache slot or -1
         self._page_of_slot = torch.full((c.cache_pages,), -1, dtype=torch.long)
@@ -143,8 +178,32 @@ class TieredKeys:
         return max(0, self.num_pages - self.config.hot_pages)
 
     def device_bytes(self) -> int:
-        """Bytes this object holds on the device now."""
-        return self.dev.nbytes + self.summary.numel() * 2
+        """Bytes this object holds on the device now (pools, summaries, last selection)."""
+        held = [self.dev.buf, self.box, self.means, self.mean_scales, self._prev, self._uncertified, self._overlap]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def _grow_summary(self, pages: int) -> None:
+        """Summary rows for at least pages pages: exact at first, then 1/16 more at a time (a decode
+        step adds one page per page_size tokens; a doubling would hold up to 2x the summaries)."""
+        have = self.means.shape[0] if self.means.dim() == 3 else 0
+        if pages <= have:
+            return
+        cap = pages if have == 0 else max(pages, have + max(16, have // 16))
+        c, dev = self.config, self.device
+
+        def grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            new = torch.zeros(cap, *shape, dtype=dtype, device=dev)
+            if old is not None and have:
+                new[:have] = old
+            return new
+
+        if c.bounds:
+            self.box = grown(self.box, (2, c.head_dim), torch.bfloat16)
+        fp8 = c.summary_format == "fp8"
+        self.means = grown(self.means if have else None, (c.summary_groups, c.head_dim),
+                           torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        if fp8:
+            self.mean_scales = grown(self.mean_scales, (c.summary_groups,), torch.float32)
 
     def _grow(self, pages: int) -> None:
         if pages <= self.host.num_pages:
@@ -152,10 +211,6 @@ class TieredKeys:
         cap = max(pages, 2 * self.host.num_pages)
         self._sync()  # write-through copies into the old pool must land before it is copied
         self.host.grow(cap)
-        c = self.config
-        summary = torch.zeros(cap, c.summary_rows, c.head_dim, dtype=torch.bfloat16, device=self.device)
-        summary[: self.summary.shape[0]] = self.summary
-        self.summary = summary
         slot = torch.full((cap,), -1, dtype=torch.long)
         slot[: self._slot_of_page.shape[0]] = self._slot_of_page
         self._slot_of_page = slot
@@ -170,6 +225,7 @@ class TieredKeys:
         old, new = self.num_tokens, self.num_tokens + keys.shape[0]
         p0, p1 = old // ps, math.ceil(new / ps)
         self._grow(p1)
+        self._grow_summary(new // ps)  # summaries of full pages only
         if new % ps and p1 - p0 == 1:  # decode: the tokens stay in the partial page, only the ring changes
             self.dev.write_run(p0 % hot, old - p0 * ps, keys, scales)
             self.num_tokens = new
@@ -185,12 +241,23 @@ class TieredKeys:
             if self._written is not None:
                 self._written.record()
             dq = span.dequantized(torch.arange(full, device=self.device))  # (full, ps, D)
-            self.summary[p0:p0 + full] = summarize_pages(dq, self.config.summary_group, self.config.bounds)
+            self._summarize(p0, summarize_pages(dq, self.config.summary_group, self.config.bounds))
             self._counts["bytes_d2h"] += full * self.config.page_bytes
         first_hot = max(p0, p1 - hot)
         ring = torch.arange(first_hot, p1, device=self.device)
         self.dev.buf[ring % hot] = span.buf[ring - p0]
         self.num_tokens = new
+
+    def _summarize(self, p0: int, rows: torch.Tensor) -> None:
+        """Store summarize_pages rows (P, 2 * bounds + G, D) bf16 of pages p0.. in the summary format."""
+        c, n = self.config, rows.shape[0]
+        if c.bounds:
+            self.box[p0:p0 + n] = rows[:, :2]
+            rows = rows[:, 2:]
+        if c.summary_format == "bf16":
+            self.means[p0:p0 + n] = rows
+        else:
+            self.means[p0:p0 + n], self.mean_scales[p0:p0 + n] = quantize_means(rows)
 
     def read(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stored keys of positions (n,) from whichever tier holds them: ((n, D), (n,) or None)."""
@@ -256,11 +323,11 @@ class TieredKeys:
         c = self.config
         if n_cold == 0:
             return torch.zeros(0, dtype=torch.long), None, None
-        summary = self.summary[:n_cold]  # (P, R, D)
-        bound = page_upper_bounds(q, w, summary) if c.bounds else None  # (P,)
+        bound = page_upper_bounds(q, w, self.box[:n_cold]) if c.bounds else None  # (P,)
         if c.candidate_pages >= n_cold or self.num_tokens <= c.topk:
             return torch.arange(n_cold), None, None
-        rank = bound if c.ranking == "bound" else page_estimates(q, w, summary[:, 2 * c.bounds:])
+        scales = None if self.mean_scales is None else self.mean_scales[:n_cold]
+        rank = bound if c.ranking == "bound" else page_estimates(q, w, self.means[:n_cold], scales)
         top = torch.topk(rank, c.candidate_pages).indices  # (C,) device
         chosen = None
         if bound is not None:

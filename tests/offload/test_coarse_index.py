@@ -16,7 +16,9 @@ from hearth.offload.coarse_index import (
     PagePool,
     TopkMerger,
     exact_scores,
+    page_estimates,
     page_upper_bounds,
+    quantize_means,
     select_prefill,
     summarize_pages,
 )
@@ -84,6 +86,24 @@ def test_group_means() -> None:
     means = summarize_pages(x, group=8, bounds=False)
     assert means.shape == (3, 2, 128)
     torch.testing.assert_close(means.float(), x.view(3, 2, 8, 128).mean(2), rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_means_estimate_like_float_means() -> None:
+    """e4m3 means with a scale per mean: within e4m3 rounding of the float means (a zero mean stays
+    zero), and page estimates within a few percent of the float ones."""
+    g = torch.Generator().manual_seed(2)
+    means = torch.randn(37, 4, 128, generator=g) * torch.rand(37, 4, 1, generator=g) * 5
+    means[3, 1] = 0
+    m8, scale = quantize_means(means)
+    assert m8.dtype == torch.float8_e4m3fn and m8.shape == means.shape and scale.shape == (37, 4)
+    back = m8.float() * scale[..., None]
+    assert torch.equal(back[3, 1], torch.zeros(128))
+    err = (back - means).abs() / means.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    assert float(err.max()) <= 2**-4  # half an e4m3 step at the top of the range, relative to the absmax
+    q, w = torch.randn(8, 128, generator=g), torch.rand(8, generator=g)
+    want = page_estimates(q, w, means)
+    got = page_estimates(q, w, m8, scale)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("history,q_len,topk", [(0, 5, 8), (63, 9, 16), (200, 40, 4096), (130, 17, 64)])

@@ -72,13 +72,15 @@ def clustered_keys(n: int, heads: int, seed: int, centroids: int = 256) -> tuple
     return keys.to(torch.bfloat16), q, torch.rand(heads, generator=g) - 0.2
 
 
-def test_recall_on_clustered_keys_at_a_realistic_budget() -> None:
-    """32K tokens, k = 512, 64 candidate pages of 64 (8 k tokens, 1/8 of the context)."""
+@pytest.mark.parametrize("summary_format", ["fp8", "bf16"])
+def test_recall_on_clustered_keys_at_a_realistic_budget(summary_format: str) -> None:
+    """32K tokens, k = 512, the default 64 candidate pages of 64 (8 k tokens, 1/8 of the context)."""
     n, k = 32768, 512
     recalls = []
     for seed in range(4):
         keys, q, w = clustered_keys(n, 16, seed)
-        cfg = KeyTierConfig(page_size=64, key_format="bf16", cache_pages=64, candidate_pages=64, topk=k)
+        cfg = KeyTierConfig(page_size=64, key_format="bf16", topk=k, summary_format=summary_format)
+        assert cfg.candidate_pages == cfg.cache_pages == 64
         tiers = TieredKeys(cfg, CPU)
         tiers.append(keys)
         ref = engine_select(q[None], w[None], keys, 1, k)
@@ -164,6 +166,26 @@ def test_streamed_prefill_matches_engine(fmt: str) -> None:
         tiers.append(k_stored[history:], new_scales)  # the chunk's own keys join the request first
         got = select_prefill(q, w, k_stored[history:], new_scales, history, 70, chunks)
         assert torch.equal(got, engine_select(q, w, k_deq, 21, 70))
+
+
+@pytest.mark.parametrize("summary_format,bounds", [("fp8", False), ("fp8", True), ("bf16", True)])
+def test_device_bytes_follow_the_context(summary_format: str, bounds: bool) -> None:
+    """Device bytes: pools + summaries of the full pages (exact after one append, then at most
+    1/16 spare) + the last selection; the config's estimate agrees."""
+    cfg = KeyTierConfig(page_size=16, key_format="fp8", hot_pages=2, topk=64, summary_group=4,
+                        summary_format=summary_format, bounds=bounds)
+    assert cfg.candidate_pages == cfg.cache_pages == 8 * 64 // 16
+    means = 4 * (128 + 4) if summary_format == "fp8" else 4 * 128 * 2  # e4m3 + fp32 scale per mean | bf16
+    assert cfg.summary_bytes == 2 * 128 * 2 * bounds + means
+    k8 = torch.randn(5000, 128).to(torch.float8_e4m3fn)
+    tiers = TieredKeys(cfg, CPU, initial_pages=1)
+    tiers.append(k8[:3200], torch.ones(3200))
+    tiers.select(torch.randn(4, 128), torch.rand(4))
+    assert tiers.device_bytes() == cfg.device_bytes(3200) + 16  # + two scalar counters
+    for i in range(3200, 5000):  # decode appends grow the summaries by 1/16 at a time
+        tiers.append(k8[i:i + 1], torch.ones(1))
+    assert tiers.means.shape[0] <= 5000 // 16 * 17 // 16 + 16
+    assert tiers.device_bytes() <= cfg.device_bytes(5000) * 17 // 16 + 16
 
 
 def test_from_budget_fits() -> None:
