@@ -26,6 +26,7 @@ Routing (--routing, both by default):
 
     python bench/bench_runahead.py [--moe-layers 3] [--concurrency 1 4 8 16 32] [--tokens 8]
         [--cache-fraction 0.25 0.5] [--routing uniform skewed] [--budget-s 300] [--small]
+        [--max-lead LAYERS] [--fetch-depth EXPERTS]
 
 The host store is built once and the dense model once per routing; each (cache fraction, routing,
 concurrency, scheduler) gets a fresh expert cache, cache fractions outermost. --budget-s skips the
@@ -196,6 +197,8 @@ def run_case(engine: Engine, concurrency: int, tokens: int, prompt_len: int) -> 
     stamps = {i: [] for i in ids}
     out = {i: [] for i in ids}
     engine.runner.expert_cache.reset_stats()
+    if engine.decoder is not None:  # per-case counters (the warm-up ran on the same decoder)
+        engine.decoder.micro_steps = engine.decoder.expert_steps = engine.decoder.waits = engine.decoder.deferred = 0
     start = time.perf_counter()
     while engine.has_unfinished():
         for event in engine.step():
@@ -216,6 +219,10 @@ def run_case(engine: Engine, concurrency: int, tokens: int, prompt_len: int) -> 
         "gb_fetched": stats.get("bytes_fetched", 0) / 1e9,
         "link_floor_s": stats.get("bytes_fetched", 0) / (LINK_GBPS * 1e9),
         "elapsed_s": elapsed,
+        **({} if engine.decoder is None else {
+            "attention_steps": engine.decoder.micro_steps - engine.decoder.expert_steps,
+            "expert_steps": engine.decoder.expert_steps, "waits": engine.decoder.waits,
+            "deferred": engine.decoder.deferred}),
     }
 
 
@@ -228,6 +235,9 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
                                 max_num_batched_tokens=4096)
         runner = SyntheticRunner(config, config_e, store, slots, model)
         engine = Engine(runner, tokenizer, config_e)
+        if engine.decoder is not None:
+            engine.decoder.max_lead = args.max_lead or engine.decoder.max_lead
+            engine.decoder.fetch_depth = args.fetch_depth
         run_case(engine, min(concurrency, 2), 2, args.prompt_len)  # warm-up (kernels, allocator)
         probe = RoutingProbe(model) if scheduler == "sync" else None
         if probe is not None:
@@ -250,6 +260,9 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
         print(f"{tag} {scheduler:9s} {r['tok_s']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:7.1f} ms "
               f"p99 {r['itl_p99_ms']:7.1f} ms  hit {r['hit_rate']:.2f}  fetched {r['gb_fetched']:6.2f} GB "
               f"(link floor {r['link_floor_s']:.2f} s of {r['elapsed_s']:.2f} s)", flush=True)
+        if "expert_steps" in r:
+            print(f"{tag} {scheduler:9s} micro-steps: {r['attention_steps']} attention, {r['expert_steps']} experts, "
+                  f"{r['waits']} waits, {r['deferred']} attention batches held back", flush=True)
     summary = {"routing": routing, "cache_fraction": fraction, "concurrency": concurrency, "same_tokens": same,
                **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in row.items()}}
     if "sync" in row and "reuse" in row["sync"]:
@@ -281,6 +294,8 @@ def main() -> None:
     parser.add_argument("--routing", choices=["uniform", "skewed"], nargs="+", default=["uniform", "skewed"])
     parser.add_argument("--schedulers", choices=SCHEDULERS, nargs="+", default=list(SCHEDULERS))
     parser.add_argument("--budget-s", type=float, default=None, help="skip configurations after this many seconds")
+    parser.add_argument("--max-lead", type=int, default=None, help="runahead lead bound in layers (default one token)")
+    parser.add_argument("--fetch-depth", type=int, default=None, help="runahead copies kept queued (default ~384 MB)")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()

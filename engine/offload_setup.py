@@ -20,6 +20,7 @@ from hearth.kernels.moe import fused_moe, moe_reference
 from hearth.offload.expert_cache import POLICIES, EvictionPolicy, ExpertCache, ExpertLease, Key
 from hearth.offload.expert_store import ExpertStore
 from hearth.offload.experts import OffloadedExperts
+from hearth.offload.fetch_plan import MISSING
 from hearth.offload.planner import MemoryPlan, MemoryPlanError, footprint_from_tensor_bytes, plan_memory, probe_memory
 
 
@@ -92,8 +93,12 @@ class PlannedEviction(EvictionPolicy):
         return sorted(ranked, key=self.plan.tier)[:n]
 
 
+FETCH_AHEAD_BYTES = 384 << 20  # copies kept queued by the runahead decoder: about 7 ms at 55 GB/s
+
+
 class CacheResidency:
-    """The runahead decoder's view of an ExpertCache (see hearth.engine.runahead.Residency)."""
+    """The runahead decoder's view of an ExpertCache (see hearth.engine.runahead.Residency). A handle
+    is a one-expert :class:`ExpertLease`."""
 
     def __init__(self, cache: ExpertCache, use_kernel: bool, plan: EvictionPlan | None = None) -> None:
         self.cache = cache
@@ -103,35 +108,49 @@ class CacheResidency:
     def plan(self, layer: int, tiers: dict[int, int]) -> None:
         self.eviction_plan.tiers[layer] = tiers
 
-    def acquire(self, layer: int, experts: list[int]) -> ExpertLease:
-        return self.cache.acquire(layer, experts)  # CacheFullError is a RuntimeError
+    def fetch_depth(self) -> int:
+        return max(2, -(-FETCH_AHEAD_BYTES // self.cache.buffer.shape[1]))
 
-    def is_ready(self, lease: ExpertLease) -> bool:
-        return all(lease.ready) or all(event.query() for event in lease.events)
+    def is_free(self, layer: int, experts: list[int]) -> list[bool]:
+        return [state != MISSING for state in self.cache.lookup(layer, experts)]
 
-    def wait_any(self, leases: list[ExpertLease]) -> None:
-        for lease in leases:
-            if lease.events:
-                lease.events[0].synchronize()
+    def acquire(self, layer: int, experts: list[int]) -> list[ExpertLease]:
+        lease = self.cache.acquire(layer, experts)  # CacheFullError is a RuntimeError
+        events = lease.expert_events or [None] * len(experts)
+        # NOTE: the cache releases a lease by its slots, so one lease per expert lets each expert go
+        # back as soon as its last pair is computed; the parent lease is never released itself.
+        return [ExpertLease(layer, [e], [slot], [ready], [event] if event is not None else [], [event])
+                for e, slot, ready, event in zip(lease.experts, lease.slots, lease.ready, events)]
+
+    def has_landed(self, handle: ExpertLease) -> bool:
+        event = handle.expert_events[0]
+        if handle.ready[0] or event is None or event.query():
+            handle.ready[0] = True
+            return True
+        return False
+
+    def wait_any(self, handles: list[ExpertLease]) -> None:
+        for handle in handles:
+            if not handle.ready[0] and handle.expert_events[0] is not None:
+                handle.expert_events[0].synchronize()
                 return
 
-    def release(self, lease: ExpertLease) -> None:
-        self.cache.release(lease)
+    def release(self, handle: ExpertLease) -> None:
+        self.cache.release(handle)
 
-    def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                leases: list[ExpertLease]) -> torch.Tensor:
-        rows = []
-        for lease, row in zip(leases, ids.tolist()):
-            lease.wait()
-            slot_of = dict(zip(lease.experts, lease.slots))
-            rows.append([slot_of[e] for e in row])
-        slot_ids = torch.tensor(rows, dtype=torch.int32).to(x.device, non_blocking=True)
+    def compute(self, layer: int, x: torch.Tensor, handles: list[ExpertLease], weights: torch.Tensor) -> torch.Tensor:
+        del layer  # the slots say where the experts are
+        for handle in handles:
+            handle.wait()  # no-op once landed; keeps the read after the copy if called early
+        slots = torch.tensor([h.slots[0] for h in handles], dtype=torch.int32, pin_memory=x.is_cuda)
+        slot_ids = slots.to(x.device, non_blocking=True).unsqueeze(1)  # (P, 1)
         w = self.cache.weights
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (P, D)
         if self.use_kernel:
-            out = fused_moe(x, slot_ids, weights, w.w13, w.w2, w.s13, w.s2)
+            fused_moe(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, out=out)
         else:
-            out = moe_reference(x, slot_ids, weights, w.w13, w.w2, w.s13, w.s2)
-        return out.to(x.dtype)
+            out += moe_reference(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2)
+        return out
 
 
 class PrefetchingExperts:

@@ -1,38 +1,47 @@
 """Runahead decoding: requests whose experts are resident run ahead to later layers while others
 wait for their expert fetches.
 
-Each decoding request has one token "in flight" at some (layer, phase). A micro-step picks one
-(layer, phase) group and runs, as one batch, the requests waiting there that are ready:
-- phase "attn": input norm + attention (+ indexer) + residual, post-attention norm; a dense layer's
-  MLP runs right away, an MoE layer routes and asks the expert cache for the chosen experts
-  (fetches start on the copy stream; the lease keeps them from being evicted until used);
-- phase "moe": routed experts from the leased cache slots + shared experts + residual, for the
-  requests whose fetches have landed.
-A request that finishes its last layer gets logits; the engine samples and starts its next token at
-layer 0 at once, without waiting for the others. So the link only carries experts that requests
-really need, while the GPU computes the requests that are ready.
+Each decoding request has one token "in flight" at some (layer, phase). A micro-step runs one of:
+- *attention* at a layer, as one batch, for the requests waiting there that may start it (input norm +
+  attention (+ indexer) + residual, post-attention norm; a dense layer's MLP runs right away, an MoE
+  layer routes and computes its shared experts, and the request's (token, k) pairs wait for their
+  routed experts);
+- *experts* at a layer: every waiting pair of that layer whose expert is on the GPU now, whichever
+  request it belongs to, in one routed-experts call. Each pair gets its own fp32 row; a request whose
+  last pair is done sums its rows over k in order 0..K-1 (as the layer-synchronous backend does, so
+  greedy tokens do not depend on when each expert arrived), adds the shared experts and the residual
+  and moves to the next layer.
+So a request whose experts are partly resident computes the resident part at once and each fetched
+expert when its copy lands, one fetched expert serves every waiting request of that layer that needs
+it, and a request whose experts are all resident runs ahead. A request that finishes its last layer
+gets logits; the engine samples and starts its next token at layer 0 at once.
 
 Progress is counted in *rounds* (the decoder's own token count, shared by all requests: a request
-joins at the round of the most lagging one) times layers plus the layer, so a request that joined
-late is not treated as lagging for its whole life.
+joins at the round of the most lagging one) times layers plus the layer.
 
-Choice of group: the group holding the most lagging ready request, which bounds every request's
-wait: nothing overtakes a ready request forever. All requests ready at that (layer, phase) join the
-batch, so shared weights are read once. With every expert resident this is plain layer-by-layer
-batching.
+Choice of micro-step: the one holding the most lagging request (experts before attention at equal
+progress), which bounds every request's wait. Attention batches every request that may start that
+layer, so shared weights are read once per batch; with every expert resident this is plain
+layer-by-layer batching. *Self-balancing*: attention of requests that ran ahead is held back while
+requests behind them are still coming and the link has at least ``fetch_depth`` copies of known needs
+to carry (starting the layer early would reveal nothing the link could use sooner), because one
+attention per request costs about a whole batch's weight reads and kernel launches.
 
 Cache cooperation:
+- *Holding*: an expert a waiting pair needs is held (reference-counted in the cache, so never
+  evicted) from when it is resident or its copy is queued until the last pair needing it at that
+  layer is computed; then it is released at once, which frees room for the next fetches.
+- *Fetch order and depth*: experts that are resident or already in flight are held as soon as a
+  request routes to them. Missing ones are fetched in the scheduler's order (most lagging request
+  first, then most waiting pairs first), and only ``fetch_depth`` copies are queued on the link at a
+  time: the copy stream is first-in first-out, so a deeper queue would let requests that ran ahead
+  put their copies in front of a lagging request's.
 - *Lead bound*: a request may start a layer only while it is fewer than ``max_lead`` layers ahead of
-  the most lagging request (default: one token). With the default, every layer's expert pool sees
-  the requests' tokens in round order, as the layer-synchronous scheduler does, so a request running
-  ahead cannot evict the experts a lagging one is about to use for the same token.
-- *Eviction plan*: before any acquisition at a layer, the residency is told which experts of that
-  layer requests still expect to use there: tier 2 for experts of requests that routed and wait for
-  cache room (leased experts are pinned by their reference counts anyway), tier 1 for the experts
-  each request that has not reached the layer yet used there on its previous token (a sequence
-  reuses experts across nearby tokens). Eviction takes tier 0 first, then 1, then 2.
-- *Fetch order*: acquisitions go lagging-first, so the copy stream carries the most lagging
-  request's experts first.
+  the most lagging request (default: one token), so a request running ahead cannot evict the
+  experts a lagging one is about to use for the same token.
+- *Eviction plan*: before fetching at a layer, the residency is told which experts of that layer
+  requests still expect there: tier 2 for experts that routed requests wait for, tier 1 for the
+  experts each request that has not reached the layer yet used there on its previous token.
 """
 
 from __future__ import annotations
@@ -50,26 +59,35 @@ NEEDED, PREDICTED = 2, 1  # eviction-plan tiers (0: nobody expects the expert)
 
 
 class Residency(Protocol):
-    """What runahead needs from an expert cache."""
+    """What runahead needs from an expert cache, one expert at a time. A *handle* holds one expert of
+    one layer in the cache until released."""
 
     def plan(self, layer: int, tiers: dict[int, int]) -> None:
         """Experts of ``layer`` that requests still expect to use there, expert -> tier (1 or 2);
         eviction in that layer takes unlisted experts first, then tier 1, then tier 2. Replaces the
-        layer's previous plan; called before every acquisition in the layer."""
+        layer's previous plan; called before fetching in the layer."""
 
-    def acquire(self, layer: int, experts: list[int]):  # -> lease, or raises when the pool is full
-        ...
+    def fetch_depth(self) -> int:
+        """How many copies to keep queued on the link: enough to cover one micro-step."""
 
-    def is_ready(self, lease) -> bool: ...
+    def is_free(self, layer: int, experts: list[int]) -> list[bool]:
+        """For each expert: can it be held without a new copy (resident, or its copy already queued)?"""
 
-    def wait_any(self, leases: list) -> None:
-        """Block until at least one of the leases (the first ones matter most) may have become ready."""
+    def acquire(self, layer: int, experts: list[int]) -> list:
+        """One handle per expert, copies of missing ones queued in the given order; raises RuntimeError
+        (and holds nothing) when the layer's pool has no room."""
 
-    def release(self, lease) -> None: ...
+    def has_landed(self, handle) -> bool:
+        """Is the expert on the device now (its copy done)? Never blocks."""
 
-    def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                leases: list) -> torch.Tensor:
-        """Routed experts of x (T, D) given (T, K) ids/weights, row t served from leases[t]."""
+    def wait_any(self, handles: list) -> None:
+        """Block until the first of ``handles`` (in the order their copies were queued) may have landed."""
+
+    def release(self, handle) -> None: ...
+
+    def compute(self, layer: int, x: torch.Tensor, handles: list, weights: torch.Tensor) -> torch.Tensor:
+        """Pair rows: x (P, D), the expert of each row, weights (P,) fp32 -> (P, D) fp32, row p =
+        weights[p] * expert_p(x[p]) (each row independent of the others)."""
 
 
 @dataclass
@@ -82,11 +100,13 @@ class Flight:
     hidden: torch.Tensor  # (1, D) residual stream
     round: int  # the decoder's token round of this token (comparable across requests)
     layer: int = 0
-    phase: str = "attn"
-    normed: torch.Tensor | None = None
-    routing: tuple[torch.Tensor, torch.Tensor] | None = None
-    experts: list[int] | None = None  # distinct routed experts of the current layer, once routed
-    lease: object | None = None
+    phase: str = "attn"  # "attn": waits to start the layer; "moe": routed, waits for its experts
+    normed: torch.Tensor | None = None  # (1, D) MoE input
+    weights: torch.Tensor | None = None  # (1, K) fp32 routing weights
+    experts: list[int] | None = None  # (K,) routed experts of the current layer, once routed
+    todo: list[int] | None = None  # k of the pairs not computed yet
+    rows: torch.Tensor | None = None  # (K, D) fp32: pair k's weighted expert output
+    shared: torch.Tensor | None = None  # (1, D) shared experts' output (or None)
     selection: torch.Tensor | None = None  # last full indexer layer's top-k, for shared layers
     seq_slice: SeqSlice | None = None  # the token's cache slots, built once and reused by every layer
 
@@ -102,12 +122,12 @@ class RunaheadDecoder:
     """Holds the flights and runs one micro-step at a time (see the module docstring).
 
     ``max_lead``: how many layers a request may be ahead of the most lagging one when it starts a
-    layer (None: one token, ``num_hidden_layers``). Smaller keeps requests closer together; larger
-    lets them run further ahead at the risk of evicting experts lagging requests still need.
+    layer (None: one token, ``num_hidden_layers``). ``fetch_depth``: copies kept queued on the link
+    (None: the residency's choice).
     """
 
     def __init__(self, model: DeepseekForCausalLM, cache: PagedCache, residency: Residency | None,
-                 device: torch.device, max_lead: int | None = None) -> None:
+                 device: torch.device, max_lead: int | None = None, fetch_depth: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.residency = residency
@@ -117,10 +137,15 @@ class RunaheadDecoder:
         self.max_lead = max_lead or self.num_layers
         if self.max_lead < 1:
             raise ValueError(f"max_lead must be at least 1 layer, got {max_lead}")
-        self.micro_steps = 0
+        self.fetch_depth = fetch_depth
+        self.micro_steps = self.expert_steps = self.waits = self.deferred = 0
+        self._unfetched = 0  # experts waiting pairs need that are neither held nor queued
         self.max_lead_seen = 0  # the largest lead (in layers) a request started a layer with
         self._next_round: dict[str, int] = {}  # request -> round of its next token
         self._used: dict[str, dict[int, list[int]]] = {}  # request -> layer -> experts of its last token
+        self._held: dict[int, dict[int, object]] = {}  # layer -> expert -> handle
+        self._landed: set[tuple[int, int]] = set()  # (layer, expert) held and on the device
+        self._queued: list[tuple[int, int]] = []  # held, not landed yet, in the order copies were queued
 
     def start(self, request_id: str, token_id: int, position: int, block_table: list[int],
               tokens_done: int = 0) -> None:
@@ -133,67 +158,103 @@ class RunaheadDecoder:
         self.flights[request_id] = Flight(request_id, position, block_table, self.model.embed(ids), round_)
 
     def drop(self, request_id: str) -> None:
-        """Forget a request (finished, aborted or preempted), releasing any expert lease it holds."""
+        """Forget a request (finished, aborted or preempted), releasing experts only it was waiting for."""
         self._next_round.pop(request_id, None)
         self._used.pop(request_id, None)
         flight = self.flights.pop(request_id, None)
-        if flight is not None and flight.lease is not None and self.residency is not None:
-            self.residency.release(flight.lease)
+        if flight is not None and flight.phase == "moe":
+            self._release_unneeded(flight.layer)
 
     def __len__(self) -> int:
         return len(self.flights)
 
+    @property
+    def num_held(self) -> int:
+        """Experts held in the cache for waiting pairs (0 when nothing waits)."""
+        return sum(len(held) for held in self._held.values())
+
     @torch.inference_mode()
     def step(self) -> list[tuple[str, torch.Tensor]]:
         """One micro-step; returns (request_id, logits (vocab,)) of requests that finished a token."""
-        self._try_acquire()
-        group = self._pick_group()
-        if not group:
-            waiting = [f.lease for f in self._lagging_first(self.flights.values()) if f.lease is not None]
-            if self.residency is not None and waiting:
-                self.residency.wait_any(waiting)
+        self._hold_and_fetch()
+        kind, layer, group = self._pick()
+        if kind is None:
+            self._wait()
             return []
         self.micro_steps += 1
-        if group[0].phase == "attn":
+        if kind == "attn":
             self.max_lead_seen = max(self.max_lead_seen, max(self._lead(f) for f in group))
             self._run_attention(group)
-        else:
-            self._run_moe(group)
-        return self._finish_tokens(group)
+            return self._finish_tokens(group)
+        self.expert_steps += 1
+        return self._finish_tokens(self._run_experts(layer))
 
     # ---- choosing ---------------------------------------------------------------------------
 
-    def _lagging_first(self, flights) -> list[Flight]:
-        return sorted(flights, key=lambda f: f.progress(self.num_layers))
+    def _floor(self) -> int:
+        return min((f.progress(self.num_layers) for f in self.flights.values()), default=0)
 
     def _lead(self, flight: Flight) -> int:
-        floor = min(f.progress(self.num_layers) for f in self.flights.values())
-        return flight.progress(self.num_layers) - floor
+        return flight.progress(self.num_layers) - self._floor()
 
-    def _is_ready(self, flight: Flight, floor: int) -> bool:
-        if flight.phase == "attn":
-            # NOTE: only starting a layer is bounded; a routed request holding a lease always runs,
-            # so the experts it pins are released and the most lagging request can get cache room.
-            return flight.progress(self.num_layers) - floor < self.max_lead
+    def _waiting(self, layer: int | None = None) -> list[Flight]:
+        """Routed flights with pairs left (at ``layer``, or anywhere)."""
+        return [f for f in self.flights.values() if f.phase == "moe" and (layer is None or f.layer == layer)]
+
+    def _computable(self, flight: Flight) -> list[int]:
+        return [k for k in flight.todo if (flight.layer, flight.experts[k]) in self._landed]
+
+    def _pick(self) -> tuple[str | None, int, list[Flight]]:
+        """The micro-step holding the most lagging request that can run now."""
+        floor = self._floor()
+        best: tuple[int, int] | None = None
+        choice: tuple[str | None, int, list[Flight]] = (None, -1, [])
+        for flight in self.flights.values():
+            if flight.phase == "attn":
+                if flight.progress(self.num_layers) - floor >= self.max_lead:
+                    continue  # NOTE: only starting a layer is bounded; held experts are always computed
+                key = (flight.progress(self.num_layers), 1)
+            elif self._computable(flight):
+                key = (flight.progress(self.num_layers), 0)
+            else:
+                continue
+            if best is None or key < best:
+                best, choice = key, (flight.phase, flight.layer, [])
+        kind, layer, _ = choice
+        if kind != "attn":
+            return choice
+        group = [f for f in self.flights.values() if f.phase == "attn" and f.layer == layer
+                 and f.progress(self.num_layers) - floor < self.max_lead]
+        if self._should_batch(group):
+            self.deferred += 1
+            moe = [f for f in self.flights.values() if f.phase == "moe" and self._computable(f)]
+            if not moe:
+                return None, -1, []
+            lagging = min(moe, key=lambda f: f.progress(self.num_layers))
+            return "moe", lagging.layer, []
+        return kind, layer, group
+
+    def _should_batch(self, group: list[Flight]) -> bool:
+        """Hold ``group``'s attention back for requests behind it that will reach the same layer?
+        Only while the link has at least ``fetch_depth`` copies of known needs to carry: then starting
+        the layer early reveals nothing the link could use sooner, and one batch reads the layer's
+        weights (and launches its kernels) once instead of once per request."""
         if self.residency is None:
-            return True
-        return flight.lease is not None and self.residency.is_ready(flight.lease)
+            return False
+        start = min(f.progress(self.num_layers) for f in group)
+        if not any(f.progress(self.num_layers) < start for f in self.flights.values()):
+            return False  # nobody is behind: the group is the most lagging
+        backlog = len(self._queued) + self._unfetched
+        return bool(self._queued) and backlog >= (self.fetch_depth or self.residency.fetch_depth())
 
-    def _pick_group(self) -> list[Flight]:
-        floor = min((f.progress(self.num_layers) for f in self.flights.values()), default=0)
-        ready = [f for f in self.flights.values() if self._is_ready(f, floor)]
-        if not ready:
-            return []
-        lagging = min(ready, key=lambda f: (f.progress(self.num_layers), f.phase != "moe"))
-        return [f for f in ready if f.layer == lagging.layer and f.phase == lagging.phase]
+    def _wait(self) -> None:
+        """Nothing can run: block until the next queued copy lands (copies land in queue order)."""
+        self._queued = [key for key in self._queued if key[1] in self._held.get(key[0], {})]
+        if self.residency is not None and self._queued:
+            self.waits += 1
+            self.residency.wait_any([self._held[layer][expert] for layer, expert in self._queued])
 
-    def _try_acquire(self) -> None:
-        """Ask the cache for experts of requests that routed but could not get slots yet."""
-        if self.residency is None:
-            return
-        waiting = [f for f in self.flights.values() if f.phase == "moe" and f.lease is None]
-        for layer in sorted({f.layer for f in waiting}):
-            self._acquire_all([f for f in waiting if f.layer == layer])
+    # ---- expert residency ---------------------------------------------------------------------
 
     def _plan(self, layer: int) -> dict[int, int]:
         """Eviction plan of ``layer`` (see the module docstring)."""
@@ -202,21 +263,85 @@ class RunaheadDecoder:
             if flight.before(layer):
                 for expert in self._used.get(flight.request_id, {}).get(layer, ()):
                     tiers[expert] = PREDICTED
-        for flight in self.flights.values():
-            if flight.layer == layer and flight.phase == "moe" and flight.lease is None:
-                for expert in flight.experts:
-                    tiers[expert] = NEEDED
+        for flight in self._waiting(layer):
+            for k in flight.todo:
+                tiers[flight.experts[k]] = NEEDED
         return tiers
 
-    def _acquire_all(self, flights: list[Flight]) -> None:
-        """Leases for routed flights of one layer, most lagging first (that is the copy order)."""
-        layer = flights[0].layer
-        self.residency.plan(layer, self._plan(layer))
-        for flight in self._lagging_first(flights):
-            try:
-                flight.lease = self.residency.acquire(layer, flight.experts)
-            except RuntimeError:  # pool full of experts other requests hold: retry after they run
-                flight.lease = None
+    def _hold_and_fetch(self) -> None:
+        """Hold the experts waiting pairs need: free ones (resident or in flight) at once, then missing
+        ones in priority order while fewer than ``fetch_depth`` copies are queued."""
+        if self.residency is None:
+            return
+        self._refresh_landed()
+        wanted: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, expert) -> (lagging progress, -pairs)
+        for flight in self._waiting():
+            held = self._held.setdefault(flight.layer, {})
+            for k in flight.todo:
+                expert = flight.experts[k]
+                if expert in held:
+                    continue
+                progress, pairs = wanted.get((flight.layer, expert), (flight.progress(self.num_layers), 0))
+                wanted[(flight.layer, expert)] = (min(progress, flight.progress(self.num_layers)), pairs - 1)
+        self._unfetched = len(wanted)
+        if not wanted:
+            return
+        order = sorted(wanted, key=lambda key: (wanted[key], key))
+        layers = list(dict.fromkeys(layer for layer, _ in order))
+        for layer in layers:
+            self.residency.plan(layer, self._plan(layer))
+            experts = [e for l, e in order if l == layer]
+            free = [e for e, is_free in zip(experts, self.residency.is_free(layer, experts)) if is_free]
+            if free and self._take(layer, free):  # no copy needed, so no room beyond their own slots
+                self._unfetched -= len(free)
+        depth = self.fetch_depth or self.residency.fetch_depth()
+        full: set[int] = set()
+        for layer, expert in order:
+            if len(self._queued) >= depth:
+                break
+            if layer in full or expert in self._held[layer]:
+                continue
+            if self._take(layer, [expert]):
+                self._unfetched -= 1
+            else:
+                full.add(layer)  # the pool is held by waiting pairs: retry after some are computed
+
+    def _take(self, layer: int, experts: list[int]) -> bool:
+        try:
+            handles = self.residency.acquire(layer, experts)
+        except RuntimeError:
+            return False
+        for expert, handle in zip(experts, handles):
+            self._held[layer][expert] = handle
+            if self.residency.has_landed(handle):
+                self._landed.add((layer, expert))
+            else:
+                self._queued.append((layer, expert))
+        return True
+
+    def _refresh_landed(self) -> None:
+        still = []
+        for layer, expert in self._queued:
+            handle = self._held.get(layer, {}).get(expert)
+            if handle is None:
+                continue
+            if self.residency.has_landed(handle):
+                self._landed.add((layer, expert))
+            else:
+                still.append((layer, expert))
+        self._queued = still
+
+    def _release_unneeded(self, layer: int) -> None:
+        if self.residency is None:
+            return
+        needed = {f.experts[k] for f in self._waiting(layer) for k in f.todo}
+        held = self._held.get(layer, {})
+        gone = [e for e in held if e not in needed]
+        for expert in gone:
+            self.residency.release(held.pop(expert))
+            self._landed.discard((layer, expert))
+        if gone:
+            self._queued = [key for key in self._queued if key[0] != layer or key[1] in held]
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -241,47 +366,66 @@ class RunaheadDecoder:
     def _run_attention(self, group: list[Flight]) -> None:
         layer = self.model.layers[group[0].layer]
         ctx = self._context(group)
-        hidden = layer.attend(torch.cat([f.hidden for f in group]), ctx)
+        hidden = layer.attend(torch.cat([f.hidden for f in group]), ctx)  # (T, D)
         normed = layer.ffn_input(hidden)
         routing = layer.route(normed)
-        # NOTE: the one host sync of the layer: which experts to fetch is a scheduling decision.
-        chosen = routing[0].tolist() if routing is not None else None
+        if routing is None or self.residency is None:  # dense layer, or every expert resident
+            hidden = layer.ffn(hidden, normed, routing)
         for i, flight in enumerate(group):
             flight.selection = ctx.selections.get(i, flight.selection)
             flight.hidden = hidden[i:i + 1]
-            if routing is None:
-                flight.hidden = layer.ffn(flight.hidden, normed[i:i + 1], None)
-                self._advance(flight)
-                continue
-            flight.normed = normed[i:i + 1]
-            flight.routing = (routing[0][i:i + 1], routing[1][i:i + 1])
-            flight.experts = list(dict.fromkeys(chosen[i]))
-            flight.phase = "moe"
-            self._used.setdefault(flight.request_id, {})[flight.layer] = flight.experts
-        if routing is not None and self.residency is not None:
-            self._acquire_all(group)
-
-    def _run_moe(self, group: list[Flight]) -> None:
-        layer = self.model.layers[group[0].layer]
-        x = torch.cat([f.normed for f in group])
-        ids = torch.cat([f.routing[0] for f in group])
-        weights = torch.cat([f.routing[1] for f in group])
-        if self.residency is None:
-            out = layer.mlp(x, ids, weights)
-        else:
-            out = self.residency.compute(layer.layer, x, ids, weights, [f.lease for f in group])
-            if layer.mlp.shared_experts is not None:
-                out = out + layer.mlp.shared_experts(x)
+        if routing is None or self.residency is None:
             for flight in group:
-                self.residency.release(flight.lease)
+                self._advance(flight)
+            return
+        shared = layer.mlp.shared_experts(normed) if layer.mlp.shared_experts is not None else None
+        # NOTE: the one host sync of the layer: which experts to fetch is a scheduling decision.
+        chosen = routing[0].tolist()
+        k = len(chosen[0])
         for i, flight in enumerate(group):
-            flight.hidden = flight.hidden + out[i:i + 1]
-            self._advance(flight)
+            flight.normed = normed[i:i + 1]
+            flight.weights = routing[1][i:i + 1]
+            flight.experts = chosen[i]
+            flight.todo = list(range(k))
+            flight.rows = torch.zeros((k, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+            flight.shared = shared[i:i + 1] if shared is not None else None
+            flight.phase = "moe"
+            self._used.setdefault(flight.request_id, {})[flight.layer] = list(dict.fromkeys(chosen[i]))
+
+    def _run_experts(self, layer_idx: int) -> list[Flight]:
+        """Every waiting pair of the layer whose expert has landed; returns the flights that advanced."""
+        flights = [(f, ks) for f in self._waiting(layer_idx) if (ks := self._computable(f))]
+        k_total = len(flights[0][0].experts)
+        rows, flat, ks_all, handles = [], [], [], []
+        for i, (flight, ks) in enumerate(flights):
+            for k in ks:
+                rows.append(i)
+                flat.append(i * k_total + k)
+                ks_all.append(k)
+                handles.append(self._held[layer_idx][flight.experts[k]])
+        index = _to_device([rows, flat, ks_all], self.device)  # (3, P)
+        x = torch.cat([f.normed for f, _ in flights])[index[0]]  # (P, D)
+        weights = torch.cat([f.weights for f, _ in flights]).reshape(-1)[index[1]]  # (P,)
+        out = self.residency.compute(layer_idx, x, handles, weights)  # (P, D) fp32
+        start = 0
+        for flight, ks in flights:
+            flight.rows.index_copy_(0, index[2, start:start + len(ks)], out[start:start + len(ks)])
+            flight.todo = [k for k in flight.todo if k not in ks]
+            start += len(ks)
+        self._release_unneeded(layer_idx)
+        done = [f for f, _ in flights if not f.todo]
+        if done:
+            routed = torch.stack([f.rows for f in done]).sum(1).to(done[0].hidden.dtype)  # (T, K, D) -> (T, D)
+            for i, flight in enumerate(done):
+                out_i = routed[i:i + 1] if flight.shared is None else routed[i:i + 1] + flight.shared
+                flight.hidden = flight.hidden + out_i
+                self._advance(flight)
+        return done
 
     def _advance(self, flight: Flight) -> None:
         flight.layer += 1
         flight.phase = "attn"
-        flight.normed = flight.routing = flight.experts = flight.lease = None
+        flight.normed = flight.weights = flight.experts = flight.todo = flight.rows = flight.shared = None
 
     def _finish_tokens(self, group: list[Flight]) -> list[tuple[str, torch.Tensor]]:
         done = [f for f in group if f.layer == self.num_layers]
@@ -292,3 +436,9 @@ class RunaheadDecoder:
             del self.flights[flight.request_id]
             self._next_round[flight.request_id] = flight.round + 1
         return [(f.request_id, logits[i]) for i, f in enumerate(done)]
+
+
+def _to_device(values: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Small int64 host lists on ``device`` without a stream sync (pinned staging on CUDA)."""
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
