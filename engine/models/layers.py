@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.config import RopeConfig
-from hearth.kernels.norm import rms_norm
-from hearth.kernels.rope import apply_rotary as fused_rotary
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -27,8 +25,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not torch.is_grad_enabled():  # inference on the GPU: one fused kernel
-            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -134,13 +130,8 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [N, ..., d] with cos/sin [N, d/2]; computed in fp32, returned in x.dtype. Inference on
-    the GPU runs one fused kernel (hearth.kernels.rope) with the same rounding."""
+    """Rotate x [N, ..., d] with cos/sin [N, d/2]; computed in fp32, returned in x.dtype."""
     shape = x.shape
-    if (x.is_cuda and not torch.is_grad_enabled() and x.dim() in (2, 3) and x.stride(-1) == 1
-            and shape[-1] >= 2 and (shape[-1] // 2) & (shape[-1] // 2 - 1) == 0
-            and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()):
-        return fused_rotary(x, cos, sin, interleaved)
     xf = x.float()
     extra = xf.dim() - 2
     c = cos.view(cos.shape[0], *([1] * extra), cos.shape[-1])
