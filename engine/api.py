@@ -104,6 +104,8 @@ class EngineConfig:
         mainly for tests); "never": with the rest of the model.
     expert_cache_slots: experts per MoE layer held in the cache (None: the planner decides).
     expert_cache_policy: "lru" or "lfu" eviction.
+    host_experts: with offloaded experts, compute a missed expert on the CPU instead of fetching it:
+        "auto" when the start-up probe of link and CPU speed says it finishes sooner, "on", "off".
     gpu_memory_gib / expert_cache_gib / host_memory_gib: caps for the memory planner.
     mli: Multi-layer Indexer: a layer attends the selection of the previous indexer layer while its
         own indexer feeds the next layers (on CUDA it runs on a side stream, overlapping the
@@ -140,6 +142,7 @@ class EngineConfig:
     offload: Literal["auto", "always", "never"] = "auto"
     expert_cache_slots: int | None = None
     expert_cache_policy: Literal["lru", "lfu"] = "lru"
+    host_experts: Literal["auto", "on", "off"] = "auto"
     gpu_memory_gib: float | None = None
     expert_cache_gib: float | None = None
     host_memory_gib: float | None = None
@@ -161,6 +164,8 @@ class EngineConfig:
             raise HearthError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise HearthError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
+        if self.host_experts not in ("auto", "on", "off"):
+            raise HearthError(f"host_experts must be auto, on or off, not {self.host_experts!r}")
         if self.offload not in ("auto", "always", "never"):
             raise HearthError(f"offload must be auto, always or never, not {self.offload!r}")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 1:

@@ -183,9 +183,12 @@ class PrefetchingExperts:
 
 def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placement: Placement,
                    device: torch.device, dtype: torch.dtype, policy: str, prefetch: bool = False,
-                   store: ExpertStore | None = None) -> tuple[ExpertCache, CacheResidency]:
+                   store: ExpertStore | None = None,
+                   host_experts: str = "auto") -> tuple[ExpertCache, CacheResidency]:
     """Fill the host store from the checkpoint (or use ``store``), put a device cache in front,
-    route every MoE layer through it (with the prediction prefetcher when ``prefetch``)."""
+    route every MoE layer through it (with the prediction prefetcher when ``prefetch``).
+    host_experts: compute missed experts on the CPU when measured faster ("auto"), always ("on"),
+    never ("off") — see hearth.offload.cpu_experts."""
     config = model.config
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     if store is None:
@@ -195,7 +198,7 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
                                              proj_names=config.expert_proj_names)
     plan = EvictionPlan()
     cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=plan.policy(policy))
-    backend = OffloadedExperts(cache)
+    backend = OffloadedExperts(cache, host_experts=host_experts)
     routed = PrefetchingExperts(backend, model) if prefetch else backend
     for i in layers:
         model.layers[i].mlp.backend = routed

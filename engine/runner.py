@@ -111,7 +111,7 @@ class ModelRunner:
         if self.placement.offload:
             self.expert_cache, self.residency = attach_offload(
                 self.model, path, self.placement, self.device, self.dtype, config.expert_cache_policy,
-                prefetch=config.scheduler == "prefetch")
+                prefetch=config.scheduler == "prefetch", host_experts=config.host_experts)
         elif self.device.type == "cuda" and config.use_kernels == "auto":
             fused_experts.enable(self.model)  # resident experts: one grouped kernel, no host sync
         self.graphs: DecodeGraphs | None = None

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="routed experts in host RAM behind a GPU cache: auto (if they do not fit), always, never")
     parser.add_argument("--expert-cache-slots", type=int, help="experts per MoE layer kept on the GPU")
     parser.add_argument("--expert-cache-policy", choices=["lru", "lfu"], default="lru")
+    parser.add_argument("--host-experts", choices=["auto", "on", "off"], default="auto",
+                        help="compute missed experts on the CPU when measured faster than fetching them")
     parser.add_argument("--gpu-memory-gib", type=float, help="cap on the GPU memory Hearth plans with")
     parser.add_argument("--expert-cache-gib", type=float, help="GPU memory for the expert cache")
     parser.add_argument("--host-memory-gib", type=float, help="cap on host RAM for the expert store")
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, offload=args.offload,
             expert_cache_slots=args.expert_cache_slots, expert_cache_policy=args.expert_cache_policy,
+            host_experts=args.host_experts,
             gpu_memory_gib=args.gpu_memory_gib, expert_cache_gib=args.expert_cache_gib,
             host_memory_gib=args.host_memory_gib, scheduler=args.scheduler, mli=args.mli, cuda_graphs=args.cuda_graphs,
             index_topk_freq=args.index_topk_freq, index_key_hot_pages=args.index_key_hot_pages,

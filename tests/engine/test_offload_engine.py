@@ -59,3 +59,19 @@ def test_offloaded_experts_of_gqa_models(tiny_models, arch):
                                             expert_cache_slots=3))
     assert _run(engine, PROMPTS[:2]) == expected
     assert engine.stats().extra["expert_cache_misses"] > 0
+
+
+def test_missed_experts_computed_on_the_host(tiny_models):
+    """host_experts="on": missed experts run on the CPU from the host store instead of being fetched;
+    the answer is the resident one (same greedy tokens)."""
+    path = str(tiny_models["deepseek_v32"])
+    expected = _run(Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16)), PROMPTS[:2])
+    engine = Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16, offload="always",
+                                            expert_cache_slots=3, host_experts="on"))
+    assert _run(engine, PROMPTS[:2]) == expected
+    assert engine.runner.expert_stats().get("cpu_computed", 0) > 0
+
+
+def test_host_experts_setting_is_checked():
+    with pytest.raises(HearthError, match="host_experts"):
+        EngineConfig(host_experts="sometimes")
