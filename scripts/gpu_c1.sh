@@ -3,11 +3,8 @@
 # Run there as: bash scripts/gpu_c1.sh   (logs and bench_longctx.json go to $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/hearth-out}"; mkdir -p "$OUT"
 # No network on the device image: expose the repo's folders as the hearth.* namespace via symlinks.
-mkdir -p /tmp/hp/hearth
-for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
-export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 HEARTH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
     tests/offload/test_tiered_keys.py tests/offload/test_tiered_latents.py \

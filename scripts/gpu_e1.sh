@@ -3,12 +3,9 @@
 # Run there as: bash scripts/gpu_e1.sh   (writes logs to $OUT when set)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/hearth-out}"; mkdir -p "$OUT"
 # The device image has torch/triton/transformers but no network: expose the repo's folders as the
 # hearth.* namespace through a symlink farm instead of pip-installing.
-mkdir -p /tmp/hp/hearth
-for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
-export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
 HEARTH_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/engine/test_conformance.py tests/engine/test_engine.py \
     2>&1 | tee "$OUT/e1_cuda.log" | tail -15

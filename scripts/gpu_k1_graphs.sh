@@ -3,10 +3,7 @@
 # benchmark (bench/bench_decode_step.py). Logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/hearth-out}"; mkdir -p "$OUT"
-mkdir -p /tmp/hp/hearth
-for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
-export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 if [ -z "${K1_SKIP_TESTS:-}" ]; then
   HEARTH_TEST_DEVICE=cuda timeout "${K1_TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -x \
       tests/engine/test_cuda_graphs.py tests/engine/test_fused_experts.py tests/engine/test_dsa_kernels_engine.py \

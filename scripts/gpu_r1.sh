@@ -3,10 +3,7 @@
 # uniform and synthetic skewed routing at 25% cache (50% if the time budget allows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/hearth-out}"; mkdir -p "$OUT"
-mkdir -p /tmp/hp/hearth
-for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
-export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 HEARTH_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_runahead.py tests/engine/test_offload_engine.py \
     2>&1 | tee "$OUT/r1_tests.log" | tail -8

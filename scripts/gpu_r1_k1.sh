@@ -2,10 +2,7 @@
 # On the H200: engine conformance with the Triton DSA kernels on, then the runahead benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/hearth-out}"; mkdir -p "$OUT"
-mkdir -p /tmp/hp/hearth
-for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
-export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 HEARTH_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_dsa_kernels_engine.py tests/engine/test_offload_engine.py \
     2>&1 | tee "$OUT/k1_engine.log" | tail -8

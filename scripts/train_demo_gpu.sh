@@ -22,9 +22,7 @@ for f in tokens.npy tokenizer.json tokenizer_config.json; do
     [ -f ".corpus/$f" ] || { echo "missing .corpus/$f: run scripts/fetch_corpus.sh and carry .corpus" >&2; exit 2; }
 done
 # hearth is importable as a namespace package from the work tree (no pip install needed).
-mkdir -p /tmp/hp/hearth
-for d in app engine kernels offload resources; do ln -sfn "$PWD/$d" "/tmp/hp/hearth/$d"; done
-export PYTHONPATH="/tmp/hp:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/gpu_env.sh
 mkdir -p "$OUT/demo_model"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 torch.cuda.get_device_name() if torch.cuda.is_available() else '')"

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearth.engine import Engine, EngineConfig, SamplingParams, TokenDelta
+from hearth.engine import Engine, EngineConfig, SamplingParams
 from hearth.engine.cuda_graphs import batch_buckets
 from hearth.engine.tiny import KERNEL_SHAPES, write_tiny_model
+from tests.engine.conftest import run_to_completion
 
 pytestmark = pytest.mark.gpu
 
@@ -27,14 +28,7 @@ def kernel_model(request, tmp_path_factory):
 
 
 def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    rids = [engine.add_request(prompt_token_ids=p, sampling=sampling) for p in prompts]
-    toks = {r: [] for r in rids}
-    while engine.has_unfinished():
-        for e in engine.step():
-            if isinstance(e, TokenDelta):
-                toks[e.request_id].extend(e.token_ids)
-    return [toks[r] for r in rids]
+    return run_to_completion(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
 
 def test_graph_decode_equals_eager(kernel_model):
