@@ -40,7 +40,7 @@ LOG_FILE = "engine-host.log"
 API_KEY_ENV = "HEARTH_API_KEY"  # the name hearth.engine.server reads (not imported: that pulls in torch)
 OPTIONS = ("served_name", "max_model_len", "max_num_seqs", "device", "dtype", "block_size", "offload",
            "expert_cache_slots", "expert_cache_policy", "gpu_memory_gib", "expert_cache_gib", "host_memory_gib",
-           "scheduler", "mli", "index_topk_freq", "index_key_hot_pages", "latent_hot_rows")
+           "scheduler", "mli", "index_topk_freq", "index_key_hot_pages", "latent_hot_rows", "cuda_graphs")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 _POLL_S = 0.05
 

@@ -158,7 +158,7 @@ class Backend:
             "expert_cache_gib": s.expert_cache_gib, "host_memory_gib": s.host_memory_gib,
             "scheduler": s.scheduler if s.scheduler != "sync" else None, "mli": True if s.mli else None,
             "index_topk_freq": s.index_topk_freq, "index_key_hot_pages": s.index_key_hot_pages,
-            "latent_hot_rows": s.latent_hot_rows,
+            "latent_hot_rows": s.latent_hot_rows, "cuda_graphs": None if s.cuda_graphs else False,
         }.items() if value is not None}
 
     def _server_name(self, choice: ModelChoice) -> str:

@@ -103,11 +103,14 @@ class SettingsTab(QWidget):
         self.scheduler.addItems(["sync", "runahead"])
         self.scheduler.setToolTip("runahead: requests whose experts are on the GPU run ahead while others wait")
         self.mli = QCheckBox("Multi-layer Indexer (DSA models)", box)
+        self.cuda_graphs = QCheckBox("Replay decode steps from CUDA graphs (GPU)", box)
+        self.cuda_graphs.setToolTip("Off: every decode step launches its kernels one by one (slower; for debugging)")
         self.index_topk_freq = _count_box(box, "IndexCache: keep an indexer every N layers (0 = as shipped)")
         self.key_pages = _count_box(box, "Indexer-key pages per request kept on the GPU (0 = all)")
         self.latent_rows = _count_box(box, "Latent rows per request and layer kept on the GPU (0 = all)")
         form.addRow("Scheduler", self.scheduler)
         form.addRow("", self.mli)
+        form.addRow("", self.cuda_graphs)
         form.addRow("Indexer retention", self.index_topk_freq)
         form.addRow("GPU key pages", self.key_pages)
         form.addRow("GPU latent rows", self.latent_rows)
@@ -152,6 +155,7 @@ class SettingsTab(QWidget):
         self.theme.setCurrentText(settings.theme)
         self.scheduler.setCurrentText(settings.scheduler)
         self.mli.setChecked(settings.mli)
+        self.cuda_graphs.setChecked(settings.cuda_graphs)
         self.index_topk_freq.setValue(settings.index_topk_freq or 0)
         self.key_pages.setValue(settings.index_key_hot_pages or 0)
         self.latent_rows.setValue(settings.latent_hot_rows or 0)
@@ -163,7 +167,7 @@ class SettingsTab(QWidget):
             gpu_memory_gib=self.gpu_memory.value() or None, expert_cache_gib=self.expert_cache.value() or None,
             context_length=self.context_length.value(), backend_url=self.backend_url.text().strip() if remote else None,
             hf_endpoint=self.endpoint.text().strip() or "https://huggingface.co", theme=self.theme.currentText(),
-            scheduler=self.scheduler.currentText(), mli=self.mli.isChecked(),
+            scheduler=self.scheduler.currentText(), mli=self.mli.isChecked(), cuda_graphs=self.cuda_graphs.isChecked(),
             index_topk_freq=self.index_topk_freq.value() or None, index_key_hot_pages=self.key_pages.value() or None,
             latent_hot_rows=self.latent_rows.value() or None)
 

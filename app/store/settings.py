@@ -51,6 +51,7 @@ class Settings:
     mli: Multi-layer Indexer on DSA models. index_topk_freq: IndexCache retention (an indexer every
     N layers; None = as the model ships). index_key_hot_pages / latent_hot_rows: long-context tiers
     (indexer-key pages / latent rows kept on the GPU per request; None = everything on the GPU).
+    cuda_graphs: replay decode steps from CUDA graphs on the GPU (off = every step runs eagerly).
     """
 
     hf_endpoint: str = DEFAULT_ENDPOINT
@@ -69,6 +70,7 @@ class Settings:
     index_topk_freq: int | None = None
     index_key_hot_pages: int | None = None
     latent_hot_rows: int | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -111,6 +113,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "index_topk_freq": (int, type(None)),
     "index_key_hot_pages": (int, type(None)),
     "latent_hot_rows": (int, type(None)),
+    "cuda_graphs": (bool,),
 }
 
 

@@ -131,6 +131,8 @@ def test_settings_persist_across_restarts(qtbot, windows):
     tab.theme.setCurrentText("dark")
     tab.scheduler.setCurrentText("runahead")
     tab.mli.setChecked(True)
+    assert tab.cuda_graphs.isChecked()  # on by default
+    tab.cuda_graphs.setChecked(False)
     tab.key_pages.setValue(8)
     tab.latent_rows.setValue(4096)
     qtbot.mouseClick(tab.save_button, Qt.MouseButton.LeftButton)
@@ -139,13 +141,15 @@ def test_settings_persist_across_restarts(qtbot, windows):
 
     expected = Settings(gpu_memory_gib=20.0, expert_cache_gib=6.5, context_length=32768,
                         backend_url="http://gpu-box:8000/v1", hf_endpoint="https://hf-mirror.example", theme="dark",
-                        scheduler="runahead", mli=True, index_key_hot_pages=8, latent_hot_rows=4096)
+                        scheduler="runahead", mli=True, index_key_hot_pages=8, latent_hot_rows=4096,
+                        cuda_graphs=False)
     assert load_settings() == expected == saved[0]
     again = windows.track(SettingsTab(load_settings()))
     assert again.gpu_memory.value() == 20.0 and again.expert_cache.value() == 6.5
     assert again.backend_kind.currentIndex() == 1 and again.backend_url.text() == "http://gpu-box:8000/v1"
     assert again.theme.currentText() == "dark" and again.context_length.value() == 32768
     assert again.scheduler.currentText() == "runahead" and again.mli.isChecked() and again.key_pages.value() == 8
+    assert not again.cuda_graphs.isChecked()
     again.gpu_memory.setValue(0.0)  # "auto"
     again.backend_kind.setCurrentIndex(0)
     again.save()

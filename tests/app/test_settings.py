@@ -89,9 +89,10 @@ def test_long_context_settings_reach_the_engine_options(tmp_path, monkeypatch):
     from hearth.app.gui.backend import Backend, ModelChoice
 
     settings = Settings(scheduler="runahead", mli=True, index_topk_freq=2, index_key_hot_pages=4,
-                        latent_hot_rows=512, gpu_memory_gib=10.0)
+                        latent_hot_rows=512, gpu_memory_gib=10.0, cuda_graphs=False)
     options = Backend(settings)._engine_options(ModelChoice("m", str(tmp_path), False, 4096))
     assert options == {"max_model_len": 4096, "gpu_memory_gib": 10.0, "scheduler": "runahead", "mli": True,
-                       "index_topk_freq": 2, "index_key_hot_pages": 4, "latent_hot_rows": 512}
+                       "index_topk_freq": 2, "index_key_hot_pages": 4, "latent_hot_rows": 512, "cuda_graphs": False}
+    assert "cuda_graphs" not in Backend(Settings())._engine_options(ModelChoice("m", str(tmp_path), False, 4096))
     with pytest.raises(SettingsError):
         Settings(scheduler="fast")
