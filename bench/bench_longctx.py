@@ -9,12 +9,16 @@ Sections, each printed as it finishes (bench.md row format) and written to DIR/b
   1. one layer of decode (indexer + top-k + sparse MLA) per context: (a) all on the GPU with the Triton
      kernels (indexer_decode_topk over the full paged FP8 key cache, sparse_mla_decode over the FP8
      latent cache), eager and in a CUDA graph; (b) tiered keys + tiered latents per budget
-     (candidate_pages:hot_rows:cache_pages:summary_format): coarse stage in torch, fine stage with the
-     same Triton indexer over the device page cache, sparse_mla_decode reading the latent hot buffer.
+     (candidate_pages:hot_rows:cache_pages:summary_format[:lag]): coarse stage in torch, fine stage with
+     the same Triton indexer over the device page cache, sparse_mla_decode reading the latent hot buffer.
      The tiered step has host syncs (candidate page ids, latent misses) and cannot be graphed: its
-     time is wall time per step. Recall = |tiered selection & full-cache selection| / k against the
-     same kernel over every key; with --recall-seeds N also on N - 1 more key sets (recall only, no
-     timing), since recall varies with the data more than with the step (0.973 vs 0.995 at 128K c128).
+     time is wall time per step; "keys" is the GPU time from the key append to the end of the key
+     selection (CUDA events: idle gaps while the host waits or launches count). With ":lag" the keys
+     use the lagged candidate fetch (KeyTierConfig.lagged_fetch: a step scores the previous step's
+     candidates, no host read of its own; the first step after the prefill is synchronous).
+     Recall = |tiered selection & full-cache selection| / k against the same kernel over every key;
+     with --recall-seeds N also on N - 1 more key sets (recall only, no timing), since recall varies
+     with the data more than with the step (0.973 vs 0.995 at 128K c128).
      Device bytes per layer and per request (x61), page-cache reuse, latent hit rate, host->GPU bytes.
   2. a 61-layer decode stack per context: per layer the Triton indexer (F layers) + sparse MLA + a small
      bf16 MLP (hidden 7168 -> --mlp-inter -> 7168); attention/indexer queries are fixed per layer (the
@@ -278,7 +282,7 @@ def tiered_recall(ctx: int, kcfg: KeyTierConfig, seed: int, args, device: torch.
     return recalls
 
 
-def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str]], args, device: torch.device,
+def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], args, device: torch.device,
               ops: Ops) -> dict:
     """Section 1 at one context; returns the numbers sections 3 and 4 use."""
     ps, k, heads, layers = args.page_size, args.topk, args.heads, args.layers
@@ -314,14 +318,16 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str]], args, d
     log(f"    all on GPU: keys {keys_dev / 2**20:.1f} MB + latents {lat_dev / 2**20:.1f} MB per layer, "
         f"{(keys_dev + lat_dev) * layers / 2**30:.2f} GB per request ({layers} layers)")
 
-    for cand, hot_rows, cache, summary in budgets:
-        if over_time(args, f"layer tiered c{cand} hot{hot_rows} ctx {ctx}"):
+    for cand, hot_rows, cache, summary, lag in budgets:
+        if over_time(args, f"layer tiered c{cand} hot{hot_rows} ctx {ctx}{' lag' if lag else ''}"):
             break
         hot_rows = math.ceil(hot_rows / ps) * ps  # the hot buffer doubles as a paged kernel cache
         kcfg = KeyTierConfig(page_size=ps, cache_pages=cache, candidate_pages=cand, topk=k, summary_format=summary,
-                             fine_kernel=ops.cuda)
+                             fine_kernel=ops.cuda, lagged_fetch=lag)
         cache = kcfg.cache_pages
-        label = f"c{cand} cache{cache} {summary}"
+        label = f"c{cand} cache{cache} {summary}" + (" lag" if lag else "")
+        key_events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(steps)] if ops.cuda else None
         tiers = TieredKeys(kcfg, device)
         tiers.append(k8[:ctx], ks[:ctx])
         lat = TieredLatents(LatentTierConfig(width=LAT_B, dtype=torch.uint8, hot_rows=hot_rows), device,
@@ -330,10 +336,15 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str]], args, d
         hot_table = torch.arange(hot_rows // ps, device=device, dtype=torch.int32)[None]
         hot_lens = torch.tensor([hot_rows], device=device, dtype=torch.int32)
 
-        def tiered_step(p: int, s: int, tiers=tiers, lat=lat, hot_table=hot_table, hot_lens=hot_lens) -> torch.Tensor:
+        def tiered_step(p: int, s: int, tiers=tiers, lat=lat, hot_table=hot_table, hot_lens=hot_lens,
+                        key_events=key_events) -> torch.Tensor:
+            if key_events:
+                key_events[s][0].record()
             tiers.append(k8[p:p + 1], ks[p:p + 1])
-            lat.append(latents[p:p + 1])
             sel = tiers.select(q[s], w)
+            if key_events:
+                key_events[s][1].record()
+            lat.append(latents[p:p + 1])
             slots = lat.slots(sel[0])
             ops.attention(q_attn, lat.hot.view(-1, ps, LAT_B), slots.int()[None], hot_table, hot_lens)
             return sel
@@ -349,6 +360,8 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str]], args, d
                 recalls.append(float(torch.isin(sel[0], ref[ref >= 0]).float().sum() / (ref >= 0).sum()))
         warm = times[len(times) // 4:]
         t_tier = statistics.median(warm)
+        t_keys = statistics.median([a.elapsed_time(b) * 1e-3 for a, b in key_events[len(times) // 4:]]) \
+            if key_events else None
         seed_recalls = [min(recalls)] + [min(tiered_recall(ctx, kcfg, ctx + 1000 * j, args, device, ops))
                                          for j in range(1, args.recall_seeds)]
         ksx, lsx = tiers.stats(), lat.stats()
@@ -360,7 +373,9 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str]], args, d
                    recall=min(recalls), recall_mean=sum(recalls) / len(recalls), page_reuse=ksx["page_reuse_rate"],
                    latent_hit=lsx["hit_rate"], h2d_kb_step=(ksx["bytes_h2d"] + lsx["bytes_h2d"]) / steps / 1024,
                    selection_overlap=ksx["selection_overlap"], steps=steps, recall_seeds=seed_recalls,
-                   summary_format=summary, summary_mb=(key_b - (cache + kcfg.hot_pages) * kcfg.page_bytes) / 2**20)
+                   summary_format=summary, summary_mb=(key_b - (cache + kcfg.hot_pages) * kcfg.page_bytes) / 2**20,
+                   lagged=lag, keys_us=t_keys * 1e6 if t_keys else None, candidate_reads=ksx["candidate_reads"],
+                   lagged_steps=ksx["lagged_steps"])
         res["tiered"].append(dict(label=label, cand=cand, cache=cache, hot=hot_rows, t=t_tier, key_bytes=key_b,
                                   lat_bytes=lat_b, recall=row["recall"], recall_mean=row["recall_mean"],
                                   recall_seeds=min(seed_recalls)))
@@ -373,6 +388,8 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str]], args, d
             f"mean {row['recall_mean']:.4f}; page reuse {row['page_reuse']:.3f}; latent hit {row['latent_hit']:.3f}; "
             f"h2d {row['h2d_kb_step']:.0f} KB/step; overlap {row['selection_overlap']:.3f}; "
             f"slowdown vs eager x{t_tier / t_eager:.2f}" + (f", vs graph x{t_tier / t_graph:.2f}" if t_graph else ""))
+        log(f"    key part of the step {f'{t_keys * 1e6:.1f} us' if t_keys else 'n/a'} (GPU events); "
+            f"{ksx['candidate_reads']} blocking candidate reads, {ksx['lagged_steps']} lagged steps in {steps}")
     return res
 
 
@@ -517,6 +534,15 @@ def targets(layers_by_ctx: dict, stacks_by_ctx: dict) -> None:
     RESULT["targets"] = out
 
 
+def parse_budget(text: str) -> tuple[int, int, int | None, str, bool]:
+    """candidate_pages:hot_rows[:cache_pages[:summary[:lag]]] -> (cand, hot_rows, cache or None, summary, lag)."""
+    v = text.split(":")
+    if len(v) > 5 or (len(v) == 5 and v[4] != "lag"):
+        raise SystemExit(f"bad budget {text!r}: the fifth field can only be 'lag'")
+    return (int(v[0]), int(v[1]), int(v[2]) if len(v) > 2 and v[2] else None, v[3] if len(v) > 3 else "fp8",
+            len(v) == 5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for bench_longctx.json")
@@ -525,7 +551,8 @@ def main() -> None:
     ap.add_argument("--stack-contexts", default=None, help="contexts of section 2 (default: --contexts)")
     ap.add_argument("--budgets", default="256:4096:256:fp8,320:4096:320:fp8,128:4096:192:bf16",
                     help="candidate_pages:latent_hot_rows[:key_cache_pages (default = candidates)"
-                         "[:summary fp8|bf16 (default fp8)]],...; the first is the engine default at k 2048")
+                         "[:summary fp8|bf16 (default fp8)[:lag (lagged candidate fetch)]]],...; the first is "
+                         "the engine default at k 2048; an empty key_cache_pages field takes the default")
     ap.add_argument("--recall-seeds", type=int, default=1, help="key sets for the recall of each budget (>= 1)")
     ap.add_argument("--steps", type=int, default=24, help="tiered decode steps per budget (a third at 512K)")
     ap.add_argument("--page-size", type=int, default=64)
@@ -540,7 +567,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     if args.small:
         args.contexts, args.steps, args.topk, args.layers = "8192,16384", 6, 512, 4
-        args.budgets = "64:1024,32:2048:48:bf16"  # the default candidates at k 512, and a quarter of them
+        args.budgets = "64:1024,64:1024::fp8:lag,32:2048:48:bf16"  # default candidates at k 512 (also lagged), fewer
         args.stack_contexts = "8192"
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     import triton
@@ -552,8 +579,7 @@ def main() -> None:
     ops = Ops(device, args.page_size, args.topk)
     log("\n## 0. Check")
     check(device, args.page_size)
-    budgets = [(int(v[0]), int(v[1]), int(v[2]) if len(v) > 2 else None, v[3] if len(v) > 3 else "fp8")
-               for v in (b.split(":") for b in args.budgets.split(","))]
+    budgets = [parse_budget(b) for b in args.budgets.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     stack_contexts = [] if args.skip_stack else [int(c) for c in (args.stack_contexts or args.contexts).split(",")]
     # Priority order under the time limit: 32K/128K layers, the 128K stack (the MLI target), then the rest.

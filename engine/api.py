@@ -120,6 +120,9 @@ class EngineConfig:
         block_size candidates (256 for DeepSeek-V3.2 at 64-token pages; top-k recall >= 0.99 on
         clustered keys, docs/benchmarks.md) and a cache as large.
     index_key_exact: fetch every page a per-page bound cannot rule out (selection always exact).
+    index_key_lagged_fetch: a decode step scores the previous step's candidate pages (already in the
+        device page cache) and fetches its own for the next step, so no step reads its own candidate ids
+        back to the host; needs the cache to hold the candidates; exact mode stays exact.
     latent_hot_rows: tier the MLA latents (DSA models): all rows in host RAM, this many per request
         and layer on the device; decode gathers the selected rows (misses copied from the host).
     scheduler: "sync" advances every running request through the same layer together;
@@ -154,6 +157,7 @@ class EngineConfig:
     index_key_candidate_pages: int | None = None
     index_key_cache_pages: int | None = None
     index_key_exact: bool = False
+    index_key_lagged_fetch: bool = False
     latent_hot_rows: int | None = None
     scheduler: Literal["sync", "runahead", "prefetch"] = "sync"
 

@@ -5,7 +5,9 @@ Indexer keys (``KeyTiers``):
 With ``EngineConfig.index_key_hot_pages`` set, an indexer layer keeps each request's keys in a
 ``hearth.offload.tiered_keys.TieredKeys``: recent pages on the device, the whole history in host
 RAM, a compact summary per page on the device. Decode selects coarse-to-fine (summaries, then the
-original keys of candidate pages); prefill chunks read the history back and score it exactly.
+original keys of candidate pages); prefill chunks read the history back and score it exactly. With
+``index_key_lagged_fetch`` a decode step scores the previous step's candidates (already in the page
+cache) and fetches its own for the next step, so it never waits for its candidate ids.
 Latents (``LatentTiers``, HiSparse-style): every MLA latent row of a request lives in host RAM; the
 device keeps a hot buffer of rows; a decode step gathers only the rows its top-k selected (hits reused
 across steps, misses copied from the host). Prefill chunks read the history back.
@@ -72,13 +74,21 @@ class KeyTiers(_PerRequestTiers):
             key_format="fp32" if dtype == torch.float32 else "bf16",
             hot_pages=max(1, config.index_key_hot_pages), cache_pages=config.index_key_cache_pages,
             candidate_pages=config.index_key_candidate_pages, topk=model_config.index_topk,
-            bounds=config.index_key_exact, exact=config.index_key_exact)
+            bounds=config.index_key_exact, exact=config.index_key_exact,
+            # NOTE: getattr until EngineConfig has the field (default False: not yet measured on the GPU)
+            lagged_fetch=config.index_key_lagged_fetch)
 
     def _new(self) -> TieredKeys:
         return TieredKeys(self.config, self.device, initial_pages=8)
 
     def device_bytes(self) -> int:
         return sum(t.device_bytes() for t in self.tiers.values())
+
+    def prefetch(self) -> None:
+        """Start every request's lagged fetch (index_key_lagged_fetch) now, e.g. at the start of a
+        decode step, so layer l's copy overlaps layers 0..l-1 (each layer's append does it anyway)."""
+        for tiers in self.tiers.values():
+            tiers.prefetch()
 
 
 class LatentTiers(_PerRequestTiers):

@@ -33,6 +33,15 @@ Candidates and hot pages are scored in one pass (one gather, one top-k), in plai
 the host once (the candidate page ids, needed to fetch misses from host RAM); misses are gathered on
 the host into pinned staging and copied on a side stream; index tensors go up through pinned memory.
 
+Lagged fetch (``lagged_fetch``): a decode step scores the hot pages and every page resident in the
+page cache, a set the host already knows, so the step never waits for its own candidates. Their ids
+go to the host without blocking (pinned buffer + event) and are fetched at the start of the next
+step (``prefetch``, called by ``append`` and ``select``; the copy overlaps that step's coarse
+stage), so step t's fine stage scores step t-1's candidates plus the page that left the hot ring
+(copied into the cache on the device). The first step after a prefill or bulk append (or after a
+step where every cold page was a candidate) runs the synchronous path. With ``exact`` the pages the
+bound leaves open are still fetched and scored in the same step (one sync), so it stays exact.
+
 Prefill (``KeyStreamer``): walks layers' key histories through two reusable device buffers; the
 host part of chunk i+1 is copied on a side stream while chunk i is scored.
 """
@@ -81,6 +90,9 @@ class KeyTierConfig:
     # Fine stage through the Triton paged indexer + radix top-k (hearth.kernels.indexer) instead of
     # plain torch: CUDA and "fp8" only; positions come back unsorted and exact ties break arbitrarily.
     fine_kernel: bool = False
+    # Score last step's candidates (already in the page cache) instead of this step's: no host sync
+    # on the candidate ids (see the module doc). Needs candidate_pages <= cache_pages.
+    lagged_fetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "topk"):
@@ -103,6 +115,9 @@ class KeyTierConfig:
             raise ValueError("ranking='bound' and exact=True need bounds=True")
         if self.fine_kernel and (self.key_format != "fp8" or self.exact or self.head_dim != 128):
             raise ValueError("fine_kernel needs key_format='fp8', head_dim 128 and exact=False")
+        if self.lagged_fetch and self.candidate_pages > self.cache_pages:
+            raise ValueError(f"lagged_fetch needs candidate_pages ({self.candidate_pages}) <= cache_pages "
+                             f"({self.cache_pages}): a step's candidates must all stay resident")
         for name in ("page_size", "head_dim", "hot_pages", "cache_pages", "candidate_pages", "topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -156,14 +171,24 @@ class TieredKeys:
         self.num_tokens = 0
         self._slot_of_page = torch.full((initial_pages,), -1, dtype=torch.long)  # cache slot or -1
         self._page_of_slot = torch.full((c.cache_pages,), -1, dtype=torch.long)
-        self._last_used = torch.full((c.cache_pages,), -1, dtype=torch.long)
+        self._last_used = torch.full((c.cache_pages,), -1, dtype=torch.long)  # use stamp (_stamp) per slot
         self._staging = PagePool(c.cache_pages, c.page_size, c.head_dim, c.key_format, torch.device("cpu"), self._cuda)
         self._copy_stream = new_stream(self.device)
         self._fetched = torch.cuda.Event() if self._cuda else None  # staging -> device copy done
         self._written = torch.cuda.Event() if self._cuda else None  # write-through copies done
         self._step = 0
         self._counts = {"steps": 0, "lookups": 0, "hits": 0, "misses": 0, "evictions": 0, "bytes_h2d": 0,
-                        "bytes_d2h": 0, "refined_pages": 0}
+                        "bytes_d2h": 0, "refined_pages": 0, "candidate_reads": 0, "lagged_steps": 0,
+                        "demoted_pages": 0}
+        # lagged_fetch: the cache holds a recent candidate set (a lagged step may score it), the
+        # number of candidate ids of the last step in flight to _pending_ids (None: nothing pending),
+        # and whether the compute stream still has to wait for a fetch on the copy stream
+        self._lag_ready = False
+        self._pending: int | None = None
+        self._pending_ids = torch.zeros(c.candidate_pages if c.lagged_fetch else 0, dtype=torch.long,
+                                        pin_memory=self._cuda)
+        self._posted = torch.cuda.Event() if self._cuda else None  # candidate ids copied to _pending_ids
+        self._fetch_unawaited = False
         self._uncertified = torch.zeros((), dtype=torch.long, device=self.device)
         self._overlap = torch.zeros((), dtype=torch.long, device=self.device)
         self._prev: torch.Tensor | None = None
@@ -224,6 +249,8 @@ class TieredKeys:
             return
         old, new = self.num_tokens, self.num_tokens + keys.shape[0]
         p0, p1 = old // ps, math.ceil(new / ps)
+        if self.config.lagged_fetch:
+            self._lagged_append(n, old, p1)
         self._grow(p1)
         self._grow_summary(new // ps)  # summaries of full pages only
         if new % ps and p1 - p0 == 1:  # decode: the tokens stay in the partial page, only the ring changes
@@ -247,6 +274,26 @@ class TieredKeys:
         ring = torch.arange(first_hot, p1, device=self.device)
         self.dev.buf[ring % hot] = span.buf[ring - p0]
         self.num_tokens = new
+
+    def _lagged_append(self, n: int, old: int, p1: int) -> None:
+        """Before n tokens join (lagged_fetch): start last step's fetch, and copy the page that leaves
+        the hot ring into the page cache (it was never a candidate: it was hot). A bulk append drops
+        the lag: the next step runs the synchronous path."""
+        if n > 1 or not self._lag_ready:
+            self._lag_ready, self._pending = False, None
+            return
+        self.prefetch()  # first: the demoted page then takes a slot no candidate of last step needs
+        hot, old_pages = self.config.hot_pages, math.ceil(old / self.config.page_size)
+        leaving = old_pages - hot  # the oldest hot page: cold once the token opens page old_pages
+        if p1 == old_pages or leaving < 0:
+            return
+        victim = int(torch.argmin(self._last_used))
+        self._evict(torch.tensor([victim]))
+        self._slot_of_page[leaving], self._page_of_slot[victim] = victim, leaving
+        self._last_used[victim] = self._stamp(self.config.cache_pages + 1)
+        self._await_fetch()  # an in-flight fetch may target the victim slot
+        self.dev.buf[hot + victim].copy_(self.dev.buf[leaving % hot])
+        self._counts["demoted_pages"] += 1
 
     def _summarize(self, p0: int, rows: torch.Tensor) -> None:
         """Store summarize_pages rows (P, 2 * bounds + G, D) bf16 of pages p0.. in the summary format."""
@@ -284,17 +331,24 @@ class TieredKeys:
         best first, ties toward earlier positions (unsorted with ``fine_kernel``).
 
         Host syncs: one (the candidate page ids) when the candidates are a subset of the cold pages,
-        none when every cold page is a candidate; ``exact`` adds one for the pages left open."""
+        none when every cold page is a candidate or in a lagged step (``lagged_fetch``); ``exact``
+        adds one for the pages left open."""
         c = self.config
         n_cold = self.num_cold_pages
         hot_pages = torch.arange(n_cold, self.num_pages)  # host
-        cand, chosen, bound = self._candidates(q, w, n_cold)
+        slots = None
+        if c.lagged_fetch and self._lag_ready and not self._every_page_a_candidate(n_cold):
+            cand, slots, chosen, bound = self._lagged_candidates(q, w, n_cold)
+        else:
+            cand, chosen, bound = self._candidates(q, w, n_cold)
+            self._lag_ready = c.lagged_fetch and not self._every_page_a_candidate(n_cold)
+            self._pending = None
         if c.fine_kernel and cand.numel() <= c.cache_pages:  # every candidate resident at once
-            sel = self._fine_kernel(q, w, cand, hot_pages)
+            sel = self._fine_kernel(q, w, cand, hot_pages, slots)
         else:
             merger = TopkMerger(1, min(c.topk, self.num_tokens), self.device)
             if cand.numel() <= c.cache_pages:  # one pass over candidates and hot pages together
-                self._score_pages(q, w, merger, cand, hot_pages)
+                self._score_pages(q, w, merger, cand, hot_pages, slots)
             else:
                 self._score_pages(q, w, merger, torch.zeros(0, dtype=torch.long), hot_pages)
                 for i in range(0, cand.numel(), c.cache_pages):
@@ -324,20 +378,77 @@ class TieredKeys:
         if n_cold == 0:
             return torch.zeros(0, dtype=torch.long), None, None
         bound = page_upper_bounds(q, w, self.box[:n_cold]) if c.bounds else None  # (P,)
-        if c.candidate_pages >= n_cold or self.num_tokens <= c.topk:
+        if self._every_page_a_candidate(n_cold):
             return torch.arange(n_cold), None, None
+        top = self._top_pages(q, w, n_cold, bound)
+        return torch.sort(self._read_back(top)).values, self._chosen(top, n_cold, bound), bound
+
+    def _every_page_a_candidate(self, n_cold: int) -> bool:
+        """Whether a step scores every cold page (then the selection is exact and needs no sync)."""
+        return n_cold == 0 or self.config.candidate_pages >= n_cold or self.num_tokens <= self.config.topk
+
+    def _top_pages(self, q: torch.Tensor, w: torch.Tensor, n_cold: int,
+                   bound: torch.Tensor | None) -> torch.Tensor:
+        """(C,) device int64: the candidate_pages best cold pages by the coarse ranking, best first."""
+        c = self.config
         scales = None if self.mean_scales is None else self.mean_scales[:n_cold]
         rank = bound if c.ranking == "bound" else page_estimates(q, w, self.means[:n_cold], scales)
-        top = torch.topk(rank, c.candidate_pages).indices  # (C,) device
-        chosen = None
-        if bound is not None:
-            chosen = torch.zeros(n_cold, dtype=torch.bool, device=self.device)
-            chosen[top] = True
-        return torch.sort(top.cpu()).values, chosen, bound  # the one sync of a decode step
+        return torch.topk(rank, c.candidate_pages).indices
 
-    def _table(self, cold: torch.Tensor, hot_pages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device (slots, pages) int64 of cold pages (made resident) followed by the hot pages: one copy."""
-        slots = self._ensure_resident(cold) if cold.numel() else cold
+    def _chosen(self, pages: torch.Tensor, n_cold: int, bound: torch.Tensor | None) -> torch.Tensor | None:
+        """(P,) bool device mask of the cold pages a step scores exactly (None without bounds)."""
+        if bound is None:
+            return None
+        chosen = torch.zeros(n_cold, dtype=torch.bool, device=self.device)
+        chosen[pages] = True
+        return chosen
+
+    def _read_back(self, top: torch.Tensor) -> torch.Tensor:
+        """This step's candidate ids on the host: the one sync of a synchronous decode step."""
+        self._counts["candidate_reads"] += 1
+        return top.cpu()
+
+    def _lagged_candidates(self, q: torch.Tensor, w: torch.Tensor,
+                           n_cold: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """A lagged step: (resident cold pages (host int64), their device slots (host int64), chosen
+        mask or None, bounds or None). Ranks the cold pages for the next step and posts the ids to
+        the host without waiting for them."""
+        self.prefetch()  # no-op when append already did it
+        bound = page_upper_bounds(q, w, self.box[:n_cold]) if self.config.bounds else None
+        self._post(self._top_pages(q, w, n_cold, bound))
+        resident = (self._page_of_slot >= 0).nonzero().flatten()  # host
+        pages = self._page_of_slot[resident]
+        self._counts["lagged_steps"] += 1
+        chosen = self._chosen(to_device(pages, self.device), n_cold, bound) if bound is not None else None
+        return pages, resident + self.config.hot_pages, chosen, bound
+
+    def _post(self, top: torch.Tensor) -> None:
+        """Start copying candidate ids (device, best first) to the pinned buffer; read next step."""
+        self._pending_ids[: top.numel()].copy_(top, non_blocking=self._cuda)
+        if self._posted is not None:
+            self._posted.record()
+        self._pending = top.numel()
+
+    def prefetch(self) -> None:
+        """lagged_fetch: fetch the last step's candidates into the page cache (misses from host RAM
+        on the side stream; the compute stream waits only before the fine stage). The host waits
+        for the last step's id copy, not for any work of the current step."""
+        if self._pending is None:
+            return
+        if self._posted is not None:
+            self._posted.synchronize()
+        pages = self._pending_ids[: self._pending].clone()  # best first
+        self._pending = None
+        rank_bonus = torch.arange(pages.numel(), 0, -1)  # among equal steps, evict the worst-ranked first
+        self._ensure_resident(pages, rank_bonus, lagged=True)
+
+    def _table(self, cold: torch.Tensor, hot_pages: torch.Tensor | None,
+               slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device (slots, pages) int64 of cold pages (made resident unless their slots are given)
+        followed by the hot pages: one copy."""
+        if slots is None:
+            slots = self._ensure_resident(cold) if cold.numel() else cold
+        self._await_fetch()  # a lagged fetch lands before any cold slot is read
         pages = cold
         if hot_pages is not None and hot_pages.numel():
             slots = torch.cat((slots, hot_pages % self.config.hot_pages))
@@ -346,11 +457,11 @@ class TieredKeys:
         return both[0], both[1]
 
     def _score_pages(self, q: torch.Tensor, w: torch.Tensor, merger: TopkMerger, cold: torch.Tensor,
-                     hot_pages: torch.Tensor | None) -> None:
-        """Score cold pages (host int64, at most cache_pages, through the page cache) and hot pages
-        exactly in one pass."""
+                     hot_pages: torch.Tensor | None, cold_slots: torch.Tensor | None = None) -> None:
+        """Score cold pages (host int64, at most cache_pages, through the page cache, or resident in
+        cold_slots) and hot pages exactly in one pass."""
         ps = self.config.page_size
-        slots, pages = self._table(cold, hot_pages)
+        slots, pages = self._table(cold, hot_pages, cold_slots)
         if slots.numel() == 0:
             return
         keys, scales = self.dev.tokens(slots)
@@ -358,8 +469,8 @@ class TieredKeys:
         valid = (pos < self.num_tokens)[None] if hot_pages is not None and hot_pages.numel() else None
         merger.update(exact_scores(q[None], w[None], keys, scales), pos, valid)
 
-    def _fine_kernel(self, q: torch.Tensor, w: torch.Tensor, cold: torch.Tensor,
-                     hot_pages: torch.Tensor) -> torch.Tensor:
+    def _fine_kernel(self, q: torch.Tensor, w: torch.Tensor, cold: torch.Tensor, hot_pages: torch.Tensor,
+                     cold_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Fine stage with the Triton paged indexer: the device pool is a kernel cache, the table
         lists candidate slots then hot slots (the partial page last), so logical position j of the
         table is token j % page_size of page table[j // page_size]."""
@@ -367,7 +478,7 @@ class TieredKeys:
 
         c, ps = self.config, self.config.page_size
         k = min(c.topk, self.num_tokens)
-        slots, pages = self._table(cold, hot_pages)
+        slots, pages = self._table(cold, hot_pages, cold_slots)
         n_table = cold.numel() * ps + self.num_tokens - self.num_cold_pages * ps
         lens = torch.full((1,), n_table, dtype=torch.int32, device=self.device)
         qb = q.to(torch.bfloat16).reshape(1, 1, *q.shape).contiguous()  # (1, 1, H, D)
@@ -376,7 +487,20 @@ class TieredKeys:
         real = pages[(logical // ps).clamp(min=0)] * ps + logical % ps
         return torch.where(logical >= 0, real, torch.full_like(real, -1))
 
-    def _ensure_resident(self, pages: torch.Tensor) -> torch.Tensor:
+    def _stamp(self, bonus: torch.Tensor | int = 0) -> torch.Tensor | int:
+        """Use stamp of a slot used now: later steps above earlier ones, bonus (0..cache_pages + 1)
+        orders the slots of one step (eviction takes the lowest stamp)."""
+        return self._step * (self.config.cache_pages + 2) + bonus
+
+    def _evict(self, victims: torch.Tensor) -> None:
+        """Forget the pages held in slots victims (host int64)."""
+        evicted = self._page_of_slot[victims]
+        self._counts["evictions"] += int((evicted >= 0).sum())
+        self._slot_of_page[evicted[evicted >= 0]] = -1
+        self._page_of_slot[victims] = -1
+
+    def _ensure_resident(self, pages: torch.Tensor, bonus: torch.Tensor | None = None,
+                         lagged: bool = False) -> torch.Tensor:
         """Device slots holding pages (host int64, at most cache_pages of them), fetching misses (LRU)."""
         hot = self.config.hot_pages
         slot = self._slot_of_page[pages]
@@ -389,23 +513,24 @@ class TieredKeys:
             age = self._last_used.clone()
             age[slot[hit]] = torch.iinfo(torch.long).max  # never evict what this chunk uses
             victims = torch.topk(age, miss_pages.numel(), largest=False).indices
-            evicted = self._page_of_slot[victims]
-            self._counts["evictions"] += int((evicted >= 0).sum())
-            self._slot_of_page[evicted[evicted >= 0]] = -1
-            self._fetch(miss_pages, victims + hot)
+            self._evict(victims)
+            self._fetch(miss_pages, victims + hot, lagged)
             self._slot_of_page[miss_pages] = victims
             self._page_of_slot[victims] = miss_pages
             slot[~hit] = victims
-        self._last_used[slot] = self._step
+        self._last_used[slot] = self._stamp(0 if bonus is None else bonus)
         return slot + hot
 
-    def _fetch(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
+    def _fetch(self, pages: torch.Tensor, slots: torch.Tensor, lagged: bool = False) -> None:
         """Copy host pages into device slots: one host gather into pinned staging + one copy on the
         side stream, which the compute stream then waits for (no host sync unless the staging
-        buffer's previous copy or a write-through copy of these pages is still in flight)."""
+        buffer's previous copy or a write-through copy of these pages is still in flight). A lagged
+        fetch leaves the wait to _await_fetch, and skips the write-through wait: its pages were cold
+        when the last step posted their ids, after their write-through on the same stream."""
         n = pages.numel()
         if self._cuda:
-            self._written.synchronize()  # the host pool holds the pages
+            if not lagged:
+                self._written.synchronize()  # the host pool holds the pages
             self._fetched.synchronize()  # the staging buffer's previous copy has finished
         staged = self._staging.buf[:n]
         torch.index_select(self.host.buf, 0, pages, out=staged)
@@ -419,7 +544,15 @@ class TieredKeys:
         with torch.cuda.stream(self._copy_stream):
             self.dev.buf[dst] = staged.to(self.device, non_blocking=True)
             self._fetched.record()
-        torch.cuda.current_stream(self.device).wait_event(self._fetched)
+        self._fetch_unawaited = True
+        if not lagged:
+            self._await_fetch()
+
+    def _await_fetch(self) -> None:
+        """Make the compute stream wait for the last fetch (no host wait)."""
+        if self._fetch_unawaited:
+            torch.cuda.current_stream(self.device).wait_event(self._fetched)
+            self._fetch_unawaited = False
 
     def _sync(self) -> None:
         """Wait for write-through copies before the host reads its pool."""

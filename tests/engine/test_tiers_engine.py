@@ -20,17 +20,30 @@ def _run(engine: Engine, prompts) -> list[list[int]]:
 PROMPTS = [[(17 * i + 5 * j) % 460 + 20 for j in range(60 + 25 * i)] for i in range(3)]
 
 
-@pytest.mark.parametrize("scheduler", ["sync", "runahead"])
-def test_tiny_key_budget_with_exact_selection_equals_all_on_device(tiny_models, scheduler):
+@pytest.mark.parametrize("scheduler,lagged", [("sync", False), ("runahead", False), ("sync", True), ("runahead", True)])
+def test_tiny_key_budget_with_exact_selection_equals_all_on_device(tiny_models, scheduler, lagged):
     path = str(tiny_models["glm_moe_dsa"])  # IndexCache layers too
     base = dict(device=TEST_DEVICE, dtype="float32", block_size=16, scheduler=scheduler)
     expected = _run(Engine.load(path, EngineConfig(**base)), PROMPTS)
     tiered = Engine.load(path, EngineConfig(**base, index_key_hot_pages=1, index_key_cache_pages=2,
                                             index_key_candidate_pages=1, index_key_exact=True,
-                                            max_num_batched_tokens=50))
+                                            index_key_lagged_fetch=lagged, max_num_batched_tokens=50))
+    key_tiers = tiered.runner.key_tiers
     assert tiered.runner.cache.index_keys[0] is None  # nothing of the keys in the paged cache
+    seen = {}
+    drop = key_tiers.drop
+
+    def drop_and_count(seq_id):  # the counters of a request's tiers, read before they are released
+        for (sid, layer), tiers in key_tiers.tiers.items():
+            if sid == seq_id:
+                seen[(sid, layer)] = tiers.stats()
+        drop(seq_id)
+
+    key_tiers.drop = drop_and_count
     assert _run(tiered, PROMPTS) == expected
-    assert not tiered.runner.key_tiers.tiers  # every request's tiers were released
+    assert not key_tiers.tiers  # every request's tiers were released
+    lagged_steps = sum(s["lagged_steps"] for s in seen.values())
+    assert (lagged_steps > 0 and sum(s["demoted_pages"] for s in seen.values()) > 0) if lagged else lagged_steps == 0
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "runahead"])
