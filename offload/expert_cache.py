@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -130,6 +131,23 @@ class ExpertLease:
                 torch.cuda.current_stream().wait_event(event)
 
 
+def newest_per_stream(released: Iterable[tuple[int, int, Any] | None]) -> list:
+    """The events to wait for so that every one of ``released`` (release number, stream handle, event;
+    or None) has completed: the newest of each stream.
+
+    NOTE: the events of one stream complete in the order they were recorded, so the newest release
+    event of a stream covers its older ones: one wait per stream instead of one per slot. Streams come
+    from PyTorch's pool and are never destroyed, so a handle names one stream for the whole run.
+    """
+    newest: dict[int, tuple[int, Any]] = {}
+    for item in released:
+        if item is not None:
+            number, handle, event = item
+            if handle not in newest or newest[handle][0] < number:
+                newest[handle] = (number, event)
+    return [event for _, event in newest.values()]
+
+
 @dataclass
 class _Pool:
     size: int
@@ -158,20 +176,27 @@ class ExpertCache:
             self._pools.append(_Pool(size, list(range(start + size - 1, start - 1, -1)), make_policy()))
             start += size
         self._per_layer = slots_per_layer is not None
+        self._pool_of = {layer: self._pools[i if self._per_layer else 0] for i, layer in enumerate(store.layers)}
         self.num_slots = start
         self.buffer = torch.empty((start, store.layout.record_bytes), dtype=torch.uint8, device=self.device)
         self.weights: ExpertWeights = store.layout.views(self.buffer)  # w13 [S, 2I, D], w2 [S, D, I], ...
+        # NOTE: one view per slot and per stored expert, made once: indexing a tensor costs microseconds
+        # of Python per copy, on the path to the first copy of a call.
+        self._slot_rows = self.buffer.unbind(0)
+        self._expert_rows: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> its store rows, on first fetch
         self._slot_of: dict[Key, int] = {}
         self._key_of: list[Key | None] = [None] * start
         self._refs = [0] * start
         self._ready: list = [None] * start  # copy-done event of a slot still in flight
-        self._released: list = [None] * start  # event after the last computation that read the slot
+        # (release number, stream handle, event recorded after the last computation that read the slot)
+        self._released: list = [None] * start
+        self._num_released = 0
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._stats = {layer: LayerCacheStats() for layer in store.layers}
         self._copy_events: list = []  # (layer, start event, end event), resolved in stats()
 
     def _pool(self, layer: int) -> _Pool:
-        return self._pools[self.store.layers.index(layer)] if self._per_layer else self._pools[0]
+        return self._pool_of[layer]
 
     def capacity(self, layer: int) -> int:
         """Slots available to ``layer``: the most experts one lease of it can hold."""
@@ -205,18 +230,19 @@ class ExpertCache:
     def acquire(self, layer: int, experts: Sequence[int]) -> ExpertLease:
         """Reference ``experts`` of ``layer`` (duplicates merged); start copies for the missing ones."""
         experts = list(dict.fromkeys(experts))
-        pool, stats = self._pool(layer), self._stats[layer]
+        pool, stats = self._pool_of[layer], self._stats[layer]
         pool.policy.advance()
         lease = ExpertLease(layer, experts, [-1] * len(experts), [False] * len(experts),
                             expert_events=[None] * len(experts))
         counted = (stats.hits, stats.merged)  # a refused acquire must not count as hits
         missing: list[int] = []
+        slot_of = self._slot_of
         for i, expert in enumerate(experts):
-            slot = self._slot_of.get((layer, expert))
+            slot = slot_of.get((layer, expert))
             if slot is None:
                 missing.append(i)
                 continue
-            self._hold(lease, i, slot, stats)
+            self._hold(lease, i, slot, stats, pool)
         if missing:
             try:
                 free = self._take_slots(pool, layer, len(missing))
@@ -228,7 +254,7 @@ class ExpertCache:
         stats.requests += len(experts)
         return lease
 
-    def _hold(self, lease: ExpertLease, i: int, slot: int, stats: LayerCacheStats) -> None:
+    def _hold(self, lease: ExpertLease, i: int, slot: int, stats: LayerCacheStats, pool: _Pool) -> None:
         event = self._ready[slot]
         if event is not None and event.query():
             self._ready[slot] = event = None
@@ -242,7 +268,7 @@ class ExpertCache:
                 lease.events.append(event)
         lease.slots[i] = slot
         self._refs[slot] += 1
-        self._pool(lease.layer).policy.touch((lease.layer, lease.experts[i]))
+        pool.policy.touch((lease.layer, lease.experts[i]))
 
     def _take_slots(self, pool: _Pool, layer: int, n: int) -> list[int]:
         need = n - len(pool.free)
@@ -263,50 +289,61 @@ class ExpertCache:
 
     def _fetch(self, lease: ExpertLease, todo: list[tuple[int, int]], stats: LayerCacheStats) -> None:
         """Copy host -> slot for (lease index, slot) pairs in the given order; on CUDA on the copy
-        stream, after the slots' last readers (their release events), one event per copy."""
-        layer, pool = lease.layer, self._pool(lease.layer)
-        for i, slot in todo:
-            key = (layer, lease.experts[i])
-            self._slot_of[key] = slot
-            self._key_of[slot] = key
-            self._refs[slot] += 1
-            lease.slots[i] = slot
-            pool.policy.touch(key)
+        stream, after the slots' last readers (their release events), one event per copy. Each copy is
+        queued before its bookkeeping, so the link starts as early as it can."""
+        layer, pool = lease.layer, self._pool_of[lease.layer]
+        src, dst = self._expert_rows.get(layer), self._slot_rows
+        if src is None:
+            src = self._expert_rows[layer] = self.store.layer_buffer(layer).unbind(0)
         stats.misses += len(todo)
         stats.bytes_fetched += len(todo) * self.buffer.shape[1]
         if not self.is_cuda:
             for i, slot in todo:
-                self.buffer[slot].copy_(self.store.expert(layer, lease.experts[i]))
+                dst[slot].copy_(src[lease.experts[i]])
                 lease.ready[i] = True
+                self._assign(lease, i, slot, pool)
             return
         stream = self.copy_stream
+        waits = newest_per_stream(self._released[slot] for _, slot in todo)
         with torch.cuda.stream(stream):
-            for event in {id(e): e for e in (self._released[s] for _, s in todo) if e is not None}.values():
+            for event in waits:
                 stream.wait_event(event)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             for i, slot in todo:
-                self.buffer[slot].copy_(self.store.expert(layer, lease.experts[i]), non_blocking=True)
+                dst[slot].copy_(src[lease.experts[i]], non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(stream)
                 self._ready[slot] = lease.expert_events[i] = landed
+                self._assign(lease, i, slot, pool)
             end.record(stream)
         lease.events.append(end)
         self._copy_events.append((layer, start, end))
 
+    def _assign(self, lease: ExpertLease, i: int, slot: int, pool: _Pool) -> None:
+        """Slot ``slot`` now holds ``lease.experts[i]``, referenced once by ``lease``."""
+        key = (lease.layer, lease.experts[i])
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self._refs[slot] += 1
+        lease.slots[i] = slot
+        pool.policy.touch(key)
+
     def release(self, lease: ExpertLease, record: bool = True) -> None:
         """Drop the lease's references; on CUDA, later copies into its slots wait for the work queued
         so far on the current stream (which may still be reading them)."""
-        event = None
+        released = None
         if self.is_cuda and record:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+            event, current = torch.cuda.Event(), torch.cuda.current_stream(self.device)
+            event.record(current)
+            self._num_released += 1
+            released = (self._num_released, current.cuda_stream, event)
         for slot in lease.slots:
             if slot < 0:
                 continue
             self._refs[slot] -= 1
-            if event is not None:
-                self._released[slot] = event
+            if released is not None:
+                self._released[slot] = released
         lease.slots = [-1] * len(lease.slots)
 
     def stats(self) -> dict:

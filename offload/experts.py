@@ -12,6 +12,11 @@ Both implement ``backend(layer_idx, x [T, D], topk_ids [T, K], topk_weights [T, 
   When a call needs more experts than the pool holds (long prompts), they stream through the two
   halves of the pool: round i+1 is copied while round i computes.
 
+The host path before the first copy is what delays the whole link schedule, so it is kept short: one
+host sync (a decode call reads its routing back directly, with no kernel queued before the read), the
+serving order, then the copies; only then are the pairs sorted (on the host for decode, with every
+index the call needs going up in one pinned upload) and the compute queued.
+
 OffloadedExperts computes every (token, k) pair into its own fp32 row and sums over k at the end, as
 the fused kernel does within one launch, so which experts were resident and how they were grouped
 does not change the result: it equals the resident output bit for bit whenever the kernel computes a
@@ -19,6 +24,9 @@ pair's row independently of the other pairs of its launch.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from itertools import accumulate
 
 import torch
 
@@ -33,8 +41,13 @@ from hearth.offload.fetch_plan import (
     RESIDENT,
     round_groups,
     serving_order,
+    sort_pairs,
     split_rounds,
 )
+
+# Up to this many (token, k) pairs (decode) the routing itself is read back and the pairs are sorted on the
+# host; beyond (prefill) per-expert counts are read back and the pairs sorted on the device.
+HOST_SORT_MAX_PAIRS = 256
 
 
 def _experts_into(
@@ -79,6 +92,71 @@ class ResidentExperts:
         return out.to(x.dtype)
 
 
+class _SortedPairs:
+    """The call's (token, k) pairs in serving order (each expert's pairs one slice): x [TK, D] and
+    w [TK, 1] gathered in that order, y [TK, D] their fp32 rows (zeros), and the way back to pair order.
+
+    Sorted on the host when the routing was read back whole (decode: one upload of every index the call
+    needs), else on the device from the per-expert counts (prefill: no Python loop over the pairs).
+    """
+
+    def __init__(self, x: torch.Tensor, topk_weights: torch.Tensor, order: list[int], counts: dict[int, int],
+                 ids: list[int] | None, topk_ids: torch.Tensor, first: ExpertLease | None, num_experts: int):
+        t, k = topk_ids.shape
+        device = x.device
+        self.ids = ids
+        if ids is not None:
+            self.host_order = pair_order = sort_pairs(ids, order)
+            inverse = [0] * len(pair_order)
+            for i, pair in enumerate(pair_order):
+                inverse[pair] = i
+            first_slots = [] if first is None else self.host_slots(first, 0, sum(counts[e] for e in first.experts))
+            tk = len(pair_order)
+            # (3 TK + n0,): sorted pair -> pair, sorted pair -> token, pair -> sorted pair, round 0's slots
+            staged = _to_device(pair_order + [p // k for p in pair_order] + inverse + first_slots, device)
+            self.pair_order, token_of, self.inverse = staged[:tk], staged[tk:2 * tk], staged[2 * tk:3 * tk]
+            self.first_slots = staged[3 * tk:].unsqueeze(1)  # (n0, 1)
+        else:
+            self.flat = topk_ids.reshape(-1).long()  # (TK,)
+            position = [len(order)] * num_experts
+            for pos, e in enumerate(order):
+                position[e] = pos
+            self.pair_order = torch.argsort(_to_device(position, device)[self.flat], stable=True)  # (TK,)
+            token_of = self.pair_order // k
+            self.inverse = self.first_slots = None
+        self.x = x.index_select(0, token_of)  # (TK, D): the token of each sorted pair
+        self.w = topk_weights.reshape(-1).index_select(0, self.pair_order).unsqueeze(1)  # (TK, 1)
+        self.y = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=device)  # (TK, D)
+
+    def host_slots(self, lease: ExpertLease, lo: int, hi: int) -> list[int]:
+        """Slot of each sorted pair ``lo:hi`` (all of them served by ``lease``)."""
+        slot_of = dict(zip(lease.experts, lease.slots))
+        return [slot_of[self.ids[pair]] for pair in self.host_order[lo:hi]]
+
+    def round_slots(self, r: int, lease: ExpertLease, lo: int, hi: int, num_experts: int) -> torch.Tensor:
+        """(hi - lo, 1) int32 device slots of the sorted pairs ``lo:hi``, round ``r`` (served by ``lease``)."""
+        if self.ids is not None:
+            return self.first_slots if r == 0 else _to_device(self.host_slots(lease, lo, hi), self.y.device)[:, None]
+        lut = [-1] * num_experts
+        for expert, slot in zip(lease.experts, lease.slots):
+            lut[expert] = slot
+        return _to_device(lut, self.y.device)[self.flat[self.pair_order[lo:hi]]].unsqueeze(1)
+
+    def unsorted(self) -> torch.Tensor:
+        """y back in pair order, (TK, D)."""
+        if self.inverse is not None:
+            return self.y.index_select(0, self.inverse)
+        out = torch.empty_like(self.y)
+        out[self.pair_order] = self.y
+        return out
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int32 host list on ``device`` without a stream sync (pinned staging on CUDA)."""
+    host = torch.tensor(values, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 class OffloadedExperts:
     """Experts served from ``cache`` (filled from its host store on demand).
 
@@ -111,38 +189,20 @@ class OffloadedExperts:
         t, k = topk_ids.shape
         if t == 0:
             return torch.zeros_like(x)
-        flat = topk_ids.reshape(-1).long()  # (TK,)
-        counts_dev = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
-        counts_dev.scatter_add_(0, flat, torch.ones_like(flat))  # (E,) scatter_add: bincount would sync twice
-        # NOTE: the one host sync of the layer: which experts to fetch is a scheduling decision.
-        counts = counts_dev.tolist()
-        needed = [e for e, c in enumerate(counts) if c]
-        states = dict(zip(needed, self.cache.lookup(layer_idx, needed)))
-        order = [needed[i] for i in serving_order([counts[e] for e in needed], [states[e] for e in needed])]
-        missing = [e for e in order if states[e] == MISSING]
-        on_host = {e for e, h in zip(missing, choose_host_experts(
-            [counts[e] for e in missing], self.host_speeds, self.host_experts)) if h}
-        order = [e for e in order if e not in on_host] + [e for e in order if e in on_host]
-        rounds = split_rounds(len(order) - len(on_host), self.cache.capacity(layer_idx))
+        ids, counts = self._read_routing(topk_ids)
+        order, states, num_on_host = self._serving_order(layer_idx, counts)
+        rounds = split_rounds(len(order) - num_on_host, self.cache.capacity(layer_idx))
         held: list[ExpertLease] = []
         try:
-            if rounds:  # copies start before anything else is queued
+            if rounds:  # copies start before anything else is planned or queued
                 held.append(self.cache.acquire(layer_idx, order[:rounds[0]]))
-            # Pairs sorted by their expert's serving position: each expert's pairs are one slice.
-            rank = [len(order)] * self.num_experts
-            for pos, e in enumerate(order):
-                rank[e] = pos
-            pair_order = torch.argsort(self._to_device(rank, x.device)[flat], stable=True)  # (TK,)
-            bounds = [0]
-            for e in order:
-                bounds.append(bounds[-1] + counts[e])
-            x_sorted = x[pair_order // k]  # (TK, D): the token of each sorted pair
-            w_sorted = topk_weights.reshape(-1)[pair_order].unsqueeze(1)  # (TK, 1)
-            y_sorted = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)  # (TK, D)
+            bounds = list(accumulate((counts[e] for e in order), initial=0))
+            pairs = _SortedPairs(x, topk_weights, order, counts, ids, topk_ids, held[0] if held else None,
+                                 self.num_experts)
             host_rows = None
-            if on_host:  # activations to the host now, before anything queued waits for a copy
-                start = bounds[len(order) - len(on_host)]
-                host_rows = (x_sorted[start:].cpu(), w_sorted[start:].cpu())
+            if num_on_host:  # activations to the host now, before anything queued waits for a copy
+                start = bounds[len(order) - num_on_host]
+                host_rows = (pairs.x[start:].cpu(), pairs.w[start:].cpu())
             pos = 0
             for r, size in enumerate(rounds):
                 if r + 1 < len(rounds):  # the next round's copies start now, into the other half
@@ -150,36 +210,69 @@ class OffloadedExperts:
                 lease = held.pop(0)
                 try:
                     planned = [states[e] for e in order[pos:pos + size]]
-                    self._compute_round(lease, planned, flat, pair_order, bounds[pos:pos + size + 1], x_sorted,
-                                        w_sorted, y_sorted)
+                    slots = pairs.round_slots(r, lease, bounds[pos], bounds[pos + size], self.num_experts)
+                    self._compute_round(lease, planned, slots, bounds[pos:pos + size + 1], pairs.x, pairs.w, pairs.y)
                 finally:
                     self.cache.release(lease)
                 pos += size
             if host_rows is not None:
-                self._compute_on_host(layer_idx, order[pos:], bounds[pos:], host_rows, y_sorted)
+                self._compute_on_host(layer_idx, order[pos:], bounds[pos:], host_rows, pairs.y)
         finally:
             for lease in held:
                 self.cache.release(lease)
-        out = torch.empty_like(y_sorted)
-        out[pair_order] = y_sorted
-        return out.view(t, k, -1).sum(1).to(x.dtype)  # (TK, D) -> (T, K, D) -> (T, D)
+        return pairs.unsorted().view(t, k, -1).sum(1).to(x.dtype)  # (TK, D) -> (T, K, D) -> (T, D)
 
-    def _to_device(self, values: list[int], device: torch.device) -> torch.Tensor:
-        """A small int32 host list on ``device`` without a stream sync (pinned staging on CUDA)."""
-        host = torch.tensor(values, dtype=torch.int32, pin_memory=device.type == "cuda")
-        return host.to(device, non_blocking=True)
+    def _read_routing(self, topk_ids: torch.Tensor) -> tuple[list[int] | None, dict[int, int]]:
+        """(the flattened routing when read back whole, else None; pairs per needed expert, by expert id).
 
-    def _compute_round(self, lease: ExpertLease, planned: list[int], flat: torch.Tensor, pair_order: torch.Tensor,
-                       bounds: list[int], x_sorted: torch.Tensor, w_sorted: torch.Tensor,
-                       y_sorted: torch.Tensor) -> None:
+        NOTE: the one host sync of the layer: which experts to fetch is a scheduling decision. Up to
+        HOST_SORT_MAX_PAIRS pairs the ids themselves come back (one copy, no kernel before it);
+        beyond, per-expert counts (scatter_add: bincount would sync twice).
+        """
+        if topk_ids.numel() <= HOST_SORT_MAX_PAIRS:
+            ids = topk_ids.reshape(-1).tolist()  # (TK,)
+            counts = dict(sorted(Counter(ids).items()))
+            if ids and (min(counts) < 0 or max(counts) >= self.num_experts):
+                raise ValueError(f"expert ids must be in [0, {self.num_experts}), got {min(counts)}..{max(counts)}")
+            return ids, counts
+        flat = topk_ids.reshape(-1).long()  # (TK,)
+        counts_dev = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        counts_dev.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
+        return None, {e: c for e, c in enumerate(counts_dev.tolist()) if c}
+
+    def _serving_order(self, layer: int, counts: dict[int, int]) -> tuple[list[int], dict[int, int], int]:
+        """(needed experts in serving order, those computed on the host last; their states; how many
+        of them are computed on the host)."""
+        needed = list(counts)  # ascending ids
+        state_list = self.cache.lookup(layer, needed)
+        order = [needed[i] for i in serving_order([counts[e] for e in needed], state_list)]
+        states = dict(zip(needed, state_list))
+        if self.host_experts == "off":
+            return order, states, 0
+        missing = [e for e in order if states[e] == MISSING]
+        if not self._host_may_win(len(missing)):
+            return order, states, 0
+        on_host = {e for e, h in zip(missing, choose_host_experts(
+            [counts[e] for e in missing], self.host_speeds, self.host_experts)) if h}
+        order = [e for e in order if e not in on_host] + [e for e in order if e in on_host]
+        return order, states, len(on_host)
+
+    def _host_may_win(self, num_missing: int) -> bool:
+        """False when :func:`choose_host_experts` surely keeps every one of ``num_missing`` misses on the
+        link: even one expert of one token on the host takes as long as all the copies."""
+        if num_missing == 0:
+            return False
+        s = self.host_speeds
+        if self.host_experts != "auto" or s is None or s.cpu_ms_per_token < 0 or s.cpu_ms(1) < 0:
+            return True
+        return s.transfer_ms + s.cpu_ms(1) < num_missing * s.link_ms_per_expert
+
+    def _compute_round(self, lease: ExpertLease, planned: list[int], slots: torch.Tensor, bounds: list[int],
+                       x_sorted: torch.Tensor, w_sorted: torch.Tensor, y_sorted: torch.Tensor) -> None:
         """Queue the round's experts (``lease.experts``, serving order, ``planned`` their states when
-        the call was planned; their pairs are the sorted rows ``bounds[0]:bounds[-1]``) group by
-        group, each group after its own copies."""
-        lut = [-1] * self.num_experts
-        for expert, slot in zip(lease.experts, lease.slots):
-            lut[expert] = slot
-        lo, hi = bounds[0], bounds[-1]
-        slots = self._to_device(lut, flat.device)[flat[pair_order[lo:hi]]].unsqueeze(1)  # (n, 1)
+        the call was planned; their pairs are the sorted rows ``bounds[0]:bounds[-1]``, whose slots are
+        ``slots`` (n, 1)) group by group, each group after its own copies."""
+        lo = bounds[0]
         # Resident when planned and still (it may have been evicted by an earlier round); on a CPU
         # cache copies are synchronous, so fetched experts still form their groups (waits are no-ops).
         states = [RESIDENT if ready and p == RESIDENT else IN_FLIGHT for ready, p in zip(lease.ready, planned)]

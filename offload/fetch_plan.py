@@ -25,6 +25,18 @@ def serving_order(counts: Sequence[int], states: Sequence[int]) -> list[int]:
     return sorted(range(len(counts)), key=lambda i: (states[i], -counts[i] if states[i] == MISSING else 0))
 
 
+def sort_pairs(ids: Sequence[int], order: Sequence[int]) -> list[int]:
+    """Indices of the (token, k) pairs whose experts are ``ids`` (the flattened [T*K] routing), grouped
+    by their expert's position in ``order`` (the serving order), the pairs of one expert in their given
+    order: the stable sort by serving position that ``torch.argsort(position[ids], stable=True)`` gives.
+    Every id must be in ``order``.
+    """
+    by_expert: dict[int, list[int]] = {e: [] for e in order}
+    for pair, expert in enumerate(ids):
+        by_expert[expert].append(pair)
+    return [pair for e in order for pair in by_expert[e]]
+
+
 def group_sizes(num_fetched: int, record_bytes: int, min_group_bytes: int = MIN_GROUP_BYTES,
                 max_groups: int = MAX_GROUPS) -> list[int]:
     """Sizes of the consecutive groups the ``num_fetched`` copies are split into; the compute of a

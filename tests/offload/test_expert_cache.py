@@ -146,3 +146,24 @@ def test_lookup_states_and_host_computed_count(store):
     st = cache.stats()
     assert st["layers"][1]["cpu_computed"] == 3 and st["total"]["cpu_computed"] == 3
     assert st["layers"][1]["requests"] == 0  # host-computed experts are not cache requests
+
+
+def test_one_wait_per_stream_for_released_slots():
+    """Before copying into slots, the copy stream waits for their release events: only the newest of
+    each stream (a stream's events complete in order)."""
+    from hearth.offload.expert_cache import newest_per_stream
+
+    released = [(3, 7, "s7-3"), None, (5, 7, "s7-5"), (4, 9, "s9-4"), (1, 7, "s7-1"), (4, 9, "s9-4")]
+    assert newest_per_stream(released) == ["s7-5", "s9-4"]
+    assert newest_per_stream([None, None]) == []
+
+
+def test_fetch_copies_the_right_rows_in_a_global_pool(store):
+    """Copies go through per-slot and per-expert views made once: evictions and refills across layers
+    still put each expert's own bytes in its slot."""
+    cache = ExpertCache(store, "cpu", num_slots=3)
+    for layer, experts in ((0, [1, 2]), (1, [2, 7]), (0, [2, 5, 6]), (1, [7])):
+        lease = cache.acquire(layer, experts)
+        for e, s in zip(lease.experts, lease.slots):
+            assert torch.equal(cache.buffer[s], store.expert(layer, e))
+        cache.release(lease)

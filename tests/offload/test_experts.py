@@ -170,3 +170,90 @@ def test_kernel_offloaded_bitwise_equals_resident(tmp_path):
         x, ids, w = (t.to(device) for t in _routing(g, tokens))
         x = x.bfloat16()
         assert torch.equal(backend(2, x, ids, w), resident(2, x, ids, w))
+
+
+@pytest.mark.parametrize("max_pairs", [0, 256])
+def test_host_and_device_pair_sort_give_the_same_bits(tmp_path, monkeypatch, max_pairs):
+    """Decode sorts the pairs on the host (one upload), prefill on the device: the same permutation,
+    so the same bits, cold, warm and streamed."""
+    from hearth.offload import experts as experts_mod
+
+    store, _ = _store(tmp_path, torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(11)
+    calls = [_routing(g, tokens) for tokens in (1, 3, 7)]
+    outs = {}
+    for limit in (max_pairs, 1 << 20):
+        monkeypatch.setattr(experts_mod, "HOST_SORT_MAX_PAIRS", limit)
+        for slots in (12, 5):  # 7 tokens need more than 5 experts: streamed
+            backend = OffloadedExperts(ExpertCache(store, "cpu", slots_per_layer=slots), group_bytes=1)
+            outs[limit, slots] = [backend(1, x.bfloat16(), ids, w) for x, ids, w in calls for _ in range(2)]
+    for key, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[1 << 20, 12])), key
+
+
+def test_decode_call_reads_back_once_copies_first_uploads_once(tmp_path, monkeypatch):
+    """A decode call: one read-back of the routing, then the copies (acquire) before any index is
+    uploaded or any compute queued, then one upload of every index the call needs."""
+    from hearth.offload import experts as experts_mod
+
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=8)
+    backend = OffloadedExperts(cache, group_bytes=1)
+    cache.release(cache.acquire(1, [0, 1]))
+    events: list[str] = []
+    in_compute = [False]
+    tolist, to_device, into = torch.Tensor.tolist, experts_mod._to_device, experts_mod._experts_into
+    acquire = cache.acquire
+
+    def logged_tolist(t, *args):
+        if not in_compute[0]:
+            events.append("read-back")
+        return tolist(t, *args)
+
+    def logged_into(*args):
+        events.append("compute")
+        in_compute[0] = True
+        try:
+            return into(*args)
+        finally:
+            in_compute[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "tolist", logged_tolist)
+    monkeypatch.setattr(experts_mod, "_to_device", lambda *a: (events.append("upload"), to_device(*a))[1])
+    monkeypatch.setattr(experts_mod, "_experts_into", logged_into)
+    monkeypatch.setattr(cache, "acquire", lambda l, e: (events.append("acquire"), acquire(l, e))[1])
+    ids = torch.tensor([[0, 2, 3, 1], [5, 0, 2, 6]])
+    x, w = torch.randn(2, HIDDEN), torch.rand(2, 4)
+    out = backend(1, x, ids, w)
+    _assert_close(out, reference_moe(tensors, 1, x, ids, w), rtol=1e-5)
+    assert events[:3] == ["read-back", "acquire", "upload"]
+    assert events.count("read-back") == events.count("acquire") == events.count("upload") == 1
+    assert events[3:] == ["compute"] * 5  # resident {0, 1}, then 2 (2 pairs), 3, 5, 6 one by one
+
+
+def test_rejects_expert_ids_out_of_range(tmp_path):
+    store, _ = _store(tmp_path, torch.float32)
+    backend = OffloadedExperts(ExpertCache(store, "cpu", slots_per_layer=4))
+    x, w = torch.randn(1, HIDDEN), torch.rand(1, 2)
+    for bad in ([[0, NUM_EXPERTS]], [[-1, 3]]):
+        with pytest.raises(ValueError, match="expert ids"):
+            backend(1, x, torch.tensor(bad), w)
+    assert all(backend.cache.refcount(1, e) == 0 for e in range(NUM_EXPERTS))
+
+
+def test_host_shortcut_agrees_with_choose_host_experts():
+    """``_host_may_win`` False must mean choose_host_experts keeps every miss on the link."""
+    from hearth.offload.cpu_experts import HostSpeeds, choose_host_experts
+
+    g = torch.Generator().manual_seed(12)
+    backend = OffloadedExperts.__new__(OffloadedExperts)
+    backend.host_experts = "auto"
+    for _ in range(300):
+        link, fixed, per_token, transfer = (torch.rand(4, generator=g) * torch.tensor([2.0, 10.0, 2.0, 1.0])).tolist()
+        backend.host_speeds = speeds = HostSpeeds(link, fixed, per_token, transfer)
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        tokens = torch.randint(1, 9, (n,), generator=g).tolist()
+        if not backend._host_may_win(n):
+            assert not any(choose_host_experts(tokens, speeds, "auto"))
+    backend.host_experts = "on"
+    assert backend._host_may_win(1) and not backend._host_may_win(0)

@@ -1,6 +1,7 @@
 """The host-side plan of a routed-experts call: serving order, compute groups, streaming rounds."""
 
 import pytest
+import torch
 
 from hearth.offload.fetch_plan import (
     IN_FLIGHT,
@@ -10,6 +11,7 @@ from hearth.offload.fetch_plan import (
     group_sizes,
     round_groups,
     serving_order,
+    sort_pairs,
     split_rounds,
 )
 
@@ -63,3 +65,16 @@ def test_round_groups_resident_first_then_each_fetch():
 def test_round_groups_late_resident_joins_a_waiting_group():
     groups = round_groups([MISSING, RESIDENT, MISSING], 45 * MB)
     assert groups == [Group(0, 1, True), Group(1, 2, True), Group(2, 3, True)]
+
+
+def test_sort_pairs_is_the_stable_argsort_by_serving_position():
+    g = torch.Generator().manual_seed(0)
+    for num_pairs in (1, 8, 64, 200):
+        ids = torch.randint(0, 16, (num_pairs,), generator=g)
+        needed = sorted(set(ids.tolist()))
+        order = [needed[i] for i in torch.randperm(len(needed), generator=g).tolist()]
+        position = torch.full((16,), len(order), dtype=torch.long)
+        position[torch.tensor(order)] = torch.arange(len(order))
+        want = torch.argsort(position[ids], stable=True).tolist()
+        assert sort_pairs(ids.tolist(), order) == want
+    assert sort_pairs([], []) == []
