@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.lens = torch.ones(b, dtype=torch.int32, device=device)
         # Host staging of one step's inputs: [ids, positions, slots, lens, tables...] per row.
         self._host = torch.zeros(b, 4 + self.max_blocks, dtype=torch.long, pin_memory=True)
+        self._staged: torch.cuda.Event | None = None  # the last upload from _host (reused next step)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.replays = 0
@@ -75,6 +76,8 @@ class DecodeGraphs:
 
     def _stage(self, block_tables: list[list[int]], positions: list[int], token_ids: list[int], b: int) -> None:
         bs, scratch = self.block_size, self.scratch_block
+        if self._staged is not None:  # the previous step's non-blocking upload must have read _host
+            self._staged.synchronize()
         host = self._host[:b]
         host[:, 0] = 0  # padding rows: token 0 at position 0 in the scratch page
         host[:, 1] = 0
@@ -86,6 +89,8 @@ class DecodeGraphs:
             row[0], row[1], row[2], row[3] = tok, pos, table[pos // bs] * bs + pos % bs, pos + 1
             row[4:4 + len(table)] = torch.tensor(table, dtype=torch.long)
         staged = host.to(self.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
         self.ids[:b].copy_(staged[:, 0])
         self.positions[:b].copy_(staged[:, 1])
         self.slots[:b].copy_(staged[:, 2])

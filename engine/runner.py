@@ -134,7 +134,7 @@ class ModelRunner:
     def run(self, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:
         """Forward the step; returns fp32 logits of each request's last token (B, vocab), or of
         every token (N, vocab) with all_logits."""
-        graphs = getattr(self, "graphs", None)  # (runners built field by field in benchmarks have none)
+        graphs = self.graphs
         if graphs is not None and not all_logits and all(len(s.token_ids) == 1 for s in inputs):
             tables = [s.block_table for s in inputs]
             if graphs.fits(len(inputs), tables):
