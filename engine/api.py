@@ -7,8 +7,11 @@ the CLI, the HTTP server and the benchmarks can all share it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -79,105 +82,221 @@ class SamplingParams:
         return self.temperature == 0
 
 
+OptionKind = Literal["bool", "int", "float", "str", "choice"]
+BASIC = "Engine"
+ADVANCED = "Advanced engine options"
+
+
+@dataclass(frozen=True)
+class OptionText:
+    """How one ``EngineConfig`` field is shown to people: its Settings row and its server flag.
+
+    label: the Settings row's label. help: one plain line for ``--help``, the explanation under the
+    Settings row and its tooltip. section: the Settings group (``BASIC`` or ``ADVANCED``).
+    none_text: what ``None`` means (shown for it in Settings). unit: the Settings suffix of a number.
+    minimum: the smallest whole number allowed (float options, all memory sizes, must be > 0).
+    restart: a change takes effect only when the engine restarts (true of every option the engine
+    reads at load time, which today is all of them).
+    """
+
+    label: str
+    help: str
+    section: str = ADVANCED
+    none_text: str = "auto"
+    unit: str = ""
+    minimum: int | None = None
+    restart: bool = True
+
+
+def _option(default: Any, label: str, help: str, **text: Any) -> Any:
+    return field(default=default, metadata={"text": OptionText(label, help, **text)})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model. ``None`` and ``"auto"`` mean "decide from the machine".
 
-    device: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
-    dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16" or "float16".
-    max_model_len: the longest prompt + answer a request may hold (default: the model's limit,
-        capped at 8192 until the user asks for more).
-    max_num_seqs: requests running at once; more wait in the queue.
-    max_num_batched_tokens: prompt tokens one step may process (longer prompts are chunked).
-    block_size: tokens per page of the paged caches.
-    num_cache_blocks: pages per cache; None sizes it for max_num_seqs full-length requests.
-    keep_fp8: keep FP8 checkpoint weights in FP8 with their block scales (dequantised on the fly)
-        instead of expanding them at load; None = keep on CUDA, expand on CPU.
-    faithful: reproduce the official DeepSeek inference rounding: Hadamard + FP8 (ue8m0) on
-        indexer q/k and an FP8 round trip of the latent cache. Off = exact bf16/fp32 math.
-    use_kernels: run the Triton DSA kernels on CUDA ("auto"), or force plain PyTorch ("never").
-    cuda_graphs: capture decode steps in CUDA graphs (one per batch-size bucket up to
-        max_num_seqs, captured on first use) where the step allows: the DSA kernel path with every
-        request decoding one token, routed experts resident on the GPU, no tiers, MLI off.
-    offload: where routed experts live. "auto": on the GPU when they fit, else in host RAM behind
-        a GPU expert cache sized by the memory planner; "always": host RAM + cache (also on CPU,
-        mainly for tests); "never": with the rest of the model.
-    expert_cache_slots: experts per MoE layer held in the cache (None: the planner decides).
-    expert_cache_policy: "lru" or "lfu" eviction.
-    host_experts: with offloaded experts, compute a missed expert on the CPU instead of fetching it:
-        "auto" when the start-up probe of link and CPU speed says it finishes sooner, "on", "off".
-    gpu_memory_gib / expert_cache_gib / host_memory_gib: caps for the memory planner.
-    mli: Multi-layer Indexer: a layer attends the selection of the previous indexer layer while its
-        own indexer feeds the next layers (on CUDA it runs on a side stream, overlapping the
-        layer's attention). Changes the math slightly (selections shift by one indexer layer).
-    index_topk_freq / index_skip_topk_offset / index_topk_pattern: IndexCache retention for models
-        that do not ship it (keep an indexer on every freq-th layer, or an F/S pattern).
-    index_key_hot_pages: tier the indexer keys (plain-PyTorch path): keep this many recent pages
-        per request and layer on the device, the rest in host RAM behind a compact per-page summary
-        (coarse-to-fine selection, hearth.offload.tiered_keys). None = all keys on the device.
-    index_key_candidate_pages / index_key_cache_pages: cold pages scored exactly per decode step,
-        and the device page cache that keeps fetched pages across steps. None: 8 x index_topk /
-        block_size candidates (256 for DeepSeek-V3.2 at 64-token pages; top-k recall >= 0.99 on
-        clustered keys, docs/benchmarks.md) and a cache as large.
-    index_key_exact: fetch every page a per-page bound cannot rule out (selection always exact).
-    index_key_lagged_fetch: a decode step scores the previous step's candidate pages (already in the
-        device page cache) and fetches its own for the next step, so no step reads its own candidate ids
-        back to the host; needs the cache to hold the candidates; exact mode stays exact.
-    latent_hot_rows: tier the MLA latents (DSA models): all rows in host RAM, this many per request
-        and layer on the device; decode gathers the selected rows (misses copied from the host).
-    scheduler: "sync" advances every running request through the same layer together;
-        "runahead" lets requests whose experts are resident run ahead to later layers while
-        others wait for expert fetches (see hearth.engine.runahead); "prefetch" is "sync" plus a
-        prediction prefetcher of the next layer's experts (a baseline for measurements).
+    Every field carries an ``OptionText`` (see ``engine_options()``): the server's flags, the engine
+    host's options, the Settings form and the GUI's restart decision are all generated from it.
+    Details the one-line help leaves out:
+
+    max_model_len: None is the model's limit, capped at 8192 until the user asks for more.
+    keep_fp8: FP8 weights keep their 128x128 block scales and are dequantised on the fly.
+    cuda_graphs: one graph per batch-size bucket up to max_num_seqs, captured on first use, where
+        the step allows: the DSA kernel path with every request decoding one token, routed experts
+        resident on the GPU, no tiers, MLI off.
+    mli: on CUDA the layer's own indexer runs on a side stream, overlapping its attention; the
+        selections shift by one indexer layer, which changes the math slightly.
+    index_key_hot_pages: the cold pages sit behind a compact per-page summary (coarse-to-fine
+        selection, hearth.offload.tiered_keys). The candidate default, 8 x index_topk / block_size
+        (256 for DeepSeek-V3.2 at 64-token pages), keeps top-k recall >= 0.99 on clustered keys
+        (docs/benchmarks.md); the device page cache is as large.
+    index_key_lagged_fetch: needs the page cache to hold the candidates; exact mode stays exact.
+    scheduler: "runahead" is described in hearth.engine.runahead; "prefetch" is a baseline for
+        measurements.
     """
 
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
-    block_size: int = 64
-    num_cache_blocks: int | None = None
-    keep_fp8: bool | None = None
-    faithful: bool = False
-    use_kernels: Literal["auto", "never"] = "auto"
-    cuda_graphs: bool = True
-    offload: Literal["auto", "always", "never"] = "auto"
-    expert_cache_slots: int | None = None
-    expert_cache_policy: Literal["lru", "lfu"] = "lru"
-    host_experts: Literal["auto", "on", "off"] = "auto"
-    gpu_memory_gib: float | None = None
-    expert_cache_gib: float | None = None
-    host_memory_gib: float | None = None
-    mli: bool = False
-    index_topk_freq: int | None = None
-    index_skip_topk_offset: int | None = None
-    index_topk_pattern: str | None = None
-    index_key_hot_pages: int | None = None
-    index_key_candidate_pages: int | None = None
-    index_key_cache_pages: int | None = None
-    index_key_exact: bool = False
-    index_key_lagged_fetch: bool = False
-    latent_hot_rows: int | None = None
-    scheduler: Literal["sync", "runahead", "prefetch"] = "sync"
+    device: str = _option(
+        "auto", "Device", "Where the model runs: auto (the GPU when there is one), cpu, cuda or cuda:N.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _option(
+        "auto", "Number format", "Precision of weights and activations: auto is bfloat16 on a GPU, float32 on the CPU.")
+    max_model_len: int | None = _option(
+        None, "Context length", "The longest conversation one request may hold, prompt and answer, in tokens.",
+        section=BASIC, unit=" tokens", minimum=2)
+    max_num_seqs: int = _option(8, "Parallel requests", "Requests answered at the same time; more wait in a queue.",
+                                minimum=1)
+    max_num_batched_tokens: int = _option(
+        2048, "Prompt tokens per step",
+        "Prompt tokens read in one step; longer prompts are read in chunks so running answers keep flowing.",
+        minimum=1)
+    block_size: int = _option(64, "Cache page size", "Tokens per page of the attention caches.", minimum=1)
+    num_cache_blocks: int | None = _option(
+        None, "Cache pages", "Pages per attention cache (auto: enough for every parallel request at full length).",
+        minimum=1)
+    keep_fp8: bool | None = _option(
+        None, "Keep FP8 weights",
+        "Keep FP8 checkpoints in FP8, half the memory of bfloat16, and expand them as they are used "
+        "(auto: on a GPU, not on the CPU).")
+    faithful: bool = _option(
+        False, "Faithful DeepSeek rounding",
+        "Round like DeepSeek's official inference code (FP8 indexer and latent cache); off computes exactly.")
+    use_kernels: Literal["auto", "never"] = _option(
+        "auto", "Triton kernels",
+        "auto runs Hearth's attention kernels on a GPU; never uses plain PyTorch everywhere (slower, for comparison).")
+    cuda_graphs: bool = _option(
+        True, "CUDA graphs",
+        "Replay each decode step from a recorded CUDA graph, which saves the cost of starting each GPU "
+        "kernel (GPU only; off is slower, for debugging).", section=BASIC)
+    offload: Literal["auto", "always", "never"] = _option(
+        "auto", "Experts in RAM",
+        "Keep the experts in RAM behind a GPU cache: auto when they do not fit on the GPU, always, or never.")
+    expert_cache_slots: int | None = _option(
+        None, "Expert cache slots",
+        "Experts per layer kept on the GPU when experts live in RAM (auto: the memory planner decides).", minimum=1)
+    expert_cache_policy: Literal["lru", "lfu"] = _option(
+        "lru", "Expert cache eviction",
+        "Which cached expert makes room for a new one: lru (least recently used) or lfu (least often used).")
+    host_experts: Literal["auto", "on", "off"] = _option(
+        "auto", "CPU for missed experts",
+        "With experts in RAM, compute a missing expert on the CPU instead of copying it to the GPU "
+        "(auto: when a start-up test finds the CPU quicker).")
+    gpu_memory_gib: float | None = _option(
+        None, "GPU memory budget", "GPU memory Hearth may use (auto: what is free).", section=BASIC, unit=" GiB")
+    expert_cache_gib: float | None = _option(
+        None, "Expert cache",
+        "GPU memory for the experts kept on the GPU when the rest live in RAM (auto: the planner decides).",
+        section=BASIC, unit=" GiB")
+    host_memory_gib: float | None = _option(
+        None, "RAM budget", "Host memory Hearth may use for experts kept in RAM (auto: what is available).",
+        section=BASIC, unit=" GiB")
+    mli: bool = _option(
+        False, "Multi-layer Indexer",
+        "DSA models: each layer reads the tokens the previous layer's indexer chose while its own indexer "
+        "works for the layers after it; faster on a GPU, answers change very slightly.", section=BASIC)
+    index_topk_freq: int | None = _option(
+        None, "Indexer retention",
+        "DSA models: only every N-th layer picks which earlier tokens matter, the layers between reuse its "
+        "pick; faster, answers change slightly (off: as the model ships).",
+        section=BASIC, none_text="off", unit=" layers", minimum=1)
+    index_skip_topk_offset: int | None = _option(
+        None, "Indexer retention offset",
+        "With indexer retention: which layer of each group of N keeps its indexer (auto: as the model ships).",
+        minimum=0)
+    index_topk_pattern: str | None = _option(
+        None, "Indexer layer pattern",
+        "Instead of a retention N: one letter per layer, F (own indexer) or S (reuse the previous pick).",
+        none_text="none")
+    index_key_hot_pages: int | None = _option(
+        None, "GPU key pages",
+        "Long contexts: keep only this many recent pages of the indexer's keys per request on the GPU and the "
+        "rest in RAM, to save GPU memory (off: all on the GPU).",
+        section=BASIC, none_text="off", unit=" pages", minimum=1)
+    index_key_candidate_pages: int | None = _option(
+        None, "Key pages scored",
+        "With GPU key pages: pages in RAM scored exactly per step (auto: 8 x top-k / page size).", minimum=1)
+    index_key_cache_pages: int | None = _option(
+        None, "Key page cache",
+        "With GPU key pages: pages fetched from RAM kept on the GPU across steps (auto: as many as scored).",
+        minimum=1)
+    index_key_exact: bool = _option(
+        False, "Exact key selection",
+        "With GPU key pages: fetch every page that may hold a chosen token, so the choice is exact (slower).")
+    index_key_lagged_fetch: bool = _option(
+        False, "Lagged key fetch",
+        "With GPU key pages: score the pages fetched for the previous step while this step's are copied, so "
+        "no step waits for its own copy.")
+    latent_hot_rows: int | None = _option(
+        None, "GPU latent rows",
+        "Long contexts on DSA models: keep this many attention-cache rows per request and layer on the GPU, "
+        "all of them in RAM; rows a step needs are copied in (off: all on the GPU).",
+        section=BASIC, none_text="off", unit=" rows", minimum=1)
+    scheduler: Literal["sync", "runahead", "prefetch"] = _option(
+        "sync", "Scheduler",
+        "How answers advance when experts live in RAM: sync (together, layer by layer), runahead (ready requests "
+        "run ahead while others wait for experts), prefetch (sync plus guessing the next layer's experts).",
+        section=BASIC)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise HearthError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        for option in engine_options():
+            problem = option.check(getattr(self, option.name))
+            if problem is not None:
+                raise HearthError(problem)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise HearthError(f"device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
-            raise HearthError("max_num_seqs, max_num_batched_tokens and block_size must be >= 1")
-        if self.host_experts not in ("auto", "on", "off"):
-            raise HearthError(f"host_experts must be auto, on or off, not {self.host_experts!r}")
-        if self.offload not in ("auto", "always", "never"):
-            raise HearthError(f"offload must be auto, always or never, not {self.offload!r}")
-        if self.expert_cache_slots is not None and self.expert_cache_slots < 1:
-            raise HearthError("expert_cache_slots must be >= 1")
-        if self.scheduler not in ("sync", "runahead", "prefetch"):
-            raise HearthError(f"scheduler must be sync, runahead or prefetch, not {self.scheduler!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise HearthError("max_model_len must be >= 2")
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One ``EngineConfig`` field with its type resolved: what front ends generate flags and rows from."""
+
+    name: str
+    kind: OptionKind
+    optional: bool
+    choices: tuple[str, ...]
+    default: Any
+    text: OptionText
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any) -> str | None:
+        """Why ``value`` cannot be this option's value, or None when it can."""
+        if value is None:
+            return None if self.optional else f"{self.name} must be set"
+        expected: type | tuple[type, ...] = {"bool": bool, "int": int, "float": (int, float)}.get(self.kind, str)
+        # NOTE: bool is an int subclass; a JSON true must not pass as a count or a size.
+        if not isinstance(value, expected) or (isinstance(value, bool) and self.kind != "bool"):
+            return f"{self.name} has the wrong type ({type(value).__name__})"
+        if self.choices and value not in self.choices:
+            return f"{self.name} must be {', '.join(self.choices[:-1])} or {self.choices[-1]}, not {value!r}"
+        if self.kind == "int" and self.text.minimum is not None and value < self.text.minimum:
+            return f"{self.name} must be >= {self.text.minimum}"
+        if self.kind == "float" and value <= 0:
+            return f"{self.name} must be > 0"
+        return None
+
+
+@functools.cache
+def engine_options() -> tuple[EngineOption, ...]:
+    """Every ``EngineConfig`` field, in declaration order, with its kind, choices and texts."""
+    hints = typing.get_type_hints(EngineConfig)
+    return tuple(_resolve(f, hints[f.name]) for f in dataclasses.fields(EngineConfig))
+
+
+def _resolve(config_field: dataclasses.Field[Any], hint: Any) -> EngineOption:
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+        (hint,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(hint) is Literal:
+        kind: OptionKind = "choice"
+        choices = tuple(typing.get_args(hint))
+    else:
+        kind = {bool: "bool", int: "int", float: "float", str: "str"}[hint]
+        choices = ()
+    return EngineOption(config_field.name, kind, optional, choices, config_field.default,
+                        config_field.metadata["text"])
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """The engine host: an OpenAI-compatible HTTP server around one ``Engine``.
 
     python -m hearth.engine.server --model PATH [--host 127.0.0.1] [--port 8000] [--api-key K]
-                                   [--served-name NAME] [--max-model-len N] [--max-num-seqs N]
+                                   [--served-name NAME] [--max-model-len N] [--max-num-seqs N] ...
+
+Every ``EngineConfig`` field is a flag of the same name (``--max-model-len`` for ``max_model_len``);
+``--help`` lists them with their one-line help from ``EngineConfig``'s metadata.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming
 with server-sent events or not), and Hearth's own ``GET /health``, ``GET /hearth/stats``,
@@ -26,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.api import EngineConfig, HearthError, engine_options
 from hearth.engine.server_app import create_app
 from hearth.engine.server_host import EngineHost
 
@@ -34,7 +37,8 @@ API_KEY_ENV = "HEARTH_API_KEY"
 DEFAULT_PORT = 8000
 logger = logging.getLogger("hearth.engine.server")
 
-__all__ = ["API_KEY_ENV", "DEFAULT_PORT", "EngineHost", "build_parser", "create_app", "main", "serve"]
+__all__ = ["API_KEY_ENV", "DEFAULT_PORT", "EngineHost", "add_engine_arguments", "build_parser", "create_app",
+           "engine_config", "main", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,34 +49,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0 = any free port)")
     parser.add_argument("--port-file", help="write the bound port to this file once serving")
     parser.add_argument("--api-key", help=f"require this bearer token (or set {API_KEY_ENV})")
-    parser.add_argument("--max-model-len", type=int, help="context length: prompt + answer tokens per request")
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together (default: 8)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per cache page (default: 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prompt tokens per step")
-    parser.add_argument("--offload", choices=["auto", "always", "never"], default="auto",
-                        help="routed experts in host RAM behind a GPU cache: auto (if they do not fit), always, never")
-    parser.add_argument("--expert-cache-slots", type=int, help="experts per MoE layer kept on the GPU")
-    parser.add_argument("--expert-cache-policy", choices=["lru", "lfu"], default="lru")
-    parser.add_argument("--host-experts", choices=["auto", "on", "off"], default="auto",
-                        help="compute missed experts on the CPU when measured faster than fetching them")
-    parser.add_argument("--gpu-memory-gib", type=float, help="cap on the GPU memory Hearth plans with")
-    parser.add_argument("--expert-cache-gib", type=float, help="GPU memory for the expert cache")
-    parser.add_argument("--host-memory-gib", type=float, help="cap on host RAM for the expert store")
-    parser.add_argument("--scheduler", choices=["sync", "runahead", "prefetch"], default="sync",
-                        help="decode scheduling with offloaded experts (runahead: ready requests run ahead)")
-    parser.add_argument("--mli", type=_flag, default=False, help="Multi-layer Indexer (true/false)")
-    parser.add_argument("--cuda-graphs", type=_flag, default=True,
-                        help="replay decode steps from CUDA graphs where the step allows (true/false; default true)")
-    parser.add_argument("--index-topk-freq", type=int, help="IndexCache retention: an indexer every N layers")
-    parser.add_argument("--index-key-hot-pages", type=int,
-                        help="keep this many recent indexer-key pages per request on the device, the rest in RAM")
-    parser.add_argument("--latent-hot-rows", type=int,
-                        help="keep this many latent rows per request and layer on the device, all of them in RAM")
+    add_engine_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of start-up errors")
     return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field (``--max-model-len`` for ``max_model_len``), from its metadata."""
+    group = parser.add_argument_group("engine options")
+    for option in engine_options():
+        default = "" if option.default is None else f" (default: {str(option.default).lower()})"
+        if option.kind == "bool":
+            parse = _optional_flag if option.optional else _flag
+            values = "true, false or auto" if option.optional else "true or false"
+            group.add_argument(option.flag, type=parse, default=option.default, metavar="BOOL",
+                               help=f"{option.text.help} ({values}){default}")
+        elif option.kind == "choice":
+            group.add_argument(option.flag, choices=option.choices, default=option.default,
+                               help=option.text.help + default)
+        else:
+            parse_value = {"int": int, "float": float, "str": str}[option.kind]
+            group.add_argument(option.flag, type=parse_value, default=option.default,
+                               metavar="TEXT" if option.kind == "str" else "N", help=option.text.help + default)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` the parsed flags describe (raises HearthError for bad values)."""
+    return EngineConfig(**{option.name: getattr(args, option.name) for option in engine_options()})
 
 
 def _flag(text: str) -> bool:
@@ -83,20 +87,16 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _optional_flag(text: str) -> bool | None:
+    return None if text.lower() in ("auto", "none") else _flag(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     try:
-        config = EngineConfig(
-            device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, offload=args.offload,
-            expert_cache_slots=args.expert_cache_slots, expert_cache_policy=args.expert_cache_policy,
-            host_experts=args.host_experts,
-            gpu_memory_gib=args.gpu_memory_gib, expert_cache_gib=args.expert_cache_gib,
-            host_memory_gib=args.host_memory_gib, scheduler=args.scheduler, mli=args.mli, cuda_graphs=args.cuda_graphs,
-            index_topk_freq=args.index_topk_freq, index_key_hot_pages=args.index_key_hot_pages,
-            latent_hot_rows=args.latent_hot_rows)
+        config = engine_config(args)
         host = EngineHost(config)
         if args.model:
             host.load(args.model, args.served_name)

@@ -34,7 +34,7 @@ def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
                         "local engine (default: backend_url in the settings)", **d)
     parser.add_argument("--api-key", help=f"API key for --backend (default: ${API_KEY_ENV})", **d)
     parser.add_argument("--max-model-len", type=int, metavar="N",
-                        help="context length for the local engine (default: context_length in the settings)", **d)
+                        help="context length for the local engine (default: max_model_len in the settings)", **d)
     parser.add_argument("--max-tokens", type=int, metavar="N", help="answer length limit (default: the context)", **d)
     parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's)", **d)
     parser.add_argument("--top-p", type=float, metavar="P", **d)

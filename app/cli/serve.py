@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key", default=argparse.SUPPRESS, help="require this bearer token "
                        "(default: $HEARTH_API_KEY; strongly advised with --host 0.0.0.0)")
     serve.add_argument("--max-model-len", type=int, default=argparse.SUPPRESS, metavar="N",
-                       help="context length (default: context_length in the settings)")
+                       help="context length (default: max_model_len in the settings)")
     serve.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="requests decoded together")
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     serve.set_defaults(func=cmd_serve)

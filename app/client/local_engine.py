@@ -33,14 +33,14 @@ import psutil
 
 from hearth.app.client.openai_client import ChatClient, EngineDiedError
 from hearth.app.paths import log_dir, runtime_dir
-from hearth.engine.api import HearthError
+from hearth.engine.api import HearthError, engine_options
 
 STATE_FILE = "engine-host.json"
 LOG_FILE = "engine-host.log"
 API_KEY_ENV = "HEARTH_API_KEY"  # the name hearth.engine.server reads (not imported: that pulls in torch)
-OPTIONS = ("served_name", "max_model_len", "max_num_seqs", "device", "dtype", "block_size", "offload",
-           "expert_cache_slots", "expert_cache_policy", "gpu_memory_gib", "expert_cache_gib", "host_memory_gib",
-           "scheduler", "mli", "index_topk_freq", "index_key_hot_pages", "latent_hot_rows", "cuda_graphs")
+# The host's options: its served name and every EngineConfig field, each passed as the flag of its name.
+DEFAULTS: dict[str, Any] = {"served_name": None, **{option.name: option.default for option in engine_options()}}
+OPTIONS = tuple(DEFAULTS)
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 _POLL_S = 0.05
 
@@ -143,10 +143,11 @@ class EngineProcess:
 
     def serves(self, model: str | None, options: dict[str, Any]) -> bool:
         """Whether this host can stand in for one started with ``model`` and ``options`` (options
-        not given do not matter; ``model=None`` accepts any model)."""
+        not given do not matter; one the host was not given has its default; ``model=None`` accepts
+        any model)."""
         if model is not None and model != self.model:
             return False
-        return all(self.options.get(k) == v for k, v in options.items())
+        return all(self.options.get(k, DEFAULTS[k]) == v for k, v in options.items())
 
     # ---- state of a running host -----------------------------------------------------------
 
@@ -220,7 +221,8 @@ def _command(model: str | None, options: dict[str, Any], port_file: Path) -> lis
     if model is not None:
         cmd += ["--model", model]
     for name, value in options.items():
-        cmd += [f"--{name.replace('_', '-')}", str(value)]
+        if value != DEFAULTS[name]:  # a flag at its default adds nothing: the host parses the same defaults
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
     return cmd
 
 

@@ -7,6 +7,7 @@ The model code itself never runs in the GUI process: the local engine is a separ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -83,6 +84,13 @@ def model_context_length(folder: str | Path | None) -> int | None:
         return None
 
 
+def cuda_available() -> bool:
+    """Whether this machine has a CUDA GPU PyTorch can use (imports torch: seconds, off the GUI thread)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def available_models(settings: Settings) -> list[ModelChoice]:
     """Installed, verified models Hearth can run, then the demo model (always offered)."""
     from hearth.app.hub import HubContext, list_installed
@@ -151,15 +159,10 @@ class Backend:
         return self._engine.base_url, self._engine.api_key
 
     def _engine_options(self, choice: ModelChoice) -> dict[str, Any]:
-        """The settings the engine host runs with (None values are left to the host's planner)."""
-        s = self.settings
-        return {key: value for key, value in {
-            "max_model_len": effective_context(s, choice), "gpu_memory_gib": s.gpu_memory_gib,
-            "expert_cache_gib": s.expert_cache_gib, "host_memory_gib": s.host_memory_gib,
-            "scheduler": s.scheduler if s.scheduler != "sync" else None, "mli": True if s.mli else None,
-            "index_topk_freq": s.index_topk_freq, "index_key_hot_pages": s.index_key_hot_pages,
-            "latent_hot_rows": s.latent_hot_rows, "cuda_graphs": None if s.cuda_graphs else False,
-        }.items() if value is not None}
+        """The engine host's options: every engine setting (None ones are left to the host's planner),
+        with the context length capped by the model's."""
+        engine = dataclasses.replace(self.settings.engine, max_model_len=effective_context(self.settings, choice))
+        return {key: value for key, value in dataclasses.asdict(engine).items() if value is not None}
 
     def _server_name(self, choice: ModelChoice) -> str:
         try:

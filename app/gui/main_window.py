@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from hearth.app.gui.backend import Backend, Connected, ModelChoice, available_models
+from hearth.app.gui.backend import Backend, Connected, ModelChoice, available_models, cuda_available
 from hearth.app.gui.chat_panel import ChatPanel
 from hearth.app.gui.engine_worker import EngineThread
 from hearth.app.gui.models_tab import ModelsTab
@@ -32,10 +32,9 @@ from hearth.app.gui.status_bar import CrashBanner, EngineStatusBar, StatsPoller
 from hearth.app.gui.tasks import run_task, wait_for_tasks
 from hearth.app.hub.manager import DownloadOptions
 from hearth.app.store.chats import ChatStore
-from hearth.app.store.settings import Settings, load_settings, save_settings
+from hearth.app.store.settings import Settings, load_settings, restart_needed, save_settings
 
 logger = logging.getLogger(__name__)
-ENGINE_FIELDS = ("backend_url", "gpu_memory_gib", "expert_cache_gib", "context_length")
 
 
 class EngineGoneError(RuntimeError):
@@ -65,6 +64,7 @@ class MainWindow(QMainWindow):
         self.poller.stats.connect(self.status.show_stats)
         self.poller.failed.connect(self._on_poll_failed)
         self.poller.timer.start()
+        run_task(cuda_available, self.settings_tab.set_cuda_available)
         self.refresh_models(connect=True)
 
     # ---- layout -----------------------------------------------------------------------------
@@ -160,9 +160,11 @@ class MainWindow(QMainWindow):
             return
         self.status.set_engine_state(f"loading {choice.label}…")
         self.chat.set_connected(None)
+        self.settings_tab.set_model_context(choice.context_length, choice.label)
         self.engine.request_connect.emit(choice)
         if choice.label != self.settings.default_model:
             self.settings = self.settings.replace(default_model=choice.label)
+            self.settings_tab.settings = self.settings  # its Save must not bring the old default back
             save_settings(self.settings)
 
     def _use_installed(self, name: str) -> None:
@@ -215,7 +217,7 @@ class MainWindow(QMainWindow):
 
     # ---- settings and quitting --------------------------------------------------------------
     def apply_settings(self, settings: Settings) -> None:
-        engine_changed = any(getattr(settings, f) != getattr(self.settings, f) for f in ENGINE_FIELDS)
+        engine_changed = restart_needed(self.settings, settings)
         self.settings = settings
         self.backend.settings = settings
         app = QApplication.instance()

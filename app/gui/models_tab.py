@@ -264,7 +264,7 @@ class ModelsTab(QWidget):
 def _details_and_fit(ctx: HubContext, settings: Settings, repo_id: str) -> tuple[Any, FitReport]:
     details = repo_details(ctx, repo_id)
     footprint = footprint_from_config(details.config, details.weights_bytes)
-    cache_bytes = int(settings.expert_cache_gib * GIB) if settings.expert_cache_gib else None
+    cache_bytes = int(settings.engine.expert_cache_gib * GIB) if settings.engine.expert_cache_gib else None
     report = assess_fit(footprint, probe_machine(settings, ctx.cache_dir), context_length=settings.context_length,
                         expert_cache_bytes=cache_bytes, download_bytes=details.weights_bytes)
     return details, report

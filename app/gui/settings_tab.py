@@ -1,5 +1,10 @@
-"""The Settings tab: memory budgets, context length, local engine or remote backend, Hugging Face
-token and mirror, theme. Everything but the token is saved with ``save_settings``.
+"""The Settings tab: local engine or remote backend, the engine options, Hugging Face token and
+mirror, theme. Everything but the token is saved with ``save_settings``.
+
+The engine rows are generated from ``EngineConfig``'s field metadata (``engine_options()``): each
+field gets an editor chosen by its type, its one-line help under it and as tooltip, in the
+"Engine" group or the collapsed "Advanced engine options" one. A new field thus gets a row without
+code here.
 
 The token goes to huggingface_hub's own login store (``login(token=...)``), never into Hearth's
 settings file, and is never shown again: the field is cleared after saving and the tab only says
@@ -7,6 +12,8 @@ whether a token is stored.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from huggingface_hub import get_token
 from huggingface_hub import login as hf_login
@@ -17,38 +24,106 @@ from hearth.app.gui.qt import (
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
+    QFrame,
     QGroupBox,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QPushButton,
+    QScrollArea,
     QSpinBox,
+    Qt,
+    QToolButton,
     QVBoxLayout,
     QWidget,
     Signal,
 )
 from hearth.app.gui.tasks import run_task
 from hearth.app.store.settings import Settings, save_settings
+from hearth.engine.api import ADVANCED, BASIC, EngineConfig, EngineOption, engine_options
 
 THEMES = ("system", "light", "dark")
+_INT_MAX = 2**31 - 1  # QSpinBox holds a C int
+_TRI_STATE = {"auto": None, "on": True, "off": False}
+NO_CUDA_TIP = "This machine has no CUDA GPU, so every decode step runs eagerly; the option does nothing here."
 
 
-def _count_box(parent: QWidget, tip: str) -> QSpinBox:
-    box = QSpinBox(parent)
-    box.setRange(0, 1_000_000)
-    box.setSpecialValueText("off")
-    box.setToolTip(tip)
-    return box
+class OptionRow:
+    """The Settings row of one ``EngineConfig`` field: an editor chosen by the field's kind, its
+    one-line explanation under it, and the same text as tooltip. 0 in a number box, "auto" in a
+    list or an empty text stands for ``None``."""
+
+    def __init__(self, option: EngineOption, parent: QWidget) -> None:
+        self.option = option
+        self.editor = _editor(option, parent)
+        self.hint = QLabel(option.text.help, parent)
+        self.hint.setObjectName("hintLabel")
+        self.hint.setWordWrap(True)
+        self.field = QWidget(parent)
+        column = QVBoxLayout(self.field)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.setSpacing(2)
+        column.addWidget(self.editor)
+        column.addWidget(self.hint)
+        self.set_tooltip(option.text.help)
+
+    def set_tooltip(self, text: str) -> None:
+        for widget in (self.editor, self.hint):
+            widget.setToolTip(text)
+
+    def value(self) -> Any:
+        editor, option = self.editor, self.option
+        if isinstance(editor, QCheckBox):
+            return editor.isChecked()
+        if isinstance(editor, QComboBox):
+            text = editor.currentText()
+            return _TRI_STATE[text] if option.kind == "bool" else text
+        if isinstance(editor, (QSpinBox, QDoubleSpinBox)):
+            at_none = option.optional and editor.value() == editor.minimum()
+            return None if at_none else editor.value()
+        assert isinstance(editor, QLineEdit)
+        text = editor.text().strip()
+        return text or (None if option.optional else option.default)
+
+    def set_value(self, value: Any) -> None:
+        editor = self.editor
+        if isinstance(editor, QCheckBox):
+            editor.setChecked(bool(value))
+        elif isinstance(editor, QComboBox):
+            shown = {v: k for k, v in _TRI_STATE.items()}[value] if self.option.kind == "bool" else value
+            editor.setCurrentText(shown)
+        elif isinstance(editor, (QSpinBox, QDoubleSpinBox)):
+            editor.setValue(editor.minimum() if value is None else value)
+        else:
+            editor.setText("" if value is None else str(value))
 
 
-def _gib_box(tip: str) -> QDoubleSpinBox:
-    box = QDoubleSpinBox()
-    box.setRange(0.0, 4096.0)
-    box.setDecimals(1)
-    box.setSingleStep(1.0)
-    box.setSuffix(" GiB")
-    box.setSpecialValueText("auto")
-    box.setToolTip(tip)
+def _editor(option: EngineOption, parent: QWidget) -> QWidget:
+    text = option.text
+    if option.kind == "bool" and not option.optional:
+        return QCheckBox(parent)
+    if option.kind in ("bool", "choice"):
+        combo = QComboBox(parent)
+        combo.addItems(list(_TRI_STATE) if option.kind == "bool" else list(option.choices))
+        return combo
+    if option.kind == "int":
+        box = QSpinBox(parent)
+        low = text.minimum or 0
+        # NOTE: an optional number keeps the value below its minimum for None, shown as its none_text.
+        box.setRange(low - 1 if option.optional else low, _INT_MAX)
+        box.setStepType(QSpinBox.StepType.AdaptiveDecimalStepType)
+    elif option.kind == "float":
+        box = QDoubleSpinBox(parent)  # type: ignore[assignment]
+        box.setRange(0.0, 4096.0)
+        box.setDecimals(1)
+        box.setSingleStep(1.0)
+    else:
+        edit = QLineEdit(parent)
+        edit.setPlaceholderText(text.none_text if option.optional else str(option.default))
+        return edit
+    box.setSuffix(text.unit)
+    if option.optional:
+        box.setSpecialValueText(text.none_text)
     return box
 
 
@@ -59,10 +134,20 @@ class SettingsTab(QWidget):
     def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.settings = settings
-        layout = QVBoxLayout(self)
-        layout.addWidget(self._engine_box())
+        self.rows: dict[str, OptionRow] = {}
+        self._context_cap: int | None = None  # the selected model's context length
+        page = QWidget(self)
+        layout = QVBoxLayout(page)
+        layout.addWidget(self._engine_box(page))
+        layout.addWidget(self._advanced_toggle(page))
+        layout.addWidget(self.advanced_box)
         layout.addWidget(self._hub_box())
         layout.addWidget(self._look_box())
+        layout.addStretch(1)
+        scroll = QScrollArea(self)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(page)
         row = QHBoxLayout()
         self.save_button = QPushButton("Save settings", self)
         self.save_button.setObjectName("primary")
@@ -70,54 +155,70 @@ class SettingsTab(QWidget):
         self.status_label = QLabel("", self)
         row.addWidget(self.save_button)
         row.addWidget(self.status_label, 1)
-        layout.addLayout(row)
-        layout.addStretch(1)
+        outer = QVBoxLayout(self)
+        outer.addWidget(scroll, 1)
+        outer.addLayout(row)
         self.show_settings(settings)
         self._show_token_state()
 
-    def _engine_box(self) -> QGroupBox:
-        box = QGroupBox("Engine", self)
-        form = QFormLayout(box)
-        self.gpu_memory = _gib_box("GPU memory Hearth may use (auto: what is free)")
-        self.expert_cache = _gib_box("GPU memory for resident experts when experts live in RAM")
-        self.context_length = QSpinBox(box)
-        self.context_length.setRange(256, 1_048_576)
-        self.context_length.setSingleStep(1024)
-        self.context_length.setSuffix(" tokens")
+    def row(self, name: str) -> OptionRow:
+        """The row of the ``EngineConfig`` field ``name``."""
+        return self.rows[name]
+
+    def _engine_box(self, page: QWidget) -> QGroupBox:
+        box = QGroupBox(BASIC, page)
+        form = _form(box)
         self.backend_kind = QComboBox(box)
         self.backend_kind.addItems(["Local engine (this machine)", "Remote backend (OpenAI-compatible URL)"])
         self.backend_url = QLineEdit(box)
         self.backend_url.setPlaceholderText("http://host:8000/v1")
         self.backend_kind.currentIndexChanged.connect(lambda i: self.backend_url.setEnabled(i == 1))
-        form.addRow("GPU memory budget", self.gpu_memory)
-        form.addRow("Expert cache", self.expert_cache)
-        form.addRow("Context length", self.context_length)
         form.addRow("Backend", self.backend_kind)
         form.addRow("Backend URL", self.backend_url)
-        self._long_context_rows(box, form)
+        self.advanced_box = QGroupBox(ADVANCED, page)
+        advanced_form = _form(self.advanced_box)
+        for option in engine_options():
+            row = OptionRow(option, box)
+            self.rows[option.name] = row
+            target = form if option.text.section == BASIC else advanced_form
+            target.addRow(option.text.label, row.field)
+            target.labelForField(row.field).setToolTip(option.text.help)
         return box
 
-    def _long_context_rows(self, box: QGroupBox, form: QFormLayout) -> None:
-        """Scheduling and long-context options of the local engine (0 = off / as the model ships)."""
-        self.scheduler = QComboBox(box)
-        self.scheduler.addItems(["sync", "runahead"])
-        self.scheduler.setToolTip("runahead: requests whose experts are on the GPU run ahead while others wait")
-        self.mli = QCheckBox("Multi-layer Indexer (DSA models)", box)
-        self.cuda_graphs = QCheckBox("Replay decode steps from CUDA graphs (GPU)", box)
-        self.cuda_graphs.setToolTip("Off: every decode step launches its kernels one by one (slower; for debugging)")
-        self.index_topk_freq = _count_box(box, "IndexCache: keep an indexer every N layers (0 = as shipped)")
-        self.key_pages = _count_box(box, "Indexer-key pages per request kept on the GPU (0 = all)")
-        self.latent_rows = _count_box(box, "Latent rows per request and layer kept on the GPU (0 = all)")
-        form.addRow("Scheduler", self.scheduler)
-        form.addRow("", self.mli)
-        form.addRow("", self.cuda_graphs)
-        form.addRow("Indexer retention", self.index_topk_freq)
-        form.addRow("GPU key pages", self.key_pages)
-        form.addRow("GPU latent rows", self.latent_rows)
+    def _advanced_toggle(self, page: QWidget) -> QToolButton:
+        toggle = QToolButton(page)
+        toggle.setText(f"Show {ADVANCED.lower()}")
+        toggle.setCheckable(True)
+        toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+
+        def show(checked: bool) -> None:
+            self.advanced_box.setVisible(checked)
+            toggle.setText(f"{'Hide' if checked else 'Show'} {ADVANCED.lower()}")
+
+        toggle.toggled.connect(show)
+        self.advanced_toggle = toggle
+        self.advanced_box.setVisible(False)
+        return toggle
+
+    def set_cuda_available(self, available: bool) -> None:
+        """Grey out what only a CUDA GPU can do (decode steps replayed from CUDA graphs)."""
+        row = self.rows["cuda_graphs"]
+        row.editor.setEnabled(available)
+        row.set_tooltip(row.option.text.help if available else NO_CUDA_TIP)
+
+    def set_model_context(self, limit: int | None, model: str = "") -> None:
+        """Cap the context length at the selected model's own (``limit``; None: no known cap)."""
+        row = self.rows["max_model_len"]
+        assert isinstance(row.editor, QSpinBox)
+        self._context_cap = limit
+        row.editor.setMaximum(limit or _INT_MAX)
+        row.set_value(self.settings.engine.max_model_len)  # shown capped when the model holds less
+        cap = f" At most {limit:,} tokens for {model or 'this model'}." if limit else ""
+        row.set_tooltip(row.option.text.help + cap)
 
     def _hub_box(self) -> QGroupBox:
         box = QGroupBox("Hugging Face", self)
-        form = QFormLayout(box)
+        form = _form(box)
         self.endpoint = QLineEdit(box)
         self.endpoint.setPlaceholderText("https://huggingface.co or a mirror such as https://hf-mirror.com")
         self.token_edit = QLineEdit(box)
@@ -137,7 +238,7 @@ class SettingsTab(QWidget):
 
     def _look_box(self) -> QGroupBox:
         box = QGroupBox("Appearance", self)
-        form = QFormLayout(box)
+        form = _form(box)
         self.theme = QComboBox(box)
         self.theme.addItems(THEMES)
         form.addRow("Theme", self.theme)
@@ -145,31 +246,29 @@ class SettingsTab(QWidget):
 
     def show_settings(self, settings: Settings) -> None:
         self.settings = settings
-        self.gpu_memory.setValue(settings.gpu_memory_gib or 0.0)
-        self.expert_cache.setValue(settings.expert_cache_gib or 0.0)
-        self.context_length.setValue(settings.context_length)
         self.backend_kind.setCurrentIndex(1 if settings.backend_url else 0)
         self.backend_url.setText(settings.backend_url or "")
         self.backend_url.setEnabled(bool(settings.backend_url))
         self.endpoint.setText(settings.hf_endpoint)
         self.theme.setCurrentText(settings.theme)
-        self.scheduler.setCurrentText(settings.scheduler)
-        self.mli.setChecked(settings.mli)
-        self.cuda_graphs.setChecked(settings.cuda_graphs)
-        self.index_topk_freq.setValue(settings.index_topk_freq or 0)
-        self.key_pages.setValue(settings.index_key_hot_pages or 0)
-        self.latent_rows.setValue(settings.latent_hot_rows or 0)
+        for name, row in self.rows.items():
+            row.set_value(getattr(settings.engine, name))
 
     def edited(self) -> Settings:
-        """The settings as the form shows them (raises SettingsError for bad values)."""
+        """The settings as the form shows them (raises HearthError for bad values)."""
         remote = self.backend_kind.currentIndex() == 1 and self.backend_url.text().strip()
+        values = {name: row.value() for name, row in self.rows.items()}
+        stored_context = self.settings.engine.max_model_len
+        if self._context_cap is not None and values["max_model_len"] == self._context_cap and (
+                stored_context is not None and stored_context > self._context_cap):
+            # NOTE: the box shows the setting capped by the selected model; the larger setting
+            # still holds for bigger models, so an unchanged box keeps it.
+            values["max_model_len"] = stored_context
+        engine = EngineConfig(**values)
         return self.settings.replace(
-            gpu_memory_gib=self.gpu_memory.value() or None, expert_cache_gib=self.expert_cache.value() or None,
-            context_length=self.context_length.value(), backend_url=self.backend_url.text().strip() if remote else None,
+            backend_url=self.backend_url.text().strip() if remote else None,
             hf_endpoint=self.endpoint.text().strip() or "https://huggingface.co", theme=self.theme.currentText(),
-            scheduler=self.scheduler.currentText(), mli=self.mli.isChecked(), cuda_graphs=self.cuda_graphs.isChecked(),
-            index_topk_freq=self.index_topk_freq.value() or None, index_key_hot_pages=self.key_pages.value() or None,
-            latent_hot_rows=self.latent_rows.value() or None)
+            engine=engine)
 
     def save(self) -> None:
         try:
@@ -203,3 +302,9 @@ class SettingsTab(QWidget):
         stored = get_token() is not None
         state = "A token is stored (hidden)." if stored else "No token stored: public models only."
         self.token_state.setText(f"{prefix} {state}".strip())
+
+
+def _form(box: QGroupBox) -> QFormLayout:
+    form = QFormLayout(box)
+    form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)  # editors span the window
+    return form

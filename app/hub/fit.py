@@ -154,7 +154,7 @@ def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
 def fit_for_repo(details: RepoDetails, settings: Settings, machine: Machine | None = None) -> FitReport:
     """The verdict for a Hub repo with the user's context length and expert cache size."""
     machine = machine or probe_machine(settings, HubContext.from_settings(settings).cache_dir)
-    expert_cache = int(settings.expert_cache_gib * GIB) if settings.expert_cache_gib else None
+    expert_cache = int(settings.engine.expert_cache_gib * GIB) if settings.engine.expert_cache_gib else None
     return assess_fit(footprint_from_config(details.config, details.weights_bytes), machine,
                       context_length=settings.context_length, expert_cache_bytes=expert_cache,
                       download_bytes=details.download_bytes())
@@ -163,11 +163,11 @@ def fit_for_repo(details: RepoDetails, settings: Settings, machine: Machine | No
 def probe_machine(settings: Settings, disk_path: Path) -> Machine:
     """This machine's free GPU memory, available RAM and free disk, or the user's caps."""
     gpu = _probe_gpu_bytes()
-    if settings.gpu_memory_gib is not None and gpu is not None:
-        gpu = int(settings.gpu_memory_gib * GIB)
+    if settings.engine.gpu_memory_gib is not None and gpu is not None:
+        gpu = int(settings.engine.gpu_memory_gib * GIB)
     ram = psutil.virtual_memory().available
-    if settings.host_memory_gib is not None:
-        ram = int(settings.host_memory_gib * GIB)
+    if settings.engine.host_memory_gib is not None:
+        ram = int(settings.engine.host_memory_gib * GIB)
     return Machine(gpu_bytes=gpu, ram_bytes=ram, disk_free_bytes=free_disk_bytes(disk_path))
 
 

@@ -18,17 +18,18 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from hearth.app.paths import settings_path
-from hearth.engine.api import HearthError
+from hearth.engine.api import EngineConfig, HearthError, engine_options
 
 logger = logging.getLogger(__name__)
 
 Theme = Literal["light", "dark", "system"]
 DEFAULT_ENDPOINT = "https://huggingface.co"
+DEFAULT_CONTEXT_LENGTH = 8192
 
 
 class SettingsError(HearthError):
@@ -43,34 +44,20 @@ class Settings:
     hf_cache_dir: where model weights go; None = the library's cache (``HF_HUB_CACHE``).
     download_parallelism: files downloaded at once.
     offline: no network calls at all; only installed models are listed and used.
-    gpu_memory_gib / host_memory_gib: memory Hearth may use; None = what the machine has free.
-    expert_cache_gib: GPU memory for resident experts when experts live in RAM; None = auto.
-    context_length: tokens per request the fit estimate and the engine plan for.
     backend_url: an OpenAI-compatible server to use instead of the local engine host; None = local.
-    scheduler: "sync" or "runahead" decode scheduling of the local engine (matters with experts in RAM).
-    mli: Multi-layer Indexer on DSA models. index_topk_freq: IndexCache retention (an indexer every
-    N layers; None = as the model ships). index_key_hot_pages / latent_hot_rows: long-context tiers
-    (indexer-key pages / latent rows kept on the GPU per request; None = everything on the GPU).
-    cuda_graphs: replay decode steps from CUDA graphs on the GPU (off = every step runs eagerly).
+    engine: the local engine's options (memory budgets, context length, scheduler, long-context
+        tiers...), described once by ``EngineConfig``'s field metadata. In the settings file they
+        sit beside the other keys, under their ``EngineConfig`` names.
     """
 
     hf_endpoint: str = DEFAULT_ENDPOINT
     hf_cache_dir: str | None = None
     download_parallelism: int = 4
     offline: bool = False
-    gpu_memory_gib: float | None = None
-    expert_cache_gib: float | None = None
-    host_memory_gib: float | None = None
-    context_length: int = 8192
     backend_url: str | None = None
     theme: Theme = "system"
     default_model: str | None = None
-    scheduler: str = "sync"
-    mli: bool = False
-    index_topk_freq: int | None = None
-    index_key_hot_pages: int | None = None
-    latent_hot_rows: int | None = None
-    cuda_graphs: bool = True
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_model_len=DEFAULT_CONTEXT_LENGTH))
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -78,43 +65,55 @@ class Settings:
         checks = [
             (self.hf_endpoint.startswith(("http://", "https://")), "hf_endpoint must be an http(s) URL"),
             (1 <= self.download_parallelism <= 64, "download_parallelism must be in [1, 64]"),
-            (self.context_length >= 2, "context_length must be >= 2"),
             (self.theme in ("light", "dark", "system"), "theme must be light, dark or system"),
-            (self.scheduler in ("sync", "runahead"), "scheduler must be sync or runahead"),
         ]
-        for name in ("index_topk_freq", "index_key_hot_pages", "latent_hot_rows"):
-            value = getattr(self, name)
-            checks.append((value is None or value >= 1, f"{name} must be >= 1 (or null for off)"))
-        for name in ("gpu_memory_gib", "expert_cache_gib", "host_memory_gib"):
-            value = getattr(self, name)
-            checks.append((value is None or value > 0, f"{name} must be > 0 (or null for auto)"))
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
 
+    @property
+    def context_length(self) -> int:
+        """Tokens per request the fit estimate and the engine plan for (before the model's own cap)."""
+        return self.engine.max_model_len or DEFAULT_CONTEXT_LENGTH
+
     def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes``; ``EngineConfig`` names (and ``context_length`` for
+        ``max_model_len``) change the engine options."""
+        changes = {_LEGACY_KEYS.get(k, k): v for k, v in changes.items()}
+        engine_changes = {k: changes.pop(k) for k in list(changes) if k in ENGINE_KEYS}
+        if engine_changes:
+            try:
+                changes["engine"] = dataclasses.replace(changes.get("engine", self.engine), **engine_changes)
+            except HearthError as exc:
+                raise SettingsError(str(exc)) from None
         return dataclasses.replace(self, **changes)
 
+    def to_json(self) -> dict[str, Any]:
+        """The settings as the file holds them: one flat object."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        return {**flat, **dataclasses.asdict(self.engine)}
 
+
+ENGINE_KEYS = frozenset(option.name for option in engine_options())
+_LEGACY_KEYS = {"context_length": "max_model_len"}  # the name older settings files use
 _TYPES: dict[str, tuple[type, ...]] = {
     "hf_endpoint": (str,),
     "hf_cache_dir": (str, type(None)),
     "download_parallelism": (int,),
     "offline": (bool,),
-    "gpu_memory_gib": (int, float, type(None)),
-    "expert_cache_gib": (int, float, type(None)),
-    "host_memory_gib": (int, float, type(None)),
-    "context_length": (int,),
     "backend_url": (str, type(None)),
     "theme": (str,),
     "default_model": (str, type(None)),
-    "scheduler": (str,),
-    "mli": (bool,),
-    "index_topk_freq": (int, type(None)),
-    "index_key_hot_pages": (int, type(None)),
-    "latent_hot_rows": (int, type(None)),
-    "cuda_graphs": (bool,),
+    "engine": (EngineConfig,),
 }
+
+
+def restart_needed(old: Settings, new: Settings) -> bool:
+    """Whether going from ``old`` to ``new`` needs the engine started again: another backend, or a
+    changed engine option that takes effect at load time."""
+    return old.backend_url != new.backend_url or any(
+        option.text.restart and getattr(old.engine, option.name) != getattr(new.engine, option.name)
+        for option in engine_options())
 
 
 def _check_types(settings: Settings) -> None:
@@ -132,25 +131,27 @@ def load_settings(path: Path | None = None) -> Settings:
     raw = _read_raw(path)
     if raw is None:
         return Settings()
-    defaults = Settings()
-    good: dict[str, Any] = {}
-    for field in dataclasses.fields(Settings):
-        if field.name not in raw:
+    for old, new in _LEGACY_KEYS.items():
+        if old in raw:
+            raw.setdefault(new, raw.pop(old))
+    settings = Settings()
+    for name in [f.name for f in dataclasses.fields(Settings) if f.name != "engine"] + sorted(ENGINE_KEYS):
+        if name not in raw:
             continue
         try:
-            defaults.replace(**{field.name: raw[field.name]})
-        except (SettingsError, TypeError) as exc:
-            logger.warning("Ignoring setting %s in %s: %s", field.name, path, exc)
-            continue
-        good[field.name] = raw[field.name]
-    return Settings(**good)
+            settings = settings.replace(**{name: raw[name]})
+        except (HearthError, TypeError) as exc:
+            logger.warning("Ignoring setting %s in %s: %s", name, path, exc)
+    return settings
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> None:
     """Write ``settings`` atomically, keeping unknown keys already in the file."""
     path = path or settings_path()
     raw = _read_raw(path, set_aside_if_corrupt=False) or {}
-    raw.update(dataclasses.asdict(settings))
+    for old in _LEGACY_KEYS:
+        raw.pop(old, None)  # now written under its new name
+    raw.update(settings.to_json())
     write_json_atomic(path, raw)
 
 

@@ -233,3 +233,23 @@ def test_demo_model_shows_what_to_download(qtbot, open_window):
     hint = window.chat.view._placeholder.text()
     assert "demo model" in hint and "runs with experts in RAM" in hint
 
+
+
+def test_changing_an_engine_option_in_settings_restarts_the_engine(qtbot, open_window, backend):
+    """Any option the engine reads at load time (here the parallel requests, which used to be left
+    out) restarts the engine host with it; a theme change does not. Last: it replaces the shared host."""
+    window = open_window()
+    tab = window.settings_tab
+    assert tab.row("max_model_len").editor.maximum() == window.connected.choice.context_length
+    first_pid = backend.engine_pid()
+    tab.theme.setCurrentText("light")
+    tab.save()
+    assert backend.engine_pid() == first_pid and window.chat.connected is not None
+    tab.row("max_num_seqs").editor.setValue(3)
+    tab.save()
+    qtbot.waitUntil(lambda: window.chat.connected is not None and backend.engine_pid() != first_pid,
+                    timeout=60_000)
+    assert backend._engine.options["max_num_seqs"] == 3
+    ask(qtbot, window, "Restarted?")
+    wait_idle(qtbot, window)
+    assert window.store.thread(window.chat.conversation_id)[-1].is_complete

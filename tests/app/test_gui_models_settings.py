@@ -122,38 +122,86 @@ def test_settings_persist_across_restarts(qtbot, windows):
     tab = windows.track(SettingsTab(load_settings()))
     saved: list[Settings] = []
     tab.settings_saved.connect(saved.append)
-    tab.gpu_memory.setValue(20.0)
-    tab.expert_cache.setValue(6.5)
-    tab.context_length.setValue(32768)
+    tab.row("gpu_memory_gib").editor.setValue(20.0)
+    tab.row("expert_cache_gib").editor.setValue(6.5)
+    tab.row("max_model_len").editor.setValue(32768)
     tab.backend_kind.setCurrentIndex(1)
     tab.backend_url.setText("http://gpu-box:8000/v1")
     tab.endpoint.setText("https://hf-mirror.example/")
     tab.theme.setCurrentText("dark")
-    tab.scheduler.setCurrentText("runahead")
-    tab.mli.setChecked(True)
-    assert tab.cuda_graphs.isChecked()  # on by default
-    tab.cuda_graphs.setChecked(False)
-    tab.key_pages.setValue(8)
-    tab.latent_rows.setValue(4096)
+    tab.row("scheduler").editor.setCurrentText("runahead")
+    tab.row("mli").editor.setChecked(True)
+    assert tab.row("cuda_graphs").editor.isChecked()  # on by default
+    tab.row("cuda_graphs").editor.setChecked(False)
+    tab.row("index_key_hot_pages").editor.setValue(8)
+    tab.row("latent_hot_rows").editor.setValue(4096)
+    tab.row("keep_fp8").editor.setCurrentText("off")
+    tab.row("index_topk_pattern").editor.setText("FSSF")
     qtbot.mouseClick(tab.save_button, Qt.MouseButton.LeftButton)
     assert tab.status_label.text() == "Saved." and len(saved) == 1
     windows.close(tab)
 
-    expected = Settings(gpu_memory_gib=20.0, expert_cache_gib=6.5, context_length=32768,
-                        backend_url="http://gpu-box:8000/v1", hf_endpoint="https://hf-mirror.example", theme="dark",
-                        scheduler="runahead", mli=True, index_key_hot_pages=8, latent_hot_rows=4096,
-                        cuda_graphs=False)
+    expected = Settings(backend_url="http://gpu-box:8000/v1", hf_endpoint="https://hf-mirror.example", theme="dark"
+                        ).replace(gpu_memory_gib=20.0, expert_cache_gib=6.5, context_length=32768,
+                                  scheduler="runahead", mli=True, index_key_hot_pages=8, latent_hot_rows=4096,
+                                  cuda_graphs=False, keep_fp8=False, index_topk_pattern="FSSF")
     assert load_settings() == expected == saved[0]
     again = windows.track(SettingsTab(load_settings()))
-    assert again.gpu_memory.value() == 20.0 and again.expert_cache.value() == 6.5
+    assert again.row("gpu_memory_gib").editor.value() == 20.0 and again.row("expert_cache_gib").editor.value() == 6.5
     assert again.backend_kind.currentIndex() == 1 and again.backend_url.text() == "http://gpu-box:8000/v1"
-    assert again.theme.currentText() == "dark" and again.context_length.value() == 32768
-    assert again.scheduler.currentText() == "runahead" and again.mli.isChecked() and again.key_pages.value() == 8
-    assert not again.cuda_graphs.isChecked()
-    again.gpu_memory.setValue(0.0)  # "auto"
+    assert again.theme.currentText() == "dark" and again.row("max_model_len").editor.value() == 32768
+    assert again.row("scheduler").editor.currentText() == "runahead" and again.row("mli").editor.isChecked()
+    assert again.row("index_key_hot_pages").editor.value() == 8 and again.row("keep_fp8").value() is False
+    assert not again.row("cuda_graphs").editor.isChecked()
+    again.row("gpu_memory_gib").editor.setValue(0.0)  # "auto"
+    again.row("index_topk_pattern").editor.setText("")  # "none"
     again.backend_kind.setCurrentIndex(0)
     again.save()
-    assert load_settings().gpu_memory_gib is None and load_settings().backend_url is None
+    reloaded = load_settings()
+    assert reloaded.engine.gpu_memory_gib is None and reloaded.backend_url is None
+    assert reloaded.engine.index_topk_pattern is None
+
+
+def test_every_engine_option_has_a_row_with_its_explanation(qtbot, windows):
+    """Rows come from EngineConfig's metadata: each field has an editor, its one-line help under it
+    and as tooltip; the common ones show, the rest sit in the collapsed advanced group."""
+    from hearth.engine.api import BASIC, engine_options
+
+    tab = windows.track(SettingsTab(Settings()))
+    tab.resize(1100, 900)
+    tab.show()
+    assert [option.name for option in engine_options()] == list(tab.rows)
+    for option in engine_options():
+        row = tab.row(option.name)
+        assert row.hint.text() == option.text.help == row.editor.toolTip(), option.name
+        assert row.value() == getattr(Settings().engine, option.name), option.name
+        assert row.editor.isVisible() == (option.text.section == BASIC), option.name
+    for jargon in ("index_topk_freq", "index_key_hot_pages", "latent_hot_rows", "mli"):
+        assert tab.row(jargon).hint.isVisible() and len(tab.row(jargon).hint.text()) > 40
+    qtbot.mouseClick(tab.advanced_toggle, Qt.MouseButton.LeftButton)
+    assert tab.row("max_num_seqs").editor.isVisible() and tab.advanced_toggle.text().startswith("Hide")
+    # The editors stretch across the window rather than keeping their size hint.
+    assert tab.row("gpu_memory_gib").editor.width() > 500
+
+
+def test_cuda_graphs_greyed_without_cuda_and_context_capped_by_the_model(qtbot, windows):
+    from hearth.app.gui.settings_tab import NO_CUDA_TIP
+
+    tab = windows.track(SettingsTab(Settings().replace(context_length=32768)))
+    tab.set_cuda_available(False)
+    graphs = tab.row("cuda_graphs")
+    assert not graphs.editor.isEnabled() and graphs.editor.toolTip() == NO_CUDA_TIP
+    tab.set_cuda_available(True)
+    assert graphs.editor.isEnabled() and graphs.editor.toolTip() == graphs.option.text.help
+    context = tab.row("max_model_len")
+    tab.set_model_context(2048, "Demo")
+    assert context.editor.maximum() == 2048 and context.value() == 2048
+    assert "At most 2,048 tokens for Demo" in context.editor.toolTip()
+    assert tab.edited().context_length == 32768  # kept for bigger models while the box shows the cap
+    context.editor.setValue(1024)
+    assert tab.edited().context_length == 1024
+    tab.set_model_context(None)
+    assert context.editor.maximum() > 1_000_000 and context.value() == 32768
 
 
 def test_bad_endpoint_is_not_saved(qtbot, windows):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hearth.app import paths
+from hearth.app.client.local_engine import DEFAULTS
 from hearth.app.store.settings import Settings, SettingsError, load_settings, save_settings
 
 
@@ -29,7 +30,7 @@ def test_round_trip_keeps_unknown_keys(tmp_path):
     assert load_settings() == changed
     raw = json.loads(path.read_text())
     assert raw["future_option"] == {"x": 1} and raw["download_parallelism"] == 8
-    assert "token" not in " ".join(raw).lower()
+    assert not [k for k in raw if k.lower().endswith("token")]  # the HF token never lands in the file
     assert [p.name for p in path.parent.iterdir()] == ["settings.json"]  # no temp file left
 
 
@@ -61,7 +62,7 @@ def test_a_bad_value_falls_back_alone(caplog):
 ])
 def test_invalid_values_are_rejected(changes):
     with pytest.raises(SettingsError):
-        Settings(**changes)
+        Settings().replace(**changes)
 
 
 def test_endpoint_trailing_slash_is_dropped():
@@ -88,11 +89,53 @@ def test_long_context_settings_reach_the_engine_options(tmp_path, monkeypatch):
     """The GUI backend turns the saved scheduling / long-context settings into engine-host options."""
     from hearth.app.gui.backend import Backend, ModelChoice
 
-    settings = Settings(scheduler="runahead", mli=True, index_topk_freq=2, index_key_hot_pages=4,
-                        latent_hot_rows=512, gpu_memory_gib=10.0, cuda_graphs=False)
+    settings = Settings().replace(scheduler="runahead", mli=True, index_topk_freq=2, index_key_hot_pages=4,
+                                  latent_hot_rows=512, gpu_memory_gib=10.0, cuda_graphs=False)
     options = Backend(settings)._engine_options(ModelChoice("m", str(tmp_path), False, 4096))
-    assert options == {"max_model_len": 4096, "gpu_memory_gib": 10.0, "scheduler": "runahead", "mli": True,
-                       "index_topk_freq": 2, "index_key_hot_pages": 4, "latent_hot_rows": 512, "cuda_graphs": False}
-    assert "cuda_graphs" not in Backend(Settings())._engine_options(ModelChoice("m", str(tmp_path), False, 4096))
+    changed = {"max_model_len": 4096, "gpu_memory_gib": 10.0, "scheduler": "runahead", "mli": True,
+               "index_topk_freq": 2, "index_key_hot_pages": 4, "latent_hot_rows": 512, "cuda_graphs": False}
+    assert {k: v for k, v in options.items() if v != DEFAULTS[k]} == changed
+    assert None not in options.values() and set(options) <= set(DEFAULTS)
     with pytest.raises(SettingsError):
-        Settings(scheduler="fast")
+        Settings().replace(scheduler="fast")
+
+
+def test_legacy_context_length_key_is_read_and_renamed():
+    path = paths.settings_path()
+    path.write_text(json.dumps({"context_length": 32768, "theme": "dark"}))
+    settings = load_settings()
+    assert settings.context_length == 32768 == settings.engine.max_model_len
+    save_settings(settings.replace(context_length=16384))
+    raw = json.loads(path.read_text())
+    assert raw["max_model_len"] == 16384 and "context_length" not in raw
+    assert load_settings().context_length == 16384
+
+
+def test_every_engine_option_is_saved_and_restarts_the_engine():
+    """Each EngineConfig field round-trips through the settings file, and changing any of them (or
+    the backend) asks for an engine restart; app-only settings do not."""
+    from hearth.app.store.settings import restart_needed
+    from hearth.engine.api import engine_options
+
+    base = Settings()
+    for option in engine_options():
+        value = _another_value(option)
+        changed = base.replace(**{option.name: value})
+        save_settings(changed)
+        assert getattr(load_settings().engine, option.name) == value, option.name
+        assert restart_needed(base, changed), option.name
+    assert restart_needed(base, base.replace(backend_url="http://gpu-box:8000/v1"))
+    assert not restart_needed(base, base.replace(theme="dark", download_parallelism=2, default_model="x"))
+
+
+def _another_value(option):
+    """A valid value other than the default, for any option kind."""
+    if option.kind == "bool":
+        return not option.default if option.default is not None else True
+    if option.kind == "choice":
+        return next(c for c in option.choices if c != option.default)
+    if option.kind == "int":
+        return (option.default or option.text.minimum or 1) + 3
+    if option.kind == "float":
+        return 1.5
+    return "cpu" if option.name == "device" else "FSFS"

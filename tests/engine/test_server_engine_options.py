@@ -40,3 +40,33 @@ def test_cuda_graphs_flag():
 
     assert build_parser().parse_args([]).cuda_graphs is True
     assert build_parser().parse_args(["--cuda-graphs", "false"]).cuda_graphs is False
+
+
+def test_every_engine_option_has_a_flag_that_reaches_the_config():
+    """Each EngineConfig field is a server flag with help text; a value given on the command line
+    arrives in the EngineConfig unchanged, and flags left out give EngineConfig's defaults."""
+    import dataclasses
+
+    from hearth.engine.api import EngineConfig, engine_options
+    from hearth.engine.server import build_parser, engine_config
+
+    parser = build_parser()
+    flags = {action.dest: action for action in parser._actions}
+    assert engine_config(parser.parse_args([])) == EngineConfig()
+    for option in engine_options():
+        assert option.name in flags and option.flag in flags[option.name].option_strings, option.name
+        assert option.text.help and option.text.label, option.name
+    args = parser.parse_args(["--max-model-len", "4096", "--gpu-memory-gib", "20.5", "--keep-fp8", "auto",
+                              "--mli", "true", "--index-topk-pattern", "FSSF", "--use-kernels", "never",
+                              "--faithful", "yes", "--num-cache-blocks", "12"])
+    want = dataclasses.replace(EngineConfig(), max_model_len=4096, gpu_memory_gib=20.5, mli=True,
+                               index_topk_pattern="FSSF", use_kernels="never", faithful=True, num_cache_blocks=12)
+    assert engine_config(args) == want
+    assert build_parser().parse_args(["--keep-fp8", "false"]).keep_fp8 is False
+
+
+def test_a_bad_option_value_is_one_clear_error(capsys):
+    from hearth.engine.server import main
+
+    assert main(["--max-num-seqs", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "error: max_num_seqs must be >= 1"
