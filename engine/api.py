@@ -311,10 +311,16 @@ class RequestStats:
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        if self.time_to_first_token_s is None or self.completion_tokens < 2:
-            return None
-        decode_time = self.total_time_s - self.time_to_first_token_s
-        return (self.completion_tokens - 1) / decode_time if decode_time > 0 else None
+        return decode_rate(self.completion_tokens, self.time_to_first_token_s, self.total_time_s)
+
+
+def decode_rate(completion_tokens: int, time_to_first_token_s: float | None, total_time_s: float) -> float | None:
+    """Decode speed in tokens/s: the tokens after the first over the time after the first (the
+    first token's time is prefill). None when there is no such interval."""
+    if time_to_first_token_s is None or completion_tokens < 2:
+        return None
+    decode_time = total_time_s - time_to_first_token_s
+    return (completion_tokens - 1) / decode_time if decode_time > 0 else None
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ or ``for event in engine.generate(messages=..., sampling=...)`` for a single req
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,10 +62,13 @@ _OOM_MESSAGE = "the GPU ran out of memory; lower the context length or the numbe
 class Engine:
     """Continuous batching over a loaded model: requests join and leave at any step."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+                 generation_defaults: Mapping[str, Any] | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
+        # The model's recommended temperature / top_p / top_k, for requests that leave them unset.
+        self.generation_defaults = dict(generation_defaults or {})
         self.model_config = runner.model_config
         self.max_model_len = runner.max_model_len
         # Tiered indexer keys live per request outside the pages, so pages cannot be shared.
@@ -89,7 +94,7 @@ class Engine:
         config = config or EngineConfig()
         runner = ModelRunner(str(path), config)
         tokenizer = Tokenizer.from_pretrained(path, runner.model_config.model_type)
-        return cls(runner, tokenizer, config)
+        return cls(runner, tokenizer, config, generation_defaults(Path(path)))
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -106,12 +111,19 @@ class Engine:
         return [int(t) for t in prompt_token_ids]
 
     def add_request(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
-                    prompt_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                    prompt_token_ids: Sequence[int] | None = None,
+                    sampling: SamplingParams | Mapping[str, Any] | None = None,
                     request_id: str | None = None, **chat_options: Any) -> str:
-        """Queue a request; returns its id. Raises RequestError if it can never run."""
-        params = sampling or SamplingParams()
+        """Queue a request; returns its id. Raises RequestError if it can never run.
+
+        ``sampling`` is either complete ``SamplingParams``, used as given, or what the user asked
+        for as ``SamplingParams`` keywords (None or missing = not given): the model's
+        generation_config.json fills temperature / top_p / top_k, and ``max_tokens`` defaults to
+        the rest of the context and is capped there.
+        """
         ids = self.encode(messages, prompt, prompt_token_ids, **chat_options)
         self._validate(ids)
+        params = sampling if isinstance(sampling, SamplingParams) else self.sampling_params(sampling or {}, len(ids))
         request_id = request_id or uuid.uuid4().hex
         seq = Seq(request_id=request_id, prompt_ids=ids, params=params)
         request = _Request(
@@ -127,12 +139,20 @@ class Engine:
             self._intake.append(request)
         return request_id
 
+    def sampling_params(self, given: Mapping[str, Any], prompt_tokens: int) -> SamplingParams:
+        """The request policy: what the user gave, the model's defaults for the rest, and an answer
+        that fits the context (``max_tokens`` unset or larger means "up to the end")."""
+        chosen = {k: v for k, v in given.items() if v is not None}
+        room = self.max_model_len - prompt_tokens
+        max_tokens = min(chosen.pop("max_tokens", room), room)
+        return SamplingParams(**{**self.generation_defaults, **chosen}, max_tokens=max_tokens)
+
     def _validate(self, ids: list[int]) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len}; "
-                               "shorten it or raise the context length")
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                               "(prompt + answer); shorten it or raise the context length")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -282,10 +302,12 @@ class Engine:
     # ---- conveniences ----------------------------------------------------------------------
 
     def generate(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
-                 prompt_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,
+                 prompt_token_ids: Sequence[int] | None = None,
+                 sampling: SamplingParams | Mapping[str, Any] | None = None,
                  **chat_options: Any) -> Iterator[Event]:
-        """Run one request to completion, yielding its events. Meant for exclusive use of the
-        engine (events of other requests stepped meanwhile are not returned)."""
+        """Run one request to completion (``sampling`` as for ``add_request``), yielding its events.
+        Meant for exclusive use of the engine (events of other requests stepped meanwhile are not
+        returned)."""
         request_id = self.add_request(messages, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                       sampling=sampling, **chat_options)
         try:
@@ -317,3 +339,16 @@ class Engine:
 
     def running_ids(self) -> list[str]:
         return [s.request_id for s in self.scheduler.running if s.status is Status.RUNNING]
+
+
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    """temperature / top_p / top_k the checkpoint's generation_config.json recommends (when it
+    samples at all), as SamplingParams keywords."""
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict) or raw.get("do_sample") is False:
+        return {}
+    kinds = {"temperature": float, "top_p": float, "top_k": int}
+    return {k: kind(raw[k]) for k, kind in kinds.items() if isinstance(raw.get(k), int | float)}

@@ -220,13 +220,13 @@ def _add_openai_routes(app: FastAPI, host: EngineHost) -> None:
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(host, body.model)
         prompt = {"messages": body.message_dicts(), "chat_options": body.chat_options()}
-        return await _serve(host, request, body, prompt, body.requested_max_tokens(), chat=True)
+        return await _serve(host, request, body, prompt, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(host, body.model)
         prompt = body.prompt_kwargs()
-        return await _serve(host, request, body, prompt, body.requested_max_tokens(), chat=False)
+        return await _serve(host, request, body, prompt, chat=False)
 
 
 def _model_card(host: EngineHost) -> dict[str, Any]:
@@ -246,11 +246,10 @@ def _check_model(host: EngineHost, name: str) -> None:
 
 
 async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest | CompletionRequest,
-                 prompt: dict[str, Any], max_tokens: int | None, *, chat: bool) -> Any:
-    sampling = sampling_fields(body, host.model.sampling_defaults if host.model else None)
+                 prompt: dict[str, Any], *, chat: bool) -> Any:
+    sampling = sampling_fields(body)
     stream = RequestStream()
-    submission = await run_in_threadpool(lambda: host.submit(stream.sink, sampling=sampling,
-                                                             max_tokens=max_tokens, **prompt))
+    submission = await run_in_threadpool(lambda: host.submit(stream.sink, sampling=sampling, **prompt))
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
     model_type = host.model.model_type if host.model else ""
     tools = isinstance(body, ChatCompletionRequest) and body.uses_tools

@@ -10,7 +10,6 @@ requests still in flight on the old engine get ``Finished(reason="abort")``.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
@@ -30,9 +29,7 @@ from hearth.engine.api import (
     Event,
     Finished,
     HearthError,
-    RequestError,
     RequestStats,
-    SamplingParams,
 )
 from hearth.engine.config import ModelConfig
 from hearth.engine.engine import Engine
@@ -63,7 +60,6 @@ class LoadedModel:
     name: str
     path: Path
     max_model_len: int
-    sampling_defaults: dict[str, Any]  # from generation_config.json; used where a request says nothing
     model_type: str = ""  # picks the tool-call format
 
 
@@ -122,7 +118,7 @@ class EngineHost:
                 config = EngineConfig(**{**asdict(config), "max_model_len": max_model_len})
             engine = Engine.load(str(folder), config)
             model = LoadedModel(served_name or folder.resolve().name, folder.resolve(), engine.max_model_len,
-                                generation_defaults(folder), engine.model_config.model_type)
+                                engine.model_config.model_type)
             with self._lock:
                 self._engine, self._model = engine, model
             logger.info("loaded %s from %s (context %d tokens)", model.name, folder, model.max_model_len)
@@ -148,24 +144,18 @@ class EngineHost:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def submit(self, sink: Sink, *, sampling: dict[str, Any], max_tokens: int | None,
-               messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
-               prompt_token_ids: Sequence[int] | None = None,
+    def submit(self, sink: Sink, *, sampling: dict[str, Any], messages: Sequence[dict[str, Any]] | None = None,
+               prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                chat_options: dict[str, Any] | None = None) -> Submission:
-        """Tokenize and queue a request whose events go to ``sink``. ``max_tokens=None`` means
-        "up to the end of the context"; larger values are capped there too."""
+        """Tokenize and queue a request whose events go to ``sink``. ``sampling`` holds what the
+        client gave (``Engine.add_request`` fills the rest and checks it)."""
         request_id = uuid.uuid4().hex
         with self._lock:
             engine = self._require_engine()
             ids = engine.encode(messages, prompt, prompt_token_ids, **(chat_options or {}))
-            room = engine.max_model_len - len(ids)
-            if room < 1:
-                raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {engine.max_model_len} "
-                                   "(prompt + answer); shorten it or raise the context length")
-            params = SamplingParams(**sampling, max_tokens=min(max_tokens or room, room))
             self._sinks[request_id] = sink
             try:
-                engine.add_request(prompt_token_ids=ids, sampling=params, request_id=request_id)
+                engine.add_request(prompt_token_ids=ids, sampling=sampling, request_id=request_id)
             except BaseException:
                 self._sinks.pop(request_id, None)
                 raise
@@ -249,19 +239,6 @@ class EngineHost:
             out.update(snapshot.extra)  # expert_cache_hit_rate etc. at the top level for status bars
         out["memory"] = memory_usage()
         return out
-
-
-def generation_defaults(folder: Path) -> dict[str, Any]:
-    """temperature / top_p / top_k the checkpoint's generation_config.json recommends (when it
-    samples at all), as SamplingParams keywords."""
-    try:
-        raw = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict) or raw.get("do_sample") is False:
-        return {}
-    kinds = {"temperature": float, "top_p": float, "top_k": int}
-    return {k: kind(raw[k]) for k, kind in kinds.items() if isinstance(raw.get(k), int | float)}
 
 
 def _preflight(folder: Path) -> None:

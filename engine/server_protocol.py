@@ -2,8 +2,9 @@
 and the JSON / server-sent-event payloads sent back. Pure data: no HTTP framework, no engine state.
 
 Unknown request fields are accepted and ignored, as OpenAI clients send many optional ones. Field
-checks that the OpenAI API answers with a 400 (``n``, ``max_tokens``, sampling ranges) raise
-``APIError`` here, so the server turns them into ``{"error": {...}}`` bodies.
+checks of the wire format (``n``, ``max_tokens`` >= 1, logprobs) raise ``APIError`` here, so the
+server turns them into ``{"error": {...}}`` bodies; sampling ranges are checked once, by the engine
+(``SamplingParams``), and come back as 400s too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hearth.engine.api import Finished, RequestError, RequestStats, SamplingParams
+from hearth.engine.api import Finished, RequestStats
 
 
 class APIError(Exception):
@@ -73,6 +74,9 @@ class _SamplingFields(_Lenient):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def requested_max_tokens(self) -> int | None:
+        return _check_max_tokens(self.max_tokens, "max_tokens")
+
 
 class ChatMessage(_Lenient):
     role: str
@@ -121,9 +125,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
 
-    def requested_max_tokens(self) -> int | None:
-        return _check_max_tokens(self.max_tokens, "max_tokens")
-
     def prompt_kwargs(self) -> dict[str, Any]:
         """``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` for ``Engine.encode``."""
         if self.echo or self.suffix is not None:
@@ -146,30 +147,23 @@ def _check_max_tokens(value: int | None, name: str) -> int | None:
     return value
 
 
-def sampling_fields(req: _SamplingFields, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``SamplingParams`` except ``max_tokens`` (it depends on the prompt);
-    ``defaults`` (the model's recommended temperature / top_p / top_k) fill fields left unset.
+def sampling_fields(req: _SamplingFields) -> dict[str, Any]:
+    """The sampling options the client gave, as ``SamplingParams`` keywords (None = not given;
+    ``Engine.add_request`` fills in the model's defaults and checks the values).
 
-    Raises APIError (400) for ``n != 1``, logprobs, or values SamplingParams rejects."""
+    Raises APIError (400) for what the wire format itself rules out: ``n != 1``, logprobs, and a
+    ``max_tokens`` below 1."""
     if req.n != 1:
         raise APIError(400, f"n must be 1 (Hearth returns one choice per request), got {req.n}", param="n")
     if getattr(req, "logprobs", None):
         raise APIError(400, "logprobs are not supported", param="logprobs")
-    given = {
+    return {
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-        "repetition_penalty": req.repetition_penalty, "seed": req.seed,
+        "repetition_penalty": req.repetition_penalty, "seed": req.seed, "max_tokens": req.requested_max_tokens(),
+        "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+        "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
     }
-    fields: dict[str, Any] = dict(defaults or {})
-    fields.update({k: v for k, v in given.items() if v is not None})
-    fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    fields["stop_token_ids"] = tuple(req.stop_token_ids or ())
-    fields["ignore_eos"] = req.ignore_eos
-    try:
-        SamplingParams(**fields, max_tokens=1)
-    except RequestError as err:
-        raise APIError(400, str(err), code="invalid_value") from err
-    return fields
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from hearth.app.client.openai_client import ChatChunk
 from hearth.app.store.settings import Settings
-from hearth.engine.api import HearthError
+from hearth.engine.api import HearthError, decode_rate
 
 API_KEY_ENV = "HEARTH_API_KEY"
 
@@ -148,9 +148,7 @@ class Answer:
 
     @property
     def tokens_per_s(self) -> float | None:
-        decode = self.total_time_s - (self.time_to_first_token_s or 0.0)
-        n = self.completion_tokens
-        return (n - 1) / decode if n > 1 and decode > 0 else None
+        return decode_rate(self.completion_tokens, self.time_to_first_token_s, self.total_time_s)
 
     def speed_line(self) -> str:
         parts = [f"{self.completion_tokens} tokens"]
@@ -189,22 +187,12 @@ def consume(chunks: Iterator[ChatChunk], out: TextIO | None, answer: Answer | No
     return answer
 
 
-def local_chunks(engine: Any, model_path: Path, messages: list[dict[str, Any]],
-                 options: dict[str, Any]) -> Iterator[ChatChunk]:
-    """The in-process engine's answer as ChatChunks (same shape as a server stream). Unset
-    sampling options take the model's generation_config.json values, as the engine host does."""
-    from hearth.engine.api import Finished, RequestError, SamplingParams
-    from hearth.engine.server_host import generation_defaults
+def local_chunks(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any]) -> Iterator[ChatChunk]:
+    """The in-process engine's answer as ChatChunks (same shape as a server stream). ``options`` are
+    the sampling options as given (None = not given): the engine fills in the model's defaults."""
+    from hearth.engine.api import Finished
 
-    ids = engine.encode(messages=messages)
-    room = engine.max_model_len - len(ids)
-    if room < 1:
-        raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {engine.max_model_len}; "
-                           "shorten it or raise --max-model-len")
-    given = {k: v for k, v in options.items() if v is not None and k != "max_tokens"}
-    sampling = SamplingParams(**{**generation_defaults(model_path), **given},
-                              max_tokens=min(options.get("max_tokens") or room, room))
-    for event in engine.generate(prompt_token_ids=ids, sampling=sampling):
+    for event in engine.generate(messages=messages, sampling=options):
         if isinstance(event, Finished):
             if event.reason not in ("stop", "length"):
                 raise HearthError(event.error or f"the answer ended with {event.reason}")

@@ -71,7 +71,7 @@ def _run_local(args: argparse.Namespace, settings: Settings, messages: list[dict
     # One request at a time here, so the cache only needs room for one sequence.
     config = EngineConfig(max_model_len=args.max_model_len or settings.context_length, max_num_seqs=1)
     engine = Engine.load(str(path), config)
-    chunks = local_chunks(engine, path, messages, sampling_options(args))
+    chunks = local_chunks(engine, messages, sampling_options(args))
     return path.name, _consume_closing(chunks, out)
 
 

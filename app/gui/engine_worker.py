@@ -18,6 +18,7 @@ from typing import Any
 from hearth.app.gui.backend import Backend, ModelChoice
 from hearth.app.gui.qt import QObject, QThread, Signal, Slot
 from hearth.app.store.chats import MessageStats
+from hearth.engine.api import decode_rate
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +141,7 @@ class _Progress:
         completion = _usage_value(self.usage, "completion_tokens") or self.num_chunks or None
         prompt = _usage_value(self.usage, "prompt_tokens")
         ttft = self.first_token_at - started if self.first_token_at is not None else None
-        speed = None
-        if self.first_token_at is not None and completion and completion > 1 and end > self.first_token_at:
-            speed = (completion - 1) / (end - self.first_token_at)
+        speed = decode_rate(completion or 0, ttft, end - started)
         return MessageStats(speed, ttft, completion, prompt)
 
 

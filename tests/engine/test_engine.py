@@ -156,6 +156,33 @@ def test_prompt_longer_than_context_is_refused(model_dir):
     assert out[-1].reason == "length" and out[-1].stats.completion_tokens == 14
 
 
+def test_request_policy_fills_what_the_user_left_out(model_dir):
+    """Given options win, the model's generation_config fills temperature / top_p / top_k, max_tokens
+    defaults to (and is capped at) the rest of the context, and bad values are refused once, here."""
+    engine = _engine(model_dir, max_model_len=64)
+    engine.generation_defaults = {"temperature": 0.6, "top_p": 0.95}
+    params = engine.sampling_params({"temperature": 0.0, "top_p": None, "max_tokens": None, "seed": 3}, 20)
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed) == (0.0, 0.95, 44, 3)
+    assert engine.sampling_params({"max_tokens": 500}, 60).max_tokens == 4
+    assert engine.sampling_params({"max_tokens": 2}, 10).max_tokens == 2
+    with pytest.raises(RequestError, match="top_p"):
+        engine.add_request(prompt_token_ids=[5, 6, 7], sampling={"top_p": 0.0})
+    with pytest.raises(RequestError, match="context holds 64"):
+        engine.add_request(prompt_token_ids=list(range(10, 74)), sampling={"max_tokens": 1})
+    out = list(engine.generate(prompt_token_ids=list(range(10, 62)), sampling={"temperature": 0, "ignore_eos": True}))
+    assert out[-1].reason == "length" and out[-1].stats.completion_tokens == 12
+    assert not engine.has_unfinished()
+
+
+def test_generation_defaults_come_from_the_checkpoint(tmp_path):
+    from hearth.engine.engine import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": "x"}')
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert generation_defaults(tmp_path) == {}
+
+
 def test_gpu_out_of_memory_fails_the_step_not_the_engine(model_dir, monkeypatch):
     """An OOM in a forward step finishes that step's requests with a clear error; pages are freed and
     the engine keeps serving."""

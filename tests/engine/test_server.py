@@ -127,6 +127,12 @@ def test_impossible_parameters_are_400(client, change, param):
     assert err.value.param == param
 
 
+def test_out_of_range_sampling_is_400_with_the_engine_message(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-v32", messages=MESSAGES, top_p=0.0)
+    assert "top_p must be in (0, 1]" in err.value.message
+
+
 def test_prompt_longer_than_the_context_is_400_with_the_numbers(client):
     long = [{"role": "user", "content": "hearth fire " * 400}]
     with pytest.raises(openai.BadRequestError) as err:
