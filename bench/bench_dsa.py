@@ -5,7 +5,7 @@ plain-torch baselines of the same math, measured in the same run, after a correc
 
 Prints one line per result (median time, GB/s or TFLOP/s, % of ceiling, torch time, ratio) and writes
 `dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .).
-Ceilings from docs/bench.md: 4.28 TB/s copy, ~790 TFLOP/s bf16 matmul.
+Ceilings from docs/benchmarks.md: 4.28 TB/s copy, ~790 TFLOP/s bf16 matmul.
 """
 
 from __future__ import annotations

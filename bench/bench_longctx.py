@@ -1,10 +1,10 @@
-"""Long context on a small GPU (issue C1, item 5) at DeepSeek-V3.2 shapes: 64 indexer heads x 128,
+"""Long context on a small GPU at DeepSeek-V3.2 shapes: 64 indexer heads x 128,
 FP8 indexer keys (132 B/token), FP8 MLA latents (656 B/token), 128 attention heads, k 2048, 61 layers.
 
     python bench/bench_longctx.py [--out DIR] [--contexts 32768,131072,524288] [--time-limit 330]
     python bench/bench_longctx.py --small        # CPU smoke test: tiny shapes, torch stand-ins
 
-Sections, each printed as it finishes (bench.md row format) and written to DIR/bench_longctx.json:
+Sections, each printed as it finishes (the row format of docs/benchmarks.md) and written to DIR/bench_longctx.json:
   0. check: coarse-to-fine with every page a candidate == exact selection; tiered latents == gather.
   1. one layer of decode (indexer + top-k + sparse MLA) per context: (a) all on the GPU with the Triton
      kernels (indexer_decode_topk over the full paged FP8 key cache, sparse_mla_decode over the FP8
@@ -56,7 +56,7 @@ from hearth.offload.coarse_index import PagePool, TopkMerger, exact_scores
 from hearth.offload.tiered_keys import KeyTierConfig, TieredKeys
 from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
 
-BW = 4.278e12  # device copy ceiling, bytes/s (bench.md)
+BW = 4.278e12  # device copy ceiling, bytes/s (docs/benchmarks.md)
 LAT_B, KEY_B = 656, 132  # FP8 latent and indexer-key bytes per token per layer
 ATTN_HEADS, HIDDEN = 128, 7168
 SM_SCALE = 0.13523378  # DeepSeek-V3.2 softmax scale (sparse_mla docs)
@@ -505,7 +505,7 @@ def capacity(layer128: dict | None, stack128: dict | None, args) -> None:
 
 
 def targets(layers_by_ctx: dict, stacks_by_ctx: dict) -> None:
-    log("\n## 4. Targets (issue C1)")
+    log("\n## 4. Targets")
     out = {}
     l128, s128 = layers_by_ctx.get(131072), stacks_by_ctx.get(131072)
     if l128:

@@ -1,4 +1,4 @@
-"""Fixed host overhead of one offloaded MoE-layer call (issue O1): :class:`OffloadedExperts` on tiny experts
+"""Fixed host overhead of one offloaded MoE-layer call: :class:`OffloadedExperts` on tiny experts
 (hidden 64, inter 32, FP8 + block scales) so copies and expert math cost next to nothing, with
 DeepSeek-V3-like counts (256 experts, top-8, a 64- or 128-slot cache per layer, T=1 and T=8), a fresh
 uniform routing every call, layers taken in turn as in decode.

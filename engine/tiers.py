@@ -1,4 +1,4 @@
-"""Per-request tiers for long contexts on a small GPU (issue C1), plain-PyTorch path.
+"""Per-request tiers for long contexts on a small GPU, plain-PyTorch path.
 
 Indexer keys (``KeyTiers``):
 
@@ -75,7 +75,6 @@ class KeyTiers(_PerRequestTiers):
             hot_pages=max(1, config.index_key_hot_pages), cache_pages=config.index_key_cache_pages,
             candidate_pages=config.index_key_candidate_pages, topk=model_config.index_topk,
             bounds=config.index_key_exact, exact=config.index_key_exact,
-            # NOTE: getattr until EngineConfig has the field (default False: not yet measured on the GPU)
             lagged_fetch=config.index_key_lagged_fetch)
 
     def _new(self) -> TieredKeys:

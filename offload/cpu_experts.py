@@ -1,4 +1,4 @@
-"""Computing a missed expert on the host instead of fetching it (issue O1 item 5, as Fiddler does).
+"""Computing a missed expert on the host instead of fetching it (as Fiddler does).
 
 A miss costs one expert copy over the link; computing it on the host costs reading (and, for FP8,
 dequantising) its weights plus a few matrix-vector products, and moving the tokens' activations to

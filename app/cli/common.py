@@ -1,7 +1,7 @@
 """Pieces the CLI commands share: the common options, model and backend resolution, turning an
 answer stream into terminal output with a speed line, and the in-process engine as a chunk stream.
 
-Options are declared twice, on the top-level parser (so the E1 form ``hearth --cli --model DIR
+Options are declared twice, on the top-level parser (so the short form ``hearth --cli --model DIR
 --prompt ...`` works) and on each subcommand with ``default=SUPPRESS`` (so ``hearth --cli run
 --model DIR`` works too, without the subcommand's defaults overwriting values given before it).
 """

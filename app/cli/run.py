@@ -1,4 +1,4 @@
-"""``hearth --cli run``: answer one prompt and exit (also the bare E1 form
+"""``hearth --cli run``: answer one prompt and exit (also the bare short form
 ``hearth --cli --model DIR --prompt "..."``).
 
 The answer streams to stdout and a speed line (tokens, tok/s, time to first token) goes to stderr,

@@ -23,7 +23,7 @@ from hearth.app.client import ChatChunk, ChatClient
 from hearth.app.client.local_engine import STATE_FILE
 from hearth.app.store.settings import Settings, save_settings
 from hearth.engine.tiny import write_tiny_model
-from tests.app._fixtures_a1 import Terminal, broken_copies, hearth_cmd, run_hearth
+from tests.app.cli_support import Terminal, broken_copies, hearth_cmd, run_hearth
 from tests.engine.test_server_support import start_server
 
 KEY = "cli-key"

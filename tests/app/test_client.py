@@ -14,7 +14,7 @@ from hearth.app.client import ChatClient, ClientError, EngineDiedError, EnginePr
 from hearth.app.client.local_engine import STATE_FILE
 from hearth.app.paths import runtime_dir
 from hearth.engine.tiny import write_tiny_model
-from tests.app._fixtures_a1 import broken_copies, fake_openai_server
+from tests.app.cli_support import broken_copies, fake_openai_server
 from tests.engine.test_server_support import start_server, wait_until
 
 KEY = "client-key"

@@ -1,4 +1,4 @@
-"""Multi-layer Indexer and IndexCache retention overrides (engine options for C1).
+"""Multi-layer Indexer and IndexCache retention overrides (engine options).
 
 MLI, as specified: an indexer layer attends the selection computed by the previous indexer layer
 (the first indexer layer uses its own); its own indexer feeds the layers after it. With retention

@@ -1,4 +1,4 @@
-"""Runahead decoding (R1) on the CPU: same greedy tokens as the layer-synchronous scheduler, no
+"""Runahead decoding on the CPU: same greedy tokens as the layer-synchronous scheduler, no
 starvation when some requests' experts arrive late, and abort in the middle of a runahead step
 frees cache pages and expert leases.
 

@@ -1,4 +1,4 @@
-"""Tiered indexer keys and latents in the engine (C1): recent key pages on the device, the rest in
+"""Tiered indexer keys and latents in the engine: recent key pages on the device, the rest in
 host RAM behind compact summaries; all latents in host RAM with a small device hot buffer of rows.
 With tiny device budgets and exact selection, long greedy generations equal the all-on-device engine
 token for token (no token is ever lost by the tier bookkeeping)."""

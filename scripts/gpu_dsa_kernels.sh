@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# K1 device script (run on the H200 through the device tool): GPU-side kernel tests (all of
-# tests/kernels, the small odd-size cases on CUDA plus the `gpu`-marked real shapes), then the DSA
-# benchmark. Logs and the result table go to $OUT.   usage: bash bench/gpu_k1.sh [tests|bench|all] [bench args]
+# On the H200: GPU-side kernel tests (all of tests/kernels, the small odd-size cases on CUDA plus the
+# `gpu`-marked real shapes), then the DSA benchmark. Logs and the result table go to $OUT.
+# Usage: bash scripts/gpu_dsa_kernels.sh [tests|bench|all] [bench args]
 set -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/k1_out}
-mkdir -p "$OUT" /tmp/hp
-ln -sfn "$PWD" /tmp/hp/hearth  # the repo's top-level folders form the `hearth` namespace
-export PYTHONPATH=/tmp/hp:$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+source scripts/gpu_env.sh
+export TRITON_DEFAULT_FP_FUSION=1
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"

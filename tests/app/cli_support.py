@@ -1,4 +1,4 @@
-"""Helpers for the client and CLI tests (issue A1): broken copies of a tiny model, running the
+"""Helpers for the client and CLI tests: broken copies of a tiny model, running the
 ``hearth`` command in a subprocess or a pseudo-terminal, and a minimal non-Hearth OpenAI server."""
 
 from __future__ import annotations
