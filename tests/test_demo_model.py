@@ -122,6 +122,7 @@ def test_the_schedule_warms_up_holds_and_decays_early_on_a_plateau() -> None:
     assert schedule.lr(35) == pytest.approx(0.5) and schedule.done(40) and not schedule.done(39)
 
 
+@pytest.mark.slow
 def test_smoke_training_saves_a_model_the_engine_loads(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "model"
     summary = train(parse(["--data", str(data_dir), "--out", str(out), "--smoke"]))

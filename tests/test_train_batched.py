@@ -154,6 +154,7 @@ def test_batched_indexer_kl_matches_the_per_sequence_definition_and_trains_only_
     assert indexer.wq_b.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", ["stacked", "module"])
 def test_batched_training_steps_lower_the_loss_and_balance_experts(experts: str) -> None:
     model = _model(seed=3)

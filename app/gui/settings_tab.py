@@ -113,7 +113,7 @@ def _editor(option: EngineOption, parent: QWidget) -> QWidget:
         box.setRange(low - 1 if option.optional else low, _INT_MAX)
         box.setStepType(QSpinBox.StepType.AdaptiveDecimalStepType)
     elif option.kind == "float":
-        box = QDoubleSpinBox(parent)  # type: ignore[assignment]
+        box = QDoubleSpinBox(parent)
         box.setRange(0.0, 4096.0)
         box.setDecimals(1)
         box.setSingleStep(1.0)

@@ -79,6 +79,7 @@ def test_broken_models_fail_with_one_clear_line(broken, defect, words, capsys):
     assert words in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_broken_model_in_a_real_process_has_no_traceback(broken):
     result = run_hearth("--model", str(broken["truncated"]), "--prompt", "hi")
     assert result.returncode == 1
@@ -128,6 +129,7 @@ def test_stats_without_an_engine_is_one_line(capsys):
     assert "no local engine host is running" in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_serve_runs_the_engine_host_until_interrupted(model_dir):
     proc = subprocess.Popen(hearth_cmd("serve", "--model", str(model_dir), "--port", "0", "--max-model-len", "256"),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -153,6 +155,7 @@ def test_hearth_entry_point_forwards_cli_and_reports_a_missing_gui(monkeypatch, 
     assert "desktop app is not part of this installation" in err and len(err.strip().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_chat_repl_in_a_terminal(model_dir, isolated_home):
     argv = hearth_cmd("chat", "--model", str(model_dir), "--max-tokens", "400", "--temperature", "0",
                       "--max-model-len", "512")

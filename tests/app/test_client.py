@@ -93,6 +93,7 @@ def test_other_openai_servers_degrade_gracefully():
             other.load_model("/some/model")
 
 
+@pytest.mark.slow
 def test_engine_process_lifecycle(model_dir):
     proc = EngineProcess.ensure_running(model_dir, max_model_len=512, startup_timeout=120)
     try:

@@ -26,6 +26,7 @@ from tests.app.test_gui_helpers import (
 )
 
 TIMEOUT_MS = 30_000
+pytestmark = pytest.mark.slow  # a real engine host process for the module, answers from the demo model
 
 
 @pytest.fixture(scope="module")

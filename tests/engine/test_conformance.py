@@ -45,6 +45,7 @@ def test_prefill_logits_match_transformers(arch, tiny_models):
     assert (chunked - ref).abs().max() < FP32_ATOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_decode_matches_transformers(arch, tiny_models):
     prompt, steps = _prompt(24, seed=1), 40
@@ -57,6 +58,7 @@ def test_greedy_decode_matches_transformers(arch, tiny_models):
     assert events[-1].reason == "length"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["deepseek_v32", "deepseek_v2"])
 def test_bfloat16_as_close_as_the_reference_in_bfloat16(arch, tiny_models):
     """bf16 flips discrete choices (expert routing, top-k) on some tokens, so the bar is the

@@ -42,6 +42,7 @@ def _prompt(i: int, n: int = 30) -> list[int]:
     return [(7 * i + 13 * j) % 480 + 10 for j in range(n)]
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_solo_runs(model_dir):
     engine = _engine(model_dir, max_num_batched_tokens=40)  # forces chunked prefill beside decodes
     solo = [_tokens(engine, _prompt(i, 20 + 7 * i)) for i in range(4)]
@@ -54,6 +55,7 @@ def test_concurrent_requests_equal_solo_runs(model_dir):
     assert [deltas[i] for i in ids] == solo
 
 
+@pytest.mark.slow
 def test_prefix_of_earlier_turn_is_reused_and_output_unchanged(model_dir):
     engine = _engine(model_dir)
     first = _prompt(1, 40)

@@ -4,6 +4,7 @@ runahead scheduler serve the same greedy answer, and /hearth/stats reports the e
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from hearth.engine.tiny import write_tiny_model
 from tests.engine.test_server_support import start_server
@@ -18,6 +19,7 @@ def _greedy(server) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_offload_and_runahead_options(tmp_path):
     model = write_tiny_model(tmp_path / "tiny-v32", "deepseek_v32", seed=3)
     plain = start_server(model, tmp_path / "a")
