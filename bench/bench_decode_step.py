@@ -1,4 +1,4 @@
-"""Whole decode step, all weights on the GPU (issue K1's last target): ms per step against the
+"""Whole decode step, all weights on the GPU: ms per step against the
 weight-bytes roofline, eager vs CUDA graphs.
 
 Model: DeepSeek-V3.2 shapes (hidden 7168, MLA 128 heads with q_lora 1536 / kv_lora 512 + 64 rope,
@@ -28,9 +28,10 @@ import torch
 
 from hearth.engine.api import EngineConfig
 from hearth.engine.config import ModelConfig
-from hearth.engine.loader import _materialize_buffers
+from hearth.engine.loader import materialize_buffers
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.layers import Fp8Linear
+from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.runner import ModelRunner, StepInput
 
 HBM = 4.28e12
@@ -51,11 +52,11 @@ def model_config(max_len: int) -> ModelConfig:
         eos_token_id=1, bos_token_id=0))
 
 
-def build_model(config: ModelConfig, device: torch.device) -> DeepseekForCausalLM:
+def build_model(config: ModelConfig, device: torch.device, attention: AttentionPaths) -> DeepseekForCausalLM:
     """Random weights on the device: routed experts as FP8 block-scaled Fp8Linear, the rest bf16
     (router, indexer head weights and k-norm in fp32 as the checkpoints keep them)."""
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config)
+        model = DeepseekForCausalLM(config, attention=attention)
     gen = torch.Generator(device=device).manual_seed(0)
     for name, param in list(model.named_parameters()):
         module_name, _, attr = name.rpartition(".")
@@ -77,7 +78,7 @@ def build_model(config: ModelConfig, device: torch.device) -> DeepseekForCausalL
             or "k_norm" in name
         setattr(module, attr, torch.nn.Parameter(value.to(torch.float32 if fp32 else torch.bfloat16),
                                                  requires_grad=False))
-    _materialize_buffers(model, device)
+    materialize_buffers(model, device)
     return model.eval()
 
 
@@ -126,8 +127,6 @@ def run_batch(runner: ModelRunner, batch: int, context: int, steps: int, graphs:
         for start in range(0, context, chunk):
             logits = runner.run([StepInput(table, start, ids[start:start + chunk])])
         last.append(int(logits[-1].argmax()))
-    saved = runner.graphs
-    runner.graphs = saved if graphs else None
     try:
         times = []
         tokens = list(last)
@@ -136,13 +135,13 @@ def run_batch(runner: ModelRunner, batch: int, context: int, steps: int, graphs:
             probe.enabled = step >= 3 and not graphs  # (hooks do not fire on graph replays)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            logits = runner.run([StepInput(t, context + step, [tok]) for t, tok in zip(tables, tokens)])
+            logits = runner.run([StepInput(t, context + step, [tok]) for t, tok in zip(tables, tokens)],
+                                use_graphs=graphs)
             tokens = logits.argmax(-1).tolist()
             t1 = time.perf_counter()
             if step >= 3:  # the first steps capture graphs / compile
                 times.append(t1 - t0)
     finally:
-        runner.graphs = saved
         probe.enabled = False
     return {"median_s": statistics.median(times), "p10_s": sorted(times)[len(times) // 10],
             "distinct_per_layer": probe.mean_distinct(), "tokens": tokens}
@@ -155,9 +154,7 @@ def check_graph_equals_eager(runner: ModelRunner, context: int) -> float:
     ids = torch.randint(3, 1000, (context,), generator=torch.Generator().manual_seed(5)).tolist()
     for start in range(0, context, 2048):
         runner.run([StepInput(table, start, ids[start:start + 2048])])
-    saved, runner.graphs = runner.graphs, None
-    eager = runner.run([StepInput(table, context, [7])]).clone()
-    runner.graphs = saved
+    eager = runner.run([StepInput(table, context, [7])], use_graphs=False).clone()
     graph = runner.run([StepInput(table, context, [7])]).clone()
     return float((eager - graph).abs().max())
 
@@ -173,9 +170,9 @@ def main() -> None:
     max_len = 1 << (args.context + args.steps + 64).bit_length()
     config = model_config(max_len)
     t0 = time.time()
-    model = build_model(config, device)
     engine_config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=max_len,
                                  max_num_seqs=max(args.batch), block_size=64)
+    model = build_model(config, device, ModelRunner.features_for(config, engine_config, device).attention)
     runner = ModelRunner.from_model(model, engine_config)
     print(f"built in {time.time() - t0:.1f} s; kernels {runner.use_kernels}; graphs {runner.graphs is not None}; "
           f"fused expert layers {sum(layer.mlp.backend is not None for layer in model.layers if layer.is_moe)}",

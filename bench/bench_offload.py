@@ -1,4 +1,4 @@
-"""Expert offload benchmark (issue O1) on DeepSeek-V3.2-shaped MoE layers with FP8 experts in pinned
+"""Expert offload benchmark on DeepSeek-V3.2-shaped MoE layers with FP8 experts in pinned
 host memory (hidden 7168, 256 experts of 2048, top-8), uniform random routing. Parts (``--parts``):
 
 - ``decode``: ms per MoE layer call at batch 1 and 8: (a) all experts resident on the GPU, (b) naive
@@ -38,7 +38,7 @@ from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertLayout, ExpertStore
 from hearth.offload.experts import OffloadedExperts, ResidentExperts
 
-LINK_GBPS = 55.0  # pinned host -> GPU, docs/offload.md
+LINK_GBPS = 55.0  # pinned host -> GPU, measured (docs/benchmarks.md, Ceilings)
 
 
 @dataclass(frozen=True)
@@ -302,9 +302,7 @@ def deepseek_v3_dict(small: bool, vocab: int, max_positions: int) -> dict:
 def part_model(args, device: torch.device) -> dict:
     """Hearth: prefill ``--context`` tokens, then time greedy decode steps through the model runner."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import inspect  # noqa: PLC0415
-
-    from bench_runahead import SyntheticRunner, build_model  # noqa: PLC0415 - the runahead bench's runner
+    from bench_runahead import build_model, synthetic_runner  # noqa: PLC0415 - the runahead bench's runner
 
     from hearth.engine.api import EngineConfig  # noqa: PLC0415
     from hearth.engine.config import ModelConfig  # noqa: PLC0415
@@ -320,10 +318,8 @@ def part_model(args, device: torch.device) -> dict:
     block = 64
     total = args.context + args.model_tokens + 4
     engine_config = EngineConfig(block_size=block, num_cache_blocks=-(-total // block) + 1)
-    extra = []
-    if "model" in inspect.signature(SyntheticRunner).parameters:  # newer runners take a shared model
-        extra.append(build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32))
-    runner = SyntheticRunner(config, engine_config, store, slots, *extra)
+    model = build_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    runner = synthetic_runner(config, engine_config, store, slots, model)
     print(f"hearth model: {config.num_hidden_layers} layers (1 dense + 2 MoE), store {store.total_bytes / 1e9:.1f} "
           f"GB FP8, cache {slots}/{shapes.num_experts} experts per layer, built in {time.perf_counter() - t0:.1f} s",
           flush=True)

@@ -1,4 +1,4 @@
-"""Runahead scheduler benchmark (issue R1): aggregate decode tok/s and inter-token latency of
+"""Runahead scheduler benchmark: aggregate decode tok/s and inter-token latency of
 concurrent requests on a synthetic DeepSeek-V3.2-shaped model with offloaded FP8 experts.
 
 Model: hidden 7168, MLA 128 heads (q_lora 1536, kv_lora 512 + 64 rope), indexer 64 x 128 (top-k
@@ -37,6 +37,7 @@ widths so the script can be smoke-tested on a CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -47,10 +48,8 @@ import torch
 from hearth.engine.api import EngineConfig, SamplingParams, TokenDelta
 from hearth.engine.config import ModelConfig
 from hearth.engine.engine import Engine
-from hearth.engine.kv_cache import PagedCache
-from hearth.engine.loader import _materialize_buffers
+from hearth.engine.loader import materialize_buffers
 from hearth.engine.models.deepseek import DeepseekForCausalLM
-from hearth.engine.offload_setup import Placement, attach_offload
 from hearth.engine.runner import ModelRunner
 from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
 from hearth.engine.tokenizer import Tokenizer
@@ -117,7 +116,7 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -
             or "weights_proj" in name or "k_norm" in name
         value = value.to(torch.float32 if keep_fp32 else dtype)
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(value, requires_grad=False))
-    _materialize_buffers(model, device)
+    materialize_buffers(model, device)
     return model.eval()
 
 
@@ -169,25 +168,14 @@ class RoutingProbe:
                 "distinct_per_layer_step": statistics.fmean(distinct) if distinct else 0.0}
 
 
-class SyntheticRunner(ModelRunner):
-    """A ModelRunner over an in-memory synthetic model (nothing read from disk)."""
-
-    def __init__(self, config: ModelConfig, engine_config: EngineConfig, store: ExpertStore, slots: int,
-                 model: DeepseekForCausalLM) -> None:
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model_config = config
-        self.max_model_len = 1024
-        self.block_size = engine_config.block_size
-        self.num_blocks = engine_config.num_cache_blocks or 64 * 32
-        self.model = model  # shared across runners: attach_offload re-points its MoE backends
-        self.use_kernels = False  # plain-torch attention, as in the recorded runs
-        self.key_tiers = self.latent_tiers = self.graphs = None
-        self.cache = PagedCache(config, self.num_blocks, self.block_size, self.dtype, self.device)
-        self.placement = Placement(True, slots, f"synthetic, {slots} slots/layer")
-        self.expert_cache, self.residency = attach_offload(
-            self.model, None, self.placement, self.device, self.dtype, engine_config.expert_cache_policy,
-            prefetch=engine_config.scheduler == "prefetch", store=store)
+def synthetic_runner(config: ModelConfig, engine_config: EngineConfig, store: ExpertStore, slots: int,
+                     model: DeepseekForCausalLM) -> ModelRunner:
+    """A ModelRunner over an in-memory synthetic model (nothing read from disk): routed experts from
+    ``store`` behind a GPU cache of ``slots`` per layer, plain-torch attention as in the recorded runs.
+    The model is shared across runners: each attaches its own expert cache to its MoE layers."""
+    engine_config = dataclasses.replace(engine_config, max_model_len=1024, use_kernels="never",
+                                        num_cache_blocks=engine_config.num_cache_blocks or 64 * 32)
+    return ModelRunner.from_model(model, engine_config, expert_store=store, expert_cache_slots=slots)
 
 
 def run_case(engine: Engine, concurrency: int, tokens: int, prompt_len: int) -> dict:
@@ -233,7 +221,7 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
     for scheduler in args.schedulers:
         config_e = EngineConfig(block_size=64, max_num_seqs=max(args.concurrency), scheduler=scheduler,
                                 max_num_batched_tokens=4096)
-        runner = SyntheticRunner(config, config_e, store, slots, model)
+        runner = synthetic_runner(config, config_e, store, slots, model)
         engine = Engine(runner, tokenizer, config_e)
         if engine.decoder is not None:
             engine.decoder.max_lead = args.max_lead or engine.decoder.max_lead

@@ -45,4 +45,4 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto", **engine_op
     """Load a checkpoint folder for conformance checks. ``engine_options`` go to ``EngineConfig``
     (e.g. ``faithful=True``, ``keep_fp8=True``)."""
     config = EngineConfig(device=device, dtype=dtype, max_num_seqs=1, **engine_options)
-    return ConformanceModel(ModelRunner(path, config))
+    return ConformanceModel(ModelRunner.load(path, config))

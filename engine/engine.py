@@ -72,7 +72,7 @@ class Engine:
         self.model_config = runner.model_config
         self.max_model_len = runner.max_model_len
         # Tiered indexer keys live per request outside the pages, so pages cannot be shared.
-        tiered = getattr(runner, "key_tiers", None) is not None or getattr(runner, "latent_tiers", None) is not None
+        tiered = runner.key_tiers is not None or runner.latent_tiers is not None
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=not tiered)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -92,7 +92,7 @@ class Engine:
     def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
         """Load a model folder (config.json, safetensors, tokenizer files)."""
         config = config or EngineConfig()
-        runner = ModelRunner(str(path), config)
+        runner = ModelRunner.load(str(path), config)
         tokenizer = Tokenizer.from_pretrained(path, runner.model_config.model_type)
         return cls(runner, tokenizer, config, generation_defaults(Path(path)))
 
@@ -291,9 +291,7 @@ class Engine:
         return Finished(seq.request_id, reason, request.text, stats, error)
 
     def _forget(self, request_id: str) -> None:
-        forget = getattr(self.runner, "forget", None)
-        if forget is not None:
-            forget(request_id)
+        self.runner.forget(request_id)
 
     def _fail_all(self, seqs: list[Seq], message: str) -> list[Event]:
         requests = [self._requests[s.request_id] for s in seqs if s.request_id in self._requests]

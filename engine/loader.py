@@ -25,6 +25,7 @@ from hearth.engine.api import CheckpointError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.layers import Fp8Linear, Rotary, dequantize_fp8_blocks, rope_inv_freq
+from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FP32_PARAMS = re.compile(r"((mlp|block_sparse_moe)\.gate\.weight|e_score_correction_bias|indexer\.weights_proj\.weight"
@@ -137,7 +138,8 @@ def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: tor
         raise CheckpointError(f"{files.location[name]}: tensor '{scale_name}': {exc}") from None
 
 
-def _materialize_buffers(model: DeepseekForCausalLM, device: torch.device) -> None:
+def materialize_buffers(model: DeepseekForCausalLM, device: torch.device) -> None:
+    """Compute the non-weight buffers (rope frequencies) of a model built on the meta device."""
     for module in model.modules():
         if isinstance(module, Rotary):
             module.inv_freq = rope_inv_freq(model.config.rope, module.inv_freq.shape[0] * 2).to(device)
@@ -165,19 +167,21 @@ ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.")
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
                     faithful: bool = False, skip_routed_experts: bool = False,
-                    config: ModelConfig | None = None) -> DeepseekForCausalLM:
+                    config: ModelConfig | None = None, attention: AttentionPaths = PLAIN_ATTENTION
+                    ) -> DeepseekForCausalLM:
     """Build the model for ``path/config.json`` and fill it from the folder's safetensors.
 
     skip_routed_experts: leave the routed experts out (they are served from an expert store and
     cache instead); their module parameters stay on the meta device. ``config`` replaces the
-    folder's config.json (e.g. with IndexCache retention applied)."""
+    folder's config.json (e.g. with IndexCache retention applied); ``attention`` is how the
+    attention layers run (kernels, MLI)."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a model folder")
     config = config or ModelConfig.from_file(folder)
     files = CheckpointFiles(folder)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config, faithful)
+        model = DeepseekForCausalLM(config, faithful, attention)
     consumed: set[str] = set()
     expected = {name: p.shape for name, p in model.named_parameters()
                 if not (skip_routed_experts and ROUTED_EXPERT.search(name))}
@@ -194,5 +198,5 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, 
         first = unexpected[0]
         raise CheckpointError(f"{files.location[first]}: unexpected tensor '{first}' "
                               f"({len(unexpected)} unexpected in all; does config.json match the weights?)")
-    _materialize_buffers(model, device)
+    materialize_buffers(model, device)
     return model.eval()

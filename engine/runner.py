@@ -14,8 +14,11 @@ from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.loader import load_checkpoint
 from hearth.engine.models import dsa_kernels, fused_experts
 from hearth.engine.models.deepseek import DeepseekForCausalLM
-from hearth.engine.offload_setup import Placement, attach_offload, plan_placement
+from hearth.engine.models.mla import AttentionPaths
+from hearth.engine.offload_setup import CacheResidency, Placement, attach_offload, plan_placement
 from hearth.engine.tiers import KeyTiers, LatentTiers
+from hearth.offload.expert_cache import ExpertCache
+from hearth.offload.expert_store import ExpertStore
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -46,79 +49,141 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-class ModelRunner:
-    """Loads the checkpoint and sizes the caches; ``run`` executes one forward step."""
+@dataclass(frozen=True)
+class CachePlan:
+    """The paged caches' size: decided from the model and the config before any weight loads (the
+    memory planner needs ``kv_bytes``)."""
 
-    def __init__(self, path: str, config: EngineConfig) -> None:
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        keep_fp8 = config.keep_fp8 if config.keep_fp8 is not None else self.device.type == "cuda"
-        self.model_config = ModelConfig.from_file(path).with_index_retention(
-            config.index_topk_freq, config.index_skip_topk_offset, config.index_topk_pattern)
-        self._size_caches(config)
-        # Decide where the experts go before loading anything, so a model that cannot fit fails fast.
-        self.placement = plan_placement(path, self.model_config, config, self.device, self.kv_bytes)
-        self.model: DeepseekForCausalLM = load_checkpoint(
-            path, self.device, self.dtype, keep_fp8, config.faithful, skip_routed_experts=self.placement.offload,
-            config=self.model_config)
-        self._setup(path, config)
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    kv_bytes: int
 
     @classmethod
-    def from_model(cls, model: DeepseekForCausalLM, config: EngineConfig) -> ModelRunner:
-        """A runner around a model built in memory (benchmarks: full-size shapes with random weights
-        and no checkpoint on disk). Everything stays where the model's parameters are."""
-        runner = cls.__new__(cls)
-        param = next(model.parameters())
-        runner.device, runner.dtype = param.device, resolve_dtype(config.dtype, param.device)
-        runner.model_config = model.config
-        runner._size_caches(config)
-        runner.placement = Placement(False, None, "experts stay with the model")
-        runner.model = model
-        runner._setup(None, config)
-        return runner
+    def of(cls, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> CachePlan:
+        limit = model_config.max_position_embeddings
+        max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
+        blocks_per_seq = -(-max_model_len // config.block_size)
+        num_blocks = config.num_cache_blocks or blocks_per_seq * config.max_num_seqs
+        kv_bytes = PagedCache.bytes_per_block(model_config, config.block_size, dtype) * num_blocks
+        return cls(max_model_len, config.block_size, num_blocks, kv_bytes)
 
-    def _size_caches(self, config: EngineConfig) -> None:
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
-        self.block_size = config.block_size
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.num_blocks = config.num_cache_blocks or blocks_per_seq * config.max_num_seqs
-        self.kv_bytes = PagedCache.bytes_per_block(self.model_config, self.block_size, self.dtype) * self.num_blocks
 
-    def _setup(self, path: str | None, config: EngineConfig) -> None:
-        """Caches, kernels, expert backends and CUDA graphs around the loaded model."""
-        for layer in self.model.layers:
-            layer.self_attn.mli = config.mli
-        self.use_kernels = config.use_kernels == "auto" and dsa_kernels.kernels_apply(
-            self.model_config, self.block_size, self.device, self.dtype)
-        self.key_tiers = None
-        if config.index_key_hot_pages is not None and self.model_config.has_indexer:
-            self.use_kernels = False  # tiered keys run on the plain-PyTorch indexer path
-            self.key_tiers = KeyTiers(self.model_config, config, self.block_size, self.dtype, self.device)
-        self.latent_tiers = None
-        if config.latent_hot_rows is not None:
-            if not self.model_config.has_indexer:
-                raise HearthError("latent_hot_rows needs a sparse-attention (DSA) model: dense MLA reads every latent")
-            self.use_kernels = False  # tiered latents run on the plain-PyTorch attention path
-            self.latent_tiers = LatentTiers(self.model_config, config.latent_hot_rows, self.dtype, self.device)
+@dataclass(frozen=True)
+class RunnerFeatures:
+    """The execution paths a runner composes, decided once from the config, the model and the machine.
+
+    attention: how the model's attention layers are built (Triton DSA kernels, MLI). The kernels
+        need CUDA, bf16 and their shapes, and step aside for tiered keys or latents (those run on
+        the plain-PyTorch path). offload: routed experts in host RAM behind a GPU cache.
+    key_tiers / latent_tiers: long-context tiers (``index_key_hot_pages`` / ``latent_hot_rows``).
+    fused_experts: resident experts on CUDA run as one grouped kernel.
+    cuda_graphs: decode steps replayed from CUDA graphs; only for the kernel path with resident
+        experts, MLI off and the synchronous scheduler.
+    """
+
+    attention: AttentionPaths
+    offload: bool
+    key_tiers: bool
+    latent_tiers: bool
+    fused_experts: bool
+    cuda_graphs: bool
+
+    @classmethod
+    def decide(cls, config: EngineConfig, model_config: ModelConfig, block_size: int, device: torch.device,
+               dtype: torch.dtype, offload: bool) -> RunnerFeatures:
+        key_tiers = config.index_key_hot_pages is not None and model_config.has_indexer
+        latent_tiers = config.latent_hot_rows is not None
+        if latent_tiers and not model_config.has_indexer:
+            raise HearthError("latent_hot_rows needs a sparse-attention (DSA) model: dense MLA reads every latent")
+        use_kernels = (config.use_kernels == "auto" and not key_tiers and not latent_tiers
+                       and dsa_kernels.kernels_apply(model_config, block_size, device, dtype))
+        fused = not offload and device.type == "cuda" and config.use_kernels == "auto"
+        graphs = (config.cuda_graphs and use_kernels and not offload and not config.mli
+                  and config.scheduler == "sync")
+        return cls(AttentionPaths(use_kernels=use_kernels, mli=config.mli), offload, key_tiers, latent_tiers,
+                   fused, graphs)
+
+
+class ModelRunner:
+    """Owns a loaded model and its caches; ``run`` executes one forward step.
+
+    ``ModelRunner.load(path, config)`` reads a checkpoint; ``ModelRunner.from_model(model, config)``
+    wraps a model built in memory (benchmarks). Both decide the ``RunnerFeatures`` and the
+    ``CachePlan`` first and hand everything to the constructor.
+    """
+
+    def __init__(self, model: DeepseekForCausalLM, config: EngineConfig, features: RunnerFeatures,
+                 caches: CachePlan, placement: Placement, *, dtype: torch.dtype, checkpoint: str | None = None,
+                 expert_store: ExpertStore | None = None) -> None:
+        if model.attention != features.attention:
+            raise HearthError(f"the model was built with {model.attention}, the runner needs {features.attention}")
+        self.model = model
+        self.model_config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = dtype
+        self.features = features
+        self.placement = placement
+        self.max_model_len, self.block_size, self.num_blocks = caches.max_model_len, caches.block_size, \
+            caches.num_blocks
+        self.use_kernels = features.attention.use_kernels
+        self.key_tiers = KeyTiers(self.model_config, config, self.block_size, dtype, self.device) \
+            if features.key_tiers else None
+        self.latent_tiers = LatentTiers(self.model_config, config.latent_hot_rows, dtype, self.device) \
+            if features.latent_tiers and config.latent_hot_rows is not None else None
         # One page more than the block manager hands out: the scratch page of CUDA-graph padding rows.
-        self.cache = PagedCache(self.model_config, self.num_blocks + 1, self.block_size, self.dtype, self.device,
+        self.cache = PagedCache(self.model_config, self.num_blocks + 1, self.block_size, dtype, self.device,
                                 index_fp8=self.use_kernels, key_tiers=self.key_tiers, latent_tiers=self.latent_tiers)
-        if self.use_kernels:
-            dsa_kernels.enable(self.model)
-        self.expert_cache = None
-        self.residency = None  # the expert cache as the runahead decoder sees it (when offloaded)
-        if self.placement.offload:
+        self.expert_cache: ExpertCache | None = None
+        self.residency: CacheResidency | None = None  # the expert cache as the runahead decoder sees it
+        if placement.offload:
             self.expert_cache, self.residency = attach_offload(
-                self.model, path, self.placement, self.device, self.dtype, config.expert_cache_policy,
-                prefetch=config.scheduler == "prefetch", host_experts=config.host_experts)
-        elif self.device.type == "cuda" and config.use_kernels == "auto":
-            fused_experts.enable(self.model)  # resident experts: one grouped kernel, no host sync
+                model, checkpoint, placement, self.device, dtype, config.expert_cache_policy,
+                prefetch=config.scheduler == "prefetch", store=expert_store, host_experts=config.host_experts)
+        elif features.fused_experts:
+            fused_experts.enable(model)  # resident experts: one grouped kernel, no host sync
         self.graphs: DecodeGraphs | None = None
-        if (config.cuda_graphs and self.use_kernels and not self.placement.offload and not config.mli
-                and config.scheduler == "sync"):
-            self.graphs = DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len,
+        if features.cuda_graphs:
+            self.graphs = DecodeGraphs(model, self.cache, config.max_num_seqs, self.max_model_len,
                                        scratch_block=self.num_blocks, device=self.device)
+
+    @classmethod
+    def load(cls, path: str, config: EngineConfig) -> ModelRunner:
+        """Load the checkpoint in ``path`` as ``config`` says (where the experts go is planned before
+        anything loads, so a model that cannot fit fails fast)."""
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        keep_fp8 = config.keep_fp8 if config.keep_fp8 is not None else device.type == "cuda"
+        model_config = ModelConfig.from_file(path).with_index_retention(
+            config.index_topk_freq, config.index_skip_topk_offset, config.index_topk_pattern)
+        caches = CachePlan.of(model_config, config, dtype)
+        placement = plan_placement(path, model_config, config, device, caches.kv_bytes)
+        features = RunnerFeatures.decide(config, model_config, caches.block_size, device, dtype, placement.offload)
+        model = load_checkpoint(path, device, dtype, keep_fp8, config.faithful, skip_routed_experts=placement.offload,
+                                config=model_config, attention=features.attention)
+        return cls(model, config, features, caches, placement, dtype=dtype, checkpoint=path)
+
+    @classmethod
+    def from_model(cls, model: DeepseekForCausalLM, config: EngineConfig, *,
+                   expert_store: ExpertStore | None = None, expert_cache_slots: int | None = None) -> ModelRunner:
+        """A runner around a model built in memory (benchmarks: full-size shapes with random weights
+        and no checkpoint on disk). Build the model with ``ModelRunner.features_for(...).attention``.
+        With ``expert_store`` the routed experts are served from it behind a GPU cache of
+        ``expert_cache_slots`` per layer; otherwise everything stays where the model's parameters are."""
+        device = next(model.parameters()).device
+        dtype = resolve_dtype(config.dtype, device)
+        caches = CachePlan.of(model.config, config, dtype)
+        placement = Placement(False, None, "experts stay with the model") if expert_store is None else \
+            Placement(True, expert_cache_slots, f"experts from a store, {expert_cache_slots} slots per layer")
+        features = RunnerFeatures.decide(config, model.config, caches.block_size, device, dtype, placement.offload)
+        return cls(model, config, features, caches, placement, dtype=dtype, expert_store=expert_store)
+
+    @staticmethod
+    def features_for(model_config: ModelConfig, config: EngineConfig, device: torch.device,
+                     offload: bool = False) -> RunnerFeatures:
+        """The features ``from_model`` will choose for a model of ``model_config`` on ``device``."""
+        return RunnerFeatures.decide(config, model_config, config.block_size, device,
+                                     resolve_dtype(config.dtype, device), offload)
 
     def forget(self, seq_id: str) -> None:
         """Drop per-request state outside the paged cache (tiered indexer keys)."""
@@ -126,15 +191,16 @@ class ModelRunner:
             if tiers is not None:
                 tiers.drop(seq_id)
 
-    def expert_stats(self) -> dict:
+    def expert_stats(self) -> dict[str, float]:
         """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded."""
         return self.expert_cache.stats()["total"] if self.expert_cache is not None else {}
 
     @torch.inference_mode()
-    def run(self, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:
+    def run(self, inputs: list[StepInput], all_logits: bool = False, use_graphs: bool = True) -> torch.Tensor:
         """Forward the step; returns fp32 logits of each request's last token (B, vocab), or of
-        every token (N, vocab) with all_logits."""
-        graphs = self.graphs
+        every token (N, vocab) with all_logits. A decode step replays a CUDA graph where the runner
+        has them, unless ``use_graphs`` is False (benchmarks compare both paths)."""
+        graphs = self.graphs if use_graphs else None
         if graphs is not None and not all_logits and all(len(s.token_ids) == 1 for s in inputs):
             tables = [s.block_table for s in inputs]
             if graphs.fits(len(inputs), tables):

@@ -23,7 +23,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import ForwardContext
 from hearth.engine.models.gqa import GQAttention
 from hearth.engine.models.layers import RMSNorm
-from hearth.engine.models.mla import MLAttention
+from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths, MLAttention
 
 # backend(layer, x (T, D), topk_ids (T, K) int64, topk_weights (T, K) fp32) -> (T, D)
 ExpertsBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -125,11 +125,12 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, faithful: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, faithful: bool, attention: AttentionPaths) -> None:
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer, faithful) if config.is_mla else GQAttention(config, layer)
+        self.self_attn = MLAttention(config, layer, faithful, attention) if config.is_mla \
+            else GQAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.is_moe = config.is_moe_layer(layer)
         # NOTE: registered under the checkpoint's module name (Mixtral: block_sparse_moe); `mlp` reads it.
@@ -166,20 +167,23 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     """``model.*`` of the checkpoint (embed_tokens, layers, norm)."""
 
-    def __init__(self, config: ModelConfig, faithful: bool) -> None:
+    def __init__(self, config: ModelConfig, faithful: bool, attention: AttentionPaths) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, i, faithful) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, i, faithful, attention)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
     """The whole network; checkpoint names ``model.*`` and ``lm_head.weight``."""
 
-    def __init__(self, config: ModelConfig, faithful: bool = False) -> None:
+    def __init__(self, config: ModelConfig, faithful: bool = False,
+                 attention: AttentionPaths = PLAIN_ATTENTION) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekModel(config, faithful)
+        self.attention = attention
+        self.model = DeepseekModel(config, faithful, attention)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property

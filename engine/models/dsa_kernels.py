@@ -35,15 +35,6 @@ def kernels_apply(config: ModelConfig, block_size: int, device: torch.device, dt
     )
 
 
-def enable(model) -> None:
-    """Switch every DSA layer of ``model`` to the Triton kernels (the cache must be index_fp8)."""
-    for layer in model.layers:
-        attn = layer.self_attn
-        attn.use_kernels = True
-        if attn.indexer is not None:
-            attn.indexer.kernel_rope = RopeTable(attn.rotary)
-
-
 def _block_tables(ctx: ForwardContext, rows: list[int]) -> torch.Tensor:
     """[len(rows), max_blocks] int32 block tables of the given requests (padded with 0)."""
     width = max(ctx.seqs[i].block_table.shape[0] for i in rows)

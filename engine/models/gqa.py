@@ -35,9 +35,6 @@ class GQAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = Rotary(config.rope, self.head_dim)
-        # The sparse-attention switches the runner sets on MLA layers; inert here.
-        self.mli = False
-        self.use_kernels = False
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""

@@ -15,6 +15,8 @@ layer that ran its indexer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -33,10 +35,24 @@ from hearth.engine.models.layers import (
 _SCORE_BUDGET = 1 << 26  # fp32 elements of [queries, heads, keys] scored at once
 
 
+@dataclass(frozen=True)
+class AttentionPaths:
+    """How the MLA layers run, fixed when the model is built (``ModelRunner`` decides it).
+
+    use_kernels: the Triton sparse MLA + indexer kernels (CUDA, bf16, the kernels' shapes; the
+        cache then holds FP8 indexer keys). mli: Multi-layer Indexer (see ``_selections``).
+    """
+
+    use_kernels: bool = False
+    mli: bool = False
+
+
+PLAIN_ATTENTION = AttentionPaths()  # the plain-PyTorch path, every layer its own indexer
+
 class Indexer(nn.Module):
     """The DSA lightning indexer of one layer (HF names: wq_b, wk, k_norm, weights_proj)."""
 
-    def __init__(self, config: ModelConfig, faithful: bool) -> None:
+    def __init__(self, config: ModelConfig, faithful: bool, kernel_rotary: Rotary | None = None) -> None:
         super().__init__()
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
@@ -49,7 +65,11 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept in fp32
         self.scale = self.head_dim**-0.5 * self.n_heads**-0.5
-        self.kernel_rope = None  # a dsa_kernels.RopeTable when the Triton kernels run this layer
+        self.kernel_rope = None  # the kernels' rope table, when the Triton kernels run this layer
+        if kernel_rotary is not None:
+            from hearth.engine.models.dsa_kernels import RopeTable  # lazy: imports Triton
+
+            self.kernel_rope = RopeTable(kernel_rotary)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # The indexer's rope dims come first in its head (MLA puts them last).
@@ -143,7 +163,8 @@ class MLAttention(nn.Module):
     """MLA (+ DSA) of one layer. Checkpoint names: q_proj | q_a_proj, q_a_layernorm, q_b_proj;
     kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, indexer.*"""
 
-    def __init__(self, config: ModelConfig, layer: int, faithful: bool = False) -> None:
+    def __init__(self, config: ModelConfig, layer: int, faithful: bool = False,
+                 paths: AttentionPaths = PLAIN_ATTENTION) -> None:
         super().__init__()
         self.layer = layer
         self.n_heads = config.num_attention_heads
@@ -164,12 +185,15 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora, eps=1e-6)
         self.kv_b_proj = nn.Linear(self.kv_lora, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
-        self.indexer = Indexer(config, faithful) if config.runs_indexer(layer) else None
         self.rotary = Rotary(config.rope, self.rope_dim)
+        self.use_kernels = paths.use_kernels and self.uses_dsa
+        self.mli = paths.mli
+        kernel_rotary = self.rotary if self.use_kernels else None
+        self.indexer = Indexer(config, faithful, kernel_rotary) if config.runs_indexer(layer) else None
         # Force a form for tests: None = absorbed for single-token queries, expanded otherwise.
         self.force_absorbed: bool | None = None
-        self.mli = False  # Multi-layer Indexer mode (set by the runner)
-        self.use_kernels = False  # Triton sparse MLA + indexer (set by the runner on CUDA)
+        # MLI on CUDA: the side stream this layer's indexer runs on, joined before the output projection.
+        self._pending_side: torch.cuda.Stream | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
@@ -192,7 +216,7 @@ class MLAttention(nn.Module):
         self._write_latents(torch.cat((kv, k_pe), dim=-1), ctx)
 
         selections = self._selections(x, q_resid, cos, sin, ctx)
-        side = getattr(self, "_pending_side", None)
+        side = self._pending_side
         if self.use_kernels and selections is not None:
             from hearth.engine.models.dsa_kernels import sparse_attention
 
@@ -237,7 +261,7 @@ class MLAttention(nn.Module):
         mask = _causal_mask(seq, device) if selection is None else _selection_mask(selection, seq)
         return rows, mask
 
-    def _finish(self, out: torch.Tensor, side, x: torch.Tensor) -> torch.Tensor:
+    def _finish(self, out: torch.Tensor, side: torch.cuda.Stream | None, x: torch.Tensor) -> torch.Tensor:
         if side is not None:  # the next layer reads this layer's selection: join the side stream
             torch.cuda.current_stream(x.device).wait_stream(side)
             self._pending_side = None
@@ -264,7 +288,7 @@ class MLAttention(nn.Module):
             side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):
                 chosen = self.indexer(x, q_resid, cos, sin, ctx, self.layer)
-            self._pending_side = side  # the next reader waits for it (see _join_side_stream)
+            self._pending_side = side  # joined in _finish, before the output projection
         else:
             chosen = self.indexer(x, q_resid, cos, sin, ctx, self.layer)
         ctx.selections = dict(enumerate(chosen))

@@ -1,0 +1,82 @@
+"""ModelRunner's explicit composition: which execution paths a config and a machine give
+(RunnerFeatures), and building a runner around a model made in memory (the benchmarks' way in)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.config import ModelConfig
+from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.models.mla import AttentionPaths
+from hearth.engine.runner import ModelRunner, RunnerFeatures, StepInput
+from hearth.engine.tiny import tiny_config
+
+CUDA = torch.device("cuda")  # only its type is read: the decision needs no GPU
+
+
+def _kernel_shaped() -> ModelConfig:
+    """A DSA config with the Triton kernels' shapes (64 indexer heads x 128, 576-wide latents)."""
+    raw = tiny_config("deepseek_v32")
+    raw.update(index_n_heads=64, index_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64)
+    return ModelConfig.from_dict(raw)
+
+
+def _decide(offload: bool = False, **changes: object) -> RunnerFeatures:
+    config = dataclasses.replace(EngineConfig(), **changes)
+    return RunnerFeatures.decide(config, _kernel_shaped(), config.block_size, CUDA, torch.bfloat16, offload)
+
+
+def test_kernels_and_graphs_by_default_on_a_gpu():
+    features = _decide()
+    assert features.attention == AttentionPaths(use_kernels=True, mli=False)
+    assert features.cuda_graphs and features.fused_experts and not features.offload
+
+
+@pytest.mark.parametrize(("offload", "changes", "kernels", "graphs"), [
+    (False, {"index_key_hot_pages": 4}, False, False),  # tiered keys run on the plain-PyTorch path
+    (False, {"latent_hot_rows": 4096}, False, False),
+    (False, {"use_kernels": "never"}, False, False),
+    (False, {"cuda_graphs": False}, True, False),
+    (False, {"mli": True}, True, False),
+    (False, {"scheduler": "runahead"}, True, False),
+    (True, {}, True, False),  # offloaded experts: no graphs, no fused resident experts
+])
+def test_each_switch_turns_off_what_it_must(offload, changes, kernels, graphs):
+    features = _decide(offload, **changes)
+    assert (features.attention.use_kernels, features.cuda_graphs) == (kernels, graphs)
+    assert features.fused_experts == (not offload and changes.get("use_kernels") != "never")
+    assert features.attention.mli == bool(changes.get("mli"))
+
+
+def test_the_cpu_never_runs_the_kernels():
+    config = EngineConfig()
+    features = RunnerFeatures.decide(config, _kernel_shaped(), 64, torch.device("cpu"), torch.float32, False)
+    assert features == RunnerFeatures(AttentionPaths(), False, False, False, False, False)
+
+
+def test_latent_tiers_need_a_dsa_model():
+    dense = ModelConfig.from_dict(tiny_config("deepseek_v3"))
+    with pytest.raises(HearthError, match="latent_hot_rows needs a sparse-attention"):
+        RunnerFeatures.decide(EngineConfig(latent_hot_rows=64), dense, 64, torch.device("cpu"), torch.float32, False)
+
+
+def test_from_model_runs_a_model_built_in_memory_and_checks_how_it_was_built():
+    model_config = ModelConfig.from_dict(tiny_config("deepseek_v32"))
+    config = EngineConfig(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2, block_size=16)
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    model = DeepseekForCausalLM(model_config, attention=ModelRunner.features_for(model_config, config, cpu).attention)
+    for module in model.modules():  # nn.Linear's default init is fine; norms start at one
+        for name, param in module.named_parameters(recurse=False):
+            if "norm" in name or param.dim() == 1:
+                torch.nn.init.ones_(param)
+    runner = ModelRunner.from_model(model.eval(), config)
+    assert runner.graphs is None and runner.max_model_len == 64 and runner.num_blocks == 8
+    logits = runner.run([StepInput(list(range(4)), 0, [5, 6, 7])])
+    assert logits.shape == (1, model_config.vocab_size) and torch.isfinite(logits).all()
+    with pytest.raises(HearthError, match="built with"):
+        ModelRunner.from_model(model, dataclasses.replace(config, mli=True))
