@@ -5,7 +5,8 @@ Supported families (``model_type``): ``deepseek_v32`` (DeepSeek-V3.2 / -Exp / -S
 (DeepSeek-V2 / V2-Lite) share MLA attention and DeepSeek-style MoE; the first two add DeepSeek
 Sparse Attention (a lightning indexer choosing ``index_topk`` keys per query). ``qwen3_moe``
 (Qwen3-30B-A3B, 235B-A22B) and ``mixtral`` (Mixtral 8x7B, 8x22B) use grouped-query attention with
-a softmax top-k router.
+a softmax top-k router. ``gpt_oss`` (gpt-oss-20b / 120b) adds learned attention sinks, sliding-window
+layers, attention biases, a biased router and clamped-SwiGLU experts stored in MXFP4.
 
 Anything that would change the math but is not implemented raises ``UnsupportedModelError`` naming
 the field, rather than silently computing something else.
@@ -23,7 +24,7 @@ from typing import Any, Literal
 from hearth.engine.api import CheckpointError, UnsupportedModelError
 
 MLA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2"})
-GQA_MODEL_TYPES = frozenset({"qwen3_moe", "mixtral"})
+GQA_MODEL_TYPES = frozenset({"qwen3_moe", "mixtral", "gpt_oss"})
 SUPPORTED_MODEL_TYPES = MLA_MODEL_TYPES | GQA_MODEL_TYPES
 DSA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 
@@ -123,6 +124,12 @@ class ModelConfig:
     sliding_window: int | None = None
     moe_module: str = "mlp"  # "block_sparse_moe" in Mixtral checkpoints
     expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    # gpt-oss: per-layer attention kind, learned sinks, clamped SwiGLU experts (limit None = plain SwiGLU)
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None
+    mxfp4_experts: bool = False  # routed experts stored as MXFP4 blocks + e8m0 scales in the checkpoint
     # Misc
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
@@ -156,6 +163,12 @@ class ModelConfig:
         if not self.is_mla:
             return self.head_dim**-0.5
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window length of ``layer``'s attention (None = full causal attention)."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.mlp_layer_types[layer] == "sparse"
@@ -297,6 +310,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
+    if raw.get("model_type") == "gpt_oss":
+        return _parse_gpt_oss(raw)
     if raw.get("model_type") in GQA_MODEL_TYPES:
         return _parse_gqa(raw)
     model_type = raw.get("model_type")
@@ -418,6 +433,72 @@ def _parse_gqa(raw: dict[str, Any]) -> ModelConfig:
         sliding_window=raw.get("sliding_window") if mixtral else None,
         moe_module="block_sparse_moe" if mixtral else "mlp",
         expert_proj_names=("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}  # transformers' default when config.json has none
+
+
+def _gpt_oss_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    explicit = raw.get("layer_types")
+    if explicit is None:  # the reference's default: sliding on even layers, full on odd ones
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
+    kinds = ("sliding_attention", "full_attention")
+    if len(explicit) != num_layers or any(t not in kinds for t in explicit):
+        raise UnsupportedModelError("config.json: layer_types must list 'sliding_attention'/'full_attention' "
+                                    "per layer")
+    return tuple(explicit)
+
+
+def _gpt_oss_mxfp4(raw: dict[str, Any]) -> bool:
+    q = raw.get("quantization_config")
+    if not q:
+        return False
+    method = q.get("quant_method")
+    _check(method == "mxfp4", "quantization_config.quant_method", method, "mxfp4 for gpt_oss")
+    return not q.get("dequantize", False)
+
+
+def _parse_gpt_oss(raw: dict[str, Any]) -> ModelConfig:
+    """gpt-oss: grouped-query attention with biases and per-head sinks, sliding-window and full
+    layers, a router with bias (softmax over the top-k logits) and clamped-SwiGLU experts."""
+    req = lambda key: _require(raw, key, "gpt_oss")  # noqa: E731
+    act = raw.get("hidden_act", "silu")
+    _check(act == "silu", "hidden_act", act, "silu")
+    heads, hidden = int(req("num_attention_heads")), int(req("hidden_size"))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    _check(heads % kv_heads == 0, "num_key_value_heads", kv_heads, "a divisor of num_attention_heads")
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    num_layers = int(req("num_hidden_layers"))
+    n_experts = int(req("num_local_experts"))
+    inter = int(req("intermediate_size"))
+    rope_raw = dict(raw)
+    if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
+        rope_raw["rope_parameters"] = _GPT_OSS_ROPE
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        rope_raw["rope_theta"] = 150000.0
+    window = raw.get("sliding_window")
+    layer_types = _gpt_oss_layer_types(raw, num_layers)
+    if "sliding_attention" in layer_types:
+        _check(isinstance(window, int) and window > 0, "sliding_window", window, "a positive number")
+    return ModelConfig(
+        model_type="gpt_oss", vocab_size=int(req("vocab_size")), hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=num_layers, num_attention_heads=heads, q_lora_rank=None, kv_lora_rank=0,
+        qk_nope_head_dim=0, qk_rope_head_dim=head_dim, v_head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope=_parse_rope(rope_raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 131072), rope_interleave=False,
+        moe_intermediate_size=inter, n_routed_experts=n_experts, n_shared_experts=0,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),
+        n_group=1, topk_group=1, scoring_func="softmax", topk_method="greedy", norm_topk_prob=True,
+        routed_scaling_factor=1.0, mlp_layer_types=("sparse",) * num_layers,
+        num_key_value_heads=kv_heads, head_dim=head_dim, attention_bias=bool(raw.get("attention_bias", True)),
+        sliding_window=window, layer_types=layer_types, attention_sinks=True,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)), swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        mxfp4_experts=_gpt_oss_mxfp4(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         pad_token_id=raw.get("pad_token_id"),

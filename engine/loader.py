@@ -5,6 +5,8 @@
   twice the model. Pickle formats (``.bin``, ``.pt``, ``.pth``) are never loaded.
 - FP8 block-scaled weights (``weight`` e4m3 + ``weight_scale_inv``) are either dequantised at load
   or kept in FP8 with their scales (``Fp8Linear``).
+- gpt-oss's MXFP4 experts (``experts.gate_up_proj_blocks`` + ``_scales``, likewise ``down_proj``) are
+  dequantised at load into the stacked expert parameters.
 - MTP layers (``model.layers.{num_hidden_layers + i}``) are skipped, as are indexer weights of
   layers configured to share the previous layer's top-k.
 - Missing, unexpected and mis-shaped tensors and truncated/corrupt files raise one
@@ -24,6 +26,7 @@ from torch import nn
 from hearth.engine.api import CheckpointError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.models.gpt_oss import dequantize_mxfp4
 from hearth.engine.models.layers import Fp8Linear, Rotary, dequantize_fp8_blocks, rope_inv_freq
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -105,8 +108,30 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
 
 
+def _load_mxfp4(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
+                device: torch.device, consumed: set[str]) -> None:
+    """A stacked gpt-oss expert tensor from its MXFP4 ``_blocks`` [E, out, G, 16] and ``_scales``
+    [E, out, G]: dequantised to [E, out, in], stored as the parameter's [E, in, out]."""
+    blocks_name, scales_name = name + "_blocks", name + "_scales"
+    if scales_name not in files.location:
+        raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' has no '{scales_name}'")
+    blocks, scales = files.get(blocks_name), files.get(scales_name)
+    consumed.update((blocks_name, scales_name))
+    try:
+        weight = dequantize_mxfp4(blocks.to(device), scales.to(device), dtype).transpose(1, 2)
+    except ValueError as exc:
+        raise CheckpointError(f"{files.location[blocks_name]}: tensor '{blocks_name}': {exc}") from None
+    if tuple(weight.shape) != tuple(expected):
+        raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' holds "
+                              f"{list(weight.shape)} values, config.json implies {list(expected)}")
+    _set_param(model, name, weight.contiguous())
+
+
 def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
               device: torch.device, keep_fp8: bool, consumed: set[str]) -> None:
+    if name not in files.location and name + "_blocks" in files.location:
+        _load_mxfp4(model, files, name, expected, dtype, device, consumed)
+        return
     if name not in files.location:
         raise CheckpointError(f"{files.folder}: missing tensor '{name}'")
     tensor = files.get(name)
@@ -160,7 +185,8 @@ def tensor_bytes(path: str | Path) -> dict[str, int]:
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                 "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.")
+# Per-expert tensors (DeepSeek, Qwen3, Mixtral) or gpt-oss's stacked ones (with bias, blocks, scales).
+ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.(\d+\.|gate_up_proj|down_proj)")
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,

@@ -10,6 +10,9 @@ tokens and chat format of one model family:
   template.
 - ``glm_moe_dsa``: ``<|endoftext|>``, ``[gMASK]``, ``<sop>``, ``<|system|>``, ``<|user|>``,
   ``<|assistant|>``, ``<|observation|>``, ``<think>``, ``</think>`` and a GLM-style template.
+- ``gpt_oss``: the harmony markers (``<|start|>``, ``<|channel|>``, ``<|message|>``, ``<|end|>``,
+  ``<|return|>``, ``<|call|>``...) and a harmony template: reasoning goes to the ``analysis`` channel,
+  the answer to ``final``; generation ends at ``<|return|>`` or ``<|call|>``.
 
 The vocabulary is always **exactly** ``vocab_size`` ids (specials + 256 byte tokens + merges): when
 the text runs out of merges the rest is filled with reserved special tokens, so every id a model with
@@ -108,6 +111,39 @@ _GLM_TEMPLATE = """\
 {%- endif -%}
 """
 
+# The harmony format: every message is <|start|>{role}[<|channel|>{channel}]<|message|>{text}<|end|>.
+# Reasoning of assistant turns after the last user message is kept (the analysis channel), earlier
+# reasoning is dropped, as the gpt-oss release does.
+_HARMONY_TEMPLATE = """\
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium' -%}
+{{- '<|start|>system<|message|>Reasoning: ' + effort + '\n\n# Valid channels: analysis, commentary, final.'
+    + ' Channel must be included for every message.<|end|>' -}}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages if message['role'] == 'user' -%}
+{%- set ns.last_user = loop.index0 -%}
+{%- endfor -%}
+{%- set ns.seen_users = 0 -%}
+{%- for message in messages -%}
+{%- if message['role'] in ['system', 'developer'] -%}
+{{- '<|start|>developer<|message|># Instructions\n\n' + message['content'] + '<|end|>' -}}
+{%- elif message['role'] == 'user' -%}
+{%- set ns.seen_users = ns.seen_users + 1 -%}
+{{- '<|start|>user<|message|>' + message['content'] + '<|end|>' -}}
+{%- elif message['role'] == 'assistant' -%}
+{%- set reasoning = message.get('reasoning_content') or message.get('thinking') -%}
+{%- if reasoning and ns.seen_users > ns.last_user -%}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + reasoning + '<|end|>' -}}
+{%- endif -%}
+{{- '<|start|>assistant<|channel|>final<|message|>' + (message['content'] or '') + '<|end|>' -}}
+{%- else -%}
+{{- raise_exception('Unknown message role: ' + message['role']) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|start|>assistant' -}}
+{%- endif -%}
+"""
+
 
 @dataclass(frozen=True)
 class _Family:
@@ -155,6 +191,15 @@ _FAMILIES: dict[str, _Family] = {
         eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
         pad="<|endoftext|>",
         template=_GLM_TEMPLATE,
+        reserved="<|reserved_{i}|>",
+    ),
+    "gpt_oss": _Family(
+        specials=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                  "<|end|>", "<|message|>", "<|call|>"),
+        bos="<|startoftext|>",
+        eos=("<|return|>", "<|endoftext|>", "<|call|>"),
+        pad="<|endoftext|>",
+        template=_HARMONY_TEMPLATE,
         reserved="<|reserved_{i}|>",
     ),
 }

@@ -1,9 +1,11 @@
-"""Grouped-query attention over the paged cache (Qwen3-MoE, Mixtral), plain PyTorch.
+"""Grouped-query attention over the paged cache (Qwen3-MoE, Mixtral, gpt-oss), plain PyTorch.
 
 Each token's cache row holds its keys then its values for every KV head: ``2 * kv_heads * head_dim``
 values per layer (the same paged cache the MLA models fill with latents). Rope is NeoX-style
 (``rotate_half``) on the whole head; Qwen3 RMS-normalises each q / k head before it. Attention
-is fp32, causal, with an optional sliding window (a key is visible iff q_pos - k_pos < window).
+is fp32, causal, with an optional sliding window (a key is visible iff q_pos - k_pos < window; gpt-oss
+chooses it per layer). gpt-oss also learns one sink logit per head: it joins each softmax row as an
+extra key with no value, so a head can put part of its attention nowhere.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class GQAttention(nn.Module):
         self.n_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, \
             config.head_dim
         self.scale = config.softmax_scale
-        self.window = config.sliding_window
+        self.window = config.window(layer)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
@@ -34,6 +36,8 @@ class GQAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
         self.rotary = Rotary(config.rope, self.head_dim)
         # The sparse-attention switches the runner sets on MLA layers; inert here.
         self.mli = False
@@ -68,5 +72,10 @@ class GQAttention(nn.Module):
         visible = k_pos <= q_pos
         if self.window is not None:
             visible &= q_pos - k_pos < self.window
-        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        if hasattr(self, "sinks"):
+            sink = self.sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)  # (H, q_len, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         return torch.einsum("hqt,thd->qhd", probs, v)
