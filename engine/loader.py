@@ -26,8 +26,8 @@ from torch import nn
 from hearth.engine.api import CheckpointError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
-from hearth.engine.models.gpt_oss import dequantize_mxfp4
 from hearth.engine.models.layers import Fp8Linear, Rotary, dequantize_fp8_blocks, rope_inv_freq
+from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FP32_PARAMS = re.compile(r"((mlp|block_sparse_moe)\.gate\.weight|e_score_correction_bias|indexer\.weights_proj\.weight"

@@ -146,10 +146,10 @@ class CacheResidency:
         slot_ids = slots.to(x.device, non_blocking=True).unsqueeze(1)  # (P, 1)
         w = self.cache.weights
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (P, D)
-        if self.use_kernel:
+        if self.use_kernel and w.plain_swiglu:
             fused_moe(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, out=out)
         else:
-            out += moe_reference(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2)
+            out += moe_reference(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, **w.reference_kwargs())
         return out
 
 
@@ -191,7 +191,10 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
     never ("off") — see hearth.offload.cpu_experts."""
     config = model.config
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-    if store is None:
+    if store is None and config.model_type == "gpt_oss":
+        store = ExpertStore.from_stacked_safetensors(Path(path), layers, dtype, config.swiglu_limit,
+                                                     config.swiglu_alpha)
+    elif store is None:
         fp8 = config.quantization is not None
         store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
                                              dtype=None if fp8 else dtype, module=config.moe_module,

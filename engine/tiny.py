@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from hearth.engine.config import ModelConfig
-from hearth.engine.models.gpt_oss import FP4_E2M1_VALUES, MXFP4_GROUP
 from hearth.engine.models.layers import FP8_MAX
+from hearth.kernels.moe.mxfp4 import quantize_mxfp4
 
 VOCAB_SIZE = 512
 ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "gpt_oss")
@@ -140,20 +140,6 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.T
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(pr, pc)[:rows, :cols]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
-
-
-def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] float (K a multiple of 32) -> (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]):
-    per group of 32 a power-of-two scale that brings the largest magnitude within 6, each value
-    rounded to the nearest e2m1 code, two codes a byte (the first in the low nibble)."""
-    groups = weight.float().unflatten(-1, (-1, MXFP4_GROUP))  # [..., G, 32]
-    amax = groups.abs().amax(-1).clamp_min(2.0**-100)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    scaled = groups / torch.exp2(exponent)[..., None]
-    magnitudes = torch.tensor(FP4_E2M1_VALUES[:8])
-    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
-    return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
 
 
 def make_weights(config: ModelConfig, seed: int, fp8: bool = False, mxfp4: bool = False) -> dict[str, torch.Tensor]:

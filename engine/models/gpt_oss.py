@@ -4,8 +4,8 @@ Checkpoint names under ``model.layers.N.mlp``: ``router.weight`` [E, D] and ``ro
 ``experts.gate_up_proj`` [E, D, 2I] with ``gate_up_proj_bias`` [E, 2I], ``experts.down_proj``
 [E, I, D] with ``down_proj_bias`` [E, D]. The gate and up columns of ``gate_up_proj`` are
 interleaved (column 2j is gate j, 2j + 1 is up j). The release stores the two projections as MXFP4
-(``*_blocks`` + ``*_scales``, see :func:`dequantize_mxfp4`); the loader dequantises them into these
-parameters.
+(``*_blocks`` + ``*_scales``, see :mod:`hearth.kernels.moe.mxfp4`); the loader dequantises them into
+these parameters.
 
 Router: top-k of the biased logits, softmax over the k chosen. Experts: the clamped SwiGLU
 ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)`` (alpha 1.702, l 7.0).
@@ -18,33 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.config import ModelConfig
-
-# The 16 values of an FP4 e2m1 code (sign bit 3, then two exponent bits and one mantissa bit).
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MXFP4_GROUP = 32  # values sharing one e8m0 scale
-_E8M0_BIAS = 127
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 -> float: ``blocks`` uint8 [..., G, 16] (two e2m1 codes a byte, the low nibble first),
-    ``scales`` uint8 [..., G] (e8m0: 2 ** (s - 127) for each group of 32) -> [..., G * 32]."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_GROUP // 2:
-        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} do not match scales {list(scales.shape)} "
-                         f"(expected blocks [..., G, {MXFP4_GROUP // 2}] for scales [..., G])")
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32]
-    exponents = scales.to(torch.int32) - _E8M0_BIAS
-    values = torch.ldexp(lut[codes], exponents[..., None].float())
-    return values.flatten(-2).to(dtype)
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's expert activation (fp32 in, fp32 out)."""
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+from hearth.kernels.moe.reference import clamped_swiglu
 
 
 class GptOssRouter(nn.Module):
@@ -80,7 +54,7 @@ class GptOssExperts(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on x (n, D) -> (n, D) fp32 (activation in fp32, cast back before down)."""
         gate_up = (x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]).float()
-        h = clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], self.alpha, self.limit).to(x.dtype)
+        h = clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], self.limit, self.alpha).to(x.dtype)
         return (h @ self.down_proj[e] + self.down_proj_bias[e]).float()
 
 
@@ -93,6 +67,7 @@ class GptOssMoE(nn.Module):
         self.layer = layer
         self.router = GptOssRouter(config)
         self.experts = GptOssExperts(config)
+        self.shared_experts = None  # gpt-oss has none (the schedulers ask)
         self.backend = None
 
     @property
