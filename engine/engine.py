@@ -34,6 +34,7 @@ from hearth.engine.api import (
 )
 from hearth.engine.block_manager import BlockManager
 from hearth.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from hearth.engine.harmony import uses_harmony
 from hearth.engine.runahead import RunaheadDecoder
 from hearth.engine.runner import ModelRunner, StepInput
 from hearth.engine.sampling import Sampler, make_generator
@@ -116,7 +117,9 @@ class Engine:
         seq = Seq(request_id=request_id, prompt_ids=ids, params=params)
         request = _Request(
             seq=seq,
-            detok=IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True),
+            # Harmony (gpt-oss) marks its channels with special tokens; the chat layer parses them out.
+            detok=IncrementalDetokenizer(self.tokenizer, ids,
+                                         skip_special_tokens=not uses_harmony(self.runner.model_config.model_type)),
             stop=StopChecker(params.stop),
             generator=make_generator(params.seed, self.runner.device),
             arrival=time.perf_counter(),

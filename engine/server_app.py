@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hearth.engine.api import Event, Finished, HearthError, TokenDelta
+from hearth.engine.harmony import HarmonyParser, parse_harmony, uses_harmony
 from hearth.engine.server_host import BusyError, EngineHost, NoModelError
 from hearth.engine.server_protocol import (
     APIError,
@@ -253,9 +254,11 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
                                                              max_tokens=max_tokens, **prompt))
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
     model_type = host.model.model_type if host.model else ""
-    tools = isinstance(body, ChatCompletionRequest) and body.uses_tools
+    harmony = chat and uses_harmony(model_type)  # the answer's channels split into reasoning and content
+    tools = isinstance(body, ChatCompletionRequest) and body.uses_tools and not harmony
     if body.stream:
-        chunks = _stream_chunks(stream, request, writer, body.include_usage, model_type if tools else None)
+        chunks = _stream_chunks(stream, request, writer, body.include_usage, model_type if tools else None,
+                                HarmonyParser() if harmony else None)
         return StreamWithCleanup(chunks, on_close=lambda: host.abort(submission.request_id))
     try:
         finished = await _wait_finished(stream, request)
@@ -264,6 +267,9 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
     error = finish_error(finished)
     if error is not None:
         raise error
+    if harmony:
+        split = parse_harmony(finished.text)
+        return writer.response(finished, reasoning=(split.reasoning, split.content))
     return writer.response(finished, parse_tool_calls(finished.text, model_type) if tools else None)
 
 
@@ -279,17 +285,27 @@ async def _wait_finished(stream: RequestStream, request: Request) -> Finished:
 
 
 async def _stream_chunks(stream: RequestStream, request: Request, writer: ResponseWriter,
-                         include_usage: bool, tools_model_type: str | None = None) -> AsyncIterator[bytes]:
+                         include_usage: bool, tools_model_type: str | None = None,
+                         harmony: HarmonyParser | None = None) -> AsyncIterator[bytes]:
     """SSE chunks. With tools offered the answer is held back until it ends (a tool call is only
-    known once complete), then sent as content and tool_calls chunks."""
+    known once complete), then sent as content and tool_calls chunks. With ``harmony`` each piece
+    is split into reasoning and content as it comes."""
     if writer.chat:
         yield sse(writer.chunk("", first=True))
     try:
         async for event in stream.events(request):
             if isinstance(event, TokenDelta):
-                if event.text and tools_model_type is None:
+                if harmony is not None:
+                    split = harmony.feed(event.text)
+                    if split.reasoning or split.content:
+                        yield sse(writer.chunk(split.content, reasoning=split.reasoning))
+                elif event.text and tools_model_type is None:
                     yield sse(writer.chunk(event.text))
                 continue
+            if harmony is not None:
+                split = harmony.finish()
+                if split.reasoning or split.content:
+                    yield sse(writer.chunk(split.content, reasoning=split.reasoning))
             error = finish_error(event)
             if error is not None:
                 yield sse(error.body())

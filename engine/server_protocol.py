@@ -202,11 +202,14 @@ class ResponseWriter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def response(self, finished: Finished, tool_calls: tuple[str, list[dict[str, Any]]] | None = None
-                 ) -> dict[str, Any]:
-        """The non-streaming body; ``tool_calls`` = (content, calls) parsed from the answer."""
+    def response(self, finished: Finished, tool_calls: tuple[str, list[dict[str, Any]]] | None = None,
+                 reasoning: tuple[str, str] | None = None) -> dict[str, Any]:
+        """The non-streaming body; ``tool_calls`` = (content, calls) parsed from the answer,
+        ``reasoning`` = (reasoning, content) split from it (gpt-oss's harmony channels)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": finished.text}
+            if reasoning is not None:
+                message = {"role": "assistant", "content": reasoning[1], "reasoning_content": reasoning[0]}
             reason = finished.reason
             if tool_calls is not None and tool_calls[1]:
                 message = {"role": "assistant", "content": tool_calls[0] or None, "tool_calls": tool_calls[1]}
@@ -219,10 +222,14 @@ class ResponseWriter:
         body["usage"] = usage(finished.stats)
         return body
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
-        """One streamed chunk; ``text=None`` for the closing chunk that carries only the reason."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
+              reasoning: str = "") -> dict[str, Any]:
+        """One streamed chunk; ``text=None`` for the closing chunk that carries only the reason.
+        ``reasoning`` goes out as the delta's ``reasoning_content`` (chat only)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
