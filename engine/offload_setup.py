@@ -21,7 +21,15 @@ from hearth.offload.expert_cache import POLICIES, EvictionPolicy, ExpertCache, E
 from hearth.offload.expert_store import ExpertStore
 from hearth.offload.experts import OffloadedExperts
 from hearth.offload.fetch_plan import MISSING
-from hearth.offload.planner import MemoryPlan, MemoryPlanError, footprint_from_tensor_bytes, plan_memory, probe_memory
+from hearth.offload.planner import (
+    MemoryPlan,
+    MemoryPlanError,
+    ModelFootprint,
+    footprint_from_stacked_experts,
+    footprint_from_tensor_bytes,
+    plan_memory,
+    probe_memory,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,15 @@ class Placement:
     description: str
 
 
+def _footprint(path: str | Path, config: ModelConfig, engine: EngineConfig, device: torch.device) -> ModelFootprint:
+    if config.model_type == "gpt_oss":  # stacked (MXFP4) experts, held dequantised in the compute dtype
+        auto = 2 if device.type == "cuda" else 4  # "auto": bf16 on CUDA, fp32 on the CPU
+        value_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(engine.dtype, auto)
+        return footprint_from_stacked_experts(tensor_bytes(path), config.num_experts_per_tok, config.n_routed_experts,
+                                              config.hidden_size, config.moe_intermediate_size, value_bytes)
+    return footprint_from_tensor_bytes(tensor_bytes(path), config.num_experts_per_tok)
+
+
 def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                    kv_cache_bytes: int) -> Placement:
     """Decide before loading. Raises HearthError with the numbers if the model cannot fit."""
@@ -40,7 +57,7 @@ def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineCo
         return Placement(False, None, "experts stay with the model")
     if config.offload == "always" and config.expert_cache_slots is not None:
         return Placement(True, config.expert_cache_slots, f"offload forced: {config.expert_cache_slots} slots/layer")
-    footprint = footprint_from_tensor_bytes(tensor_bytes(path), model_config.num_experts_per_tok)
+    footprint = _footprint(path, model_config, config, device)
     try:
         plan: MemoryPlan = plan_memory(
             footprint, kv_cache_bytes, probe_memory(), gpu_memory_gib=config.gpu_memory_gib,

@@ -42,6 +42,20 @@ class ModelFootprint:
         return self.expert_bytes * self.num_experts * self.num_moe_layers
 
 
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)")
+
+
+def footprint_from_stacked_experts(tensor_bytes: Mapping[str, int], top_k: int, num_experts: int, hidden: int,
+                                   inter: int, value_bytes: int) -> ModelFootprint:
+    """gpt-oss: each layer's experts stacked in a few tensors (MXFP4 in the release). The store holds
+    them dequantised, ``value_bytes`` per weight and bias, so one expert's bytes come from the
+    shapes, not from the files."""
+    layers = {int(m.group(1)) for name in tensor_bytes if (m := _STACKED.match(name))}
+    dense = sum(n for name, n in tensor_bytes.items() if not _STACKED.match(name))
+    expert_bytes = (3 * hidden * inter + 2 * inter + hidden) * value_bytes
+    return ModelFootprint(dense, expert_bytes, len(layers), num_experts if layers else 0, top_k)
+
+
 def footprint_from_tensor_bytes(tensor_bytes: Mapping[str, int], top_k: int) -> ModelFootprint:
     """Split checkpoint tensor sizes (name -> bytes) into routed experts and the rest."""
     dense, routed, experts, layers = 0, 0, set(), set()

@@ -6,7 +6,10 @@ The estimate, per request of ``context_length`` tokens:
   one fp32 scale) per token;
 - routed experts: MoE layers x ``n_routed_experts`` x 3 matrices x ``hidden_size`` x
   ``moe_intermediate_size`` x bytes per parameter (1 for FP8 checkpoints, else the config's dtype);
-  the rest of the weights (attention, shared experts, embeddings) is "dense".
+  the rest of the weights (attention, shared experts, embeddings) is "dense". gpt-oss's MXFP4 experts
+  download at 4.25 bits per weight (4-bit codes + one scale byte per 32) and are held as bf16 once
+  loaded, so its in-memory weights are larger than its files. Grouped-query models (Qwen3-MoE,
+  Mixtral, gpt-oss) keep K and V of every KV head per token and layer.
 
 Verdicts: everything on the GPU; dense weights + caches + an expert cache on the GPU with the
 experts in (pinned) RAM; CPU only when there is no CUDA device; or does not fit.
@@ -32,6 +35,7 @@ RAM_RESERVE_BYTES = 4 * GIB  # the OS, the app and the engine host's Python
 LATENT_VALUES_PER_TOKEN = 576  # MLA default: kv_lora_rank 512 + qk_rope_head_dim 64
 INDEXER_KEY_BYTES_PER_TOKEN = 132
 CACHE_VALUE_BYTES = 2  # bf16
+MXFP4_BITS_PER_WEIGHT = 4.25  # hearth.kernels.moe.mxfp4.BITS_PER_VALUE (not imported: that pulls in torch)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
@@ -102,21 +106,27 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
     num_layers = int(config.get("num_hidden_layers", 0))
     latent = int(config.get("kv_lora_rank", 512)) + int(config.get("qk_rope_head_dim", 64))
     per_layer = (latent if "kv_lora_rank" in config else LATENT_VALUES_PER_TOKEN) * CACHE_VALUE_BYTES
-    if config.get("model_type") in ("qwen3_moe", "mixtral"):  # grouped-query attention: K and V per KV head
+    if config.get("model_type") in ("qwen3_moe", "mixtral", "gpt_oss"):  # grouped-query attention: K and V per KV head
         heads = int(config.get("num_attention_heads") or 1)
         head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
         per_layer = 2 * int(config.get("num_key_value_heads") or heads) * head_dim * CACHE_VALUE_BYTES
     if config.get("model_type") in DSA_MODEL_TYPES:
         per_layer += INDEXER_KEY_BYTES_PER_TOKEN
     moe_layers = _num_moe_layers(config, num_layers)
-    mixtral = config.get("model_type") == "mixtral"
-    inter = int(config.get("intermediate_size" if mixtral else "moe_intermediate_size", 0) or 0)
+    stacked = config.get("model_type") in ("mixtral", "gpt_oss")  # experts as wide as intermediate_size
+    inter = int(config.get("intermediate_size" if stacked else "moe_intermediate_size", 0) or 0)
     per_expert = 3 * int(config.get("hidden_size", 0)) * inter
     n_experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0
-    experts = moe_layers * int(n_experts) * per_expert * _param_bytes(config)
+    experts = min(moe_layers * int(n_experts) * per_expert * _param_bytes(config), int(weights_bytes * 0.98))
+    if _is_mxfp4(config):
+        # The download holds the experts at 4.25 bits per weight; Hearth dequantises them to bf16 at load.
+        params = moe_layers * int(n_experts) * per_expert
+        on_disk = min(int(params * MXFP4_BITS_PER_WEIGHT / 8), int(weights_bytes * 0.98))
+        experts = params * 2
+        weights_bytes += experts - on_disk
     return Footprint(
         weights_bytes=weights_bytes,
-        experts_bytes=min(experts, int(weights_bytes * 0.98)),
+        experts_bytes=experts,
         num_layers=num_layers,
         cache_bytes_per_token=per_layer * num_layers,
         num_moe_layers=moe_layers,
@@ -188,8 +198,13 @@ def _probe_gpu_bytes() -> int | None:
     return int(free)
 
 
+def _is_mxfp4(config: dict[str, Any]) -> bool:
+    quant = config.get("quantization_config") or {}
+    return isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4"
+
+
 def _num_moe_layers(config: dict[str, Any], num_layers: int) -> int:
-    if config.get("model_type") == "mixtral":
+    if config.get("model_type") in ("mixtral", "gpt_oss"):
         return num_layers
     if config.get("model_type") == "qwen3_moe":
         dense, step = set(config.get("mlp_only_layers") or []), int(config.get("decoder_sparse_step") or 1)

@@ -171,3 +171,20 @@ def test_fit_footprint_of_gqa_moe_models():
                "num_key_value_heads": 8, "num_local_experts": 8, "intermediate_size": 14336, "torch_dtype": "bfloat16"}
     fp = footprint_from_config(mixtral, weights_bytes=93 * 10**9)
     assert fp.num_moe_layers == 32 and fp.experts_bytes == 32 * 8 * 3 * 4096 * 14336 * 2
+
+
+def test_fit_footprint_of_gpt_oss_counts_mxfp4_downloads_as_bf16_in_memory():
+    """gpt-oss-120b: 36 layers x 128 experts of 3 x 2880 x 2880 weights, 4.25 bits each in the files
+    (about 61 GiB downloaded), bf16 once Hearth loads them."""
+    from hearth.app.hub.fit import footprint_from_config
+
+    config = {"model_type": "gpt_oss", "num_hidden_layers": 36, "hidden_size": 2880, "intermediate_size": 2880,
+              "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+              "quantization_config": {"quant_method": "mxfp4"}, "torch_dtype": "bfloat16"}
+    params = 36 * 128 * 3 * 2880 * 2880
+    download = 65 * 10**9
+    fp = footprint_from_config(config, weights_bytes=download)
+    assert fp.num_moe_layers == 36 and fp.cache_bytes_per_token == 36 * 2 * 8 * 64 * 2
+    assert fp.experts_bytes == params * 2
+    assert fp.weights_bytes == download - int(params * 4.25 / 8) + params * 2
+    assert fp.dense_bytes == download - int(params * 4.25 / 8)  # attention, embeddings, routers stay as shipped
