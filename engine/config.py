@@ -247,7 +247,8 @@ def _parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
     fmt = q.get("fmt", "e4m3")
     _check(fmt == "e4m3", "quantization_config.fmt", fmt, "e4m3")
     block = tuple(q.get("weight_block_size") or (128, 128))
-    _check(len(block) == 2, "quantization_config.weight_block_size", list(block), "[rows, cols]")
+    _check(len(block) == 2 and tuple(int(b) for b in block) == (128, 128), "quantization_config.weight_block_size",
+           list(block), "[128, 128] (the block of every DeepSeek and GLM FP8 release)")
     scale_fmt = q.get("scale_fmt")
     _check(scale_fmt in (None, "ue8m0"), "quantization_config.scale_fmt", scale_fmt, "ue8m0 or none")
     ignored = tuple(q.get("modules_to_not_convert") or ())

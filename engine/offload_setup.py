@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.api import CheckpointError, EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
 from hearth.engine.loader import tensor_bytes
 from hearth.engine.models.deepseek import DeepseekForCausalLM
@@ -193,9 +193,12 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     if store is None:
         fp8 = config.quantization is not None
-        store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
-                                             dtype=None if fp8 else dtype, module=config.moe_module,
-                                             proj_names=config.expert_proj_names)
+        try:
+            store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
+                                                 dtype=None if fp8 else dtype, module=config.moe_module,
+                                                 proj_names=config.expert_proj_names)
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"{path}: routed experts: {str(exc).strip(chr(39))}") from None
     plan = EvictionPlan()
     cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=plan.policy(policy))
     backend = OffloadedExperts(cache, host_experts=host_experts)

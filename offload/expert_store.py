@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hearth.kernels._utils import count_nonfinite
+
 log = logging.getLogger(__name__)
 
 SCALE_BLOCK = 128
@@ -174,6 +176,9 @@ class ExpertStore:
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ValueError(f"layer {layer} expert {expert} {name}: shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
+        bad = count_nonfinite(tensor)
+        if bad:
+            raise ValueError(f"layer {layer} expert {expert} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
         dst.copy_(tensor)
 
     @classmethod
