@@ -398,7 +398,27 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
 # ---- runner-level steps (same run) -----------------------------------------------------------
 
 
-def runner_steps(folder: Path, batches: list[int], context: int) -> dict:
+def kernel_profile(runner, context: int) -> str:
+    """GPU time by kernel over 10 eager batch-1 decode steps (the graphed step runs the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hearth.engine.runner import StepInput
+
+    table = list(range(-(-runner.max_model_len // runner.block_size)))
+    ids = list(range(3, 3 + context))
+    for start in range(0, context, 2048):
+        runner.run([StepInput(table, start, ids[start:start + 2048])])
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for step in range(10):
+                runner.run([StepInput(table, context + step, [5])]).argmax(-1).tolist()
+    finally:
+        runner.graphs = graphs
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+
+
+def runner_steps(folder: Path, batches: list[int], context: int, profile: Path | None = None) -> dict:
     """ms per decode step of ModelRunner.run (CUDA graphs) on this checkpoint and on bf16 weights of
     the same shapes built on the GPU."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -416,6 +436,8 @@ def runner_steps(folder: Path, batches: list[int], context: int) -> dict:
     probe = bds.RoutingProbe(runner.model)
     for b in batches:
         out[f"fp8_b{b}_ms"] = bds.run_batch(runner, b, context, 30, graphs=True, probe=probe)["median_s"] * 1e3
+    if profile is not None:
+        profile.write_text(kernel_profile(runner, context))
     del runner, probe
     torch.cuda.empty_cache()
     config = ModelConfig.from_file(folder)
@@ -473,7 +495,8 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
     if args.runner:
-        results["runner"] = runner_steps(folder, [b for b in args.concurrency if b <= 8], args.prompt)
+        results["runner"] = runner_steps(folder, [b for b in args.concurrency if b <= 8], args.prompt,
+                                         args.logs / "kernel-profile.txt")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

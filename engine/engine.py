@@ -39,6 +39,7 @@ from hearth.engine.runner import ModelRunner, StepInput
 from hearth.engine.sampling import Sampler, make_generator
 from hearth.engine.scheduler import Scheduler, Status
 from hearth.engine.scheduler import Sequence as Seq
+from hearth.engine.step_timer import StepTimer
 from hearth.engine.tokenizer import Tokenizer
 
 
@@ -77,6 +78,8 @@ class Engine:
         self._lock = threading.Lock()
         self._generated = 0
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tok/s
+        device = getattr(runner, "device", None)
+        self.timer = StepTimer(enabled=device is not None and device.type == "cuda")
         self.decoder: RunaheadDecoder | None = None
         if config.scheduler == "runahead":
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device)
@@ -157,14 +160,20 @@ class Engine:
         """Run one scheduling step; returns the events it produced, in order."""
         events = self._take_intake()
         chunks = self.scheduler.schedule(include_decodes=self.decoder is None)
+        self.timer.begin(bool(chunks) and all(c.num_tokens == 1 for c in chunks))
+        marks = self.timer.around_run()
         if chunks:
             try:
+                if marks is not None:
+                    marks[0].record()
                 logits = self.runner.run([
                     StepInput(self.blocks.block_table(c.seq.request_id), c.seq.num_computed,
                               c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
                               c.seq.request_id)
                     for c in chunks
                 ])
+                if marks is not None:
+                    marks[1].record()
             except torch.OutOfMemoryError:
                 return events + self._fail_all([c.seq for c in chunks], _OOM_MESSAGE)
             self.scheduler.after_step(chunks)
@@ -172,6 +181,7 @@ class Engine:
             events += self._sample([chunks[i].seq for i in ready], logits[ready])
         if self.decoder is not None and len(self.decoder):
             events += self._runahead_step()
+        self.timer.end(marks)
         return events
 
     def _runahead_step(self) -> list[Event]:
@@ -312,7 +322,8 @@ class Engine:
             cache_blocks_free=self.blocks.num_free_blocks,
             generated_tokens=self._generated,
             decode_tokens_per_s=rate,
-            extra={f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
+            extra={**{f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
+                   **self.timer.summary()},
         )
 
     def running_ids(self) -> list[str]:

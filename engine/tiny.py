@@ -82,7 +82,7 @@ def tiny_config(arch: str) -> dict[str, Any]:
     return {"model_type": arch, **_COMMON, **configs[arch]}
 
 
-def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     from hearth.engine.models.deepseek import DeepseekForCausalLM
 
     with torch.device("meta"):
@@ -112,7 +112,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.T
     """(e4m3 weight, fp32 power-of-two scale_inv [ceil(r/128), ceil(c/128)]) with W ~= W8 * s."""
     rows, cols = weight.shape
     pr, pc = math.ceil(rows / block) * block, math.ceil(cols / block) * block
-    padded = torch.zeros(pr, pc)
+    padded = torch.zeros(pr, pc, device=weight.device)
     padded[:rows, :cols] = weight.float()
     tiles = padded.view(pr // block, block, pc // block, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)  # (rb, cb)
@@ -125,7 +125,7 @@ def make_weights(config: ModelConfig, seed: int, fp8: bool = False) -> dict[str,
     """Random weights for every parameter of the model (plus an MTP layer stub if configured)."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in _param_shapes(config).items():
+    for name, shape in param_shapes(config).items():
         value = _init(name, shape, gen)
         if fp8 and is_fp8_quantized(name, shape):
             tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(value)

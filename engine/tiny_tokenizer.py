@@ -178,6 +178,32 @@ def _train(family: _Family, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def _synthetic(family: _Family, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of exactly vocab_size ids whose merges build lowercase words (a, b, .., aa,
+    ab, .., aaa, ..): every id decodes to visible text, so a random model at a release's vocabulary
+    size streams real characters (benchmarks). No training: the vocabulary is constructed."""
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    merges: list[tuple[str, str]] = []
+    need = vocab_size - len(vocab) - len(family.specials)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    frontier = list(letters)
+    while len(merges) < need:
+        grown = []
+        for prefix in frontier:
+            for c in letters:
+                if len(merges) == need:
+                    break
+                vocab[prefix + c] = len(vocab)
+                merges.append((prefix, c))
+                grown.append(prefix + c)
+        frontier = grown
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(family.specials))
+    return tokenizer
+
+
 def _tokenizer_config(family: _Family) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -191,9 +217,10 @@ def _tokenizer_config(family: _Family) -> dict:
     }
 
 
-def write_tiny_tokenizer(out_dir: Path, model_type: str, vocab_size: int) -> dict:
-    """Train and write ``tokenizer.json``, ``tokenizer_config.json`` (and ``chat_template.jinja``
-    where the family has one) into ``out_dir``; the vocabulary has exactly ``vocab_size`` ids.
+def write_tiny_tokenizer(out_dir: Path, model_type: str, vocab_size: int, synthetic: bool = False) -> dict:
+    """Train (with ``synthetic``: construct, see :func:`_synthetic`) and write ``tokenizer.json``,
+    ``tokenizer_config.json`` (and ``chat_template.jinja`` where the family has one) into ``out_dir``;
+    the vocabulary has exactly ``vocab_size`` ids.
 
     Returns ``{"bos_token_id", "eos_token_id", "pad_token_id"}`` for config.json /
     generation_config.json (``eos_token_id`` is a list for GLM; ``bos_token_id`` is None for GLM,
@@ -205,7 +232,7 @@ def write_tiny_tokenizer(out_dir: Path, model_type: str, vocab_size: int) -> dic
     minimum = _BYTE_ALPHABET + len(family.specials)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be >= {minimum} for {model_type} (256 bytes + specials)")
-    tokenizer = _train(family, vocab_size)
+    tokenizer = _synthetic(family, vocab_size) if synthetic else _train(family, vocab_size)
     if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise RuntimeError("tiny tokenizer vocabulary does not have the requested size")
     out_dir = Path(out_dir)

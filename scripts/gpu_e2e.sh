@@ -15,6 +15,7 @@ while [[ $# -gt 0 && $1 != -- ]]; do steps+=("$1"); shift; done
 for step in "${steps[@]}"; do
     case $step in
     tests)
+        export HEARTH_TEST_DEVICE=cuda
         timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_fp8_linear.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py tests/engine/test_fused_experts.py \
             tests/engine/test_loader_errors.py 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1 ;;
