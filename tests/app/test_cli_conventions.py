@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from hearth.app.cli import hub_commands
 from hearth.app.cli.common import resolve_model_path
 from hearth.app.cli.main import main as cli
+from hearth.app.client import ChatClient
 from hearth.app.demo_model import bundled_demo_path
 from hearth.app.hub import import_local_model
 from hearth.app.paths import settings_path
@@ -176,3 +178,96 @@ def test_resolution_order_and_ambiguous_short_names(runnable, settings, capsys):
 def test_unknown_model_on_the_command_line_is_one_line(capsys):
     assert cli(["run", "-m", "no-such-model", "-p", "hi"]) == 1
     assert "No model called no-such-model" in _one_error_line(capsys.readouterr().err)
+
+
+# ---- 4. `stats` sees a `serve`; `stop` stops a kept engine host ---------------------------------
+
+
+def test_stats_sees_a_running_serve_and_stop_all_ends_it(runnable, isolated_home, capsys):
+    proc = subprocess.Popen(hearth_cmd("serve", "--model", str(runnable), "--port", "0", "--max-model-len", "256"),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stderr.readline()  # the server listens
+        assert "tiny-v32 on http://127.0.0.1:" in banner, banner + proc.stderr.read()
+        record = _wait_for(lambda: next((isolated_home / "run").glob("serve-*.json"), None))
+        assert record.stat().st_mode & 0o777 == 0o600
+        assert cli(["stats", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["model"] == "tiny-v32"
+        assert cli(["stats"]) == 0
+        assert f"`hearth --cli serve` (pid {proc.pid}, http://127.0.0.1:" in capsys.readouterr().out
+
+        assert cli(["stop"]) == 0  # no background host: says so, and names the serve it left alone
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == "No engine host is running in the background."
+        assert out[1].startswith(f"Still running: `hearth --cli serve` (pid {proc.pid}") and proc.poll() is None
+        assert cli(["stop", "--all"]) == 0
+        assert capsys.readouterr().out.startswith(f"Stopped `hearth --cli serve` (pid {proc.pid}")
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not list((isolated_home / "run").glob("serve-*"))
+    assert cli(["stats"]) == 1
+    assert "no local engine is running" in _one_error_line(capsys.readouterr().err)
+
+
+def test_stop_stops_a_kept_background_host(runnable, capsys):
+    from hearth.app.client.local_engine import EngineProcess
+
+    proc = EngineProcess.ensure_running(runnable, max_model_len=256)  # what `chat --keep-engine` leaves
+    try:
+        assert cli(["stats"]) == 0
+        assert f"background engine host (pid {proc.pid}" in capsys.readouterr().out
+        assert cli(["stop"]) == 0
+        said = capsys.readouterr().out.strip()
+        assert said == f"Stopped the background engine host (pid {proc.pid}, model tiny-v32)."
+        assert not proc.is_alive() and EngineProcess.find_running() is None
+        assert cli(["stop"]) == 0
+        assert capsys.readouterr().out.strip() == "No engine host is running in the background."
+    finally:
+        proc.stop()
+
+
+def _wait_for(probe, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while (found := probe()) is None:
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return found
+
+
+# ---- 10. the small ones -------------------------------------------------------------------------
+
+
+def test_stats_counters_survive_unload_and_load(runnable, tmp_path, capsys):
+    import httpx
+
+    from tests.engine.test_server_support import start_server
+
+    server = start_server(runnable, tmp_path / "server", max_model_len=256)
+    messages = [{"role": "user", "content": "Hello"}]
+
+    def stats() -> dict:
+        assert cli(["stats", "--backend", server.base_url, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    def finished(n: int) -> dict | None:  # the host counts a request when its last event is dispatched
+        current = stats()
+        return current if current["requests_finished"] == n else None
+
+    try:
+        with ChatClient(server.base_url) as client:
+            list(client.stream_chat("tiny-v32", messages, max_tokens=3, temperature=0))
+            first = _wait_for(lambda: finished(1))
+            assert first["requests_total"] == 1 and first["generated_tokens"] == 3
+            assert httpx.post(f"{server.base_url}/hearth/unload", timeout=30).status_code == 200
+            assert (stats()["requests_total"], stats()["generated_tokens"]) == (1, 3)
+            loaded = httpx.post(f"{server.base_url}/hearth/load", json={"model": str(runnable)}, timeout=60)
+            assert loaded.status_code == 200, loaded.text
+            assert stats()["generated_tokens"] == 3  # a fresh engine does not reset the host's count
+            list(client.stream_chat("tiny-v32", messages, max_tokens=2, temperature=0))
+            after = _wait_for(lambda: finished(2))
+            assert after["requests_total"] == 2 and after["generated_tokens"] == 5
+    finally:
+        server.stop()
