@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -271,3 +272,30 @@ def test_stats_counters_survive_unload_and_load(runnable, tmp_path, capsys):
             assert after["requests_total"] == 2 and after["generated_tokens"] == 5
     finally:
         server.stop()
+
+
+def test_no_runtime_dir_warning_without_xdg_runtime_dir(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "HEARTH_HOME")
+           and not k.startswith("XDG_")}
+    env["HOME"] = str(tmp_path / "home")  # the config and data folders land here, not in the real home
+    result = subprocess.run(hearth_cmd("stats"), capture_output=True, text=True, env=env, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert "no local engine is running" in _one_error_line(result.stderr)  # and no RuntimeDirWarning
+    where = subprocess.run([sys.executable, "-c", "from hearth.app.paths import runtime_dir; print(runtime_dir())"],
+                           capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert where.stderr == "" and Path(where.stdout.strip()).stat().st_mode & 0o777 == 0o700
+
+
+def test_help_texts_name_every_option_without_raw_markup(capsys):
+    from hearth.app import main as hearth_main
+    from hearth.app.gui.main import TABS
+
+    assert hearth_main.main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert f"--tab {'|'.join(TABS)}" in usage and "config" in usage and "stop" in usage
+    for command in ("serve", "run", "chat", "stats", "stop", "config", "models", "search"):
+        with pytest.raises(SystemExit):
+            cli([command, "--help"])
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: hearth --cli {command}") and "``" not in text, text
