@@ -299,3 +299,14 @@ def test_help_texts_name_every_option_without_raw_markup(capsys):
             cli([command, "--help"])
         text = capsys.readouterr().out
         assert text.startswith(f"usage: hearth --cli {command}") and "``" not in text, text
+
+
+def test_readme_agrees_with_the_app():
+    from hearth.app.demo_model import DEMO_LABEL
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert f'"{DEMO_LABEL}"' in readme and "random weights" not in readme
+    assert "`hf auth login`" in readme and "huggingface-cli" not in readme
+    assert "packaging/build.sh" in readme and "libxcb-icccm4 libxcb-keysyms1" in readme
+    assert "libxcb-icccm4 and libxcb-keysyms1" in (root / "packaging" / "build.sh").read_text(encoding="utf-8")
