@@ -8,9 +8,10 @@ its folder on first use, so callers can write into the returned path straight aw
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
-from platformdirs import PlatformDirs
+from platformdirs import PlatformDirs, RuntimeDirWarning
 
 APP_NAME = "hearth"
 HOME_ENV = "HEARTH_HOME"
@@ -46,8 +47,17 @@ def cache_dir() -> Path:
 
 
 def runtime_dir() -> Path:
-    """Sockets, pid and port files of a running engine host."""
-    return _folder("run", "user_runtime_dir")
+    """Sockets, pid and port files of a running engine host; private to the user (0700).
+
+    Without a usable ``XDG_RUNTIME_DIR`` platformdirs falls back to a private folder it checks
+    (``/run/user/<uid>``, else ``runtime-<uid>`` in the temporary folder). That is normal on
+    servers and in containers, so its RuntimeDirWarning is not shown to the user.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeDirWarning)
+        path = _folder("run", "user_runtime_dir")
+    path.chmod(0o700)  # it holds the engine host's token
+    return path
 
 
 def log_dir() -> Path:

@@ -1,20 +1,32 @@
 """``hearth --cli serve``: run the engine host (OpenAI-compatible API) in the foreground until
-Ctrl-C, and ``hearth --cli stats``: show the statistics of a running engine (local or --backend).
+Ctrl-C; ``hearth --cli stats``: show the statistics of the running engines (local or --backend);
+``hearth --cli stop``: stop the engine host left running in the background.
+
+``serve`` registers itself in the runtime folder while it runs (see ``register_serve``), so
+``stats`` and ``stop --all`` find it as they find the background host of ``chat`` and the app.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import threading
+from pathlib import Path
 from typing import Any
 
 from hearth.app.cli.common import api_key_of, print_json, resolve_model_path
+from hearth.app.client.local_engine import serve_record_path
 from hearth.app.store.settings import load_settings
 from hearth.engine.api import HearthError
+
+_PORT_POLL_S = 0.05
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible engine host in the foreground",
-                                  description=__doc__.split("\n\n")[0])
+                                  description="Serve a model over an OpenAI-compatible API in the foreground "
+                                  "until Ctrl-C (`hearth --cli stats` sees it).")
     serve.add_argument("--model", "-m", default=argparse.SUPPRESS,
                        help="model folder or installed name (default: the default model in the settings)")
     serve.add_argument("--served-name", help="the model name clients use (default: the folder name)")
@@ -28,12 +40,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     serve.set_defaults(func=cmd_serve)
 
-    stats = subparsers.add_parser("stats", help="show the running engine's statistics")
+    stats = subparsers.add_parser("stats", help="show the running engines' statistics",
+                                  description="Show the statistics of the local engines (the background "
+                                  "host and any `serve`), or of --backend URL.")
     stats.add_argument("--backend", metavar="URL", default=argparse.SUPPRESS,
                        help="ask this server (default: the local engine host)")
     stats.add_argument("--api-key", default=argparse.SUPPRESS, help="API key for --backend")
     stats.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     stats.set_defaults(func=cmd_stats)
+
+    stop = subparsers.add_parser("stop", help="stop the engine host running in the background",
+                                 description="Stop the background engine host (started by `chat "
+                                 "--keep-engine` or the desktop app); --all also stops `serve` processes.")
+    stop.add_argument("--all", action="store_true", help="also stop running `hearth --cli serve` processes")
+    stop.set_defaults(func=cmd_stop)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -51,29 +71,82 @@ def cmd_serve(args: argparse.Namespace) -> int:
         argv += ["--api-key", key]
     if args.debug:
         argv.append("--debug")
-    return server_main(argv)
+    port_file = serve_record_path(os.getpid()).with_suffix(".port")
+    argv += ["--port-file", str(port_file)]
+    with _registered(port_file, args.host, key, path.name):
+        return server_main(argv)
+
+
+@contextlib.contextmanager
+def _registered(port_file: Path, host: str, api_key: str | None, model: str):
+    """Register this ``serve`` once the server has bound its port; unregister when it ends."""
+    from hearth.app.client.local_engine import register_serve
+
+    done = threading.Event()
+
+    def register_when_bound() -> None:
+        while not done.wait(_PORT_POLL_S):
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                register_serve(host, int(port_file.read_text().strip()), api_key, model)
+                return
+
+    thread = threading.Thread(target=register_when_bound, name="hearth-serve-register", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        port_file.unlink(missing_ok=True)
+        serve_record_path(os.getpid()).unlink(missing_ok=True)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from hearth.app.client.local_engine import EngineProcess
+    from hearth.app.client.local_engine import running_engines
     from hearth.app.client.openai_client import ChatClient
 
     url = args.backend or load_settings().backend_url
     if url:
-        client = ChatClient(url, api_key_of(args), timeout=10.0)
-    else:
-        proc = EngineProcess.find_running()
-        if proc is None:
-            raise HearthError("no local engine host is running (`hearth --cli chat` or `serve` starts one)")
-        client = proc.client(timeout=10.0)
-    with client:
-        stats = client.stats()
-    if args.json:
-        print_json(stats)
-    elif not stats:
-        print(f"{client.base_url} does not report statistics (not a Hearth engine host)")
-    else:
-        print(format_stats(stats))
+        with ChatClient(url, api_key_of(args), timeout=10.0) as client:
+            stats = client.stats()
+        if args.json:
+            print_json(stats)
+        else:
+            print(format_stats(stats) if stats else
+                  f"{client.base_url} does not report statistics (not a Hearth engine host)")
+        return 0
+    engines = running_engines()
+    if not engines:
+        raise HearthError("no local engine is running (`hearth --cli serve`, `chat --keep-engine` or the app "
+                          "starts one)")
+    reports = []
+    for engine in engines:
+        with engine.client() as client:
+            reports.append((engine, client.stats()))
+    if args.json:  # one object for one engine (the usual case), a list when several run
+        print_json(reports[0][1] if len(reports) == 1 else [stats for _, stats in reports])
+        return 0
+    print("\n\n".join(f"engine     {engine.describe()}\n{format_stats(stats)}" for engine, stats in reports))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from hearth.app.client.local_engine import EngineProcess, running_engines, stop_serve
+
+    stopped = []
+    background = EngineProcess.find_running()
+    if background is not None:
+        background.stop()
+        stopped.append(f"Stopped the background engine host (pid {background.pid}, model "
+                       f"{Path(background.model).name if background.model else 'none'}).")
+    serves = [e for e in running_engines() if e.kind == "serve"]
+    for engine in serves if args.all else ():
+        stop_serve(engine)
+        stopped.append(f"Stopped {engine.describe()}.")
+    print("\n".join(stopped) if stopped else "No engine host is running in the background.")
+    if serves and not args.all:
+        where = ", ".join(e.describe() for e in serves)
+        print(f"Still running: {where}; stop it with Ctrl-C in its terminal or `hearth --cli stop --all`.")
     return 0
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hearth.app.demo_model import DEMO_LABEL
 from hearth.app.paths import data_dir
 from hearth.app.store.settings import Settings
 
-DEMO_LABEL = "Demo (tiny model)"
 DEMO_ARCH = "deepseek_v32"
 _demo_lock = threading.Lock()
 

@@ -119,7 +119,8 @@ class SettingsTab(QWidget):
         box = QGroupBox("Hugging Face", self)
         form = QFormLayout(box)
         self.endpoint = QLineEdit(box)
-        self.endpoint.setPlaceholderText("https://huggingface.co or a mirror such as https://hf-mirror.com")
+        self.endpoint.setPlaceholderText("empty: HF_ENDPOINT or https://huggingface.co; or a mirror such as "
+                                         "https://hf-mirror.com")
         self.token_edit = QLineEdit(box)
         self.token_edit.setEchoMode(QLineEdit.EchoMode.Password)
         self.token_edit.setPlaceholderText("hf_… (stored in huggingface_hub's login store)")
@@ -151,7 +152,7 @@ class SettingsTab(QWidget):
         self.backend_kind.setCurrentIndex(1 if settings.backend_url else 0)
         self.backend_url.setText(settings.backend_url or "")
         self.backend_url.setEnabled(bool(settings.backend_url))
-        self.endpoint.setText(settings.hf_endpoint)
+        self.endpoint.setText(settings.hf_endpoint or "")
         self.theme.setCurrentText(settings.theme)
         self.scheduler.setCurrentText(settings.scheduler)
         self.mli.setChecked(settings.mli)
@@ -166,7 +167,7 @@ class SettingsTab(QWidget):
         return self.settings.replace(
             gpu_memory_gib=self.gpu_memory.value() or None, expert_cache_gib=self.expert_cache.value() or None,
             context_length=self.context_length.value(), backend_url=self.backend_url.text().strip() if remote else None,
-            hf_endpoint=self.endpoint.text().strip() or "https://huggingface.co", theme=self.theme.currentText(),
+            hf_endpoint=self.endpoint.text().strip() or None, theme=self.theme.currentText(),
             scheduler=self.scheduler.currentText(), mli=self.mli.isChecked(), cuda_graphs=self.cuda_graphs.isChecked(),
             index_topk_freq=self.index_topk_freq.value() or None, index_key_hot_pages=self.key_pages.value() or None,
             latent_hot_rows=self.latent_rows.value() or None)

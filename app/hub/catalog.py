@@ -18,7 +18,7 @@ from huggingface_hub.hf_api import ModelInfo
 from huggingface_hub.utils import filter_repo_objects
 
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.errors import HubError, describe
+from hearth.app.hub.errors import HubError, describe, search_error
 from hearth.app.hub.transfer import QuietTqdm
 from hearth.app.paths import cache_dir
 
@@ -116,7 +116,7 @@ def search_models(ctx: HubContext, query: str, *, sort: SortKey = "downloads",
                                         fetch_config=True):
                 found.setdefault(info.id, info)
     except Exception as exc:
-        raise describe(exc, query or "search", ctx.endpoint) from exc
+        raise search_error(exc, query, ctx.endpoint) from exc
     results = [_search_result(info) for info in found.values()]
     if not all_architectures:
         results = [r for r in results if r.is_supported]

@@ -124,3 +124,19 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0][:300] if lines else type(exc).__name__
+
+
+def search_error(exc: BaseException, query: str, endpoint: str) -> HubError:
+    """Map an exception from a Hub search to a ``HubError`` that names the search and the endpoint."""
+    if isinstance(exc, HubError):
+        return exc
+    what = f"Search for {query!r}" if query else "Search"
+    if isinstance(exc, OfflineModeIsEnabled):
+        return OfflineError(f"{what} needs {endpoint}, but HF_HUB_OFFLINE is set in the environment")
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return NetworkError(f"{what} failed: {endpoint} answered HTTP {exc.response.status_code} "
+                            f"({_first_line(exc)})")
+    if is_transient(exc):
+        return NetworkError(f"{what} failed: cannot reach {endpoint} ({_first_line(exc)}); check the "
+                            "network, or the hf_endpoint setting / HF_ENDPOINT")
+    return HubError(f"{what} on {endpoint} failed: {type(exc).__name__}: {_first_line(exc)}")
