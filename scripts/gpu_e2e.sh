@@ -20,7 +20,7 @@ for step in "${steps[@]}"; do
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py tests/engine/test_fused_experts.py \
             tests/engine/test_loader_errors.py 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1 ;;
     micro) timeout 200 python3 bench/bench_fp8_linear.py --json "$OUT/fp8_linear.json" 2>&1 | tee "$OUT/fp8_linear.log" || rc=1 ;;
-    sweep) timeout 300 python3 bench/bench_fp8_linear.py --rows 1 --sweep --json "$OUT/fp8_sweep.json" \
+    sweep) timeout 170 python3 bench/bench_fp8_linear.py --rows 1 --sweep --json "$OUT/fp8_sweep.json" \
             2>&1 | grep -E "best|Error|error" | tee "$OUT/fp8_sweep.log" || rc=1 ;;
     e2e) python3 bench/bench_e2e.py --dir /tmp/hearth-ckpt --logs "$OUT" --json "$OUT/e2e.json" "$@" 2>&1 \
             | tee "$OUT/e2e.log" || rc=1 ;;
