@@ -58,8 +58,10 @@ class CheckpointFiles:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         for file_name in sorted(set(weight_map.values())):
-            path = self.folder / file_name
+            path = self._shard_path(index, file_name)
             if not path.exists():
                 raise CheckpointError(f"{path}: shard listed in {index.name} is missing")
             present = set(self._keys(path))
@@ -67,6 +69,20 @@ class CheckpointFiles:
                 if mapped == file_name and name not in present:
                     raise CheckpointError(f"{path}: tensor '{name}' listed in {index.name} is not in the file")
         self.location = {name: self.folder / f for name, f in weight_map.items()}
+
+    def _shard_path(self, index: Path, file_name: str) -> Path:
+        """A shard named by the index, refused unless it is a file of this folder: an index may come
+        from anywhere, and ``../`` or an absolute path would read weights from elsewhere on disk."""
+        parts = file_name.replace("\\", "/").split("/")
+        path = self.folder / file_name
+        # The shard itself may be a symlink (the Hugging Face cache links snapshot files to blobs);
+        # the folder it sits in must not lead out of the model folder.
+        escapes = (Path(file_name).is_absolute() or any(p in ("", "..") or ":" in p for p in parts)
+                   or not path.parent.resolve().is_relative_to(self.folder.resolve()))
+        if escapes:
+            raise CheckpointError(f"{index}: shard {ascii(file_name)[:120]} is not a file inside the model folder; "
+                                  "refusing to load it")
+        return path
 
     @staticmethod
     def _keys(path: Path) -> list[str]:

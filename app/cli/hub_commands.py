@@ -16,6 +16,7 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -67,6 +68,8 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
         try:
             return command(args)
         except (HearthError, OSError) as exc:  # OSError: permissions, a vanished folder...
+            if getattr(args, "debug", False):
+                traceback.print_exc()
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_ERROR
 

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from hearth.app.client.openai_client import ChatClient, EngineDiedError
-from hearth.app.paths import log_dir, runtime_dir
+from hearth.app.paths import log_dir, private_file, runtime_dir
 from hearth.engine.api import HearthError
 
 STATE_FILE = "engine-host.json"
@@ -121,8 +121,8 @@ class EngineProcess:
     def _start(cls, model: str | None, options: dict[str, Any], timeout: float) -> EngineProcess:
         token = secrets.token_urlsafe(24)
         port_file = runtime_dir() / f"engine-{uuid.uuid4().hex[:8]}.port"
-        log_path = log_dir() / LOG_FILE
-        log_offset = log_path.stat().st_size if log_path.exists() else 0
+        log_path = private_file(log_dir() / LOG_FILE)  # prompts and paths may end up in it
+        log_offset = log_path.stat().st_size
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(_command(model, options, port_file), stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=subprocess.STDOUT, env={**os.environ, API_KEY_ENV: token},
@@ -308,7 +308,7 @@ def _state_lock() -> Iterator[None]:
     except ImportError:
         yield
         return
-    with open(runtime_dir() / f"{STATE_FILE}.lock", "w") as lock:
+    with open(private_file(runtime_dir() / f"{STATE_FILE}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

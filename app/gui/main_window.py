@@ -18,6 +18,7 @@ from hearth.app.gui.qt import (
     QCloseEvent,
     QKeySequence,
     QMainWindow,
+    QMessageBox,
     QShortcut,
     QSplitter,
     Qt,
@@ -65,6 +66,9 @@ class MainWindow(QMainWindow):
         self.poller.stats.connect(self.status.show_stats)
         self.poller.failed.connect(self._on_poll_failed)
         self.poller.timer.start()
+        self.recovery_notice: QMessageBox | None = None
+        if self.store.recovery is not None:
+            self._tell_chats_recovered(self.store.recovery.describe())
         self.refresh_models(connect=True)
 
     # ---- layout -----------------------------------------------------------------------------
@@ -115,6 +119,15 @@ class MainWindow(QMainWindow):
             shortcut = QShortcut(QKeySequence(keys), self)
             shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
             shortcut.activated.connect(slot)
+
+    def _tell_chats_recovered(self, text: str) -> None:
+        """Once, without blocking start-up: the chat file was unreadable and was set aside."""
+        box = QMessageBox(QMessageBox.Icon.Warning, "Chat history recovered", text, QMessageBox.StandardButton.Ok,
+                          self)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.setModal(False)
+        box.show()
+        self.recovery_notice = box
 
     # ---- conversations ----------------------------------------------------------------------
     def new_chat(self) -> None:

@@ -14,13 +14,14 @@ from huggingface_hub.errors import (
     DryRunError,
     GatedRepoError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import httpx
+from huggingface_hub.utils import httpx, validate_repo_id
 
 from hearth.engine.api import HearthError
 
@@ -105,6 +106,15 @@ def describe(exc: BaseException, repo_id: str, endpoint: str) -> HubError:
     if is_transient(exc):
         return NetworkError(f"Cannot download {repo_id} from {endpoint}: {_first_line(exc)}")
     return HubError(f"{repo_id}: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a malformed repo id before anything uses it (it also becomes a cache folder name)."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise RepoNotFoundError(f"{ascii(repo_id)[:120]} is not a Hub repo id: use org/name (letters, digits, "
+                                "'-', '_' and '.')") from None
 
 
 def gated_message(repo_id: str, endpoint: str) -> str:

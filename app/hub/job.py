@@ -179,6 +179,9 @@ def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: 
     if not dry:
         raise HubError(f"No file of {repo_id} matches {', '.join(allow)}")
     commit = dry[0].commit_hash
+    cache = RepoCache(ctx.cache_dir, repo_id)
+    for d in dry:  # every name from the Hub must stay a file inside the snapshot (UnsafeNameError)
+        cache.pointer(commit, d.filename)
     info = ctx.api().model_info(repo_id, revision=commit, files_metadata=True)
     remote = {s.rfilename: s for s in info.siblings or ()}
     files = []
@@ -188,7 +191,6 @@ def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: 
         files.append(PlannedFile(d.filename, size, s.lfs.sha256 if s and s.lfs else None,
                                  s.blob_id if s else None, is_cached=not d.will_download))
     plan = Plan(commit, tuple(files))
-    cache = RepoCache(ctx.cache_dir, repo_id)
     _check_disk_space(plan, cache, repo_id)
     cache.snapshot(commit).mkdir(parents=True, exist_ok=True)  # scan_cache_dir wants the folder
     return plan

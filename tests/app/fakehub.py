@@ -31,6 +31,7 @@ class FakeFile:
     content: bytes
     is_lfs: bool = False
     served: bytes | None = None  # what GET sends instead (corruption); same length keeps size checks quiet
+    served_etag: str | None = None  # what HEAD/GET send as the ETag instead (a hostile mirror)
 
     @property
     def sha256(self) -> str:
@@ -238,13 +239,14 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None and fault.kind == "status":
             return self._error(fault.status, None, "injected failure")
         data = f.served if f.served is not None else f.content
+        etag = f.served_etag or f.etag
         start = self._range_start()
         self.send_response(206 if start else 200)
-        self.send_header("ETag", f'"{f.etag}"')
+        self.send_header("ETag", f'"{etag}"')
         self.send_header("X-Repo-Commit", repo.commit)
         self.send_header("Accept-Ranges", "bytes")
         if f.is_lfs:
-            self.send_header("X-Linked-Etag", f'"{f.etag}"')
+            self.send_header("X-Linked-Etag", f'"{etag}"')
             self.send_header("X-Linked-Size", str(len(f.content)))
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
