@@ -38,6 +38,7 @@ from PySide6.QtGui import (
     QTextFormat,
 )
 from PySide6.QtWidgets import (
+    QAbstractButton,
     QAbstractItemView,
     QApplication,
     QCheckBox,
@@ -76,7 +77,8 @@ from PySide6.QtWidgets import (
 )
 
 __all__ = [
-    "QAbstractItemView", "QAction", "QApplication", "QCheckBox", "QCloseEvent", "QColor", "QComboBox",
+    "QAbstractButton", "QAbstractItemView", "QAction", "QApplication", "QCheckBox", "QCloseEvent", "QColor",
+    "QComboBox",
     "QDesktopServices", "QDialog", "QDialogButtonBox", "QDoubleSpinBox", "QEvent", "QEventLoop", "QFileDialog", "QFont",
     "QFontDatabase", "QFormLayout", "QFrame", "QGroupBox", "QGuiApplication", "QHBoxLayout", "QHeaderView",
     "QIcon", "QInputDialog", "QKeySequence", "QLabel", "QLineEdit", "QListWidget", "QListWidgetItem",
