@@ -94,6 +94,12 @@ class ChatView(QScrollArea):
         self._layout.insertWidget(self._layout.indexOf(self.widgets[index]), self.context_marker)
         self.context_marker.show()
 
+    def scroll_to_context_marker(self) -> None:
+        """Show the marker at the top of the view (and stop following the end of the thread)."""
+        if not self.context_marker.isHidden():
+            self._stick_to_bottom = False
+            self.verticalScrollBar().setValue(max(self.context_marker.y() - 60, 0))
+
     def show_notice(self, text: str) -> None:
         """A message from Hearth at the end of the thread (why an answer failed or was not sent)."""
         self.notice.setText(text)

@@ -131,6 +131,9 @@ def _render(app: QApplication, settings: Settings, path: Path, tab: str, timeout
         ok = _wait(app, lambda: window.server_tab.server is not None or window.server_tab.failed, timeout_s)
     window.show_view(tab)
     _wait(app, lambda: False, 0.3)  # let layouts and the status bar settle
+    if tab == "truncated":
+        window.chat.view.scroll_to_context_marker()
+        _wait(app, lambda: False, 0.1)
     saved = ok and window.grab().save(str(path))
     if not ok:
         print(f"hearth: the demo model did not answer within {timeout_s:.0f}s", file=sys.stderr)

@@ -42,7 +42,7 @@ from hearth.app.store.settings import Settings
 
 SORTS = ("downloads", "likes", "trending", "recent")
 SEARCH_COLUMNS = ("Repository", "Type", "Size", "Downloads", "Likes", "Gated")
-PICK_COLUMNS = ("Repository", "Type", "Size", "Fit here", "Why")
+PICK_COLUMNS = ("Repository", "Type", "Size", "Fit here")
 
 
 def _table(headers: tuple[str, ...], parent: QWidget) -> QTableWidget:
@@ -114,7 +114,7 @@ class ModelsTab(QWidget):
         column.addWidget(self.results, 1)
         split.addWidget(left)
         split.addWidget(self._details_box())
-        split.setSizes([500, 500])
+        split.setSizes([560, 440])
         layout.addWidget(split, 3)
         downloads = QGroupBox("Downloads", self)
         self.downloads = DownloadsTable(downloads)
@@ -146,7 +146,7 @@ class ModelsTab(QWidget):
     def _details_box(self) -> QGroupBox:
         box = QGroupBox("Repository", self)
         layout = QVBoxLayout(box)
-        self.details_label = QLabel("Pick a search result to see its files and whether it fits.", box)
+        self.details_label = QLabel("Pick a model to see its files, the download size and whether it fits.", box)
         self.details_label.setWordWrap(True)
         self.fit_label = QLabel("", box)
         self.fit_label.setWordWrap(True)
@@ -192,8 +192,11 @@ class ModelsTab(QWidget):
             f"<b>Recommended for this machine</b>: {fitting} of {len(picks)} fit here"
             + ("" if fitting else " (the demo model runs anywhere)")
             + ". Search the Hub above for more.")
-        _fill(self.results, [(p.repo_id, p.model_type, f"~{format_bytes(p.weights_bytes)}", str(p.report.verdict),
-                              p.why) for p in picks], PICK_COLUMNS)
+        _fill(self.results, [(p.repo_id, p.model_type, f"~{format_bytes(p.weights_bytes)}", str(p.report.verdict))
+                             for p in picks], PICK_COLUMNS)
+        for row, pick in enumerate(picks):
+            for column in range(len(PICK_COLUMNS)):
+                self.results.item(row, column).setToolTip(f"{pick.why}\n{pick.report.summary}")
 
     def search(self) -> None:
         ctx, query = self.ctx, self.query_edit.text().strip()

@@ -72,7 +72,7 @@ def test_search_details_and_fit(qtbot, models_tab: ModelsTab):
 def test_opens_on_recommendations_rated_for_this_machine(qtbot, models_tab: ModelsTab):
     qtbot.waitUntil(lambda: "Recommended for this machine" in models_tab.results_label.text(), timeout=TIMEOUT_MS)
     headers = [models_tab.results.horizontalHeaderItem(c).text() for c in range(models_tab.results.columnCount())]
-    assert headers == ["Repository", "Type", "Size", "Fit here", "Why"]
+    assert headers == ["Repository", "Type", "Size", "Fit here"]
     verdicts = [models_tab.results.item(r, 3).text() for r in range(models_tab.results.rowCount())]
     assert models_tab.results.rowCount() >= 5 and all(v.startswith(("runs", "does not fit")) for v in verdicts)
     fitting = [v for v in verdicts if v != "does not fit"]
