@@ -5,7 +5,8 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming
 with server-sent events or not), and Hearth's own ``GET /health``, ``GET /hearth/stats``,
-``POST /hearth/load`` ``{"model": PATH}`` and ``POST /hearth/unload``.
+``POST /hearth/load`` ``{"model": PATH}``, ``POST /hearth/unload`` and ``POST /hearth/tokenize`` (a
+chat-completions body; answers ``{"prompt_tokens"}``, counted as the answer's prompt would be).
 
 It binds 127.0.0.1 unless told otherwise. The API key can also come from the ``HEARTH_API_KEY``
 environment variable, which keeps it out of the process list; when set, every request needs

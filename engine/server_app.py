@@ -198,6 +198,14 @@ def _add_hearth_routes(app: FastAPI, host: EngineHost) -> None:
         model = await run_in_threadpool(host.load, body.model, body.served_name, body.max_model_len)
         return {"model": model.name, "path": str(model.path), "max_model_len": model.max_model_len}
 
+    @app.post("/hearth/tokenize")
+    async def tokenize(body: ChatCompletionRequest) -> dict[str, Any]:
+        """The exact prompt length of a chat-completions body (same template path as the answer)."""
+        _check_model(host, body.model)
+        count = await run_in_threadpool(host.count_prompt_tokens, body.message_dicts(), None, body.chat_options())
+        model = host.model
+        return {"model": body.model, "prompt_tokens": count, "max_model_len": model.max_model_len if model else None}
+
     @app.post("/hearth/unload")
     async def unload() -> dict[str, Any]:
         return {"unloaded": await run_in_threadpool(host.unload)}

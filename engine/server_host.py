@@ -175,6 +175,12 @@ class EngineHost:
         self._wake.set()
         return Submission(request_id, len(ids))
 
+    def count_prompt_tokens(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
+                            chat_options: dict[str, Any] | None = None) -> int:
+        """The prompt's length in tokens, through the same tokenizer and chat template as ``submit``."""
+        with self._lock:
+            return len(self._require_engine().encode(messages, prompt, None, **(chat_options or {})))
+
     def abort(self, request_id: str) -> None:
         """Stop a request if it is still running (a no-op otherwise)."""
         with self._lock:

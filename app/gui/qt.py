@@ -50,6 +50,7 @@ from PySide6.QtGui import (
     QTextFormat,
 )
 from PySide6.QtWidgets import (
+    QAbstractButton,
     QAbstractItemView,
     QApplication,
     QCheckBox,
@@ -88,7 +89,8 @@ from PySide6.QtWidgets import (
 )
 
 __all__ = [
-    "QAbstractItemView", "QAction", "QApplication", "QCheckBox", "QCloseEvent", "QColor", "QComboBox",
+    "QAbstractButton", "QAbstractItemView", "QAction", "QApplication", "QCheckBox", "QCloseEvent", "QColor",
+    "QComboBox",
     "QDesktopServices", "QDialog", "QDialogButtonBox", "QDoubleSpinBox", "QEvent", "QEventLoop", "QFileDialog", "QFont",
     "QFontDatabase", "QFormLayout", "QFrame", "QGroupBox", "QGuiApplication", "QHBoxLayout", "QHeaderView",
     "QIcon", "QInputDialog", "QKeySequence", "QLabel", "QLineEdit", "QListWidget", "QListWidgetItem",

@@ -71,6 +71,9 @@ class Sidebar(QWidget):
             button.setIcon(icon(name))
             button.setToolTip(tip)
             button.setAccessibleName(tip)
+            if name == "new":  # the one action a first-time user looks for gets words, not just an icon
+                button.setText("New chat")
+                button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
             button.clicked.connect(slot)
             row.addWidget(button)
         row.addStretch(1)

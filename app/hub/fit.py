@@ -8,6 +8,12 @@ The estimate, per request of ``context_length`` tokens:
   ``moe_intermediate_size`` x bytes per parameter (1 for FP8 checkpoints, else the config's dtype);
   the rest of the weights (attention, shared experts, embeddings) is "dense".
 
+- runtime: a fixed allowance for the engine host itself (measured: the demo model's host used
+  0.56 GiB of RAM, nearly all of it Python and PyTorch; the CUDA context takes a few hundred MB of
+  GPU memory) plus activations, which grow with the hidden size (a 2,048-token prefill chunk with
+  ``ACTIVATION_BUFFERS`` fp32 hidden-size buffers per token; an allowance, not a measurement).
+  Small models thus need little more than their weights, not a multi-GB constant.
+
 Verdicts: everything on the GPU; dense weights + caches + an expert cache on the GPU with the
 experts in (pinned) RAM; CPU only when there is no CUDA device; or does not fit.
 """
@@ -27,8 +33,11 @@ from hearth.app.hub.context import HubContext
 from hearth.app.hub.units import GIB, format_bytes
 from hearth.app.store.settings import Settings
 
-GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, activations, allocator slack
-RAM_RESERVE_BYTES = 4 * GIB  # the OS, the app and the engine host's Python
+MIB = 1024**2
+GPU_RUNTIME_BYTES = 512 * MIB  # CUDA context and allocator slack
+HOST_RUNTIME_BYTES = 640 * MIB  # the engine host's Python + PyTorch (measured 0.56 GiB with the demo model)
+PREFILL_CHUNK_TOKENS = 2048  # EngineConfig.max_num_batched_tokens
+ACTIVATION_BUFFERS = 16  # fp32 hidden-size buffers alive per token of a prefill chunk
 LATENT_VALUES_PER_TOKEN = 576  # MLA default: kv_lora_rank 512 + qk_rope_head_dim 64
 INDEXER_KEY_BYTES_PER_TOKEN = 132
 CACHE_VALUE_BYTES = 2  # bf16
@@ -60,6 +69,11 @@ class Footprint:
     num_layers: int
     cache_bytes_per_token: int
     num_moe_layers: int
+    hidden_size: int = 0
+
+    @property
+    def activation_bytes(self) -> int:
+        return PREFILL_CHUNK_TOKENS * self.hidden_size * 4 * ACTIVATION_BUFFERS
 
     @property
     def dense_bytes(self) -> int:
@@ -120,6 +134,7 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
         num_layers=num_layers,
         cache_bytes_per_token=per_layer * num_layers,
         num_moe_layers=moe_layers,
+        hidden_size=int(config.get("hidden_size", 0)),
     )
 
 
@@ -127,12 +142,13 @@ def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
                expert_cache_bytes: int | None = None, download_bytes: int = 0) -> FitReport:
     """The best way this model runs on ``machine``, with the numbers behind the verdict."""
     cache = footprint.cache_bytes(context_length)
-    all_on_gpu = footprint.weights_bytes + cache + GPU_RESERVE_BYTES
+    gpu_runtime = GPU_RUNTIME_BYTES + footprint.activation_bytes
+    all_on_gpu = footprint.weights_bytes + cache + gpu_runtime
     if expert_cache_bytes is None:  # at least one MoE layer's experts resident
         expert_cache_bytes = footprint.experts_bytes // max(footprint.num_moe_layers, 1)
-    split_gpu = footprint.dense_bytes + cache + expert_cache_bytes + GPU_RESERVE_BYTES
-    split_ram = footprint.experts_bytes + RAM_RESERVE_BYTES
-    cpu_ram = footprint.weights_bytes + cache + RAM_RESERVE_BYTES
+    split_gpu = footprint.dense_bytes + cache + expert_cache_bytes + gpu_runtime
+    split_ram = footprint.experts_bytes + HOST_RUNTIME_BYTES
+    cpu_ram = footprint.weights_bytes + cache + HOST_RUNTIME_BYTES + footprint.activation_bytes
 
     def report(verdict: Verdict, gpu_needed: int, ram_needed: int) -> FitReport:
         return FitReport(verdict, gpu_needed, machine.gpu_bytes, ram_needed, machine.ram_bytes, cache,
@@ -143,12 +159,12 @@ def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
         verdict = Verdict.CPU_ONLY if cpu_ram <= machine.ram_bytes else Verdict.DOES_NOT_FIT
         return report(verdict, 0, cpu_ram)
     if all_on_gpu <= gpu:
-        return report(Verdict.GPU, all_on_gpu, RAM_RESERVE_BYTES)
+        return report(Verdict.GPU, all_on_gpu, HOST_RUNTIME_BYTES)
     if footprint.experts_bytes > 0 and split_gpu <= gpu and split_ram <= machine.ram_bytes:
         return report(Verdict.EXPERTS_IN_RAM, split_gpu, split_ram)
     if footprint.experts_bytes > 0:
         return report(Verdict.DOES_NOT_FIT, split_gpu, split_ram)
-    return report(Verdict.DOES_NOT_FIT, all_on_gpu, RAM_RESERVE_BYTES)
+    return report(Verdict.DOES_NOT_FIT, all_on_gpu, HOST_RUNTIME_BYTES)
 
 
 def fit_for_repo(details: RepoDetails, settings: Settings, machine: Machine | None = None) -> FitReport:

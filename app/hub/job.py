@@ -102,6 +102,12 @@ class RunControl:
         with self._lock:
             self._last_change[filename] = time.monotonic()
 
+    def file_waiting(self, filename: str) -> None:
+        """The file waits out a retry back-off: nothing is being transferred, so it cannot stall."""
+        with self._lock:
+            self._last_change.pop(filename, None)
+            self._reported_stalls.discard(filename)
+
     def file_size(self, filename: str, size: int) -> None:
         with self._lock:
             if self._sizes.get(filename) != size:
@@ -227,15 +233,18 @@ def fetch_all(ctx: HubContext, repo_id: str, plan: Plan, ctl: RunControl, policy
                   key=lambda f: f.size)
 
     def fetch_one(f: PlannedFile) -> None:
-        ctl.file_started(f.filename)
+        def attempt() -> None:
+            ctl.file_started(f.filename)
+            fetch_file(cache=cache, filename=f.filename, commit=plan.commit, endpoint=ctx.endpoint, stop=ctl.stop,
+                       on_size=lambda n: ctl.file_size(f.filename, n))
+
+        def retrying(attempt: int, delay: float, exc: BaseException) -> None:
+            ctl.file_waiting(f.filename)  # the back-off is not a stall
+            on_retry(f.filename, attempt, delay, exc)
+
         completed = False
         try:
-            call_with_retry(
-                lambda: fetch_file(cache=cache, filename=f.filename, commit=plan.commit,
-                                   endpoint=ctx.endpoint, stop=ctl.stop,
-                                   on_size=lambda n: ctl.file_size(f.filename, n)),
-                policy, ctl.stop, lambda attempt, delay, exc: on_retry(f.filename, attempt, delay, exc),
-                progress=lambda: ctl.progress(f.filename))
+            call_with_retry(attempt, policy, ctl.stop, retrying, progress=lambda: ctl.progress(f.filename))
             completed = True
         finally:
             ctl.file_finished(f.filename, completed)

@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -90,6 +90,7 @@ class MessageStats:
     time_to_first_token_s: float | None = None
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    context_start_id: int | None = None  # the first message the model saw (older ones were dropped)
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,19 @@ class ChatStore:
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = "
                        "(SELECT conversation_id FROM messages WHERE id = ?)", (time.time(), message_id))
         return self.message(message_id)
+
+    def discard_empty_answer(self, message_id: int) -> None:
+        """Remove an answer that never got a word (the request was refused before it started);
+        its parent becomes the current leaf again. Anything else is left alone."""
+        with self._tx() as db:
+            row = db.execute("SELECT conversation_id, parent_id, content FROM messages WHERE id = ? AND role = "
+                             "'assistant' AND NOT EXISTS (SELECT 1 FROM messages c WHERE c.parent_id = ?)",
+                             (message_id, message_id)).fetchone()
+            if row is None or row["content"]:
+                return
+            db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+            db.execute("UPDATE conversations SET current_leaf_id = ? WHERE id = ? AND current_leaf_id = ?",
+                       (row["parent_id"], row["conversation_id"], message_id))
 
     def message(self, message_id: int) -> Message:
         row = self._db.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
@@ -504,9 +518,17 @@ def _conversation(row: sqlite3.Row) -> Conversation:
 
 
 def _message(row: sqlite3.Row) -> Message:
-    stats = MessageStats(**json.loads(row["stats"])) if row["stats"] else None
+    stats = _stats(row["stats"])
     return Message(row["id"], row["conversation_id"], row["parent_id"], row["role"], row["content"], row["model"],
                    row["created_at"], bool(row["is_complete"]), row["finish_reason"], stats)
+
+
+def _stats(text: str | None) -> MessageStats | None:
+    """Stats from their JSON; keys this version does not know (a newer Hearth's) are ignored."""
+    if not text:
+        return None
+    known = {f.name for f in fields(MessageStats)}
+    return MessageStats(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 def _stats_json(stats: MessageStats | None) -> str | None:

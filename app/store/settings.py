@@ -62,6 +62,9 @@ class Settings:
     N layers; None = as the model ships). index_key_hot_pages / latent_hot_rows: long-context tiers
     (indexer-key pages / latent rows kept on the GPU per request; None = everything on the GPU).
     cuda_graphs: replay decode steps from CUDA graphs on the GPU (off = every step runs eagerly).
+    context_overflow: when a chat outgrows the context, "truncate" drops its oldest messages (the
+    system prompt stays), "stop" says so and sends nothing.
+    api_host / api_port: where the app's API server switch listens (127.0.0.1: this machine only).
     """
 
     hf_endpoint: str | None = None
@@ -81,6 +84,9 @@ class Settings:
     index_key_hot_pages: int | None = None
     latent_hot_rows: int | None = None
     cuda_graphs: bool = True
+    context_overflow: str = "truncate"
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -93,6 +99,8 @@ class Settings:
             (self.context_length >= 2, "context_length must be >= 2"),
             (self.theme in ("light", "dark", "system"), "theme must be light, dark or system"),
             (self.scheduler in ("sync", "runahead"), "scheduler must be sync or runahead"),
+            (self.context_overflow in ("truncate", "stop"), "context_overflow must be truncate or stop"),
+            (0 <= self.api_port <= 65535, "api_port must be in [0, 65535]"),
         ]
         for name in ("index_topk_freq", "index_key_hot_pages", "latent_hot_rows"):
             value = getattr(self, name)
@@ -126,6 +134,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "index_key_hot_pages": (int, type(None)),
     "latent_hot_rows": (int, type(None)),
     "cuda_graphs": (bool,),
+    "context_overflow": (str,),
+    "api_host": (str,),
+    "api_port": (int,),
 }
 
 

@@ -9,7 +9,8 @@ from hearth.app.hub.catalog import repo_details, search_models
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.errors import HubError, OfflineError, RepoNotFoundError
 from hearth.app.hub.fit import (
-    GPU_RESERVE_BYTES,
+    GPU_RUNTIME_BYTES,
+    HOST_RUNTIME_BYTES,
     Machine,
     Verdict,
     assess_fit,
@@ -129,7 +130,7 @@ def test_fit_verdicts(machine: Machine, verdict: Verdict):
     assert report.cache_bytes == 8192 * 61 * 576 * 2
     assert str(verdict) in report.summary and "GPU" in report.summary
     if verdict == Verdict.GPU:
-        assert report.gpu_needed_bytes == V3_WEIGHTS + report.cache_bytes + GPU_RESERVE_BYTES
+        assert report.gpu_needed_bytes == V3_WEIGHTS + report.cache_bytes + GPU_RUNTIME_BYTES + fp.activation_bytes
     if verdict == Verdict.EXPERTS_IN_RAM:
         assert report.gpu_needed_bytes < machine.gpu_bytes < V3_WEIGHTS
         assert fp.experts_bytes < report.ram_needed_bytes <= machine.ram_bytes
@@ -147,6 +148,20 @@ def test_fit_reports_a_disk_that_is_too_small():
     machine = Machine(gpu_bytes=800 * GIB, ram_bytes=64 * GIB, disk_free_bytes=100 * 10**9)
     report = assess_fit(fp, machine, context_length=8192, download_bytes=V3_WEIGHTS)
     assert not report.fits_on_disk and "free on disk" in report.summary
+
+
+def test_a_tiny_model_needs_its_weights_and_the_runtime_not_gigabytes():
+    """A 24.7 MB model (the demo) on a CPU machine: the engine host measured 0.56 GiB."""
+    config = {"model_type": "deepseek_v32", "num_hidden_layers": 2, "hidden_size": 256, "kv_lora_rank": 64,
+              "qk_rope_head_dim": 32, "first_k_dense_replace": 1, "n_routed_experts": 8,
+              "moe_intermediate_size": 128, "torch_dtype": "float32"}
+    fp = footprint_from_config(config, 24_700_000)
+    report = assess_fit(fp, Machine(gpu_bytes=None, ram_bytes=8 * GIB, disk_free_bytes=10**12), context_length=2048)
+    assert report.verdict == Verdict.CPU_ONLY
+    assert 0.6 * GIB < report.ram_needed_bytes < 0.75 * GIB
+    assert report.ram_needed_bytes == 24_700_000 + report.cache_bytes + HOST_RUNTIME_BYTES + fp.activation_bytes
+    on_gpu = assess_fit(fp, Machine(gpu_bytes=8 * GIB, ram_bytes=8 * GIB, disk_free_bytes=10**12), context_length=2048)
+    assert on_gpu.verdict == Verdict.GPU and on_gpu.gpu_needed_bytes < 1 * GIB
 
 
 def test_fit_for_a_hub_repo(ctx, settings):

@@ -1,6 +1,7 @@
 """The engine host's failure paths, in-process (Starlette's TestClient, a real tiny engine):
 an engine step that raises fails only the requests in flight (500 JSON / an SSE error event) and
-the host keeps serving; an unexpected handler error is a 500 without traceback text; no model is 503."""
+the host keeps serving; an unexpected handler error is a 500 without traceback text; no model is 503;
+``/hearth/tokenize`` counts a prompt exactly as the answer's usage does."""
 
 from __future__ import annotations
 
@@ -79,3 +80,18 @@ def test_no_model_is_503():
         response = client.post("/v1/chat/completions", json=BODY)
         assert response.status_code == 503 and "no model is loaded" in response.json()["error"]["message"]
         assert client.get("/v1/models").json()["data"] == []
+
+
+def test_tokenize_counts_the_prompt_as_the_answer_does(http):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, engine"},
+                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Count me"}]
+    counted = http.post("/hearth/tokenize", json={"model": "tiny", "messages": messages})
+    assert counted.status_code == 200
+    body = counted.json()
+    answer = http.post("/v1/chat/completions", json={**BODY, "messages": messages})
+    assert body["prompt_tokens"] == answer.json()["usage"]["prompt_tokens"] > 8
+    assert body["max_model_len"] == 256
+    shorter = http.post("/hearth/tokenize", json={"model": "tiny", "messages": messages[-1:]}).json()
+    assert shorter["prompt_tokens"] < body["prompt_tokens"]
+    assert http.post("/hearth/tokenize", json={"model": "other", "messages": messages}).status_code == 404
+    assert http.post("/hearth/tokenize", json={"model": "tiny", "messages": []}).status_code == 400
