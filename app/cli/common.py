@@ -23,6 +23,7 @@ from hearth.app.store.settings import Settings
 from hearth.engine.api import HearthError
 
 API_KEY_ENV = "HEARTH_API_KEY"
+DEMO_NAMES = ("demo", "Demo (tiny model)")  # names that pick the bundled demo model
 
 
 def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
@@ -61,7 +62,7 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 def resolve_model_path(name: str | None, settings: Settings) -> Path:
     """A model folder from a path or an installed name; falls back to the default model."""
     name = name or settings.default_model
-    if name in ("demo", "Demo (tiny model)") or (not name and not _installed_names()):
+    if name in DEMO_NAMES or (not name and not _installed_names()):
         return _bundled_demo(explicit=bool(name))
     if not name:
         raise HearthError(_no_model_message())
