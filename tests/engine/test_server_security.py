@@ -10,7 +10,7 @@ import asyncio
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -194,6 +194,15 @@ def test_a_prompt_past_the_context_is_refused_before_it_is_tokenised(host, http,
     assert http.post("/v1/chat/completions", json=BODY).status_code == 200 and spy.lengths
 
 
+def test_prompts_are_tokenised_outside_the_host_lock(host, http, monkeypatch):
+    # The engine thread and every other request take this lock: a long prompt must not hold it.
+    tokenizer = host._engine.tokenizer
+    spy = _EncodeSpy(tokenizer._backend, on_encode=lambda: host._lock.locked())
+    monkeypatch.setattr(tokenizer, "_backend", spy)
+    assert http.post("/v1/chat/completions", json=BODY).status_code == 200
+    assert spy.seen == [False]
+
+
 @pytest.mark.parametrize("text", ["", "a", "hearth " * 50, "<｜begin▁of▁sentence｜>" * 30, "日本語のテキスト" * 40,
                                   "\n\n    " * 60, "".join(chr(c) for c in range(32, 2000))])
 def test_fewest_tokens_never_exceeds_the_real_count(host, text):
@@ -204,12 +213,15 @@ def test_fewest_tokens_never_exceeds_the_real_count(host, text):
 class _EncodeSpy:
     """Stands in for the ``tokenizers`` object and records the length of every text it encodes."""
 
-    def __init__(self, real) -> None:
+    def __init__(self, real, on_encode: Callable[[], object] = lambda: None) -> None:
         self.real = real
+        self.on_encode = on_encode
         self.lengths: list[int] = []
+        self.seen: list[object] = []  # what on_encode returned at each call
 
     def encode(self, text: str, **kwargs):
         self.lengths.append(len(text))
+        self.seen.append(self.on_encode())
         return self.real.encode(text, **kwargs)
 
     def __getattr__(self, name: str):
