@@ -179,7 +179,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        return _parse(raw)
+        return _parse_checked(raw, "config.json")
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -194,7 +194,27 @@ class ModelConfig:
             raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
-        return _parse(raw)
+        return _parse_checked(raw, str(path))
+
+
+# Sizes and counts that must be positive (the rest may be 0 where a model lacks the part).
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+
+
+def _parse_checked(raw: dict[str, Any], where: str) -> ModelConfig:
+    """``_parse`` with values of the wrong type or sign reported as a CheckpointError naming the field,
+    instead of failing later inside the model code."""
+    try:
+        config = _parse(raw)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: a value has the wrong type ({exc})") from None
+    for name, value in dataclasses.asdict(config).items():
+        is_count = isinstance(value, int) and not isinstance(value, bool) and not name.endswith("_token_id")
+        if is_count and (value <= 0 if name in _POSITIVE_FIELDS else value < 0):
+            raise CheckpointError(f"{where}: {name} must be {'positive' if name in _POSITIVE_FIELDS else '>= 0'}, "
+                                  f"got {value}")
+    return config
 
 
 def _require(raw: dict[str, Any], key: str, model_type: str) -> Any:

@@ -97,16 +97,25 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
 
     def encode(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
-               prompt_token_ids: Sequence[int] | None = None, **chat_options: Any) -> list[int]:
-        """Prompt token ids from exactly one of: chat messages, raw text, token ids."""
+               prompt_token_ids: Sequence[int] | None = None, *, max_tokens: int | None = None,
+               **chat_options: Any) -> list[int]:
+        """Prompt token ids from exactly one of: chat messages, raw text, token ids. With
+        ``max_tokens``, text that certainly encodes to more tokens is refused before tokenising."""
         given = [x is not None for x in (messages, prompt, prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("give exactly one of messages, prompt or prompt_token_ids")
+        if prompt_token_ids is not None:
+            return [int(t) for t in prompt_token_ids]
         if messages is not None:
-            return self.tokenizer.encode_chat(list(messages), add_generation_prompt=True, **chat_options)
-        if prompt is not None:
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return [int(t) for t in prompt_token_ids]
+            text = self.tokenizer.chat_prompt(list(messages), add_generation_prompt=True, **chat_options)
+        else:
+            text = prompt
+        fewest = self.tokenizer.fewest_tokens(text) if max_tokens is not None else 0
+        if max_tokens is not None and fewest > max_tokens:
+            raise RequestError(f"the prompt has at least {fewest} tokens but the context holds {self.max_model_len} "
+                               "(prompt + answer); shorten it or raise the context length")
+        # NOTE: a chat prompt's text already holds BOS, so special tokens are added to raw text only.
+        return self.tokenizer.encode(text, add_special_tokens=messages is None)
 
     def add_request(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None, sampling: SamplingParams | None = None,

@@ -48,6 +48,10 @@ class NoModelError(HearthError):
     """No model is loaded (or one is still loading), so requests cannot run."""
 
 
+class StillLoadingError(NoModelError):
+    """A model is loading; requests can run once it is ready."""
+
+
 class BusyError(HearthError):
     """Another load is already in progress."""
 
@@ -159,12 +163,20 @@ class EngineHost:
         request_id = uuid.uuid4().hex
         with self._lock:
             engine = self._require_engine()
-            ids = engine.encode(messages, prompt, prompt_token_ids, **(chat_options or {}))
-            room = engine.max_model_len - len(ids)
-            if room < 1:
-                raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {engine.max_model_len} "
-                                   "(prompt + answer); shorten it or raise the context length")
-            params = SamplingParams(**sampling, max_tokens=min(max_tokens or room, room))
+        # Tokenising happens outside the lock, so a long prompt holds up neither other requests
+        # nor the engine thread.
+        ids = engine.encode(messages, prompt, prompt_token_ids, max_tokens=engine.max_model_len - 1,
+                            **(chat_options or {}))
+        room = engine.max_model_len - len(ids)
+        if room < 1:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {engine.max_model_len} "
+                               "(prompt + answer); shorten it or raise the context length")
+        params = SamplingParams(**sampling, max_tokens=min(max_tokens or room, room))
+        with self._lock:
+            if engine is not self._engine:  # unloaded or replaced while the prompt was tokenised
+                if self._engine is None:
+                    raise self._not_ready()
+                raise NoModelError("the model was replaced while this request was prepared; send it again")
             self._sinks[request_id] = sink
             try:
                 engine.add_request(prompt_token_ids=ids, sampling=params, request_id=request_id)
@@ -188,12 +200,22 @@ class EngineHost:
                 self._engine.abort(request_id)
         self._wake.set()
 
+    def require_model(self) -> LoadedModel:
+        """The loaded model; raises StillLoadingError or NoModelError when there is none."""
+        model = self._model
+        if model is None:
+            raise self._not_ready()
+        return model
+
     def _require_engine(self) -> Engine:
         if self._engine is None:
-            if self._loading is not None:
-                raise NoModelError(f"the model is still loading ({self._loading}); try again shortly")
-            raise NoModelError("no model is loaded; load one with POST /hearth/load")
+            raise self._not_ready()
         return self._engine
+
+    def _not_ready(self) -> NoModelError:
+        if self._loading is not None:
+            return StillLoadingError("the model is still loading; try again shortly")
+        return NoModelError("no model is loaded; load one with POST /hearth/load")
 
     # ---- the engine thread -----------------------------------------------------------------
 
@@ -249,8 +271,8 @@ class EngineHost:
         """Engine counters (as of the last step), request counts, memory and uptime. Request and
         generated-token counts cover the host's whole life, across unload and load."""
         model, snapshot = self._model, self._snapshot
+        # NOTE: no model path: it names folders on this machine, and status bars need only the name.
         out: dict[str, Any] = {"state": self.state, "model": model.name if model else None,
-                               "model_path": str(model.path) if model else None,
                                "max_model_len": model.max_model_len if model else None,
                                "uptime_s": round(time.time() - self._started, 3), **self._counts}
         if snapshot is not None and model is not None:

@@ -15,10 +15,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hearth.app.cli.common import api_key_of, print_json, resolve_model_path
+from hearth.app.cli.common import DEMO_NAMES, api_key_of, print_json, resolve_model_path
 from hearth.app.client.local_engine import serve_record_path
-from hearth.app.store.settings import load_settings
+from hearth.app.store.settings import Settings, load_settings
 from hearth.engine.api import HearthError
+from hearth.engine.server_security import add_security_arguments
 
 _PORT_POLL_S = 0.05
 
@@ -29,15 +30,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                   "until Ctrl-C (`hearth --cli stats` sees it).")
     serve.add_argument("--model", "-m", default=argparse.SUPPRESS,
                        help="model folder or installed name (default: the default model in the settings)")
-    serve.add_argument("--served-name", help="the model name clients use (default: the folder name)")
+    serve.add_argument("--served-name", help="the model name clients use (default: the installed name or "
+                       "repo id given to --model, else the folder name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
     serve.add_argument("--api-key", default=argparse.SUPPRESS, help="require this bearer token "
-                       "(default: $HEARTH_API_KEY; strongly advised with --host 0.0.0.0)")
+                       "(default: $HEARTH_API_KEY; needed to bind anything but this machine's loopback)")
     serve.add_argument("--max-model-len", type=int, default=argparse.SUPPRESS, metavar="N",
                        help="context length (default: context_length in the settings)")
     serve.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="requests decoded together")
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    add_security_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     stats = subparsers.add_parser("stats", help="show the running engines' statistics",
@@ -63,17 +66,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model, settings)
     argv = ["--model", str(path), "--host", args.host, "--port", str(args.port),
             "--max-model-len", str(args.max_model_len or settings.context_length),
-            "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
-    if args.served_name:
-        argv += ["--served-name", args.served_name]
+            "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
+            "--max-body-mib", str(args.max_body_mib)]
+    served_name = args.served_name or _installed_name(args.model or settings.default_model)
+    if served_name:
+        argv += ["--served-name", served_name]
     key = api_key_of(args)
     if key:
         argv += ["--api-key", key]
+    for flag, values in (("--allow-load-path", [*_model_folders(settings), *args.allow_load_path]),
+                         ("--allowed-host", args.allowed_host), ("--cors-origin", args.cors_origin)):
+        for value in values:
+            argv += [flag, value]
+    if args.insecure_no_key:
+        argv.append("--insecure-no-key")
     if args.debug:
         argv.append("--debug")
     port_file = serve_record_path(os.getpid()).with_suffix(".port")
     argv += ["--port-file", str(port_file)]
-    with _registered(port_file, args.host, key, path.name):
+    with _registered(port_file, args.host, key, served_name or path.name):
         return server_main(argv)
 
 
@@ -99,6 +110,24 @@ def _registered(port_file: Path, host: str, api_key: str | None, model: str):
         thread.join()
         port_file.unlink(missing_ok=True)
         serve_record_path(os.getpid()).unlink(missing_ok=True)
+
+
+def _installed_name(name: str | None) -> str | None:
+    """The name ``--model`` was given when it named an installed model or a repo id rather than a
+    folder: clients then ask for ``org/repo``, not for the snapshot's commit-hash folder."""
+    if not name or name.strip().lower() in DEMO_NAMES or Path(name).expanduser().is_dir():
+        return None
+    return name
+
+
+def _model_folders(settings: Settings) -> list[str]:
+    """Where installed models live (the Hub cache and imported folders): /hearth/load may open them."""
+    try:
+        from hearth.app.hub import HubContext, list_installed
+    except ImportError:  # the Hub manager is optional at run time
+        return []
+    ctx = HubContext.from_settings(settings)
+    return [str(ctx.cache_dir), *(str(m.path) for m in list_installed(ctx) if m.source == "imported")]
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from hearth.engine.api import EngineConfig
 from hearth.engine.server_app import create_app
 from hearth.engine.server_host import EngineHost
-from tests.engine.test_server_support import in_process_host, serving_client
+from tests.engine.test_server_support import LOCAL_URL, in_process_host, serving_client
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 
@@ -75,7 +75,7 @@ def test_an_unexpected_handler_error_is_a_500_without_traceback(host, http, monk
 
 def test_no_model_is_503():
     empty = EngineHost(EngineConfig(device="cpu"))
-    with TestClient(create_app(empty), raise_server_exceptions=False) as client:
+    with TestClient(create_app(empty), base_url=LOCAL_URL, raise_server_exceptions=False) as client:
         assert client.get("/health").json() == {"status": "no_model", "model": None}
         response = client.post("/v1/chat/completions", json=BODY)
         assert response.status_code == 503 and "no model is loaded" in response.json()["error"]["message"]
