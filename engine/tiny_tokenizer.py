@@ -10,8 +10,9 @@ tokens and chat format of one model family:
   template.
 - ``glm_moe_dsa``: ``<|endoftext|>``, ``[gMASK]``, ``<sop>``, ``<|system|>``, ``<|user|>``,
   ``<|assistant|>``, ``<|observation|>``, ``<think>``, ``</think>`` and a GLM-style template.
-- ``glm4_moe``: the same specials plus GLM-4.5's tool tokens (``<tool_call>``, ``<arg_key>``,
-  ``<arg_value>``, ``<tool_response>``...) and a template in the shape GLM-4.5 ships: content given
+- ``glm4_moe``: the same specials; ``<think>``, ``</think>`` and GLM-4.5's tool tokens
+  (``<tool_call>``, ``<arg_key>``, ``<arg_value>``, ``<tool_response>``...) as added tokens that are
+  not special (decoded text keeps them); and a template in the shape GLM-4.5 ships: content given
   as a string or as text parts, ``/nothink`` and an empty ``<think></think>`` when thinking is off,
   the reasoning of assistant turns after the last user turn kept, tool calls as ``<arg_key>`` /
   ``<arg_value>`` pairs, tool results under one ``<|observation|>``.
@@ -195,6 +196,9 @@ class _Family:
     pad: str
     template: str | None
     reserved: str  # pattern for filler tokens, with {i}
+    # Added tokens that are not special: decoded text keeps them, as the real tokenizers do for
+    # GLM-4.5's reasoning and tool-call markers (so answers show them and tool calls can be parsed).
+    visible: tuple[str, ...] = ()
 
 
 _DS_BOS, _DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -247,22 +251,14 @@ _FAMILIES: dict[str, _Family] = {
             "<|user|>",
             "<|assistant|>",
             "<|observation|>",
-            "<think>",
-            "</think>",
-            "<tool_call>",
-            "</tool_call>",
-            "<tool_response>",
-            "</tool_response>",
-            "<arg_key>",
-            "</arg_key>",
-            "<arg_value>",
-            "</arg_value>",
         ),
         bos=None,
         eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
         pad="<|endoftext|>",
         template=_GLM45_TEMPLATE,
         reserved="<|reserved_{i}|>",
+        visible=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                 "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
     ),
 }
 
@@ -272,13 +268,14 @@ def _train(family: _Family, vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(family.visible),
         min_frequency=1,
         special_tokens=list(family.specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
+    tokenizer.add_tokens(list(family.visible))
     missing = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
     if missing > 0:
         tokenizer.add_special_tokens([family.reserved.format(i=i) for i in range(missing)])
@@ -309,7 +306,7 @@ def write_tiny_tokenizer(out_dir: Path, model_type: str, vocab_size: int) -> dic
     family = _FAMILIES.get(model_type)
     if family is None:
         raise ValueError(f"no tiny tokenizer for model_type {model_type!r}; known: {sorted(_FAMILIES)}")
-    minimum = _BYTE_ALPHABET + len(family.specials)
+    minimum = _BYTE_ALPHABET + len(family.specials) + len(family.visible)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be >= {minimum} for {model_type} (256 bytes + specials)")
     tokenizer = _train(family, vocab_size)

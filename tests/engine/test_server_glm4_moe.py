@@ -63,3 +63,11 @@ def test_thinking_switch_reaches_the_template(client, model):
     assert result.usage.prompt_tokens == prompt_tokens
     default = client.chat.completions.create(model="tiny-glm45", messages=MESSAGES, max_tokens=1, temperature=0)
     assert default.usage.prompt_tokens > prompt_tokens
+
+
+def test_tools_reach_the_glm_template(client):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    plain = client.chat.completions.create(model="tiny-glm45", messages=MESSAGES, max_tokens=1, temperature=0)
+    with_tools = client.chat.completions.create(model="tiny-glm45", messages=MESSAGES, max_tokens=1, temperature=0,
+                                                tools=[tool])
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
