@@ -451,9 +451,8 @@ def _parse_gqa(raw: dict[str, Any]) -> ModelConfig:
 
 def _glm4_moe_partial_rotary_factor(raw: dict[str, Any]) -> float:
     """transformers' order: legacy ``rope_scaling`` (which replaces ``rope_parameters`` when both are
-    given), ``rope_parameters``, then the top-level key,
-    then 0.5 for configs that leave the key out. NOTE: an explicit ``null`` is not "left out":
-    transformers then rotates whole heads, and so does Hearth."""
+    given), ``rope_parameters``, the top-level key, then 0.5 for configs that leave the key out.
+    NOTE: an explicit ``null`` is not "left out": transformers then rotates whole heads, as Hearth does."""
     for params in (raw.get("rope_scaling"), raw.get("rope_parameters")):
         if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
             return float(params["partial_rotary_factor"])
