@@ -40,7 +40,8 @@ def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineCo
         return Placement(False, None, "experts stay with the model")
     if config.offload == "always" and config.expert_cache_slots is not None:
         return Placement(True, config.expert_cache_slots, f"offload forced: {config.expert_cache_slots} slots/layer")
-    footprint = footprint_from_tensor_bytes(tensor_bytes(path), model_config.num_experts_per_tok)
+    footprint = footprint_from_tensor_bytes(tensor_bytes(path), model_config.num_experts_per_tok,
+                                            model_config.num_hidden_layers)
     try:
         plan: MemoryPlan = plan_memory(
             footprint, kv_cache_bytes, probe_memory(), gpu_memory_gib=config.gpu_memory_gib,

@@ -27,7 +27,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.models.layers import FP8_MAX
 
 VOCAB_SIZE = 512
-ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe")
 # Tokenizer family of each architecture (the GQA families reuse the DeepSeek-V3-style chat template).
 _TOKENIZER_FAMILY = {"qwen3_moe": "deepseek_v3", "mixtral": "deepseek_v3"}
 _GQA: dict[str, Any] = {
@@ -60,6 +60,8 @@ def tiny_config(arch: str) -> dict[str, Any]:
     if arch == "mixtral":
         return {"model_type": arch, "architectures": ["MixtralForCausalLM"], **_GQA, "num_local_experts": 8,
                 "intermediate_size": 48, "sliding_window": 24}
+    if arch == "glm4_moe":
+        return glm4_moe_tiny_config()
     dsa = {"index_n_heads": 8, "index_head_dim": 32, "index_topk": 16}
     sigmoid = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
                "routed_scaling_factor": 2.5}
@@ -80,6 +82,16 @@ def tiny_config(arch: str) -> dict[str, Any]:
                         "rope_scaling": {**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}},
     }
     return {"model_type": arch, **_COMMON, **configs[arch]}
+
+
+def glm4_moe_tiny_config() -> dict[str, Any]:
+    """GLM-4.5-shaped (q/k norms, q/k/v biases, rope on half of each head, one dense layer first,
+    sigmoid router with a correction bias and routed scaling, a shared expert, one MTP layer)."""
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], **_GQA, "intermediate_size": 96,
+            "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True,
+            "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1}
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -21,12 +21,7 @@ from hearth.app.hub.context import HubContext
 from hearth.app.hub.errors import HubError, describe, search_error
 from hearth.app.hub.transfer import QuietTqdm
 from hearth.app.paths import cache_dir
-
-try:
-    from hearth.engine.config import DSA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
-except ImportError:  # the engine's list arrives with engine/config.py; same values meanwhile
-    SUPPORTED_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2"})
-    DSA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
+from hearth.engine.config import SUPPORTED_MODEL_TYPES
 
 # What ``pull`` fetches unless told otherwise, and what it never fetches (pickles run code on load).
 DEFAULT_INCLUDE = ("*.safetensors", "*.json", "tokenizer*", "*.model", "*.tiktoken", "*.jinja",

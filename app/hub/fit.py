@@ -4,9 +4,12 @@ The estimate, per request of ``context_length`` tokens:
 - caches: every layer keeps the MLA latent (``kv_lora_rank + qk_rope_head_dim`` = 576 values, bf16)
   per token, and DSA models (DeepSeek-V3.2, GLM-5) also the indexer key (132 bytes: 128 FP8 values +
   one fp32 scale) per token;
+- grouped-query attention models (Qwen3-MoE, Mixtral, GLM-4.5) keep K and V of every KV head instead;
 - routed experts: MoE layers x ``n_routed_experts`` x 3 matrices x ``hidden_size`` x
   ``moe_intermediate_size`` x bytes per parameter (1 for FP8 checkpoints, else the config's dtype);
-  the rest of the weights (attention, shared experts, embeddings) is "dense".
+  the rest of the weights (attention, dense layers, shared experts, embeddings) is "dense";
+- multi-token-prediction layers (``num_nextn_predict_layers``: DeepSeek-V3/V3.2, GLM-4.5, GLM-5) are
+  in the download but never loaded: their routed experts, the bulk of each, are left out.
 
 - runtime: a fixed allowance for the engine host itself (measured: the demo model's host used
   0.56 GiB of RAM, nearly all of it Python and PyTorch; the CUDA context takes a few hundred MB of
@@ -28,10 +31,11 @@ from typing import Any
 
 import psutil
 
-from hearth.app.hub.catalog import DSA_MODEL_TYPES, RepoDetails
+from hearth.app.hub.catalog import RepoDetails
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.units import GIB, format_bytes
 from hearth.app.store.settings import Settings
+from hearth.engine.config import DSA_MODEL_TYPES, GQA_MODEL_TYPES
 
 MIB = 1024**2
 GPU_RUNTIME_BYTES = 512 * MIB  # CUDA context and allocator slack
@@ -116,7 +120,7 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
     num_layers = int(config.get("num_hidden_layers", 0))
     latent = int(config.get("kv_lora_rank", 512)) + int(config.get("qk_rope_head_dim", 64))
     per_layer = (latent if "kv_lora_rank" in config else LATENT_VALUES_PER_TOKEN) * CACHE_VALUE_BYTES
-    if config.get("model_type") in ("qwen3_moe", "mixtral"):  # grouped-query attention: K and V per KV head
+    if config.get("model_type") in GQA_MODEL_TYPES:  # grouped-query attention: K and V per KV head
         heads = int(config.get("num_attention_heads") or 1)
         head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
         per_layer = 2 * int(config.get("num_key_value_heads") or heads) * head_dim * CACHE_VALUE_BYTES
@@ -127,7 +131,10 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
     inter = int(config.get("intermediate_size" if mixtral else "moe_intermediate_size", 0) or 0)
     per_expert = 3 * int(config.get("hidden_size", 0)) * inter
     n_experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0
-    experts = moe_layers * int(n_experts) * per_expert * _param_bytes(config)
+    layer_experts = int(n_experts) * per_expert * _param_bytes(config)
+    experts = moe_layers * layer_experts
+    if moe_layers:
+        weights_bytes = max(weights_bytes - int(config.get("num_nextn_predict_layers") or 0) * layer_experts, 0)
     return Footprint(
         weights_bytes=weights_bytes,
         experts_bytes=min(experts, int(weights_bytes * 0.98)),
@@ -207,6 +214,11 @@ def _probe_gpu_bytes() -> int | None:
 def _num_moe_layers(config: dict[str, Any], num_layers: int) -> int:
     if config.get("model_type") == "mixtral":
         return num_layers
+    if config.get("model_type") == "glm4_moe":  # dense first layers, then MoE (transformers' defaults)
+        if not config.get("n_routed_experts", 128):
+            return 0
+        first_dense = config.get("first_k_dense_replace")
+        return max(num_layers - (1 if first_dense is None else int(first_dense)), 0)
     if config.get("model_type") == "qwen3_moe":
         dense, step = set(config.get("mlp_only_layers") or []), int(config.get("decoder_sparse_step") or 1)
         return sum(1 for layer in range(num_layers) if layer not in dense and (layer + 1) % step == 0)

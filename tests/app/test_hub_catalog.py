@@ -51,7 +51,7 @@ def test_search_keeps_runnable_architectures_sorted(ctx, more_repos: FakeHub):
     assert [r.repo_id for r in search_models(ctx, "", sort="recent")][0] == "other/glm-5-mini"
     # one request per supported model_type, each filtered by the Hub
     filters = {r.query.get("filter", [None])[0] for r in more_repos.requests if r.path == "/api/models"}
-    assert {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2"} <= filters
+    assert {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "glm4_moe"} <= filters
 
 
 def test_search_all_architectures_text_and_limit(ctx, more_repos: FakeHub):
@@ -186,3 +186,22 @@ def test_fit_footprint_of_gqa_moe_models():
                "num_key_value_heads": 8, "num_local_experts": 8, "intermediate_size": 14336, "torch_dtype": "bfloat16"}
     fp = footprint_from_config(mixtral, weights_bytes=93 * 10**9)
     assert fp.num_moe_layers == 32 and fp.experts_bytes == 32 * 8 * 3 * 4096 * 14336 * 2
+
+
+def test_fit_footprint_of_glm45_air():
+    """GLM-4.5-Air-like config: one dense layer then 45 MoE layers of 128 experts; K and V of 8 KV
+    heads of 128 dims per token (head_dim is not hidden / heads here); the MTP layer's experts are
+    in the download but never loaded."""
+    from hearth.app.hub.fit import footprint_from_config
+
+    air = {"model_type": "glm4_moe", "num_hidden_layers": 46, "hidden_size": 4096, "num_attention_heads": 96,
+           "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "moe_intermediate_size": 1408,
+           "first_k_dense_replace": 1, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
+    layer_experts = 128 * 3 * 4096 * 1408 * 2
+    fp = footprint_from_config(air, weights_bytes=221 * 10**9)
+    assert fp.num_moe_layers == 45 and fp.experts_bytes == 45 * layer_experts
+    assert fp.weights_bytes == 221 * 10**9 - layer_experts  # the MTP layer's experts
+    assert fp.cache_bytes_per_token == 46 * 2 * 8 * 128 * 2
+    assert footprint_from_config({**air, "first_k_dense_replace": 0}, 221 * 10**9).num_moe_layers == 46
+    defaults = {k: v for k, v in air.items() if k != "first_k_dense_replace"}
+    assert footprint_from_config(defaults, 221 * 10**9).num_moe_layers == 45  # transformers' default: 1
