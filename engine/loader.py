@@ -26,7 +26,8 @@ from torch import nn
 from hearth.engine.api import CheckpointError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
-from hearth.engine.models.layers import Fp8Linear, Rotary, dequantize_fp8_blocks, rope_inv_freq
+from hearth.engine.models.layers import Fp8Linear, Rotary, check_fp8_scales, dequantize_fp8_blocks, rope_inv_freq
+from hearth.kernels._utils import count_nonfinite
 from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -60,8 +61,10 @@ class CheckpointFiles:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         for file_name in sorted(set(weight_map.values())):
-            path = self.folder / file_name
+            path = self._shard_path(index, file_name)
             if not path.exists():
                 raise CheckpointError(f"{path}: shard listed in {index.name} is missing")
             present = set(self._keys(path))
@@ -69,6 +72,20 @@ class CheckpointFiles:
                 if mapped == file_name and name not in present:
                     raise CheckpointError(f"{path}: tensor '{name}' listed in {index.name} is not in the file")
         self.location = {name: self.folder / f for name, f in weight_map.items()}
+
+    def _shard_path(self, index: Path, file_name: str) -> Path:
+        """A shard named by the index, refused unless it is a file of this folder: an index may come
+        from anywhere, and ``../`` or an absolute path would read weights from elsewhere on disk."""
+        parts = file_name.replace("\\", "/").split("/")
+        path = self.folder / file_name
+        # The shard itself may be a symlink (the Hugging Face cache links snapshot files to blobs);
+        # the folder it sits in must not lead out of the model folder.
+        escapes = (Path(file_name).is_absolute() or any(p in ("", "..") or ":" in p for p in parts)
+                   or not path.parent.resolve().is_relative_to(self.folder.resolve()))
+        if escapes:
+            raise CheckpointError(f"{index}: shard {ascii(file_name)[:120]} is not a file inside the model folder; "
+                                  "refusing to load it")
+        return path
 
     @staticmethod
     def _keys(path: Path) -> list[str]:
@@ -140,26 +157,36 @@ def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: tor
         raise CheckpointError(f"{files.location[name]}: tensor '{name}' has shape {list(tensor.shape)}, "
                               f"config.json implies {list(expected)}")
     target = torch.float32 if _FP32_PARAMS.search(name) else dtype
+    tensor = tensor.to(device)
+    _check_finite(files, name, tensor)
     if tensor.dtype != torch.float8_e4m3fn:
-        _set_param(model, name, tensor.to(device=device, dtype=target))
+        _set_param(model, name, tensor.to(dtype=target))
         return
     scale_name = name + "_scale_inv"
     if scale_name not in files.location:
         raise CheckpointError(f"{files.location[name]}: FP8 tensor '{name}' has no '{scale_name}'")
-    scale = files.get(scale_name)
+    scale = files.get(scale_name).to(device)
     consumed.add(scale_name)
+    _check_finite(files, scale_name, scale)
     block = model.config.quantization.block_size if model.config.quantization else (128, 128)
     try:
-        if keep_fp8 and name.endswith(".weight"):
-            module_name = name.rpartition(".")[0]
-            parent, _, child = module_name.rpartition(".")
-            fp8 = Fp8Linear(tensor.to(device), scale.to(device), block, target)
-            fp8.dense_weight()  # validates the scale shape now rather than at the first forward
-            setattr(model.get_submodule(parent), child, fp8)
-        else:
-            _set_param(model, name, dequantize_fp8_blocks(tensor.to(device), scale.to(device), block, target))
+        check_fp8_scales(tensor, scale, block)
     except ValueError as exc:
         raise CheckpointError(f"{files.location[name]}: tensor '{scale_name}': {exc}") from None
+    if keep_fp8 and name.endswith(".weight"):
+        module_name = name.rpartition(".")[0]
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Fp8Linear(tensor, scale, block, target))
+    else:
+        _set_param(model, name, dequantize_fp8_blocks(tensor, scale, block, target))
+
+
+def _check_finite(files: CheckpointFiles, name: str, tensor: torch.Tensor) -> None:
+    """A NaN/inf weight or scale would load and answer garbage (or nothing): refuse it at load."""
+    bad = count_nonfinite(tensor)
+    if bad:
+        raise CheckpointError(f"{files.location[name]}: tensor '{name}' has {bad} NaN/inf value(s) "
+                              f"of {tensor.numel()} (corrupt checkpoint?)")
 
 
 def _materialize_buffers(model: DeepseekForCausalLM, device: torch.device) -> None:

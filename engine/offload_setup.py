@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.api import CheckpointError, EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
 from hearth.engine.loader import tensor_bytes
 from hearth.engine.models.deepseek import DeepseekForCausalLM
@@ -47,7 +47,7 @@ def _footprint(path: str | Path, config: ModelConfig, engine: EngineConfig, devi
         value_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(engine.dtype, auto)
         return footprint_from_stacked_experts(tensor_bytes(path), config.num_experts_per_tok, config.n_routed_experts,
                                               config.hidden_size, config.moe_intermediate_size, value_bytes)
-    return footprint_from_tensor_bytes(tensor_bytes(path), config.num_experts_per_tok)
+    return footprint_from_tensor_bytes(tensor_bytes(path), config.num_experts_per_tok, config.num_hidden_layers)
 
 
 def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineConfig, device: torch.device,
@@ -198,6 +198,19 @@ class PrefetchingExperts:
         return out
 
 
+def _host_store(path: Path, config: ModelConfig, layers: list[int], dtype: torch.dtype) -> ExpertStore:
+    """The routed experts of ``layers`` read from the checkpoint into host RAM; a tensor missing or
+    malformed there is a CheckpointError naming it."""
+    try:
+        if config.model_type == "gpt_oss":  # stacked (MXFP4 or float) experts with biases, clamped SwiGLU
+            return ExpertStore.from_stacked_safetensors(path, layers, dtype, config.swiglu_limit, config.swiglu_alpha)
+        fp8 = config.quantization is not None
+        return ExpertStore.from_safetensors(path, layers, config.n_routed_experts, dtype=None if fp8 else dtype,
+                                            module=config.moe_module, proj_names=config.expert_proj_names)
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: routed experts: {str(exc).strip(chr(39))}") from None
+
+
 def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placement: Placement,
                    device: torch.device, dtype: torch.dtype, policy: str, prefetch: bool = False,
                    store: ExpertStore | None = None,
@@ -208,14 +221,8 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
     never ("off") — see hearth.offload.cpu_experts."""
     config = model.config
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-    if store is None and config.model_type == "gpt_oss":
-        store = ExpertStore.from_stacked_safetensors(Path(path), layers, dtype, config.swiglu_limit,
-                                                     config.swiglu_alpha)
-    elif store is None:
-        fp8 = config.quantization is not None
-        store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
-                                             dtype=None if fp8 else dtype, module=config.moe_module,
-                                             proj_names=config.expert_proj_names)
+    if store is None:
+        store = _host_store(Path(path), config, layers, dtype)
     plan = EvictionPlan()
     cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=plan.policy(policy))
     backend = OffloadedExperts(cache, host_experts=host_experts)

@@ -16,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hearth.engine.api import Finished, RequestError, RequestStats, SamplingParams
 
+# Names a chat template gets from the server (with the tokenizer's special tokens) and the other
+# arguments of Engine.encode: a request's chat_template_kwargs must not replace them.
+TEMPLATE_OWN_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "raise_exception",
+                                    "strftime_now", "bos_token", "eos_token", "pad_token", "unk_token",
+                                    "prompt", "prompt_token_ids", "max_tokens"})
+
 
 class APIError(Exception):
     """An error answered with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
@@ -61,7 +67,7 @@ class _SamplingFields(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -97,6 +103,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def chat_options(self) -> dict[str, Any]:
         options = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(options) & TEMPLATE_OWN_VARIABLES)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
+                                "those itself (send messages and tools as their own fields)",
+                           param="chat_template_kwargs", code="invalid_value")
         if self.uses_tools:
             options["tools"] = self.tools
         return options
@@ -138,6 +149,26 @@ class CompletionRequest(_SamplingFields):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         return {"prompt_token_ids": list(prompt)}
+
+
+def check_text(value: Any, path: str = "") -> None:
+    """Raise a 400 naming the field if a string in ``value`` (a request as plain data) is not valid
+    Unicode: JSON lets a lone UTF-16 surrogate such as "\\ud800" through, and nothing downstream
+    (tokenizer, file system, UTF-8 output) can handle one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            where = path or "body"
+            raise APIError(400, f"{where}: the text holds a lone UTF-16 surrogate at character {err.start}, "
+                                "which is not valid Unicode", param=path or None, code="invalid_value") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, path)
+            check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_text(item, f"{path}.{i}" if path else str(i))
 
 
 def _check_max_tokens(value: int | None, name: str) -> int | None:

@@ -29,7 +29,8 @@ from hearth.engine.models.layers import FP8_MAX
 from hearth.kernels.moe.mxfp4 import quantize_mxfp4
 
 VOCAB_SIZE = 512
-ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "gpt_oss")
+ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe",
+         "gpt_oss")
 # Tokenizer family of each architecture (the GQA families reuse the DeepSeek-V3-style chat template).
 _TOKENIZER_FAMILY = {"qwen3_moe": "deepseek_v3", "mixtral": "deepseek_v3"}
 _GQA: dict[str, Any] = {
@@ -77,6 +78,8 @@ def tiny_config(arch: str) -> dict[str, Any]:
     if arch == "mixtral":
         return {"model_type": arch, "architectures": ["MixtralForCausalLM"], **_GQA, "num_local_experts": 8,
                 "intermediate_size": 48, "sliding_window": 24}
+    if arch == "glm4_moe":
+        return glm4_moe_tiny_config()
     dsa = {"index_n_heads": 8, "index_head_dim": 32, "index_topk": 16}
     sigmoid = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
                "routed_scaling_factor": 2.5}
@@ -99,7 +102,17 @@ def tiny_config(arch: str) -> dict[str, Any]:
     return {"model_type": arch, **_COMMON, **configs[arch]}
 
 
-def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def glm4_moe_tiny_config() -> dict[str, Any]:
+    """GLM-4.5-shaped (q/k norms, q/k/v biases, rope on half of each head, one dense layer first,
+    sigmoid router with a correction bias and routed scaling, a shared expert, one MTP layer)."""
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], **_GQA, "intermediate_size": 96,
+            "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True,
+            "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1}
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     from hearth.engine.models.deepseek import DeepseekForCausalLM
 
     with torch.device("meta"):
@@ -133,7 +146,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.T
     """(e4m3 weight, fp32 power-of-two scale_inv [ceil(r/128), ceil(c/128)]) with W ~= W8 * s."""
     rows, cols = weight.shape
     pr, pc = math.ceil(rows / block) * block, math.ceil(cols / block) * block
-    padded = torch.zeros(pr, pc)
+    padded = torch.zeros(pr, pc, device=weight.device)
     padded[:rows, :cols] = weight.float()
     tiles = padded.view(pr // block, block, pc // block, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)  # (rb, cb)
@@ -147,7 +160,7 @@ def make_weights(config: ModelConfig, seed: int, fp8: bool = False, mxfp4: bool 
     ``mxfp4``: gpt-oss's stacked expert weights as MXFP4 (stored [E, out, in] like the release)."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in _param_shapes(config).items():
+    for name, shape in param_shapes(config).items():
         value = _init(name, shape, gen)
         if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(value.transpose(1, 2))

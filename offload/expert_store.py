@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hearth.kernels._utils import count_nonfinite
 from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
 from hearth.kernels.moe.reference import SWIGLU_ALPHA
 
@@ -204,6 +205,9 @@ class ExpertStore:
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ValueError(f"layer {layer} expert {expert} {name}: shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
+        bad = count_nonfinite(tensor)
+        if bad:
+            raise ValueError(f"layer {layer} expert {expert} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
         dst.copy_(tensor)
 
     @classmethod

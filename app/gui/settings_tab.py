@@ -31,6 +31,8 @@ from hearth.app.gui.tasks import run_task
 from hearth.app.store.settings import Settings, save_settings
 
 THEMES = ("system", "light", "dark")
+OVERFLOW_CHOICES = (("Drop the oldest messages (the system prompt stays)", "truncate"),
+                    ("Stop and say so", "stop"))
 
 
 def _count_box(parent: QWidget, tip: str) -> QSpinBox:
@@ -62,6 +64,7 @@ class SettingsTab(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(self._engine_box())
         layout.addWidget(self._hub_box())
+        layout.addWidget(self._chat_box())
         layout.addWidget(self._look_box())
         row = QHBoxLayout()
         self.save_button = QPushButton("Save settings", self)
@@ -119,7 +122,8 @@ class SettingsTab(QWidget):
         box = QGroupBox("Hugging Face", self)
         form = QFormLayout(box)
         self.endpoint = QLineEdit(box)
-        self.endpoint.setPlaceholderText("https://huggingface.co or a mirror such as https://hf-mirror.com")
+        self.endpoint.setPlaceholderText("empty: HF_ENDPOINT or https://huggingface.co; or a mirror such as "
+                                         "https://hf-mirror.com")
         self.token_edit = QLineEdit(box)
         self.token_edit.setEchoMode(QLineEdit.EchoMode.Password)
         self.token_edit.setPlaceholderText("hf_… (stored in huggingface_hub's login store)")
@@ -133,6 +137,18 @@ class SettingsTab(QWidget):
         form.addRow("Mirror endpoint", self.endpoint)
         form.addRow("Access token", row)
         form.addRow("", self.token_state)
+        return box
+
+    def _chat_box(self) -> QGroupBox:
+        box = QGroupBox("Chat", self)
+        form = QFormLayout(box)
+        self.context_overflow = QComboBox(box)
+        for label, value in OVERFLOW_CHOICES:
+            self.context_overflow.addItem(label, value)
+        self.context_overflow.setToolTip("What happens when a conversation no longer fits the model's context: "
+                                         "leave out its oldest messages (a marker shows where), or send nothing "
+                                         "and say so in the chat")
+        form.addRow("When a chat outgrows the context", self.context_overflow)
         return box
 
     def _look_box(self) -> QGroupBox:
@@ -151,8 +167,9 @@ class SettingsTab(QWidget):
         self.backend_kind.setCurrentIndex(1 if settings.backend_url else 0)
         self.backend_url.setText(settings.backend_url or "")
         self.backend_url.setEnabled(bool(settings.backend_url))
-        self.endpoint.setText(settings.hf_endpoint)
+        self.endpoint.setText(settings.hf_endpoint or "")
         self.theme.setCurrentText(settings.theme)
+        self.context_overflow.setCurrentIndex(max(self.context_overflow.findData(settings.context_overflow), 0))
         self.scheduler.setCurrentText(settings.scheduler)
         self.mli.setChecked(settings.mli)
         self.cuda_graphs.setChecked(settings.cuda_graphs)
@@ -166,10 +183,10 @@ class SettingsTab(QWidget):
         return self.settings.replace(
             gpu_memory_gib=self.gpu_memory.value() or None, expert_cache_gib=self.expert_cache.value() or None,
             context_length=self.context_length.value(), backend_url=self.backend_url.text().strip() if remote else None,
-            hf_endpoint=self.endpoint.text().strip() or "https://huggingface.co", theme=self.theme.currentText(),
+            hf_endpoint=self.endpoint.text().strip() or None, theme=self.theme.currentText(),
             scheduler=self.scheduler.currentText(), mli=self.mli.isChecked(), cuda_graphs=self.cuda_graphs.isChecked(),
             index_topk_freq=self.index_topk_freq.value() or None, index_key_hot_pages=self.key_pages.value() or None,
-            latent_hot_rows=self.latent_rows.value() or None)
+            latent_hot_rows=self.latent_rows.value() or None, context_overflow=self.context_overflow.currentData())
 
     def save(self) -> None:
         try:

@@ -1,6 +1,6 @@
 """MoE decoder in plain PyTorch: the DeepSeek family (DeepSeek-V3.2, GLM-5, DeepSeek-V3, DeepSeek-V2,
-MLA attention) and Qwen3-MoE / Mixtral / gpt-oss (grouped-query attention, models/gqa.py; gpt-oss's
-router and experts in models/gpt_oss.py).
+MLA attention) and Qwen3-MoE / Mixtral / GLM-4.5 / gpt-oss (grouped-query attention, models/gqa.py;
+gpt-oss's router and experts in models/gpt_oss.py).
 
 Module names follow the Hugging Face checkpoints so tensor names map one to one
 (``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.mlp.experts.E.gate_proj.weight``,
@@ -78,7 +78,8 @@ class Gate(nn.Module):
             choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
         ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
-        if c.norm_topk_prob and c.num_experts_per_tok > 1:
+        # NOTE: only DeepSeek-V2's reference skips the normalisation for top-1 routing.
+        if c.norm_topk_prob and (c.num_experts_per_tok > 1 or c.model_type != "deepseek_v2"):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * c.routed_scaling_factor
 

@@ -83,6 +83,12 @@ def test_footprint_from_tensor_bytes():
     fp = footprint_from_tensor_bytes(sizes, top_k=2)
     assert (fp.dense_bytes, fp.expert_bytes, fp.num_moe_layers, fp.num_experts) == (1514, 33, 2, 4)
     assert fp.routed_bytes == 2 * 4 * 33
+    # An MTP layer after the last layer (GLM-4.5, DeepSeek-V3): counted only when not told the layers
+    mtp = {**sizes, "model.layers.3.eh_proj.weight": 50}
+    mtp.update({f"model.layers.3.mlp.experts.{e}.gate_proj.weight": 10 for e in range(4)})
+    with_mtp = footprint_from_tensor_bytes(mtp, top_k=2)
+    assert (with_mtp.num_moe_layers, with_mtp.dense_bytes) == (3, 1564)
+    assert footprint_from_tensor_bytes(mtp, top_k=2, num_layers=3) == fp
 
 
 def test_stacked_gpt_oss_experts_are_counted_dequantised():
