@@ -138,6 +138,7 @@ def _load_mxfp4(model: nn.Module, files: CheckpointFiles, name: str, expected: t
         weight = dequantize_mxfp4(blocks.to(device), scales.to(device), dtype).transpose(1, 2)
     except ValueError as exc:
         raise CheckpointError(f"{files.location[blocks_name]}: tensor '{blocks_name}': {exc}") from None
+    _check_finite(files, blocks_name, weight)  # a scale byte of 255 (e8m0's NaN) overflows to inf
     if tuple(weight.shape) != tuple(expected):
         raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' holds "
                               f"{list(weight.shape)} values, config.json implies {list(expected)}")

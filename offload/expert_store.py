@@ -271,6 +271,11 @@ class ExpertStore:
             prefix = f"model.layers.{layer}.mlp.experts."
             gate_up, down = weight(prefix + "gate_up_proj"), weight(prefix + "down_proj")
             gate_up_bias, down_bias = read(prefix + "gate_up_proj_bias"), read(prefix + "down_proj_bias")
+            tensors = {"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": gate_up_bias,
+                       "down_proj_bias": down_bias}
+            for name, tensor in tensors.items():  # MXFP4: a scale byte of 255 (e8m0's NaN) overflows to inf
+                if bad := count_nonfinite(tensor):
+                    raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
             if store is None:
                 num_experts, hidden, inter = down.shape[0], down.shape[1], down.shape[2]
                 layout = ExpertLayout(hidden, inter, dtype, bias=True, swiglu_limit=swiglu_limit,

@@ -152,6 +152,22 @@ def test_mxfp4_blocks_without_scales_are_a_clear_error(mxfp4_model, tmp_path):
         load_model(str(broken), device=TEST_DEVICE, dtype="float32")
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_mxfp4_nan_scale_is_refused(mxfp4_model, tmp_path, offload):
+    """A scale byte of 255 (e8m0's NaN) turns its whole group of 32 values non-finite: refused at load,
+    whether the experts load into the model or into the offload store."""
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+
+    def poison(tensors):
+        if name in tensors:
+            tensors[name][0, 0, 0] = 255
+
+    broken = _edited(mxfp4_model, tmp_path / "broken", edit_tensors=poison)
+    placement = {"offload": "always", "expert_cache_slots": 3} if offload else {}
+    with pytest.raises(CheckpointError, match="down_proj.* 32 NaN/inf value"):
+        Engine.load(str(broken), EngineConfig(device=TEST_DEVICE, dtype="float32", **placement))
+
+
 @pytest.mark.parametrize("scheduler", ["sync", "runahead"])
 @pytest.mark.parametrize("mxfp4", [False, True])
 def test_offloaded_experts_give_the_same_tokens(tiny_models, mxfp4_model, scheduler, mxfp4):
