@@ -16,6 +16,8 @@ from importlib import resources
 from pathlib import Path
 
 DEMO_FOLDER = "demo_model"
+DEMO_LABEL = "Demo (tiny model)"  # its name in the GUI's model picker and in ``hearth --cli models``
+DEMO_NAMES = ("demo", DEMO_LABEL.lower())  # what ``--model`` accepts for it (any letter case)
 NO_BUNDLED_DEMO_ENV = "HEARTH_NO_BUNDLED_DEMO"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

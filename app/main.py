@@ -2,6 +2,7 @@
 
     hearth                      open the desktop app
     hearth --screenshot FILE    open the app, save a screenshot of the window to FILE, quit
+                                (``--tab NAME`` picks the view)
     hearth --cli ...            the headless command line (``hearth --cli --help``)
 
 The GUI (``hearth.app.gui.main:run``) and the CLI are imported only when used, so each starts
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: hearth [--screenshot FILE] | hearth --cli COMMAND ...
+USAGE = """usage: hearth [--screenshot FILE [--tab chat|truncated|models|settings|server] [--timeout S]]
+       hearth --cli COMMAND ...
 
   hearth                     open the desktop app
   hearth --screenshot FILE   open the app, save a screenshot to FILE and quit
-  hearth --cli --help        the command line: chat, run, serve, stats, pull, rm, models, search
+    --tab chat|truncated|models|settings|server   the view the screenshot shows (default: chat)
+    --timeout S                                   give up after S seconds (default: 120)
+  hearth --cli --help        the command line: chat, run, serve, stats, stop, pull, rm, models, search, config
 """
 
 

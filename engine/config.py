@@ -5,7 +5,10 @@ Supported families (``model_type``): ``deepseek_v32`` (DeepSeek-V3.2 / -Exp / -S
 (DeepSeek-V2 / V2-Lite) share MLA attention and DeepSeek-style MoE; the first two add DeepSeek
 Sparse Attention (a lightning indexer choosing ``index_topk`` keys per query). ``qwen3_moe``
 (Qwen3-30B-A3B, 235B-A22B) and ``mixtral`` (Mixtral 8x7B, 8x22B) use grouped-query attention with
-a softmax top-k router.
+a softmax top-k router. ``glm4_moe`` (GLM-4.5, 4.5-Air, 4.6, 4.7) uses grouped-query attention with
+partial rotary embeddings and DeepSeek-style MoE (sigmoid router with a correction bias, a shared
+expert, dense first layers). ``gpt_oss`` (gpt-oss-20b / 120b) adds learned attention sinks, sliding-window
+layers, attention biases, a biased router and clamped-SwiGLU experts stored in MXFP4.
 
 Anything that would change the math but is not implemented raises ``UnsupportedModelError`` naming
 the field, rather than silently computing something else.
@@ -23,7 +26,7 @@ from typing import Any, Literal
 from hearth.engine.api import CheckpointError, UnsupportedModelError
 
 MLA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2"})
-GQA_MODEL_TYPES = frozenset({"qwen3_moe", "mixtral"})
+GQA_MODEL_TYPES = frozenset({"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"})
 SUPPORTED_MODEL_TYPES = MLA_MODEL_TYPES | GQA_MODEL_TYPES
 DSA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 
@@ -115,14 +118,22 @@ class ModelConfig:
     index_topk: int | None = None
     indexer_rope_interleave: bool = False
     indexer_types: tuple[Literal["full", "shared"], ...] | None = None
-    # Grouped-query attention (qwen3_moe, mixtral)
+    # Grouped-query attention (qwen3_moe, mixtral, glm4_moe, gpt_oss)
     num_key_value_heads: int = 0
     head_dim: int = 0
-    qk_norm: bool = False  # RMSNorm on each q / k head before rope (Qwen3)
-    attention_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on each q / k head before rope (Qwen3, GLM-4.5 with use_qk_norm)
+    attention_bias: bool = False  # biases on q_proj, k_proj, v_proj
+    o_proj_bias: bool = False  # and on o_proj (Qwen3, gpt-oss tie it to attention_bias; GLM-4.5 never has one)
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim * factor dims of each head (GLM-4.5: 0.5)
     sliding_window: int | None = None
     moe_module: str = "mlp"  # "block_sparse_moe" in Mixtral checkpoints
     expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    # gpt-oss: per-layer attention kind, learned sinks, clamped SwiGLU experts (limit None = plain SwiGLU)
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None
+    mxfp4_experts: bool = False  # routed experts stored as MXFP4 blocks + e8m0 scales in the checkpoint
     # Misc
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
@@ -138,6 +149,11 @@ class ModelConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each GQA head that rope turns (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_mla(self) -> bool:
@@ -156,6 +172,12 @@ class ModelConfig:
         if not self.is_mla:
             return self.head_dim**-0.5
         return self.qk_head_dim**-0.5 * self.rope.softmax_mscale
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window length of ``layer``'s attention (None = full causal attention)."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.mlp_layer_types[layer] == "sparse"
@@ -179,7 +201,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        return _parse(raw)
+        return _parse_checked(raw, "config.json")
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -194,7 +216,27 @@ class ModelConfig:
             raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
-        return _parse(raw)
+        return _parse_checked(raw, str(path))
+
+
+# Sizes and counts that must be positive (the rest may be 0 where a model lacks the part).
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+
+
+def _parse_checked(raw: dict[str, Any], where: str) -> ModelConfig:
+    """``_parse`` with values of the wrong type or sign reported as a CheckpointError naming the field,
+    instead of failing later inside the model code."""
+    try:
+        config = _parse(raw)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: a value has the wrong type ({exc})") from None
+    for name, value in dataclasses.asdict(config).items():
+        is_count = isinstance(value, int) and not isinstance(value, bool) and not name.endswith("_token_id")
+        if is_count and (value <= 0 if name in _POSITIVE_FIELDS else value < 0):
+            raise CheckpointError(f"{where}: {name} must be {'positive' if name in _POSITIVE_FIELDS else '>= 0'}, "
+                                  f"got {value}")
+    return config
 
 
 def _require(raw: dict[str, Any], key: str, model_type: str) -> Any:
@@ -247,7 +289,8 @@ def _parse_quant(raw: dict[str, Any]) -> QuantConfig | None:
     fmt = q.get("fmt", "e4m3")
     _check(fmt == "e4m3", "quantization_config.fmt", fmt, "e4m3")
     block = tuple(q.get("weight_block_size") or (128, 128))
-    _check(len(block) == 2, "quantization_config.weight_block_size", list(block), "[rows, cols]")
+    _check(len(block) == 2 and tuple(int(b) for b in block) == (128, 128), "quantization_config.weight_block_size",
+           list(block), "[128, 128] (the block of every DeepSeek and GLM FP8 release)")
     scale_fmt = q.get("scale_fmt")
     _check(scale_fmt in (None, "ue8m0"), "quantization_config.scale_fmt", scale_fmt, "ue8m0 or none")
     ignored = tuple(q.get("modules_to_not_convert") or ())
@@ -297,6 +340,10 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
+    if raw.get("model_type") == "glm4_moe":
+        return _parse_glm4_moe(raw)
+    if raw.get("model_type") == "gpt_oss":
+        return _parse_gpt_oss(raw)
     if raw.get("model_type") in GQA_MODEL_TYPES:
         return _parse_gqa(raw)
     model_type = raw.get("model_type")
@@ -375,12 +422,25 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _qwen3_moe_num_experts(raw: dict[str, Any]) -> int:
+    """``num_experts``, or ``num_local_experts`` (the name transformers 5 writes when it saves a
+    Qwen3-MoE config); transformers' default of 128 when neither is given."""
+    for key in ("num_experts", "num_local_experts"):
+        if raw.get(key) is not None:
+            return int(raw[key])
+    return 128
+
+
 def _gqa_layer_types(raw: dict[str, Any], num_layers: int, n_experts: int) -> tuple[str, ...]:
+    """Mixtral: every layer sparse. Qwen3-MoE, as transformers decides: a layer is sparse iff it is
+    not in ``mlp_only_layers``, there are experts, and ``(layer + 1) % decoder_sparse_step == 0``."""
     if raw["model_type"] == "mixtral":
         return ("sparse",) * num_layers
     dense = set(raw.get("mlp_only_layers") or [])
-    step = int(raw.get("decoder_sparse_step") or 1)
-    return tuple("sparse" if n_experts and i not in dense and (i + 1) % step == 0 else "dense"
+    step = raw.get("decoder_sparse_step")
+    step = 1 if step is None else int(step)
+    _check(step >= 1, "decoder_sparse_step", step, "a positive number")
+    return tuple("sparse" if n_experts > 0 and i not in dense and (i + 1) % step == 0 else "dense"
                  for i in range(num_layers))
 
 
@@ -400,7 +460,7 @@ def _parse_gqa(raw: dict[str, Any]) -> ModelConfig:
     _check(heads % kv_heads == 0, "num_key_value_heads", kv_heads, "a divisor of num_attention_heads")
     head_dim = int(raw.get("head_dim") or hidden // heads)
     num_layers = int(req("num_hidden_layers"))
-    n_experts = int((raw.get("num_local_experts") if mixtral else raw.get("num_experts")) or 0)
+    n_experts = int(raw.get("num_local_experts") or 0) if mixtral else _qwen3_moe_num_experts(raw)
     inter = int(req("intermediate_size"))
     return ModelConfig(
         model_type=model_type, vocab_size=int(req("vocab_size")), hidden_size=hidden, intermediate_size=inter,
@@ -415,10 +475,139 @@ def _parse_gqa(raw: dict[str, Any]) -> ModelConfig:
         mlp_layer_types=_gqa_layer_types(raw, num_layers, n_experts),
         num_key_value_heads=kv_heads, head_dim=head_dim, qk_norm=model_type == "qwen3_moe",
         attention_bias=bool(raw.get("attention_bias", False)),
+        o_proj_bias=not mixtral and bool(raw.get("attention_bias", False)),
         sliding_window=raw.get("sliding_window") if mixtral else None,
         moe_module="block_sparse_moe" if mixtral else "mlp",
         expert_proj_names=("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}  # transformers' default when config.json has none
+
+
+def _gpt_oss_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    explicit = raw.get("layer_types")
+    if explicit is None:  # the reference's default: sliding on even layers, full on odd ones
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
+    kinds = ("sliding_attention", "full_attention")
+    if len(explicit) != num_layers or any(t not in kinds for t in explicit):
+        raise UnsupportedModelError("config.json: layer_types must list 'sliding_attention'/'full_attention' "
+                                    "per layer")
+    return tuple(explicit)
+
+
+def _gpt_oss_mxfp4(raw: dict[str, Any]) -> bool:
+    q = raw.get("quantization_config")
+    if not q:
+        return False
+    method = q.get("quant_method")
+    _check(method == "mxfp4", "quantization_config.quant_method", method, "mxfp4 for gpt_oss")
+    return not q.get("dequantize", False)
+
+
+def _parse_gpt_oss(raw: dict[str, Any]) -> ModelConfig:
+    """gpt-oss: grouped-query attention with biases and per-head sinks, sliding-window and full
+    layers, a router with bias (softmax over the top-k logits) and clamped-SwiGLU experts."""
+    req = lambda key: _require(raw, key, "gpt_oss")  # noqa: E731
+    act = raw.get("hidden_act", "silu")
+    _check(act == "silu", "hidden_act", act, "silu")
+    heads, hidden = int(req("num_attention_heads")), int(req("hidden_size"))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    _check(heads % kv_heads == 0, "num_key_value_heads", kv_heads, "a divisor of num_attention_heads")
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    num_layers = int(req("num_hidden_layers"))
+    n_experts = int(req("num_local_experts"))
+    inter = int(req("intermediate_size"))
+    rope_raw = dict(raw)
+    if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
+        rope_raw["rope_parameters"] = _GPT_OSS_ROPE
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        rope_raw["rope_theta"] = 150000.0
+    window = raw.get("sliding_window")
+    bias = bool(raw.get("attention_bias", True))
+    layer_types = _gpt_oss_layer_types(raw, num_layers)
+    if "sliding_attention" in layer_types:
+        _check(isinstance(window, int) and window > 0, "sliding_window", window, "a positive number")
+    return ModelConfig(
+        model_type="gpt_oss", vocab_size=int(req("vocab_size")), hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=num_layers, num_attention_heads=heads, q_lora_rank=None, kv_lora_rank=0,
+        qk_nope_head_dim=0, qk_rope_head_dim=head_dim, v_head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope=_parse_rope(rope_raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 131072), rope_interleave=False,
+        moe_intermediate_size=inter, n_routed_experts=n_experts, n_shared_experts=0,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4),
+        n_group=1, topk_group=1, scoring_func="softmax", topk_method="greedy", norm_topk_prob=True,
+        routed_scaling_factor=1.0, mlp_layer_types=("sparse",) * num_layers,
+        num_key_value_heads=kv_heads, head_dim=head_dim, attention_bias=bias,
+        o_proj_bias=bias, sliding_window=window, layer_types=layer_types, attention_sinks=True,
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)), swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        mxfp4_experts=_gpt_oss_mxfp4(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+def _glm4_moe_partial_rotary_factor(raw: dict[str, Any]) -> float:
+    """transformers' order: legacy ``rope_scaling`` (which replaces ``rope_parameters`` when both are
+    given), ``rope_parameters``, the top-level key, then 0.5 for configs that leave the key out.
+    NOTE: an explicit ``null`` is not "left out": transformers then rotates whole heads, as Hearth does."""
+    for params in (raw.get("rope_scaling"), raw.get("rope_parameters")):
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            return float(params["partial_rotary_factor"])
+    if "partial_rotary_factor" not in raw:
+        return 0.5
+    factor = raw["partial_rotary_factor"]
+    return 1.0 if factor is None else float(factor)
+
+
+def _parse_glm4_moe(raw: dict[str, Any]) -> ModelConfig:
+    """GLM-4.5 / 4.5-Air / 4.6 / 4.7: grouped-query attention (optional q/k norms, q/k/v biases,
+    rope on the first ``partial_rotary_factor`` of each head), dense MLPs in the first
+    ``first_k_dense_replace`` layers, then sigmoid-routed experts plus a shared expert. Fields a
+    config leaves out take transformers' Glm4MoeConfig defaults."""
+    model_type = "glm4_moe"
+    req = lambda key: _require(raw, key, model_type)  # noqa: E731
+    act = raw.get("hidden_act", "silu")
+    _check(act == "silu", "hidden_act", act, "silu")
+    heads, hidden = int(req("num_attention_heads")), int(req("hidden_size"))
+    kv_heads = int(req("num_key_value_heads"))
+    _check(heads % kv_heads == 0, "num_key_value_heads", kv_heads, "a divisor of num_attention_heads")
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    partial = _glm4_moe_partial_rotary_factor(raw)
+    rotary_dim = int(head_dim * partial)
+    _check(0 < partial <= 1 and rotary_dim % 2 == 0, "partial_rotary_factor", partial,
+           "a fraction in (0, 1] giving an even number of rotary dims")
+    n_experts, top_k = int(req("n_routed_experts")), int(req("num_experts_per_tok"))
+    n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    _check(n_experts > 0 and n_experts % n_group == 0, "n_group", n_group, "a divisor of n_routed_experts")
+    _check(n_experts // n_group >= 2, "n_group", n_group, "at most n_routed_experts / 2 (top-2 group scores)")
+    _check(1 <= topk_group <= n_group, "topk_group", topk_group, f"1..n_group ({n_group})")
+    _check(1 <= top_k <= n_experts, "num_experts_per_tok", top_k, f"1..n_routed_experts ({n_experts})")
+    num_layers = int(req("num_hidden_layers"))
+    first_dense = raw.get("first_k_dense_replace")
+    first_dense = 1 if first_dense is None else int(first_dense)
+    inter = int(req("intermediate_size"))
+    return ModelConfig(
+        model_type=model_type, vocab_size=int(req("vocab_size")), hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=num_layers, num_attention_heads=heads, q_lora_rank=None, kv_lora_rank=0,
+        qk_nope_head_dim=0, qk_rope_head_dim=head_dim, v_head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope=_parse_rope(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 131072), rope_interleave=False,
+        moe_intermediate_size=int(req("moe_intermediate_size")), n_routed_experts=n_experts,
+        n_shared_experts=int(raw.get("n_shared_experts", 1) or 0), num_experts_per_tok=top_k,
+        n_group=n_group, topk_group=topk_group, scoring_func="sigmoid", topk_method="noaux_tc",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        mlp_layer_types=tuple("sparse" if i >= first_dense else "dense" for i in range(num_layers)),
+        num_key_value_heads=kv_heads, head_dim=head_dim, qk_norm=bool(raw.get("use_qk_norm", False)),
+        attention_bias=bool(raw.get("attention_bias", False)), partial_rotary_factor=partial,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        quantization=_parse_quant(raw), bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")), pad_token_id=raw.get("pad_token_id"),
     )

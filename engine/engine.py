@@ -36,11 +36,13 @@ from hearth.engine.api import (
 )
 from hearth.engine.block_manager import BlockManager
 from hearth.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from hearth.engine.harmony import uses_harmony
 from hearth.engine.runahead import RunaheadDecoder
 from hearth.engine.runner import ModelRunner, StepInput
 from hearth.engine.sampling import Sampler, make_generator
 from hearth.engine.scheduler import Scheduler, Status
 from hearth.engine.scheduler import Sequence as Seq
+from hearth.engine.step_timer import StepTimer
 from hearth.engine.tokenizer import Tokenizer
 
 
@@ -82,6 +84,8 @@ class Engine:
         self._lock = threading.Lock()
         self._generated = 0
         self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tok/s
+        device = getattr(runner, "device", None)
+        self.timer = StepTimer(enabled=device is not None and device.type == "cuda")
         self.decoder: RunaheadDecoder | None = None
         if config.scheduler == "runahead":
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device)
@@ -99,16 +103,25 @@ class Engine:
     # ---- requests --------------------------------------------------------------------------
 
     def encode(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
-               prompt_token_ids: Sequence[int] | None = None, **chat_options: Any) -> list[int]:
-        """Prompt token ids from exactly one of: chat messages, raw text, token ids."""
+               prompt_token_ids: Sequence[int] | None = None, *, max_tokens: int | None = None,
+               **chat_options: Any) -> list[int]:
+        """Prompt token ids from exactly one of: chat messages, raw text, token ids. With
+        ``max_tokens``, text that certainly encodes to more tokens is refused before tokenising."""
         given = [x is not None for x in (messages, prompt, prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("give exactly one of messages, prompt or prompt_token_ids")
+        if prompt_token_ids is not None:
+            return [int(t) for t in prompt_token_ids]
         if messages is not None:
-            return self.tokenizer.encode_chat(list(messages), add_generation_prompt=True, **chat_options)
-        if prompt is not None:
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return [int(t) for t in prompt_token_ids]
+            text = self.tokenizer.chat_prompt(list(messages), add_generation_prompt=True, **chat_options)
+        else:
+            text = prompt
+        fewest = self.tokenizer.fewest_tokens(text) if max_tokens is not None else 0
+        if max_tokens is not None and fewest > max_tokens:
+            raise RequestError(f"the prompt has at least {fewest} tokens but the context holds {self.max_model_len} "
+                               "(prompt + answer); shorten it or raise the context length")
+        # NOTE: a chat prompt's text already holds BOS, so special tokens are added to raw text only.
+        return self.tokenizer.encode(text, add_special_tokens=messages is None)
 
     def add_request(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
@@ -128,7 +141,9 @@ class Engine:
         seq = Seq(request_id=request_id, prompt_ids=ids, params=params)
         request = _Request(
             seq=seq,
-            detok=IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True),
+            # Harmony (gpt-oss) marks its channels with special tokens; the chat layer parses them out.
+            detok=IncrementalDetokenizer(self.tokenizer, ids,
+                                         skip_special_tokens=not uses_harmony(self.runner.model_config.model_type)),
             stop=StopChecker(params.stop),
             generator=make_generator(params.seed, self.runner.device),
             arrival=time.perf_counter(),
@@ -177,14 +192,20 @@ class Engine:
         """Run one scheduling step; returns the events it produced, in order."""
         events = self._take_intake()
         chunks = self.scheduler.schedule(include_decodes=self.decoder is None)
+        self.timer.begin(bool(chunks) and all(c.num_tokens == 1 for c in chunks))
+        marks = self.timer.around_run()
         if chunks:
             try:
+                if marks is not None:
+                    marks[0].record()
                 logits = self.runner.run([
                     StepInput(self.blocks.block_table(c.seq.request_id), c.seq.num_computed,
                               c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
                               c.seq.request_id)
                     for c in chunks
                 ])
+                if marks is not None:
+                    marks[1].record()
             except torch.OutOfMemoryError:
                 return events + self._fail_all([c.seq for c in chunks], _OOM_MESSAGE)
             self.scheduler.after_step(chunks)
@@ -192,6 +213,7 @@ class Engine:
             events += self._sample([chunks[i].seq for i in ready], logits[ready])
         if self.decoder is not None and len(self.decoder):
             events += self._runahead_step()
+        self.timer.end(marks)
         return events
 
     def _runahead_step(self) -> list[Event]:
@@ -332,7 +354,8 @@ class Engine:
             cache_blocks_free=self.blocks.num_free_blocks,
             generated_tokens=self._generated,
             decode_tokens_per_s=rate,
-            extra={f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
+            extra={**{f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
+                   **self.timer.summary()},
         )
 
     def running_ids(self) -> list[str]:

@@ -5,6 +5,8 @@
   twice the model. Pickle formats (``.bin``, ``.pt``, ``.pth``) are never loaded.
 - FP8 block-scaled weights (``weight`` e4m3 + ``weight_scale_inv``) are either dequantised at load
   or kept in FP8 with their scales (``Fp8Linear``).
+- gpt-oss's MXFP4 experts (``experts.gate_up_proj_blocks`` + ``_scales``, likewise ``down_proj``) are
+  dequantised at load into the stacked expert parameters.
 - MTP layers (``model.layers.{num_hidden_layers + i}``) are skipped, as are indexer weights of
   layers configured to share the previous layer's top-k.
 - Missing, unexpected and mis-shaped tensors and truncated/corrupt files raise one
@@ -24,8 +26,10 @@ from torch import nn
 from hearth.engine.api import CheckpointError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
-from hearth.engine.models.layers import Fp8Linear, Rotary, dequantize_fp8_blocks, rope_inv_freq
+from hearth.engine.models.layers import Fp8Linear, Rotary, check_fp8_scales, dequantize_fp8_blocks, rope_inv_freq
 from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths
+from hearth.kernels._utils import count_nonfinite
+from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FP32_PARAMS = re.compile(r"((mlp|block_sparse_moe)\.gate\.weight|e_score_correction_bias|indexer\.weights_proj\.weight"
@@ -58,8 +62,10 @@ class CheckpointFiles:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: unreadable shard index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
         for file_name in sorted(set(weight_map.values())):
-            path = self.folder / file_name
+            path = self._shard_path(index, file_name)
             if not path.exists():
                 raise CheckpointError(f"{path}: shard listed in {index.name} is missing")
             present = set(self._keys(path))
@@ -67,6 +73,20 @@ class CheckpointFiles:
                 if mapped == file_name and name not in present:
                     raise CheckpointError(f"{path}: tensor '{name}' listed in {index.name} is not in the file")
         self.location = {name: self.folder / f for name, f in weight_map.items()}
+
+    def _shard_path(self, index: Path, file_name: str) -> Path:
+        """A shard named by the index, refused unless it is a file of this folder: an index may come
+        from anywhere, and ``../`` or an absolute path would read weights from elsewhere on disk."""
+        parts = file_name.replace("\\", "/").split("/")
+        path = self.folder / file_name
+        # The shard itself may be a symlink (the Hugging Face cache links snapshot files to blobs);
+        # the folder it sits in must not lead out of the model folder.
+        escapes = (Path(file_name).is_absolute() or any(p in ("", "..") or ":" in p for p in parts)
+                   or not path.parent.resolve().is_relative_to(self.folder.resolve()))
+        if escapes:
+            raise CheckpointError(f"{index}: shard {ascii(file_name)[:120]} is not a file inside the model folder; "
+                                  "refusing to load it")
+        return path
 
     @staticmethod
     def _keys(path: Path) -> list[str]:
@@ -106,8 +126,31 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
 
 
+def _load_mxfp4(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
+                device: torch.device, consumed: set[str]) -> None:
+    """A stacked gpt-oss expert tensor from its MXFP4 ``_blocks`` [E, out, G, 16] and ``_scales``
+    [E, out, G]: dequantised to [E, out, in], stored as the parameter's [E, in, out]."""
+    blocks_name, scales_name = name + "_blocks", name + "_scales"
+    if scales_name not in files.location:
+        raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' has no '{scales_name}'")
+    blocks, scales = files.get(blocks_name), files.get(scales_name)
+    consumed.update((blocks_name, scales_name))
+    try:
+        weight = dequantize_mxfp4(blocks.to(device), scales.to(device), dtype).transpose(1, 2)
+    except ValueError as exc:
+        raise CheckpointError(f"{files.location[blocks_name]}: tensor '{blocks_name}': {exc}") from None
+    _check_finite(files, blocks_name, weight)  # a scale byte of 255 (e8m0's NaN) overflows to inf
+    if tuple(weight.shape) != tuple(expected):
+        raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' holds "
+                              f"{list(weight.shape)} values, config.json implies {list(expected)}")
+    _set_param(model, name, weight.contiguous())
+
+
 def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
               device: torch.device, keep_fp8: bool, consumed: set[str]) -> None:
+    if name not in files.location and name + "_blocks" in files.location:
+        _load_mxfp4(model, files, name, expected, dtype, device, consumed)
+        return
     if name not in files.location:
         raise CheckpointError(f"{files.folder}: missing tensor '{name}'")
     tensor = files.get(name)
@@ -116,26 +159,36 @@ def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: tor
         raise CheckpointError(f"{files.location[name]}: tensor '{name}' has shape {list(tensor.shape)}, "
                               f"config.json implies {list(expected)}")
     target = torch.float32 if _FP32_PARAMS.search(name) else dtype
+    tensor = tensor.to(device)
+    _check_finite(files, name, tensor)
     if tensor.dtype != torch.float8_e4m3fn:
-        _set_param(model, name, tensor.to(device=device, dtype=target))
+        _set_param(model, name, tensor.to(dtype=target))
         return
     scale_name = name + "_scale_inv"
     if scale_name not in files.location:
         raise CheckpointError(f"{files.location[name]}: FP8 tensor '{name}' has no '{scale_name}'")
-    scale = files.get(scale_name)
+    scale = files.get(scale_name).to(device)
     consumed.add(scale_name)
+    _check_finite(files, scale_name, scale)
     block = model.config.quantization.block_size if model.config.quantization else (128, 128)
     try:
-        if keep_fp8 and name.endswith(".weight"):
-            module_name = name.rpartition(".")[0]
-            parent, _, child = module_name.rpartition(".")
-            fp8 = Fp8Linear(tensor.to(device), scale.to(device), block, target)
-            fp8.dense_weight()  # validates the scale shape now rather than at the first forward
-            setattr(model.get_submodule(parent), child, fp8)
-        else:
-            _set_param(model, name, dequantize_fp8_blocks(tensor.to(device), scale.to(device), block, target))
+        check_fp8_scales(tensor, scale, block)
     except ValueError as exc:
         raise CheckpointError(f"{files.location[name]}: tensor '{scale_name}': {exc}") from None
+    if keep_fp8 and name.endswith(".weight"):
+        module_name = name.rpartition(".")[0]
+        parent, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Fp8Linear(tensor, scale, block, target))
+    else:
+        _set_param(model, name, dequantize_fp8_blocks(tensor, scale, block, target))
+
+
+def _check_finite(files: CheckpointFiles, name: str, tensor: torch.Tensor) -> None:
+    """A NaN/inf weight or scale would load and answer garbage (or nothing): refuse it at load."""
+    bad = count_nonfinite(tensor)
+    if bad:
+        raise CheckpointError(f"{files.location[name]}: tensor '{name}' has {bad} NaN/inf value(s) "
+                              f"of {tensor.numel()} (corrupt checkpoint?)")
 
 
 def materialize_buffers(model: DeepseekForCausalLM, device: torch.device) -> None:
@@ -162,7 +215,8 @@ def tensor_bytes(path: str | Path) -> dict[str, int]:
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                 "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.")
+# Per-expert tensors (DeepSeek, Qwen3, Mixtral) or gpt-oss's stacked ones (with bias, blocks, scales).
+ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.(\d+\.|gate_up_proj|down_proj)")
 
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hearth.engine.api import EngineConfig, HearthError
+from hearth.engine.api import CheckpointError, EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
 from hearth.engine.loader import tensor_bytes
 from hearth.engine.models.deepseek import DeepseekForCausalLM
@@ -21,7 +21,15 @@ from hearth.offload.expert_cache import POLICIES, EvictionPolicy, ExpertCache, E
 from hearth.offload.expert_store import ExpertStore
 from hearth.offload.experts import OffloadedExperts
 from hearth.offload.fetch_plan import MISSING
-from hearth.offload.planner import MemoryPlan, MemoryPlanError, footprint_from_tensor_bytes, plan_memory, probe_memory
+from hearth.offload.planner import (
+    MemoryPlan,
+    MemoryPlanError,
+    ModelFootprint,
+    footprint_from_stacked_experts,
+    footprint_from_tensor_bytes,
+    plan_memory,
+    probe_memory,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,15 @@ class Placement:
     description: str
 
 
+def _footprint(path: str | Path, config: ModelConfig, engine: EngineConfig, device: torch.device) -> ModelFootprint:
+    if config.model_type == "gpt_oss":  # stacked (MXFP4) experts, held dequantised in the compute dtype
+        auto = 2 if device.type == "cuda" else 4  # "auto": bf16 on CUDA, fp32 on the CPU
+        value_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(engine.dtype, auto)
+        return footprint_from_stacked_experts(tensor_bytes(path), config.num_experts_per_tok, config.n_routed_experts,
+                                              config.hidden_size, config.moe_intermediate_size, value_bytes)
+    return footprint_from_tensor_bytes(tensor_bytes(path), config.num_experts_per_tok, config.num_hidden_layers)
+
+
 def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineConfig, device: torch.device,
                    kv_cache_bytes: int) -> Placement:
     """Decide before loading. Raises HearthError with the numbers if the model cannot fit."""
@@ -40,7 +57,7 @@ def plan_placement(path: str | Path, model_config: ModelConfig, config: EngineCo
         return Placement(False, None, "experts stay with the model")
     if config.offload == "always" and config.expert_cache_slots is not None:
         return Placement(True, config.expert_cache_slots, f"offload forced: {config.expert_cache_slots} slots/layer")
-    footprint = footprint_from_tensor_bytes(tensor_bytes(path), model_config.num_experts_per_tok)
+    footprint = _footprint(path, model_config, config, device)
     try:
         plan: MemoryPlan = plan_memory(
             footprint, kv_cache_bytes, probe_memory(), gpu_memory_gib=config.gpu_memory_gib,
@@ -146,10 +163,10 @@ class CacheResidency:
         slot_ids = slots.to(x.device, non_blocking=True).unsqueeze(1)  # (P, 1)
         w = self.cache.weights
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (P, D)
-        if self.use_kernel:
+        if self.use_kernel and w.plain_swiglu:
             fused_moe(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, out=out)
         else:
-            out += moe_reference(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2)
+            out += moe_reference(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, **w.reference_kwargs())
         return out
 
 
@@ -181,6 +198,19 @@ class PrefetchingExperts:
         return out
 
 
+def _host_store(path: Path, config: ModelConfig, layers: list[int], dtype: torch.dtype) -> ExpertStore:
+    """The routed experts of ``layers`` read from the checkpoint into host RAM; a tensor missing or
+    malformed there is a CheckpointError naming it."""
+    try:
+        if config.model_type == "gpt_oss":  # stacked (MXFP4 or float) experts with biases, clamped SwiGLU
+            return ExpertStore.from_stacked_safetensors(path, layers, dtype, config.swiglu_limit, config.swiglu_alpha)
+        fp8 = config.quantization is not None
+        return ExpertStore.from_safetensors(path, layers, config.n_routed_experts, dtype=None if fp8 else dtype,
+                                            module=config.moe_module, proj_names=config.expert_proj_names)
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: routed experts: {str(exc).strip(chr(39))}") from None
+
+
 def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placement: Placement,
                    device: torch.device, dtype: torch.dtype, policy: str, prefetch: bool = False,
                    store: ExpertStore | None = None,
@@ -192,10 +222,7 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
     config = model.config
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     if store is None:
-        fp8 = config.quantization is not None
-        store = ExpertStore.from_safetensors(Path(path), layers, config.n_routed_experts,
-                                             dtype=None if fp8 else dtype, module=config.moe_module,
-                                             proj_names=config.expert_proj_names)
+        store = _host_store(Path(path), config, layers, dtype)
     plan = EvictionPlan()
     cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=plan.policy(policy))
     backend = OffloadedExperts(cache, host_experts=host_experts)

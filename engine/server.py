@@ -8,11 +8,14 @@ Every ``EngineConfig`` field is a flag of the same name (``--max-model-len`` for
 
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming
 with server-sent events or not), and Hearth's own ``GET /health``, ``GET /hearth/stats``,
-``POST /hearth/load`` ``{"model": PATH}`` and ``POST /hearth/unload``.
+``POST /hearth/load`` ``{"model": PATH}``, ``POST /hearth/unload`` and ``POST /hearth/tokenize`` (a
+chat-completions body; answers ``{"prompt_tokens"}``, counted as the answer's prompt would be).
 
-It binds 127.0.0.1 unless told otherwise. The API key can also come from the ``HEARTH_API_KEY``
-environment variable, which keeps it out of the process list; when set, every request needs
-``Authorization: Bearer <key>``. ``--port 0`` picks a free port; ``--port-file F`` writes the port
+It binds 127.0.0.1 unless told otherwise, and refuses to bind anything else without an API key
+(unless ``--insecure-no-key``). The API key can also come from the ``HEARTH_API_KEY`` environment
+variable, which keeps it out of the process list; when set, every request needs
+``Authorization: Bearer <key>``. What else it checks (Host, Origin, body size, load paths):
+``server_security`` and docs/security.md. ``--port 0`` picks a free port; ``--port-file F`` writes the port
 to F once the server accepts connections (how the app's local engine process finds it).
 
 The pieces: ``server_host.EngineHost`` (the engine thread), ``server_app.create_app`` (routes and
@@ -32,6 +35,7 @@ from pathlib import Path
 from hearth.engine.api import EngineConfig, HearthError, engine_options
 from hearth.engine.server_app import create_app
 from hearth.engine.server_host import EngineHost
+from hearth.engine.server_security import AccessPolicy, LoadPaths, add_security_arguments, is_loopback
 
 API_KEY_ENV = "HEARTH_API_KEY"
 DEFAULT_PORT = 8000
@@ -50,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port-file", help="write the bound port to this file once serving")
     parser.add_argument("--api-key", help=f"require this bearer token (or set {API_KEY_ENV})")
     add_engine_arguments(parser)
+    add_security_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of start-up errors")
     return parser
@@ -95,21 +100,31 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not api_key and not is_loopback(args.host) and not args.insecure_no_key:
+        print(f"error: refusing to serve on {args.host} without an API key: anyone who can reach it could use "
+              f"the model; set --api-key or {API_KEY_ENV} (or pass --insecure-no-key)", file=sys.stderr)
+        return 1
+    if args.max_body_mib <= 0:
+        print("error: --max-body-mib must be > 0", file=sys.stderr)
+        return 1
     try:
         config = engine_config(args)
         host = EngineHost(config)
         if args.model:
             host.load(args.model, args.served_name)
-    except HearthError as err:
+    except Exception as err:  # a start-up failure is one line; --debug shows the traceback
         if args.debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 1
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    if not api_key and not is_loopback(args.host):
         logger.warning("serving on %s without an API key: anyone who can reach this port can use it", args.host)
+    policy = AccessPolicy(bind_host=args.host, allowed_hosts=tuple(args.allowed_host),
+                          cors_origins=tuple(args.cors_origin), max_body_bytes=int(args.max_body_mib * 2**20))
+    load_paths = LoadPaths.of(args.allow_load_path, [args.model] if args.model else ())
     host.start()
     try:
-        serve(create_app(host, api_key), args.host, args.port, args.port_file,
+        serve(create_app(host, api_key, policy, load_paths), args.host, args.port, args.port_file,
               label=host.model.name if host.model else "no model")
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: a normal stop
         pass
@@ -119,6 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         host.close()
     return 0
+
+
+def _one_line(err: Exception) -> str:
+    """A start-up error as one line: Hearth's own errors say what to do; anything else (a config
+    value the model code cannot build, say) is named with its type."""
+    if isinstance(err, HearthError):
+        return str(err)
+    text = " ".join(str(err).split()) or "no details"
+    return f"cannot start: {type(err).__name__}: {text} (--debug shows the traceback)"
 
 
 def serve(app: object, host: str, port: int, port_file: str | None = None, label: str = "") -> None:

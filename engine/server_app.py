@@ -2,7 +2,9 @@
 ``/health`` and ``/hearth/*`` endpoints, the optional API key, and OpenAI-style JSON errors.
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status when
-the request is at fault, or a 500 without traceback text (logged here) when the engine is.
+the request is at fault, or a 500 without traceback text (logged once, by
+``server_security.UnexpectedErrors``) when the engine is. Requests pass ``server_security.RequestGuard``
+(Host, Origin, JSON body, size limit) before any route runs.
 A client that disconnects has its request aborted: streams check ``request.is_disconnected()``
 while waiting and abort when the response ends early for any reason; non-streaming handlers abort
 when they are cancelled or see the disconnect.
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,27 +28,40 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hearth.engine.api import Event, Finished, HearthError, TokenDelta
-from hearth.engine.server_host import BusyError, EngineHost, NoModelError
+from hearth.engine.harmony import HarmonyParser, parse_harmony, uses_harmony
+from hearth.engine.server_host import BusyError, EngineHost, NoModelError, StillLoadingError
 from hearth.engine.server_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseWriter,
+    check_text,
     error_body,
     finish_error,
     sampling_fields,
     sse,
 )
+from hearth.engine.server_security import (
+    AccessPolicy,
+    LoadNotAllowedError,
+    LoadPaths,
+    RequestGuard,
+    UnexpectedErrors,
+)
 from hearth.engine.tool_calls import parse_tool_calls
 
-logger = logging.getLogger("hearth.engine.server")
 _DISCONNECT_POLL_S = 0.5
+_RETRY_AFTER_LOADING_S = 5
 
 
 class LoadRequest(BaseModel):
     model: str
     served_name: str | None = None
     max_model_len: int | None = None
+
+
+class UnloadRequest(BaseModel):
+    """``{}``: unloading takes no options, but a JSON body is still required (see RequestGuard)."""
 
 
 class ClientGone(Exception):
@@ -119,13 +133,21 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(host: EngineHost, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving ``host``; ``api_key`` (if given) is required on every request."""
+def create_app(host: EngineHost, api_key: str | None = None, policy: AccessPolicy | None = None,
+               load_paths: LoadPaths | None = None) -> FastAPI:
+    """The ASGI app serving ``host``; ``api_key`` (if given) is required on every request.
+    ``policy`` (default: loopback only) says which requests reach the routes at all; ``load_paths``
+    (default: only the model loaded now) which folders ``/hearth/load`` may open."""
+    if load_paths is None:
+        load_paths = LoadPaths.of((), [host.model.path] if host.model else ())
     app = FastAPI(title="Hearth engine host", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app)
+    # The last added middleware runs first: the guard, then the key, then the error net.
+    app.add_middleware(UnexpectedErrors)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    _add_hearth_routes(app, host)
+    app.add_middleware(RequestGuard, policy=policy or AccessPolicy())
+    _add_hearth_routes(app, host, load_paths)
     _add_openai_routes(app, host)
     return app
 
@@ -138,7 +160,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def hearth_error(_: Request, exc: HearthError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc)), status_code=_status_of(exc))
+        headers = {"Retry-After": str(_RETRY_AFTER_LOADING_S)} if isinstance(exc, StillLoadingError) else None
+        return JSONResponse(error_body(str(exc)), status_code=_status_of(exc), headers=headers)
 
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(_validation_body(exc), status_code=400)
@@ -147,16 +170,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.error("unexpected error while serving a request", exc_info=exc)
-        body = error_body("internal error in the engine host (details are in its log)", "server_error")
-        return JSONResponse(body, status_code=500)
-
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(HearthError, hearth_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
 
 
 def _status_of(exc: HearthError) -> int:
@@ -183,7 +200,7 @@ def _validation_body(exc: RequestValidationError) -> dict[str, Any]:
 # ---- Hearth endpoints ----------------------------------------------------------------------
 
 
-def _add_hearth_routes(app: FastAPI, host: EngineHost) -> None:
+def _add_hearth_routes(app: FastAPI, host: EngineHost, load_paths: LoadPaths) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         model = host.model
@@ -195,11 +212,24 @@ def _add_hearth_routes(app: FastAPI, host: EngineHost) -> None:
 
     @app.post("/hearth/load")
     async def load(body: LoadRequest) -> dict[str, Any]:
-        model = await run_in_threadpool(host.load, body.model, body.served_name, body.max_model_len)
+        check_text(body.model_dump())
+        try:
+            folder = load_paths.resolve(body.model)
+        except LoadNotAllowedError as err:
+            raise APIError(403, str(err), param="model", code="model_not_allowed") from None
+        model = await run_in_threadpool(host.load, folder, body.served_name, body.max_model_len)
         return {"model": model.name, "path": str(model.path), "max_model_len": model.max_model_len}
 
+    @app.post("/hearth/tokenize")
+    async def tokenize(body: ChatCompletionRequest) -> dict[str, Any]:
+        """The exact prompt length of a chat-completions body (same template path as the answer)."""
+        _check_model(host, body.model)
+        count = await run_in_threadpool(host.count_prompt_tokens, body.message_dicts(), None, body.chat_options())
+        model = host.model
+        return {"model": body.model, "prompt_tokens": count, "max_model_len": model.max_model_len if model else None}
+
     @app.post("/hearth/unload")
-    async def unload() -> dict[str, Any]:
+    async def unload(_: UnloadRequest) -> dict[str, Any]:
         return {"unloaded": await run_in_threadpool(host.unload)}
 
 
@@ -218,12 +248,14 @@ def _add_openai_routes(app: FastAPI, host: EngineHost) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        check_text(body.model_dump())
         _check_model(host, body.model)
         prompt = {"messages": body.message_dicts(), "chat_options": body.chat_options()}
         return await _serve(host, request, body, prompt, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_text(body.model_dump())
         _check_model(host, body.model)
         prompt = body.prompt_kwargs()
         return await _serve(host, request, body, prompt, chat=False)
@@ -237,9 +269,7 @@ def _model_card(host: EngineHost) -> dict[str, Any]:
 
 
 def _check_model(host: EngineHost, name: str) -> None:
-    model = host.model
-    if model is None:
-        raise NoModelError("no model is loaded; load one with POST /hearth/load")
+    model = host.require_model()
     if name not in (model.name, str(model.path), model.path.name):
         raise APIError(404, f"the model {name!r} does not exist here; this server serves {model.name!r}",
                        param="model", code="model_not_found")
@@ -252,9 +282,11 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
     submission = await run_in_threadpool(lambda: host.submit(stream.sink, sampling=sampling, **prompt))
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
     model_type = host.model.model_type if host.model else ""
-    tools = isinstance(body, ChatCompletionRequest) and body.uses_tools
+    harmony = chat and uses_harmony(model_type)  # the answer's channels split into reasoning and content
+    tools = isinstance(body, ChatCompletionRequest) and body.uses_tools and not harmony
     if body.stream:
-        chunks = _stream_chunks(stream, request, writer, body.include_usage, model_type if tools else None)
+        chunks = _stream_chunks(stream, request, writer, body.include_usage, model_type if tools else None,
+                                HarmonyParser() if harmony else None)
         return StreamWithCleanup(chunks, on_close=lambda: host.abort(submission.request_id))
     try:
         finished = await _wait_finished(stream, request)
@@ -263,6 +295,9 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
     error = finish_error(finished)
     if error is not None:
         raise error
+    if harmony:
+        split = parse_harmony(finished.text)
+        return writer.response(finished, reasoning=(split.reasoning, split.content))
     return writer.response(finished, parse_tool_calls(finished.text, model_type) if tools else None)
 
 
@@ -278,17 +313,27 @@ async def _wait_finished(stream: RequestStream, request: Request) -> Finished:
 
 
 async def _stream_chunks(stream: RequestStream, request: Request, writer: ResponseWriter,
-                         include_usage: bool, tools_model_type: str | None = None) -> AsyncIterator[bytes]:
+                         include_usage: bool, tools_model_type: str | None = None,
+                         harmony: HarmonyParser | None = None) -> AsyncIterator[bytes]:
     """SSE chunks. With tools offered the answer is held back until it ends (a tool call is only
-    known once complete), then sent as content and tool_calls chunks."""
+    known once complete), then sent as content and tool_calls chunks. With ``harmony`` each piece
+    is split into reasoning and content as it comes."""
     if writer.chat:
         yield sse(writer.chunk("", first=True))
     try:
         async for event in stream.events(request):
             if isinstance(event, TokenDelta):
-                if event.text and tools_model_type is None:
+                if harmony is not None:
+                    split = harmony.feed(event.text)
+                    if split.reasoning or split.content:
+                        yield sse(writer.chunk(split.content, reasoning=split.reasoning))
+                elif event.text and tools_model_type is None:
                     yield sse(writer.chunk(event.text))
                 continue
+            if harmony is not None:
+                split = harmony.finish()
+                if split.reasoning or split.content:
+                    yield sse(writer.chunk(split.content, reasoning=split.reasoning))
             error = finish_error(event)
             if error is not None:
                 yield sse(error.body())

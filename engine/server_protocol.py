@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hearth.engine.api import Finished, RequestStats
 
+# Names a chat template gets from the server (with the tokenizer's special tokens) and the other
+# arguments of Engine.encode: a request's chat_template_kwargs must not replace them.
+TEMPLATE_OWN_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "raise_exception",
+                                    "strftime_now", "bos_token", "eos_token", "pad_token", "unk_token",
+                                    "prompt", "prompt_token_ids", "max_tokens"})
+
 
 class APIError(Exception):
     """An error answered with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
@@ -62,7 +68,7 @@ class _SamplingFields(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -101,6 +107,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def chat_options(self) -> dict[str, Any]:
         options = dict(self.chat_template_kwargs or {})
+        taken = sorted(set(options) & TEMPLATE_OWN_VARIABLES)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
+                                "those itself (send messages and tools as their own fields)",
+                           param="chat_template_kwargs", code="invalid_value")
         if self.uses_tools:
             options["tools"] = self.tools
         return options
@@ -139,6 +150,26 @@ class CompletionRequest(_SamplingFields):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         return {"prompt_token_ids": list(prompt)}
+
+
+def check_text(value: Any, path: str = "") -> None:
+    """Raise a 400 naming the field if a string in ``value`` (a request as plain data) is not valid
+    Unicode: JSON lets a lone UTF-16 surrogate such as "\\ud800" through, and nothing downstream
+    (tokenizer, file system, UTF-8 output) can handle one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            where = path or "body"
+            raise APIError(400, f"{where}: the text holds a lone UTF-16 surrogate at character {err.start}, "
+                                "which is not valid Unicode", param=path or None, code="invalid_value") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, path)
+            check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_text(item, f"{path}.{i}" if path else str(i))
 
 
 def _check_max_tokens(value: int | None, name: str) -> int | None:
@@ -196,11 +227,14 @@ class ResponseWriter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def response(self, finished: Finished, tool_calls: tuple[str, list[dict[str, Any]]] | None = None
-                 ) -> dict[str, Any]:
-        """The non-streaming body; ``tool_calls`` = (content, calls) parsed from the answer."""
+    def response(self, finished: Finished, tool_calls: tuple[str, list[dict[str, Any]]] | None = None,
+                 reasoning: tuple[str, str] | None = None) -> dict[str, Any]:
+        """The non-streaming body; ``tool_calls`` = (content, calls) parsed from the answer,
+        ``reasoning`` = (reasoning, content) split from it (gpt-oss's harmony channels)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": finished.text}
+            if reasoning is not None:
+                message = {"role": "assistant", "content": reasoning[1], "reasoning_content": reasoning[0]}
             reason = finished.reason
             if tool_calls is not None and tool_calls[1]:
                 message = {"role": "assistant", "content": tool_calls[0] or None, "tool_calls": tool_calls[1]}
@@ -213,10 +247,14 @@ class ResponseWriter:
         body["usage"] = usage(finished.stats)
         return body
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
-        """One streamed chunk; ``text=None`` for the closing chunk that carries only the reason."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, first: bool = False,
+              reasoning: str = "") -> dict[str, Any]:
+        """One streamed chunk; ``text=None`` for the closing chunk that carries only the reason.
+        ``reasoning`` goes out as the delta's ``reasoning_content`` (chat only)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

@@ -1,12 +1,13 @@
 """Tiny random models in the exact Hugging Face layout, for tests and the offline demo.
 
-    python -m hearth.engine.tiny --arch deepseek_v32 --out DIR [--seed S] [--fp8]
+    python -m hearth.engine.tiny --arch deepseek_v32 --out DIR [--seed S] [--fp8 | --mxfp4]
 
 writes config.json, two safetensors shards + model.safetensors.index.json (real Hub tensor names,
 per-expert weights), tokenizer.json trained with ``tokenizers``, tokenizer_config.json (+ a chat
 template where the family has one) and generation_config.json. Output is deterministic by seed.
 ``--fp8`` stores the linear weights as FP8 e4m3 with 128x128 power-of-two block scales
-(``weight_scale_inv``), like DeepSeek's releases; partial edge blocks occur on purpose.
+(``weight_scale_inv``), like DeepSeek's releases; partial edge blocks occur on purpose. ``--mxfp4``
+(gpt_oss) stores the experts as MXFP4 ``*_blocks`` + ``*_scales``, like the gpt-oss releases.
 
 The weights are random: the text such a model writes is gibberish. Sizes are chosen so that DSA
 is active on short prompts (index_topk 16) and FP8 blocks are partial (dims not multiples of 128).
@@ -25,9 +26,11 @@ from safetensors.torch import save_file
 
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.layers import FP8_MAX
+from hearth.kernels.moe.mxfp4 import quantize_mxfp4
 
 VOCAB_SIZE = 512
-ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral")
+ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe",
+         "gpt_oss")
 # Tokenizer family of each architecture (the GQA families reuse the DeepSeek-V3-style chat template).
 _TOKENIZER_FAMILY = {"qwen3_moe": "deepseek_v3", "mixtral": "deepseek_v3"}
 _GQA: dict[str, Any] = {
@@ -49,6 +52,19 @@ _YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
+def _gpt_oss_config() -> dict[str, Any]:
+    """Real gpt-oss keys at tiny widths. The window (8) is shorter than the test prompts; the SwiGLU
+    limit is lowered so the clamps act on random weights; YaRN as the release configures it."""
+    layers = 4
+    return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], **_GQA, "intermediate_size": 32,
+            "num_hidden_layers": layers, "num_local_experts": 8, "num_experts_per_tok": 2, "experts_per_token": 2,
+            "attention_bias": True, "sliding_window": 8, "swiglu_limit": 1.5, "rms_norm_eps": 1e-5,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "rope_theta": 150000.0,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 512}}
+
+
 def tiny_config(arch: str) -> dict[str, Any]:
     """The config.json of the tiny model of one architecture (Hub-style keys)."""
     if arch not in ARCHS:
@@ -57,9 +73,13 @@ def tiny_config(arch: str) -> dict[str, Any]:
         return {"model_type": arch, "architectures": ["Qwen3MoeForCausalLM"], **_GQA, "num_experts": 8,
                 "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
                 "mlp_only_layers": [0], "use_sliding_window": False}
+    if arch == "gpt_oss":
+        return _gpt_oss_config()
     if arch == "mixtral":
         return {"model_type": arch, "architectures": ["MixtralForCausalLM"], **_GQA, "num_local_experts": 8,
                 "intermediate_size": 48, "sliding_window": 24}
+    if arch == "glm4_moe":
+        return glm4_moe_tiny_config()
     dsa = {"index_n_heads": 8, "index_head_dim": 32, "index_topk": 16}
     sigmoid = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
                "routed_scaling_factor": 2.5}
@@ -82,7 +102,17 @@ def tiny_config(arch: str) -> dict[str, Any]:
     return {"model_type": arch, **_COMMON, **configs[arch]}
 
 
-def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def glm4_moe_tiny_config() -> dict[str, Any]:
+    """GLM-4.5-shaped (q/k norms, q/k/v biases, rope on half of each head, one dense layer first,
+    sigmoid router with a correction bias and routed scaling, a shared expert, one MTP layer)."""
+    return {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], **_GQA, "intermediate_size": 96,
+            "moe_intermediate_size": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True,
+            "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1}
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     from hearth.engine.models.deepseek import DeepseekForCausalLM
 
     with torch.device("meta"):
@@ -93,6 +123,10 @@ def _param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith(".sinks"):  # large enough that a head's sink takes a real share of its attention
+        return torch.randn(shape, generator=gen)
+    if len(shape) == 3:  # gpt-oss's stacked experts [E, in, out]
+        return torch.randn(shape, generator=gen) * (1.0 / math.sqrt(shape[1]))
     if name.endswith(".bias") or name.endswith("e_score_correction_bias"):
         return 0.1 * torch.randn(shape, generator=gen)
     if name == "model.embed_tokens.weight":
@@ -112,7 +146,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.T
     """(e4m3 weight, fp32 power-of-two scale_inv [ceil(r/128), ceil(c/128)]) with W ~= W8 * s."""
     rows, cols = weight.shape
     pr, pc = math.ceil(rows / block) * block, math.ceil(cols / block) * block
-    padded = torch.zeros(pr, pc)
+    padded = torch.zeros(pr, pc, device=weight.device)
     padded[:rows, :cols] = weight.float()
     tiles = padded.view(pr // block, block, pc // block, block)
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)  # (rb, cb)
@@ -121,13 +155,16 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.T
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
-def make_weights(config: ModelConfig, seed: int, fp8: bool = False) -> dict[str, torch.Tensor]:
-    """Random weights for every parameter of the model (plus an MTP layer stub if configured)."""
+def make_weights(config: ModelConfig, seed: int, fp8: bool = False, mxfp4: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of the model (plus an MTP layer stub if configured).
+    ``mxfp4``: gpt-oss's stacked expert weights as MXFP4 (stored [E, out, in] like the release)."""
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in _param_shapes(config).items():
+    for name, shape in param_shapes(config).items():
         value = _init(name, shape, gen)
-        if fp8 and is_fp8_quantized(name, shape):
+        if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(value.transpose(1, 2))
+        elif fp8 and is_fp8_quantized(name, shape):
             tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(value)
         else:
             tensors[name] = value.contiguous()
@@ -160,9 +197,9 @@ KERNEL_SHAPES: dict[str, Any] = {"hidden_size": 256, "num_attention_heads": 16, 
 
 
 def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = False,
-                     overrides: dict[str, Any] | None = None) -> Path:
+                     overrides: dict[str, Any] | None = None, mxfp4: bool = False) -> Path:
     """Write a complete Hub-layout model folder; returns its path. ``overrides`` replace
-    config.json fields (e.g. KERNEL_SHAPES)."""
+    config.json fields (e.g. KERNEL_SHAPES). ``mxfp4``: gpt_oss experts in MXFP4, as released."""
     from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
 
     out = Path(out_dir)
@@ -174,9 +211,14 @@ def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = 
     if fp8:
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    if mxfp4:
+        if arch != "gpt_oss":
+            raise ValueError("MXFP4 experts are gpt_oss's format (use --fp8 for the DeepSeek family)")
+        raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     config = ModelConfig.from_dict(raw)
-    _write_shards(out, make_weights(config, seed, fp8))
+    _write_shards(out, make_weights(config, seed, fp8, mxfp4))
     generation = {"bos_token_id": special["bos_token_id"], "eos_token_id": special["eos_token_id"],
                   "do_sample": True, "temperature": 1.0, "top_p": 0.95}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
@@ -189,9 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fp8", action="store_true", help="store linear weights as FP8 with block scales")
+    parser.add_argument("--mxfp4", action="store_true", help="gpt_oss: store the experts as MXFP4, as released")
     parser.add_argument("--kernel-shapes", action="store_true", help="widths the GPU DSA kernels accept")
     args = parser.parse_args(argv)
-    path = write_tiny_model(args.out, args.arch, args.seed, args.fp8, KERNEL_SHAPES if args.kernel_shapes else None)
+    try:
+        path = write_tiny_model(args.out, args.arch, args.seed, args.fp8,
+                                KERNEL_SHAPES if args.kernel_shapes else None, args.mxfp4)
+    except ValueError as exc:
+        parser.error(str(exc))
     print(f"wrote {args.arch} tiny model to {path}")
     return 0
 

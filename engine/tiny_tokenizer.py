@@ -10,6 +10,15 @@ tokens and chat format of one model family:
   template.
 - ``glm_moe_dsa``: ``<|endoftext|>``, ``[gMASK]``, ``<sop>``, ``<|system|>``, ``<|user|>``,
   ``<|assistant|>``, ``<|observation|>``, ``<think>``, ``</think>`` and a GLM-style template.
+- ``glm4_moe``: the same specials; ``<think>``, ``</think>`` and GLM-4.5's tool tokens
+  (``<tool_call>``, ``<arg_key>``, ``<arg_value>``, ``<tool_response>``...) as added tokens that are
+  not special (decoded text keeps them); and a template in the shape GLM-4.5 ships: content given
+  as a string or as text parts, ``/nothink`` and an empty ``<think></think>`` when thinking is off,
+  the reasoning of assistant turns after the last user turn kept, tool calls as ``<arg_key>`` /
+  ``<arg_value>`` pairs, tool results under one ``<|observation|>``.
+- ``gpt_oss``: the harmony markers (``<|start|>``, ``<|channel|>``, ``<|message|>``, ``<|end|>``,
+  ``<|return|>``, ``<|call|>``...) and a harmony template: reasoning goes to the ``analysis`` channel,
+  the answer to ``final``; generation ends at ``<|return|>`` or ``<|call|>``.
 
 The vocabulary is always **exactly** ``vocab_size`` ids (specials + 256 byte tokens + merges): when
 the text runs out of merges the rest is filled with reserved special tokens, so every id a model with
@@ -108,6 +117,112 @@ _GLM_TEMPLATE = """\
 {%- endif -%}
 """
 
+# The harmony format: every message is <|start|>{role}[<|channel|>{channel}]<|message|>{text}<|end|>.
+# Reasoning of assistant turns after the last user message is kept (the analysis channel), earlier
+# reasoning is dropped, as the gpt-oss release does.
+_HARMONY_TEMPLATE = """\
+{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort else 'medium' -%}
+{{- '<|start|>system<|message|>Reasoning: ' + effort + '\n\n# Valid channels: analysis, commentary, final.'
+    + ' Channel must be included for every message.<|end|>' -}}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages if message['role'] == 'user' -%}
+{%- set ns.last_user = loop.index0 -%}
+{%- endfor -%}
+{%- set ns.seen_users = 0 -%}
+{%- for message in messages -%}
+{%- if message['role'] in ['system', 'developer'] -%}
+{{- '<|start|>developer<|message|># Instructions\n\n' + message['content'] + '<|end|>' -}}
+{%- elif message['role'] == 'user' -%}
+{%- set ns.seen_users = ns.seen_users + 1 -%}
+{{- '<|start|>user<|message|>' + message['content'] + '<|end|>' -}}
+{%- elif message['role'] == 'assistant' -%}
+{%- set reasoning = message.get('reasoning_content') or message.get('thinking') -%}
+{%- if reasoning and ns.seen_users > ns.last_user -%}
+{{- '<|start|>assistant<|channel|>analysis<|message|>' + reasoning + '<|end|>' -}}
+{%- endif -%}
+{{- '<|start|>assistant<|channel|>final<|message|>' + (message['content'] or '') + '<|end|>' -}}
+{%- else -%}
+{{- raise_exception('Unknown message role: ' + message['role']) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|start|>assistant' -}}
+{%- endif -%}
+"""
+
+
+_GLM45_TEMPLATE = """\
+[gMASK]<sop>
+{%- if tools -%}
+{{- '<|system|>\\n# Tools\\n\\nFunctions you may call, one JSON signature per line:\\n<tools>\\n' -}}
+{%- for tool in tools -%}
+{{- (tool.function if tool.function is defined else tool) | tojson(ensure_ascii=False) + '\\n' -}}
+{%- endfor -%}
+{{- '</tools>\\n\\nWrite each call as <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>'
+    '...</tool_call>.' -}}
+{%- endif -%}
+{%- macro text_of(content) -%}
+{%- if content is string -%}
+{{- content -}}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content -%}
+{%- if part is mapping and part.type == 'text' -%}{{- part.text -}}{%- elif part is string -%}{{- part -}}{%- endif -%}
+{%- endfor -%}
+{%- elif content is not none -%}
+{{- content -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- set no_thinking = enable_thinking is defined and not enable_thinking -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+{%- set text = text_of(m.content) -%}
+{%- if m.role == 'system' -%}
+{{- '<|system|>\\n' + text -}}
+{%- elif m.role == 'user' -%}
+{{- '<|user|>\\n' + text -}}
+{{- '/nothink' if no_thinking and not text.endswith('/nothink') else '' -}}
+{%- elif m.role == 'assistant' -%}
+{%- set reasoning = m.reasoning_content if m.reasoning_content is string else '' -%}
+{%- if '</think>' in text -%}
+{%- set reasoning = text.split('</think>')[0].split('<think>')[-1] -%}
+{%- set text = text.split('</think>')[-1] -%}
+{%- endif -%}
+{{- '<|assistant|>' -}}
+{%- if loop.index0 > ns.last_user and reasoning.strip() -%}
+{{- '\\n<think>' + reasoning.strip() + '</think>' -}}
+{%- else -%}
+{{- '\\n<think></think>' -}}
+{%- endif -%}
+{%- if text.strip() -%}{{- '\\n' + text.strip() -}}{%- endif -%}
+{%- for call in m.tool_calls or [] -%}
+{%- set call = call.function if call.function is defined else call -%}
+{{- '\\n<tool_call>' + call.name -}}
+{%- if call.arguments is mapping -%}
+{%- for key, value in call.arguments.items() -%}
+{{- '\\n<arg_key>' + key + '</arg_key>\\n<arg_value>' -}}
+{{- value if value is string else value | tojson(ensure_ascii=False) -}}
+{{- '</arg_value>' -}}
+{%- endfor -%}
+{%- elif call.arguments -%}
+{{- '\\n' + call.arguments -}}
+{%- endif -%}
+{{- '\\n</tool_call>' -}}
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|observation|>' -}}{%- endif -%}
+{{- '\\n<tool_response>\\n' + text + '\\n</tool_response>' -}}
+{%- else -%}
+{{- raise_exception('Unknown message role: ' + m.role) -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|assistant|>' + ('\\n<think></think>' if no_thinking else '') -}}
+{%- endif -%}
+"""
+
 
 @dataclass(frozen=True)
 class _Family:
@@ -117,6 +232,9 @@ class _Family:
     pad: str
     template: str | None
     reserved: str  # pattern for filler tokens, with {i}
+    # Added tokens that are not special: decoded text keeps them, as the real tokenizers do for
+    # GLM-4.5's reasoning and tool-call markers (so answers show them and tool calls can be parsed).
+    visible: tuple[str, ...] = ()
 
 
 _DS_BOS, _DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -157,6 +275,36 @@ _FAMILIES: dict[str, _Family] = {
         template=_GLM_TEMPLATE,
         reserved="<|reserved_{i}|>",
     ),
+    "glm4_moe": _Family(
+        specials=(
+            "<|endoftext|>",
+            "[MASK]",
+            "[gMASK]",
+            "[sMASK]",
+            "<sop>",
+            "<eop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+        ),
+        bos=None,
+        eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
+        pad="<|endoftext|>",
+        template=_GLM45_TEMPLATE,
+        reserved="<|reserved_{i}|>",
+        visible=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                 "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    ),
+    "gpt_oss": _Family(
+        specials=("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                  "<|end|>", "<|message|>", "<|call|>"),
+        bos="<|startoftext|>",
+        eos=("<|return|>", "<|endoftext|>", "<|call|>"),
+        pad="<|endoftext|>",
+        template=_HARMONY_TEMPLATE,
+        reserved="<|reserved_{i}|>",
+    ),
 }
 
 
@@ -165,16 +313,43 @@ def _train(family: _Family, vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(family.visible),
         min_frequency=1,
         special_tokens=list(family.specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
+    tokenizer.add_tokens(list(family.visible))
     missing = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
     if missing > 0:
         tokenizer.add_special_tokens([family.reserved.format(i=i) for i in range(missing)])
+    return tokenizer
+
+
+def _synthetic(family: _Family, vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of exactly vocab_size ids whose merges build lowercase words (a, b, .., aa,
+    ab, .., aaa, ..): every id decodes to visible text, so a random model at a release's vocabulary
+    size streams real characters (benchmarks). No training: the vocabulary is constructed."""
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    merges: list[tuple[str, str]] = []
+    need = vocab_size - len(vocab) - len(family.specials)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    frontier = list(letters)
+    while len(merges) < need:
+        grown = []
+        for prefix in frontier:
+            for c in letters:
+                if len(merges) == need:
+                    break
+                vocab[prefix + c] = len(vocab)
+                merges.append((prefix, c))
+                grown.append(prefix + c)
+        frontier = grown
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(family.specials))
     return tokenizer
 
 
@@ -191,9 +366,10 @@ def _tokenizer_config(family: _Family) -> dict:
     }
 
 
-def write_tiny_tokenizer(out_dir: Path, model_type: str, vocab_size: int) -> dict:
-    """Train and write ``tokenizer.json``, ``tokenizer_config.json`` (and ``chat_template.jinja``
-    where the family has one) into ``out_dir``; the vocabulary has exactly ``vocab_size`` ids.
+def write_tiny_tokenizer(out_dir: Path, model_type: str, vocab_size: int, synthetic: bool = False) -> dict:
+    """Train (with ``synthetic``: construct, see :func:`_synthetic`) and write ``tokenizer.json``,
+    ``tokenizer_config.json`` (and ``chat_template.jinja`` where the family has one) into ``out_dir``;
+    the vocabulary has exactly ``vocab_size`` ids.
 
     Returns ``{"bos_token_id", "eos_token_id", "pad_token_id"}`` for config.json /
     generation_config.json (``eos_token_id`` is a list for GLM; ``bos_token_id`` is None for GLM,
@@ -202,10 +378,10 @@ def write_tiny_tokenizer(out_dir: Path, model_type: str, vocab_size: int) -> dic
     family = _FAMILIES.get(model_type)
     if family is None:
         raise ValueError(f"no tiny tokenizer for model_type {model_type!r}; known: {sorted(_FAMILIES)}")
-    minimum = _BYTE_ALPHABET + len(family.specials)
+    minimum = _BYTE_ALPHABET + len(family.specials) + len(family.visible)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be >= {minimum} for {model_type} (256 bytes + specials)")
-    tokenizer = _train(family, vocab_size)
+    tokenizer = _synthetic(family, vocab_size) if synthetic else _train(family, vocab_size)
     if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise RuntimeError("tiny tokenizer vocabulary does not have the requested size")
     out_dir = Path(out_dir)

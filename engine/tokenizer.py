@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _RustTokenizer
 
 from hearth.engine import dsv32_encoding
-from hearth.engine.api import CheckpointError, HearthError
+from hearth.engine.api import CheckpointError, HearthError, RequestError
 from hearth.engine.chat_template import render_chat_template
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -163,6 +164,22 @@ class Tokenizer:
                 ids = [*ids, eos]
         return ids
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Length of the longest vocabulary entry: no token covers more characters of a text. (A
+        byte-level entry's length counts bytes, which are never fewer than the characters.)"""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the tokens ``text`` encodes to, from its length alone: far cheaper than
+        tokenising, so a prompt that cannot fit the context is refused before it is tokenised."""
+        length = len(text)
+        normalizer = self._backend.normalizer
+        if normalizer is not None and length > self.max_token_chars:
+            # NOTE: a normalizer (NFC...) may merge characters before tokenising; count what it leaves.
+            length = len(normalizer.normalize_str(text))
+        return -(-length // self.max_token_chars)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -187,11 +204,29 @@ class Tokenizer:
                 **extra,
             )
         if self.model_type == "deepseek_v32":
-            return self._encode_dsv32(messages, **extra)
+            try:
+                return self._encode_dsv32(messages, **extra)
+            except (AttributeError, KeyError, TypeError, ValueError) as err:
+                # Like a template's failure: the messages or options the request sent do not fit.
+                raise RequestError(f"the messages or chat options do not fit DeepSeek-V3.2's chat format "
+                                   f"({type(err).__name__}: {err})") from err
         raise HearthError(
             f"this model (model_type {self.model_type!r}) has no chat template; "
             "add a chat_template.jinja to its folder or use plain-text prompts"
         )
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        thinking: bool = False,
+        **extra: Any,
+    ) -> str:
+        """The chat prompt's text. ``thinking`` asks for reasoning before the answer; it is passed
+        to templates as both ``thinking`` and ``enable_thinking``."""
+        extra.setdefault("thinking", thinking)
+        extra.setdefault("enable_thinking", thinking)
+        return self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     def encode_chat(
         self,
@@ -200,11 +235,8 @@ class Tokenizer:
         thinking: bool = False,
         **extra: Any,
     ) -> list[int]:
-        """Token ids of the chat prompt. ``thinking`` asks for reasoning before the answer; it is
-        passed to templates as both ``thinking`` and ``enable_thinking``."""
-        extra.setdefault("thinking", thinking)
-        extra.setdefault("enable_thinking", thinking)
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        """Token ids of the chat prompt (see ``chat_prompt``)."""
+        text = self.chat_prompt(messages, add_generation_prompt, thinking, **extra)
         # NOTE: the prompt text already holds BOS, so no special tokens are added here.
         return self.encode(text, add_special_tokens=False)
 

@@ -31,6 +31,15 @@ def require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def count_nonfinite(t: torch.Tensor) -> int:
+    """NaN/inf elements of a float or float8_e4m3fn tensor (e4m3fn has no inf; NaN is S.1111.111)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if t.is_floating_point():
+        return int((~torch.isfinite(t)).sum())
+    return 0
+
+
 def check_tensor(
     name: str,
     t: torch.Tensor,

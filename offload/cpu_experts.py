@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hearth.kernels.moe.reference import swiglu_expert
 from hearth.offload.expert_store import SCALE_BLOCK, ExpertStore, ExpertWeights
 
 HOST_POLICIES = ("auto", "on", "off")
@@ -91,9 +92,18 @@ def host_expert(x: torch.Tensor, w: ExpertWeights, index: int = 0) -> torch.Tens
         gate = _dequant(w.w13[index, :inter], w.s13[index, :rows])
         up = _dequant(w.w13[index, inter:], w.s13[index, rows:])
         down = _dequant(w.w2[index], w.s2[index])
+    if not w.plain_swiglu:  # gpt-oss: biases and the clamped SwiGLU
+        return swiglu_expert(x.float(), gate, up, down, _host_biases(w, index), w.swiglu_limit, w.swiglu_alpha)
     xf = x.float()
     h = (F.silu(F.linear(xf, gate)) * F.linear(xf, up)).to(x.dtype).float()  # (n, I)
     return F.linear(h, down)
+
+
+def _host_biases(w: ExpertWeights, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if w.b13 is None:
+        return None
+    inter = w.w13.shape[1] // 2
+    return w.b13[index, :inter].float(), w.b13[index, inter:].float(), w.b2[index].float()
 
 
 def _ms(fn, reps: int = 1) -> float:

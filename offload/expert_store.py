@@ -2,9 +2,11 @@
 
 One contiguous uint8 buffer per MoE layer, expert-major ([E, record_bytes]): one expert is one
 contiguous copy to a GPU cache slot. A record holds w13 = [gate; up] [2I, D], w2 = down [D, I] and,
-for FP8 checkpoints, their fp32 block scales. The buffers are filled straight from the safetensors
-files one tensor at a time and pinned (cudaHostRegister) in expert-aligned chunks, falling back to
-pageable memory where pinning is impossible.
+for FP8 checkpoints, their fp32 block scales; gpt-oss's experts add their biases b13 [2I] and b2 [D]
+(its checkpoints stack all experts of a layer in one tensor with gate and up interleaved, MXFP4 in the
+release: :meth:`ExpertStore.from_stacked_safetensors` dequantises and de-interleaves them).
+The buffers are filled straight from the safetensors files one tensor at a time and pinned
+(cudaHostRegister) in expert-aligned chunks, falling back to pageable memory where pinning is impossible.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from hearth.kernels._utils import count_nonfinite
+from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
+from hearth.kernels.moe.reference import SWIGLU_ALPHA
 
 log = logging.getLogger(__name__)
 
@@ -37,25 +43,45 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """Typed views of S expert records: w13 [S, 2I, D], w2 [S, D, I], s13/s2 fp32 block scales or None."""
+    """Typed views of S expert records: w13 [S, 2I, D], w2 [S, D, I], s13/s2 fp32 block scales or None;
+    gpt-oss: biases b13 [S, 2I], b2 [S, D] and the clamped SwiGLU's limit (None = plain SwiGLU)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     s13: torch.Tensor | None
     s2: torch.Tensor | None
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = SWIGLU_ALPHA
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """True when the fused kernel computes these experts (no biases, no clamp)."""
+        return self.b13 is None and self.swiglu_limit is None
+
+    def reference_kwargs(self) -> dict:
+        """The gpt-oss extras for ``moe_reference``."""
+        return {"b13": self.b13, "b2": self.b2, "swiglu_limit": self.swiglu_limit, "swiglu_alpha": self.swiglu_alpha}
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Byte layout of one expert record: w13, w2, then (FP8 only) s13 and s2, each 512-byte aligned."""
+    """Byte layout of one expert record: w13, w2, then (FP8 only) s13 and s2, then (gpt-oss only)
+    b13 and b2, each 512-byte aligned."""
 
     hidden: int  # D
     inter: int  # I
     dtype: torch.dtype  # float8_e4m3fn, bfloat16, float16 or float32
+    bias: bool = False  # gpt-oss: biases in the weights' dtype
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = SWIGLU_ALPHA
 
     def __post_init__(self) -> None:
         if self.dtype not in (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"unsupported expert weight dtype {self.dtype}")
+        if self.bias and self.is_fp8:
+            raise ValueError("expert biases are stored with float weights only")
 
     @property
     def is_fp8(self) -> bool:
@@ -69,11 +95,13 @@ class ExpertLayout:
 
     @property
     def _sections(self) -> list[tuple[int, int]]:
-        """(offset, nbytes) of w13, w2, s13, s2 (scales 0 bytes for float weights)."""
+        """(offset, nbytes) of w13, w2, s13, s2, b13, b2 (scales 0 bytes for float weights, biases 0
+        bytes without them)."""
         esize = torch.empty(0, dtype=self.dtype).element_size()
         sizes = [2 * self.inter * self.hidden * esize, self.hidden * self.inter * esize]
         (a, b), (c, d) = self.scale_shapes
         sizes += [a * b * 4, c * d * 4] if self.is_fp8 else [0, 0]
+        sizes += [2 * self.inter * esize, self.hidden * esize] if self.bias else [0, 0]
         out, off = [], 0
         for size in sizes:
             out.append((off, size))
@@ -93,12 +121,15 @@ class ExpertLayout:
     def views(self, buf: torch.Tensor) -> ExpertWeights:
         """Typed views of ``buf`` [S, record_bytes] uint8 (rows may be strided)."""
         assert buf.dtype == torch.uint8 and buf.shape[-1] == self.record_bytes and buf.stride(-1) == 1
-        (o13, n13), (o2, n2), (os13, ns13), (os2, ns2) = self._sections
+        (o13, n13), (o2, n2), (os13, ns13), (os2, ns2), (ob13, nb13), (ob2, nb2) = self._sections
         d, i = self.hidden, self.inter
         w13 = buf[:, o13:o13 + n13].view(self.dtype).unflatten(1, (2 * i, d))  # (S, 2I, D)
         w2 = buf[:, o2:o2 + n2].view(self.dtype).unflatten(1, (d, i))  # (S, D, I)
+        if self.bias:
+            b13, b2 = buf[:, ob13:ob13 + nb13].view(self.dtype), buf[:, ob2:ob2 + nb2].view(self.dtype)
+            return ExpertWeights(w13, w2, None, None, b13, b2, self.swiglu_limit, self.swiglu_alpha)
         if not self.is_fp8:
-            return ExpertWeights(w13, w2, None, None)
+            return ExpertWeights(w13, w2, None, None, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         sh13, sh2 = self.scale_shapes
         s13 = buf[:, os13:os13 + ns13].view(torch.float32).unflatten(1, sh13)
         s2 = buf[:, os2:os2 + ns2].view(torch.float32).unflatten(1, sh2)
@@ -174,6 +205,9 @@ class ExpertStore:
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ValueError(f"layer {layer} expert {expert} {name}: shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
+        bad = count_nonfinite(tensor)
+        if bad:
+            raise ValueError(f"layer {layer} expert {expert} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
         dst.copy_(tensor)
 
     @classmethod
@@ -205,6 +239,59 @@ class ExpertStore:
                         if path not in handles:
                             handles[path] = safe_open(str(path), framework="pt")
                         store.set_expert(layer, expert, f"{proj}.{suffix}", handles[path].get_tensor(name))
+        return store
+
+    @classmethod
+    def from_stacked_safetensors(
+        cls, files: str | Path | Sequence[str | Path], layers: Sequence[int], dtype: torch.dtype,
+        swiglu_limit: float, swiglu_alpha: float = SWIGLU_ALPHA, pin: bool | None = None,
+    ) -> ExpertStore:
+        """Fill a store from gpt-oss's stacked experts, one layer's tensors at a time:
+        ``model.layers.{L}.mlp.experts.gate_up_proj`` [E, D, 2I] (gate and up columns interleaved) and
+        ``down_proj`` [E, I, D] with their ``_bias``, or the MXFP4 ``_blocks`` + ``_scales`` of the
+        release ([E, 2I, D] and [E, D, I] once dequantised), stored as ``dtype``."""
+        where = _tensor_files(files)
+        handles: dict[Path, object] = {}
+
+        def read(name: str) -> torch.Tensor:
+            if name not in where:
+                raise KeyError(f"checkpoint has no tensor {name}")
+            if where[name] not in handles:
+                handles[where[name]] = safe_open(str(where[name]), framework="pt")
+            return handles[where[name]].get_tensor(name)
+
+        def weight(prefix: str) -> torch.Tensor:
+            """[E, out, in] in ``dtype`` (the Linear layout the store keeps)."""
+            if prefix + "_blocks" in where:
+                return dequantize_mxfp4(read(prefix + "_blocks"), read(prefix + "_scales"), dtype)
+            return read(prefix).to(dtype).transpose(1, 2)
+
+        store = None
+        for layer in layers:
+            prefix = f"model.layers.{layer}.mlp.experts."
+            gate_up, down = weight(prefix + "gate_up_proj"), weight(prefix + "down_proj")
+            gate_up_bias, down_bias = read(prefix + "gate_up_proj_bias"), read(prefix + "down_proj_bias")
+            tensors = {"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": gate_up_bias,
+                       "down_proj_bias": down_bias}
+            for name, tensor in tensors.items():  # MXFP4: a scale byte of 255 (e8m0's NaN) overflows to inf
+                if bad := count_nonfinite(tensor):
+                    raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
+            if store is None:
+                num_experts, hidden, inter = down.shape[0], down.shape[1], down.shape[2]
+                layout = ExpertLayout(hidden, inter, dtype, bias=True, swiglu_limit=swiglu_limit,
+                                      swiglu_alpha=swiglu_alpha)
+                store = cls(layout, layers, num_experts, pin=pin)
+            w = store.weights(layer)
+            if tuple(gate_up.shape) != tuple(w.w13.shape) or tuple(down.shape) != tuple(w.w2.shape):
+                raise ValueError(f"layer {layer}: expert tensors {tuple(gate_up.shape)}, {tuple(down.shape)}, "
+                                 f"expected {tuple(w.w13.shape)}, {tuple(w.w2.shape)}")
+            # NOTE: de-interleaved to [gate rows; up rows], the layout every expert consumer reads.
+            w.w13.copy_(torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1))
+            w.b13.copy_(torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1))
+            w.w2.copy_(down)
+            w.b2.copy_(down_bias)
+        if store is None:
+            raise ValueError("no MoE layers to store")
         return store
 
     def _pin(self, buf: torch.Tensor) -> bool:

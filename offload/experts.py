@@ -55,10 +55,10 @@ def _experts_into(
     w: ExpertWeights, use_kernel: bool,
 ) -> None:
     """out [T, D] fp32 += the routed experts of x [T, D] at slots slot_ids [T, K] (-1 = skip)."""
-    if use_kernel:
+    if use_kernel and w.plain_swiglu:
         fused_moe(x, slot_ids, topk_weights, w.w13, w.w2, w.s13, w.s2, out=out)
     else:
-        out += moe_reference(x, slot_ids, topk_weights, w.w13, w.w2, w.s13, w.s2)
+        out += moe_reference(x, slot_ids, topk_weights, w.w13, w.w2, w.s13, w.s2, **w.reference_kwargs())
 
 
 def _check_call(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:

@@ -42,17 +42,37 @@ class ModelFootprint:
         return self.expert_bytes * self.num_experts * self.num_moe_layers
 
 
-def footprint_from_tensor_bytes(tensor_bytes: Mapping[str, int], top_k: int) -> ModelFootprint:
-    """Split checkpoint tensor sizes (name -> bytes) into routed experts and the rest."""
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|down_proj)")
+
+
+def footprint_from_stacked_experts(tensor_bytes: Mapping[str, int], top_k: int, num_experts: int, hidden: int,
+                                   inter: int, value_bytes: int) -> ModelFootprint:
+    """gpt-oss: each layer's experts stacked in a few tensors (MXFP4 in the release). The store holds
+    them dequantised, ``value_bytes`` per weight and bias, so one expert's bytes come from the
+    shapes, not from the files."""
+    layers = {int(m.group(1)) for name in tensor_bytes if (m := _STACKED.match(name))}
+    dense = sum(n for name, n in tensor_bytes.items() if not _STACKED.match(name))
+    expert_bytes = (3 * hidden * inter + 2 * inter + hidden) * value_bytes
+    return ModelFootprint(dense, expert_bytes, len(layers), num_experts if layers else 0, top_k)
+
+
+def footprint_from_tensor_bytes(tensor_bytes: Mapping[str, int], top_k: int,
+                                num_layers: int | None = None) -> ModelFootprint:
+    """Split checkpoint tensor sizes (name -> bytes) into routed experts and the rest. With
+    ``num_layers``, tensors of later layers (the multi-token-prediction layers DeepSeek and GLM-4.5
+    ship, a whole MoE layer each, which the engine never loads) are left out."""
     dense, routed, experts, layers = 0, 0, set(), set()
     for name, nbytes in tensor_bytes.items():
+        layer = _LAYER.search(name)
+        if num_layers is not None and layer is not None and int(layer.group(1)) >= num_layers:
+            continue
         match = _ROUTED.search(name)
         if match is None:
             dense += nbytes
             continue
         routed += nbytes
         experts.add(int(match.group(1)))
-        layers.add(int(_LAYER.search(name).group(1)))
+        layers.add(int(layer.group(1)))
     num_experts, num_layers = len(experts), len(layers)
     expert_bytes = routed // (num_experts * num_layers) if routed else 0
     return ModelFootprint(dense, expert_bytes, num_layers, num_experts, top_k)

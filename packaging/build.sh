@@ -53,6 +53,8 @@ echo "screenshot: build/bundle-screenshot.png"
 tarball="dist/hearth-$version-linux-$arch.tar.gz"
 tar -C dist -czf "$tarball" hearth
 echo "bundle: $(du -sh "$app" | cut -f1)  tarball: $(du -h "$tarball" | cut -f1)  $tarball"
+echo "the bundle needs libxcb-icccm4 and libxcb-keysyms1 on the machine that runs it" \
+     "(Debian/Ubuntu: sudo apt install libxcb-icccm4 libxcb-keysyms1)"
 
 if command -v appimagetool >/dev/null 2>&1; then
     appdir="build/Hearth.AppDir"

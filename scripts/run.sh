@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Installs Hearth into .venv and starts it (the desktop app; pass --cli ... for the terminal).
+# Starts Hearth (the desktop app; pass --cli ... for the terminal), installing it into .venv first
+# when needed: on the first run and after pyproject.toml changes (see scripts/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-. .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -m pip install -q "torch==2.13.0" -e .
-exec hearth "$@"
+. scripts/install.sh
+hearth_ensure_installed .venv "$PWD" ""
+exec .venv/bin/hearth "$@"

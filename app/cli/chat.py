@@ -41,10 +41,13 @@ HELP = ("/system TEXT  set the system prompt (/system alone clears it)\n"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("chat", help="chat in the terminal", description=__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser("chat", help="chat in the terminal",
+                                   description="Chat in the terminal with streaming answers (/help lists the "
+                                   "chat commands).")
     add_common_options(parser, sub=True)
     parser.add_argument("--keep-engine", action="store_true",
-                        help="leave the local engine host running after the chat ends")
+                        help="leave the local engine host running after the chat ends (`hearth --cli stop` "
+                        "stops it)")
     parser.set_defaults(func=cmd_chat)
 
 
@@ -96,7 +99,12 @@ class ChatSession:
 
     def close(self, keep_engine: bool = False) -> None:
         self.client.close()
-        if self.proc is not None and self.proc.started_here and not keep_engine:
+        if self.proc is None or not self.proc.started_here:
+            return
+        if keep_engine:
+            print(f"The engine host keeps running (pid {self.proc.pid}); `hearth --cli stop` stops it.",
+                  file=sys.stderr)
+        else:
             self.proc.stop()
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hearth.app.client.openai_client import ChatChunk
+from hearth.app.demo_model import DEMO_NAMES, bundled_demo_path
 from hearth.app.store.settings import Settings
 from hearth.engine.api import HearthError, decode_rate
 
@@ -59,12 +60,26 @@ def api_key_of(args: argparse.Namespace) -> str | None:
 
 
 def resolve_model_path(name: str | None, settings: Settings) -> Path:
-    """A model folder from a path or an installed name; falls back to the default model."""
-    name = name or settings.default_model
-    if name in ("demo", "Demo (tiny model)") or (not name and not _installed_names()):
-        return _bundled_demo(explicit=bool(name))
-    if not name:
-        raise HearthError(_no_model_message())
+    """The model folder to load: ``name`` (a folder, an installed name, a repo id or its short
+    name), else the default model in the settings, else the only installed model, else the
+    bundled demo model. Several installed models and no default is an error that lists them."""
+    if name:
+        return _resolve_named(name)
+    if settings.default_model:
+        return _resolve_named(settings.default_model)
+    installed = _installed_runnable()
+    if len(installed) == 1:
+        return installed[0].path
+    if not installed:
+        return _bundled_demo(explicit=False)
+    names = ", ".join(m.name for m in installed)
+    raise HearthError(f"no model given and {len(installed)} are installed ({names}); pass --model NAME or "
+                      "set a default with `hearth --cli config set default_model NAME`")
+
+
+def _resolve_named(name: str) -> Path:
+    if name.strip().lower() in DEMO_NAMES:
+        return _bundled_demo(explicit=True)
     path = Path(name).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -85,11 +100,10 @@ def _looks_like_path(name: str) -> bool:
 
 def _bundled_demo(explicit: bool) -> Path:
     """The bundled demo model (a tiny DeepSeek-V3.2 trained on Python's docs)."""
-    from hearth.app.demo_model import bundled_demo_path
-
     path = bundled_demo_path()
     if path is None:
-        raise HearthError(_no_model_message())
+        raise HearthError("no model given and none installed (and this build has no demo model); pass "
+                          "--model DIR or download one with `hearth --cli pull REPO`")
     if not explicit:
         print("note: no model installed; using the bundled tiny demo model (it only imitates English). "
               "Download a real one with `hearth --cli search deepseek` and `hearth --cli pull REPO`.",
@@ -97,21 +111,13 @@ def _bundled_demo(explicit: bool) -> Path:
     return path
 
 
-def _installed_names() -> list[str]:
+def _installed_runnable() -> list[Any]:
+    """Installed, verified models of a supported architecture (what the GUI's picker offers)."""
     try:
         from hearth.app.hub import list_installed
-
-        return [m.name for m in list_installed() if m.is_ready]
-    except Exception:  # listing is only a hint; never let it hide the real message
+    except ImportError:  # the Hub manager is optional at run time
         return []
-
-
-def _no_model_message() -> str:
-    names = _installed_names()
-    if names:
-        return f"no model given; pass --model NAME (installed: {', '.join(names)}) or set a default model"
-    return ("no model given and none installed; pass --model DIR, try the bundled demo with --model demo, "
-            "or download one with `hearth --cli pull REPO`")
+    return [m for m in list_installed() if m.is_ready and m.is_supported]
 
 
 def read_prompt(prompt: str | None, stdin: TextIO) -> str:

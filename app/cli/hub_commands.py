@@ -16,11 +16,13 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from hearth.app.demo_model import bundled_demo_path
 from hearth.app.hub import events as ev
-from hearth.app.hub.catalog import SORTS, search_models
+from hearth.app.hub.catalog import SORTS, SUPPORTED_MODEL_TYPES, search_models
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.installed import delete_model, list_installed
 from hearth.app.hub.manager import DownloadManager, DownloadOptions, ItemState
@@ -47,7 +49,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     rm.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     rm.set_defaults(func=cmd_rm)
 
-    models = subparsers.add_parser("models", help="list installed models")
+    models = subparsers.add_parser("models", help="list installed models (and the bundled demo model)")
     models.add_argument("--json", action="store_true", help="machine-readable output")
     models.set_defaults(func=cmd_models)
 
@@ -66,6 +68,8 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
         try:
             return command(args)
         except (HearthError, OSError) as exc:  # OSError: permissions, a vanished folder...
+            if getattr(args, "debug", False):
+                traceback.print_exc()
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_ERROR
 
@@ -129,16 +133,32 @@ def cmd_rm(args: argparse.Namespace) -> int:
 @_one_line_errors
 def cmd_models(args: argparse.Namespace) -> int:
     models = list_installed(HubContext.from_settings(load_settings()))
+    demo = _demo_entry()
     if args.json:
-        print(json.dumps([m.to_json() for m in models], indent=2))
-        return EXIT_OK
-    if not models:
-        print("No models installed. Find one with `hearth --cli search QUERY`, then `hearth --cli pull REPO`.")
+        print(json.dumps([m.to_json() for m in models] + ([demo] if demo else []), indent=2))
         return EXIT_OK
     rows = [(m.name, format_bytes(m.size_bytes), m.model_type or "?", "yes" if m.is_supported else "no",
              _status(m.source, m.is_ready), str(m.path)) for m in models]
-    _print_table(("NAME", "SIZE", "ARCH", "SUPPORTED", "STATUS", "PATH"), rows)
+    if demo:
+        rows.append(("demo", format_bytes(demo["size_bytes"]), demo["model_type"] or "?",
+                     "yes" if demo["is_supported"] else "no", "bundled demo", demo["path"]))
+    if rows:
+        _print_table(("NAME", "SIZE", "ARCH", "SUPPORTED", "STATUS", "PATH"), rows)
+    if not models:
+        print("No models installed. Find one with `hearth --cli search QUERY`, then `hearth --cli pull REPO`.")
     return EXIT_OK
+
+
+def _demo_entry() -> dict[str, Any] | None:
+    """The bundled demo model in ``models --json``'s shape (``--model demo`` picks it)."""
+    path = bundled_demo_path()
+    if path is None:
+        return None
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    model_type = config.get("model_type")
+    return {"name": "demo", "path": str(path), "size_bytes": size, "model_type": model_type,
+            "is_supported": model_type in SUPPORTED_MODEL_TYPES, "source": "demo", "is_ready": True, "commit": None}
 
 
 @_one_line_errors
@@ -156,8 +176,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         print(f"No models match {args.query!r}{hint}.")
         return EXIT_OK
     rows = [(r.repo_id, f"{r.downloads:,}", f"{r.likes:,}", r.model_type or "?",
-             "yes" if r.is_supported else "no", "gated" if r.gated else "") for r in results]
-    _print_table(("REPO", "DOWNLOADS", "LIKES", "ARCH", "SUPPORTED", ""), rows)
+             "yes" if r.is_supported else "no", "gated" if r.gated else "open") for r in results]
+    _print_table(("REPO", "DOWNLOADS", "LIKES", "ARCH", "SUPPORTED", "ACCESS"), rows)
     return EXIT_OK
 
 

@@ -5,7 +5,9 @@
     hearth --cli --model M --prompt "..."               the same (the one-shot form)
     hearth --cli serve [--model M --host H --port P --api-key K]
     hearth --cli stats [--json]                         the running engine's statistics
+    hearth --cli stop                                   stop the engine host left running in the background
     hearth --cli pull | rm | models | search            the model library (Hugging Face Hub)
+    hearth --cli config list | get KEY | set KEY VALUE  the settings file
 
 Errors print one line on stderr and exit with code 1 (``--debug`` shows the traceback); Ctrl-C
 exits with 130. Without a command, a prompt (``--prompt`` or piped stdin) runs one-shot and an
@@ -19,7 +21,7 @@ import logging
 import sys
 import traceback
 
-from hearth.app.cli import chat, run, serve
+from hearth.app.cli import chat, config, run, serve
 from hearth.app.cli.common import add_common_options
 from hearth.engine.api import HearthError
 
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(subparsers)
     serve.add_parser(subparsers)
     _add_hub_commands(subparsers)
+    config.add_parser(subparsers)
     return parser
 
 

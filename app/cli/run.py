@@ -32,7 +32,8 @@ from hearth.app.store.settings import Settings, load_settings
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="answer one prompt and exit",
-                                   description=__doc__.split("\n\n")[0])
+                                   description="Answer one prompt and exit: the answer streams to stdout, "
+                                   "the speed goes to stderr.")
     add_common_options(parser, sub=True)
     add_run_options(parser, sub=True)
     parser.set_defaults(func=cmd_run)

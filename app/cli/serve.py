@@ -1,39 +1,62 @@
 """``hearth --cli serve``: run the engine host (OpenAI-compatible API) in the foreground until
-Ctrl-C, and ``hearth --cli stats``: show the statistics of a running engine (local or --backend).
+Ctrl-C; ``hearth --cli stats``: show the statistics of the running engines (local or --backend);
+``hearth --cli stop``: stop the engine host left running in the background.
+
+``serve`` registers itself in the runtime folder while it runs (see ``register_serve``), so
+``stats`` and ``stop --all`` find it as they find the background host of ``chat`` and the app.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import threading
+from pathlib import Path
 from typing import Any
 
-from hearth.app.cli.common import api_key_of, print_json, resolve_model_path
-from hearth.app.store.settings import load_settings
+from hearth.app.cli.common import DEMO_NAMES, api_key_of, print_json, resolve_model_path
+from hearth.app.client.local_engine import serve_record_path
+from hearth.app.store.settings import Settings, load_settings
 from hearth.engine.api import HearthError
+from hearth.engine.server_security import add_security_arguments
+
+_PORT_POLL_S = 0.05
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible engine host in the foreground",
-                                  description=__doc__.split("\n\n")[0])
+                                  description="Serve a model over an OpenAI-compatible API in the foreground "
+                                  "until Ctrl-C (`hearth --cli stats` sees it).")
     serve.add_argument("--model", "-m", default=argparse.SUPPRESS,
                        help="model folder or installed name (default: the default model in the settings)")
-    serve.add_argument("--served-name", help="the model name clients use (default: the folder name)")
+    serve.add_argument("--served-name", help="the model name clients use (default: the installed name or "
+                       "repo id given to --model, else the folder name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
     serve.add_argument("--api-key", default=argparse.SUPPRESS, help="require this bearer token "
-                       "(default: $HEARTH_API_KEY; strongly advised with --host 0.0.0.0)")
+                       "(default: $HEARTH_API_KEY; needed to bind anything but this machine's loopback)")
     serve.add_argument("--max-model-len", type=int, default=argparse.SUPPRESS, metavar="N",
                        help="context length (default: max_model_len in the settings)")
     serve.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="requests decoded together")
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    add_security_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
-    stats = subparsers.add_parser("stats", help="show the running engine's statistics")
+    stats = subparsers.add_parser("stats", help="show the running engines' statistics",
+                                  description="Show the statistics of the local engines (the background "
+                                  "host and any `serve`), or of --backend URL.")
     stats.add_argument("--backend", metavar="URL", default=argparse.SUPPRESS,
                        help="ask this server (default: the local engine host)")
     stats.add_argument("--api-key", default=argparse.SUPPRESS, help="API key for --backend")
     stats.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     stats.set_defaults(func=cmd_stats)
+
+    stop = subparsers.add_parser("stop", help="stop the engine host running in the background",
+                                 description="Stop the background engine host (started by `chat "
+                                 "--keep-engine` or the desktop app); --all also stops `serve` processes.")
+    stop.add_argument("--all", action="store_true", help="also stop running `hearth --cli serve` processes")
+    stop.set_defaults(func=cmd_stop)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -43,37 +66,116 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model, settings)
     argv = ["--model", str(path), "--host", args.host, "--port", str(args.port),
             "--max-model-len", str(args.max_model_len or settings.context_length),
-            "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning"]
-    if args.served_name:
-        argv += ["--served-name", args.served_name]
+            "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
+            "--max-body-mib", str(args.max_body_mib)]
+    served_name = args.served_name or _installed_name(args.model or settings.default_model)
+    if served_name:
+        argv += ["--served-name", served_name]
     key = api_key_of(args)
     if key:
         argv += ["--api-key", key]
+    for flag, values in (("--allow-load-path", [*_model_folders(settings), *args.allow_load_path]),
+                         ("--allowed-host", args.allowed_host), ("--cors-origin", args.cors_origin)):
+        for value in values:
+            argv += [flag, value]
+    if args.insecure_no_key:
+        argv.append("--insecure-no-key")
     if args.debug:
         argv.append("--debug")
-    return server_main(argv)
+    port_file = serve_record_path(os.getpid()).with_suffix(".port")
+    argv += ["--port-file", str(port_file)]
+    with _registered(port_file, args.host, key, served_name or path.name):
+        return server_main(argv)
+
+
+@contextlib.contextmanager
+def _registered(port_file: Path, host: str, api_key: str | None, model: str):
+    """Register this ``serve`` once the server has bound its port; unregister when it ends."""
+    from hearth.app.client.local_engine import register_serve
+
+    done = threading.Event()
+
+    def register_when_bound() -> None:
+        while not done.wait(_PORT_POLL_S):
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                register_serve(host, int(port_file.read_text().strip()), api_key, model)
+                return
+
+    thread = threading.Thread(target=register_when_bound, name="hearth-serve-register", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        port_file.unlink(missing_ok=True)
+        serve_record_path(os.getpid()).unlink(missing_ok=True)
+
+
+def _installed_name(name: str | None) -> str | None:
+    """The name ``--model`` was given when it named an installed model or a repo id rather than a
+    folder: clients then ask for ``org/repo``, not for the snapshot's commit-hash folder."""
+    if not name or name.strip().lower() in DEMO_NAMES or Path(name).expanduser().is_dir():
+        return None
+    return name
+
+
+def _model_folders(settings: Settings) -> list[str]:
+    """Where installed models live (the Hub cache and imported folders): /hearth/load may open them."""
+    try:
+        from hearth.app.hub import HubContext, list_installed
+    except ImportError:  # the Hub manager is optional at run time
+        return []
+    ctx = HubContext.from_settings(settings)
+    return [str(ctx.cache_dir), *(str(m.path) for m in list_installed(ctx) if m.source == "imported")]
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from hearth.app.client.local_engine import EngineProcess
+    from hearth.app.client.local_engine import running_engines
     from hearth.app.client.openai_client import ChatClient
 
     url = args.backend or load_settings().backend_url
     if url:
-        client = ChatClient(url, api_key_of(args), timeout=10.0)
-    else:
-        proc = EngineProcess.find_running()
-        if proc is None:
-            raise HearthError("no local engine host is running (`hearth --cli chat` or `serve` starts one)")
-        client = proc.client(timeout=10.0)
-    with client:
-        stats = client.stats()
-    if args.json:
-        print_json(stats)
-    elif not stats:
-        print(f"{client.base_url} does not report statistics (not a Hearth engine host)")
-    else:
-        print(format_stats(stats))
+        with ChatClient(url, api_key_of(args), timeout=10.0) as client:
+            stats = client.stats()
+        if args.json:
+            print_json(stats)
+        else:
+            print(format_stats(stats) if stats else
+                  f"{client.base_url} does not report statistics (not a Hearth engine host)")
+        return 0
+    engines = running_engines()
+    if not engines:
+        raise HearthError("no local engine is running (`hearth --cli serve`, `chat --keep-engine` or the app "
+                          "starts one)")
+    reports = []
+    for engine in engines:
+        with engine.client() as client:
+            reports.append((engine, client.stats()))
+    if args.json:  # one object for one engine (the usual case), a list when several run
+        print_json(reports[0][1] if len(reports) == 1 else [stats for _, stats in reports])
+        return 0
+    print("\n\n".join(f"engine     {engine.describe()}\n{format_stats(stats)}" for engine, stats in reports))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from hearth.app.client.local_engine import EngineProcess, running_engines, stop_serve
+
+    stopped = []
+    background = EngineProcess.find_running()
+    if background is not None:
+        background.stop()
+        stopped.append(f"Stopped the background engine host (pid {background.pid}, model "
+                       f"{Path(background.model).name if background.model else 'none'}).")
+    serves = [e for e in running_engines() if e.kind == "serve"]
+    for engine in serves if args.all else ():
+        stop_serve(engine)
+        stopped.append(f"Stopped {engine.describe()}.")
+    print("\n".join(stopped) if stopped else "No engine host is running in the background.")
+    if serves and not args.all:
+        where = ", ".join(e.describe() for e in serves)
+        print(f"Still running: {where}; stop it with Ctrl-C in its terminal or `hearth --cli stop --all`.")
     return 0
 
 

@@ -13,6 +13,10 @@ terminal does not kill it; its output goes to ``engine-host.log`` in the log fol
 
 When the process dies, ``check()`` raises ``EngineDiedError`` with its exit code and last error
 line, and ``restart()`` starts it again with the same model and options.
+
+A foreground ``hearth --cli serve`` registers itself in the same folder (``serve-<pid>.json``, see
+``register_serve``) without taking the background host's place; ``running_engines()`` lists both
+kinds, so ``hearth --cli stats`` and ``stop`` find either.
 """
 
 from __future__ import annotations
@@ -21,21 +25,24 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from hearth.app.client.openai_client import ChatClient, EngineDiedError
-from hearth.app.paths import log_dir, runtime_dir
+from hearth.app.paths import log_dir, private_file, runtime_dir
 from hearth.engine.api import HearthError, engine_options
 
 STATE_FILE = "engine-host.json"
+SERVE_PREFIX = "serve-"
 LOG_FILE = "engine-host.log"
 API_KEY_ENV = "HEARTH_API_KEY"  # the name hearth.engine.server reads (not imported: that pulls in torch)
 # The host's options: its served name and every EngineConfig field, each passed as the flag of its name.
@@ -114,8 +121,8 @@ class EngineProcess:
     def _start(cls, model: str | None, options: dict[str, Any], timeout: float) -> EngineProcess:
         token = secrets.token_urlsafe(24)
         port_file = runtime_dir() / f"engine-{uuid.uuid4().hex[:8]}.port"
-        log_path = log_dir() / LOG_FILE
-        log_offset = log_path.stat().st_size if log_path.exists() else 0
+        log_path = private_file(log_dir() / LOG_FILE)  # prompts and paths may end up in it
+        log_offset = log_path.stat().st_size
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(_command(model, options, port_file), stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=subprocess.STDOUT, env={**os.environ, API_KEY_ENV: token},
@@ -291,12 +298,7 @@ def _read_state() -> dict[str, Any] | None:
 
 
 def _write_state(state: dict[str, Any]) -> None:
-    path = runtime_dir() / STATE_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the token
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(tmp, path)
+    _write_private_json(runtime_dir() / STATE_FILE, state)  # private: it holds the token
 
 
 @contextlib.contextmanager
@@ -308,9 +310,101 @@ def _state_lock() -> Iterator[None]:
     except ImportError:
         yield
         return
-    with open(runtime_dir() / f"{STATE_FILE}.lock", "w") as lock:
+    with open(private_file(runtime_dir() / f"{STATE_FILE}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# ---- every local engine: the background host and foreground `serve` processes ----------------
+
+
+@dataclass(frozen=True)
+class RunningEngine:
+    """A local engine answering on ``base_url``: the background host or a ``serve`` (``kind``)."""
+
+    kind: str
+    pid: int
+    base_url: str
+    api_key: str | None
+    model: str | None
+
+    def describe(self) -> str:
+        what = "background engine host" if self.kind == "background" else "`hearth --cli serve`"
+        return f"{what} (pid {self.pid}, {self.base_url})"
+
+    def client(self, timeout: float = 10.0) -> ChatClient:
+        return ChatClient(self.base_url, self.api_key, timeout=timeout)
+
+
+def serve_record_path(pid: int) -> Path:
+    return runtime_dir() / f"{SERVE_PREFIX}{pid}.json"
+
+
+def register_serve(host: str, port: int, api_key: str | None, model: str | None) -> Path:
+    """Record this process as a running ``serve`` (readable by the user only: it may hold the key)."""
+    connect_to = "127.0.0.1" if host in ("0.0.0.0", "", "localhost") else "::1" if host == "::" else host
+    shown = f"[{connect_to}]" if ":" in connect_to else connect_to
+    path = serve_record_path(os.getpid())
+    _write_private_json(path, {"pid": os.getpid(), "url": f"http://{shown}:{port}", "api_key": api_key,
+                               "model": model})
+    return path
+
+
+def running_engines() -> list[RunningEngine]:
+    """The background host (if alive) and every live ``serve``; stale ``serve`` records are removed."""
+    engines = []
+    background = EngineProcess.find_running()
+    if background is not None:
+        engines.append(RunningEngine("background", background.pid, background.base_url, background.token,
+                                     background.model))
+    for path in sorted(runtime_dir().glob(f"{SERVE_PREFIX}*.json")):
+        engine = _live_serve(path)
+        if engine is None:  # its process is gone (killed): forget it
+            path.unlink(missing_ok=True)
+            path.with_suffix(".port").unlink(missing_ok=True)
+        else:
+            engines.append(engine)
+    return engines
+
+
+def stop_serve(engine: RunningEngine, timeout: float = 10.0) -> None:
+    """Ask a ``serve`` process to shut down as Ctrl-C in its terminal does (SIGINT: it finishes
+    cleanly and unregisters itself), then SIGKILL after ``timeout``."""
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process(engine.pid)
+        if os.name == "nt":
+            process.terminate()
+        else:
+            process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout)
+        except psutil.TimeoutExpired:
+            process.kill()
+    serve_record_path(engine.pid).unlink(missing_ok=True)
+    serve_record_path(engine.pid).with_suffix(".port").unlink(missing_ok=True)
+
+
+def _live_serve(path: Path) -> RunningEngine | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        engine = RunningEngine("serve", int(data["pid"]), str(data["url"]), data.get("api_key"), data.get("model"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        if psutil.Process(engine.pid).status() == psutil.STATUS_ZOMBIE:
+            return None
+    except psutil.Error:
+        return None
+    with engine.client(timeout=5.0) as client:  # a recycled pid does not answer on the recorded port
+        return engine if client.health() else None
+
+
+def _write_private_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)

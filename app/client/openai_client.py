@@ -1,8 +1,8 @@
 """ChatClient: a small, Qt-free client for OpenAI-compatible servers (httpx).
 
 Talks to Hearth's engine host and to any other OpenAI-compatible server (vLLM, SGLang, LM Studio,
-llama.cpp). Hearth-only endpoints degrade gracefully elsewhere: ``stats()`` returns ``{}`` and
-``health()`` falls back to ``GET /v1/models``.
+llama.cpp). Hearth-only endpoints degrade gracefully elsewhere: ``stats()`` returns ``{}``,
+``count_tokens()`` returns None and ``health()`` falls back to ``GET /v1/models``.
 
     client = ChatClient("http://127.0.0.1:8000", api_key="...")
     for chunk in client.stream_chat(client.models()[0], [{"role": "user", "content": "Hi"}]):
@@ -116,6 +116,18 @@ class ChatClient:
             if err.status in (404, 405):
                 return {}
             raise
+
+    def count_tokens(self, model: str, messages: Sequence[dict[str, Any]]) -> int | None:
+        """The exact prompt length of ``messages`` (Hearth's ``/hearth/tokenize``: the server's own
+        tokenizer and chat template); None from servers that do not offer it."""
+        try:
+            data = self._json("POST", "/hearth/tokenize", json={"model": model, "messages": list(messages)})
+        except ClientError as err:
+            if err.status in (404, 405):
+                return None
+            raise
+        count = data.get("prompt_tokens")
+        return int(count) if isinstance(count, int) and not isinstance(count, bool) else None
 
     def load_model(self, path: str, served_name: str | None = None, max_model_len: int | None = None) -> dict[str, Any]:
         """Ask a Hearth engine host to load the model folder ``path`` (replacing its current one)."""

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hearth.app.client.context_window import ContextFit, answer_reserve, estimate_tokens, fit_messages
+from hearth.app.demo_model import DEMO_LABEL
 from hearth.app.paths import data_dir
 from hearth.app.store.settings import Settings
 
-DEMO_LABEL = "Demo (tiny model)"
 DEMO_ARCH = "deepseek_v32"
 _demo_lock = threading.Lock()
 
@@ -123,6 +124,7 @@ class Backend:
         self._engine: Any = None  # hearth.app.client.local_engine.EngineProcess
         self._client: Any = None  # hearth.app.client.openai_client.ChatClient (streams)
         self._stats_client: Any = None  # a second client: stats are polled from another thread
+        self._can_count = True  # the server counts tokens (/hearth/tokenize); False: estimate
         self.connected: Connected | None = None
 
     @property
@@ -142,6 +144,7 @@ class Backend:
         self._close_clients()
         self._client = ChatClient(base_url, api_key=api_key)
         self._stats_client = ChatClient(base_url, api_key=api_key)
+        self._can_count = True
         server_name = self._server_name(choice)
         self.connected = Connected(choice, server_name, effective_context(self.settings, choice))
         return self.connected
@@ -178,6 +181,35 @@ class Backend:
         if self.connected is None or self._client is None:
             raise RuntimeError("No model is loaded")
         return self._client.stream_chat(self.connected.server_name, messages, **sampling)
+
+    def count_tokens(self, messages: list[dict[str, Any]]) -> tuple[int, bool]:
+        """The prompt length of ``messages`` and whether it is exact (counted by the server with
+        the model's tokenizer and template) or estimated (servers that cannot count)."""
+        client, connected = self._stats_client, self.connected
+        if client is None or connected is None:
+            raise RuntimeError("No model is loaded")
+        if self._can_count:
+            count = client.count_tokens(connected.server_name, messages)
+            if count is not None:
+                return count, True
+            self._can_count = False
+        return estimate_tokens(messages), False
+
+    def fit_context(self, messages: list[dict[str, Any]], max_tokens: int | None, policy: str) -> ContextFit:
+        """``messages`` made to fit the model's context by ``policy`` (the ``context_overflow``
+        setting; raises ``ContextFullError`` when they cannot be)."""
+        if self.connected is None:
+            raise RuntimeError("No model is loaded")
+        limit = self.connected.context_length
+        fit = fit_messages(messages, lambda batch: self.count_tokens(list(batch))[0], context_length=limit,
+                           reserve=answer_reserve(limit, max_tokens), policy=policy)
+        return dataclasses.replace(fit, exact=self._can_count)
+
+    def upstream(self) -> tuple[str, str | None] | None:
+        """(base URL, token) of the engine now in use, or None with no model; thread-safe (the app's
+        API server switch calls it per request)."""
+        client = self._stats_client
+        return (client.base_url, client.api_key) if client is not None and self.connected is not None else None
 
     def stats(self) -> dict[str, Any]:
         if self._stats_client is None:

@@ -124,21 +124,35 @@ class SystemPromptPanel(QGroupBox):
         return self.editor.toPlainText().strip()
 
 
-class ContextMeter(QProgressBar):
-    """Tokens used by the conversation out of the context length."""
+class ContextMeter(QWidget):
+    """Tokens in the model's context out of the context length: a thin bar with the numbers beside
+    it (not drawn on the fill, where they are hard to read)."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.setMinimumWidth(210)
-        self.setMaximumWidth(280)
-        self.setToolTip("Context used by this conversation (tokens used / context length)")
+        row = QHBoxLayout(self)
+        row.setContentsMargins(0, 0, 0, 0)
+        self.bar = QProgressBar(self)
+        self.bar.setObjectName("contextBar")
+        self.bar.setTextVisible(False)
+        self.bar.setFixedWidth(110)
+        self.label = QLabel(self)
+        self.label.setObjectName("hintLabel")
+        row.addWidget(self.bar)
+        row.addWidget(self.label)
+        self.setToolTip("Tokens in the model's context (prompt + answer, counted by the engine) / context length; "
+                        "~ marks an estimate")
+        self.setAccessibleName("Context used")
         self.set_usage(0, 0)
 
     def set_usage(self, used: int, limit: int, *, estimated: bool = False) -> None:
-        self.setRange(0, max(limit, 1))
-        self.setValue(min(used, max(limit, 1)))
+        self.bar.setRange(0, max(limit, 1))
+        self.bar.setValue(min(used, max(limit, 1)))
         prefix = "~" if estimated else ""
-        self.setFormat(f"context {prefix}{used:,} / {limit:,}" if limit else "context: no model")
+        self.label.setText(f"context {prefix}{used:,} / {limit:,}" if limit else "context: no model")
+
+    def text(self) -> str:
+        return self.label.text()
 
 
 def _double(low: float, high: float, step: float, tip: str) -> QDoubleSpinBox:

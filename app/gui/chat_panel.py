@@ -7,6 +7,9 @@ completes or stops; ``save_partial()`` writes a running answer (used when quitti
 
 from __future__ import annotations
 
+import dataclasses
+
+from hearth.app.client.context_window import ContextFit
 from hearth.app.gui.backend import Connected, ModelChoice
 from hearth.app.gui.chat_controls import ContextMeter, ModelPicker, SamplingPanel, SystemPromptPanel
 from hearth.app.gui.chat_view import ChatView
@@ -14,6 +17,7 @@ from hearth.app.gui.engine_worker import EngineThread, GenerationResult
 from hearth.app.gui.message_widget import MessageView
 from hearth.app.gui.qt import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTimer, QVBoxLayout, QWidget, Signal
 from hearth.app.gui.resources import icon
+from hearth.app.gui.tasks import run_task
 from hearth.app.store.chats import ChatStore, Message, Preset
 
 FLUSH_MS = 30
@@ -44,7 +48,12 @@ class ChatPanel(QWidget):
         self._answer: Message | None = None
         self._answer_text = ""
         self._pending: list[str] = []
-        self._last_usage = 0
+        self._sent_ids: list[int] = []  # ids of the history messages of the running request
+        self._context_start_id: int | None = None  # first message the running request sends
+        self._prompt_tokens: int | None = None  # the running request's prompt, counted by the server
+        self._meter: tuple[int, bool] | None = None  # (tokens in the context, exact) between answers
+        self._count_generation = 0  # drops stale background counts
+        self.context_policy = "truncate"  # Settings.context_overflow: "truncate" or "stop"
         self._flush_timer = QTimer(self)
         self._flush_timer.setInterval(FLUSH_MS)
         self._flush_timer.timeout.connect(self._flush)
@@ -111,6 +120,7 @@ class ChatPanel(QWidget):
         self.system_panel.delete_preset_requested.connect(self._delete_preset)
         self.system_panel.preset_chosen.connect(self._apply_preset)
         worker = self.engine.worker
+        worker.context_fitted.connect(self._on_context_fitted)
         worker.chunk.connect(self._on_chunk)
         worker.generation_done.connect(self._on_done)
         self.system_panel.set_presets(self.store.presets())
@@ -126,7 +136,7 @@ class ChatPanel(QWidget):
         if connected is not None:
             self.sampling_panel.set_values(self.store.model_sampling(connected.choice.label))
         self._update_buttons()
-        self._update_meter()
+        self.count_context()
 
     def _update_buttons(self) -> None:
         self.send_button.setVisible(not self.is_busy)
@@ -144,13 +154,14 @@ class ChatPanel(QWidget):
         self.cancel_edit()
         conv = self.store.conversation(conversation_id) if conversation_id is not None else None
         self.system_panel.editor.setPlainText(conv.system_prompt if conv else "")
-        self._last_usage = 0
         self._reload_thread()
+        self.count_context()
 
     def _reload_thread(self) -> None:
         thread = self.store.thread(self.conversation_id) if self.conversation_id is not None else []
         views = [MessageView(m, tuple(v.id for v in self.store.versions(m.id))) for m in thread]
         self.view.set_thread(views)
+        self.view.set_context_marker(_context_start(thread))
         self._update_meter()
 
     # ---- actions ----------------------------------------------------------------------------
@@ -164,6 +175,7 @@ class ChatPanel(QWidget):
         else:
             parent_id = self.store.conversation(conv_id).current_leaf_id
         user = self.store.add_message(conv_id, "user", text, parent_id=parent_id)
+        self.view.clear_notice()
         self.composer.clear()
         self.cancel_edit()
         self._start_answer(user)
@@ -216,9 +228,14 @@ class ChatPanel(QWidget):
         self._answer = self.store.add_message(self.conversation_id, "assistant", "", parent_id=user.id,
                                               model=self._model_label(), is_complete=False)
         self._answer_text, self._pending = "", []
+        self._context_start_id = self._prompt_tokens = None
         self._reload_thread()
         self._request_id += 1
-        self.engine.request_generate.emit(self._request_id, self._messages(history), self.sampling_panel.values())
+        self._count_generation += 1
+        sent = [m for m in history if m.content or m.role == "user"]
+        self._sent_ids = [m.id for m in sent]
+        self.engine.request_generate.emit(self._request_id, self._messages(sent), self.sampling_panel.values(),
+                                          self.context_policy)
         self._flush_timer.start()
         self._update_buttons()
         self.busy_changed.emit(True)
@@ -226,12 +243,21 @@ class ChatPanel(QWidget):
     def _messages(self, history: list[Message]) -> list[dict[str, str]]:
         system = self.system_panel.text()
         messages = [{"role": "system", "content": system}] if system else []
-        return messages + [{"role": m.role, "content": m.content} for m in history if m.content or m.role == "user"]
+        return messages + [{"role": m.role, "content": m.content} for m in history]
 
     def _model_label(self) -> str | None:
         return self.connected.choice.label if self.connected else None
 
     # ---- streaming --------------------------------------------------------------------------
+    def _on_context_fitted(self, request_id: int, fit: ContextFit) -> None:
+        """What the running request sends: mark where the model's context starts, count it."""
+        if request_id != self._request_id or self._answer is None:
+            return
+        self._context_start_id = self._sent_ids[fit.dropped] if fit.dropped else None
+        self._prompt_tokens = fit.prompt_tokens
+        self.view.set_context_marker(self._context_start_id)
+        self._update_meter()
+
     def _on_chunk(self, request_id: int, text: str) -> None:
         if request_id == self._request_id and self._answer is not None:
             self._pending.append(text)
@@ -251,21 +277,31 @@ class ChatPanel(QWidget):
             return
         self._flush()
         self._flush_timer.stop()
-        text = result.text or self._answer_text
-        complete = result.finish_reason in ("stop", "length")
-        message = self.store.finish_message(self._answer.id, text, stats=result.stats,
-                                            finish_reason=result.finish_reason, is_complete=complete)
-        self._answer = None
-        if result.stats.prompt_tokens is not None and result.stats.completion_tokens is not None:
-            self._last_usage = result.stats.prompt_tokens + result.stats.completion_tokens
-        self.view.update_message(message)
+        answer, self._answer = self._answer, None
+        if result.finish_reason == "context_full":
+            self.store.discard_empty_answer(answer.id)
+            self._reload_thread()
+            self.view.show_notice(result.error or "This chat has outgrown the model's context.")
+        else:
+            self._store_answer(answer, result)
         self._update_buttons()
         self._update_meter()
         self.busy_changed.emit(False)
-        if result.error and not result.engine_died:
-            self.window().statusBar().showMessage(f"The answer failed: {result.error}", 10_000)
+        if result.error and result.finish_reason != "context_full" and not result.engine_died:
+            self.view.show_notice(f"The answer failed: {result.error}")
         if self.conversation_id is not None:
             self.conversation_changed.emit(self.conversation_id)
+
+    def _store_answer(self, answer: Message, result: GenerationResult) -> None:
+        stats = dataclasses.replace(result.stats, context_start_id=self._context_start_id)
+        complete = result.finish_reason in ("stop", "length")
+        message = self.store.finish_message(answer.id, result.text or self._answer_text, stats=stats,
+                                            finish_reason=result.finish_reason, is_complete=complete)
+        self.view.update_message(message)
+        if stats.prompt_tokens is not None and stats.completion_tokens is not None:
+            self._meter = (stats.prompt_tokens + stats.completion_tokens, True)
+        else:
+            self.count_context()
 
     def save_partial(self) -> None:
         """Write the running answer as it is now (quitting mid-answer keeps it) and stop it."""
@@ -279,14 +315,36 @@ class ChatPanel(QWidget):
 
     # ---- context meter, sampling, presets ---------------------------------------------------
     def _update_meter(self) -> None:
+        """Tokens in the model's context: the running request's prompt (counted by the server)
+        plus what has streamed, or between answers the last count."""
         limit = self.connected.context_length if self.connected else 0
-        if self._last_usage and not self.is_busy:
-            self.context_meter.set_usage(self._last_usage, limit)
+        if self.is_busy:
+            if self._prompt_tokens is None:
+                return  # counted before the first chunk arrives
+            streamed = (len(self._answer_text) + 3) // 4
+            self.context_meter.set_usage(self._prompt_tokens + streamed, limit, estimated=streamed > 0)
+        elif self._meter is not None:
+            self.context_meter.set_usage(self._meter[0], limit, estimated=not self._meter[1])
+        else:
+            self.context_meter.set_usage(0, limit)
+
+    def count_context(self) -> None:
+        """Count this conversation as it would be sent now (a background request to the server)."""
+        self._count_generation += 1
+        generation, backend = self._count_generation, self.engine.worker.backend
+        thread = self.store.thread(self.conversation_id) if self.conversation_id is not None else []
+        messages = self._messages([m for m in thread if m.content or m.role == "user"])
+        if self.connected is None or not messages:
+            self._meter = None
+            self._update_meter()
             return
-        chars = len(self.system_panel.text()) + len(self._answer_text)
-        if self.conversation_id is not None:
-            chars += sum(len(m.content) for m in self.store.thread(self.conversation_id))
-        self.context_meter.set_usage((chars + 3) // 4, limit, estimated=True)
+
+        def show(result: tuple[int, bool]) -> None:
+            if generation == self._count_generation and not self.is_busy:
+                self._meter = result
+                self._update_meter()
+
+        run_task(lambda: backend.count_tokens(messages), show, lambda _exc: None)  # the meter keeps its value
 
     def _save_sampling(self) -> None:
         if self.connected is not None:
@@ -319,3 +377,12 @@ class ChatPanel(QWidget):
 
     def set_choices(self, choices: list[ModelChoice], current_label: str | None) -> None:
         self.model_picker.set_choices(choices, current_label)
+
+
+def _context_start(thread: list[Message]) -> int | None:
+    """Where the model's context began for the thread's latest answer (None: nothing was dropped)."""
+    for message in reversed(thread):
+        if message.role == "assistant" and message.stats is not None:
+            start = message.stats.context_start_id
+            return start if start is not None and any(m.id == start for m in thread) else None
+    return None

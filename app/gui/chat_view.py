@@ -34,6 +34,16 @@ class ChatView(QScrollArea):
         self._placeholder.setWordWrap(True)
         self._placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self._layout.addWidget(self._placeholder)
+        self.context_marker = QLabel("", container)
+        self.context_marker.setObjectName("contextMarker")
+        self.context_marker.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.context_marker.hide()
+        self.notice = QLabel("", container)
+        self.notice.setObjectName("chatNotice")
+        self.notice.setWordWrap(True)
+        self.notice.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.notice.hide()
+        self._layout.addWidget(self.notice)
         self._layout.addStretch(1)
         self.setWidget(container)
         self.widgets: list[MessageWidget] = []
@@ -51,6 +61,7 @@ class ChatView(QScrollArea):
             widget.deleteLater()
         self.widgets = [self._add(view) for view in views]
         self._placeholder.setVisible(not views)
+        self.set_context_marker(None)
         self._stick_to_bottom = True
 
     def append(self, view: MessageView) -> MessageWidget:
@@ -65,8 +76,39 @@ class ChatView(QScrollArea):
         widget.edit_requested.connect(self.edit_requested)
         widget.regenerate_requested.connect(self.regenerate_requested)
         widget.version_requested.connect(self.version_requested)
-        self._layout.insertWidget(self._layout.count() - 1, widget)
+        self._layout.insertWidget(self._layout.indexOf(self.notice), widget)
         return widget
+
+    def set_context_marker(self, first_kept_id: int | None) -> None:
+        """A line above message ``first_kept_id`` saying how many earlier messages the model no
+        longer sees (None: hide it)."""
+        self._layout.removeWidget(self.context_marker)
+        index = next((i for i, w in enumerate(self.widgets) if w.view.message.id == first_kept_id), None)
+        if not index:  # None, or the very first message: nothing is left out
+            self.context_marker.hide()
+            return
+        noun = "message is" if index == 1 else "messages are"
+        self.context_marker.setText(f"⤒ {index} earlier {noun} not in the model's context")
+        self.context_marker.setToolTip("The conversation outgrew the context, so the oldest messages were left "
+                                       "out (the system prompt stays). Settings > Chat chooses this behaviour.")
+        self._layout.insertWidget(self._layout.indexOf(self.widgets[index]), self.context_marker)
+        self.context_marker.show()
+
+    def scroll_to_context_marker(self) -> None:
+        """Show the marker at the top of the view (and stop following the end of the thread)."""
+        if not self.context_marker.isHidden():
+            self._stick_to_bottom = False
+            self.verticalScrollBar().setValue(max(self.context_marker.y() - 60, 0))
+
+    def show_notice(self, text: str) -> None:
+        """A message from Hearth at the end of the thread (why an answer failed or was not sent)."""
+        self.notice.setText(text)
+        self.notice.show()
+        self._placeholder.hide()
+        self._stick_to_bottom = True
+
+    def clear_notice(self) -> None:
+        self.notice.hide()
 
     def widget_for(self, message_id: int) -> MessageWidget | None:
         return next((w for w in self.widgets if w.view.message.id == message_id), None)

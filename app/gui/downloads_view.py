@@ -1,10 +1,16 @@
-"""The download queue as a table: progress, speed, ETA, and pause / resume / cancel per row.
+"""The download queue as a table: progress, speed, ETA, and the actions that apply to each row's
+state (pause while running; resume when paused or failed; cancel until it is ready; none once ready).
 
+A retry back-off counts down ("retrying in 8 s (attempt 3)") with the reason in the tooltip. Items
+from an earlier session come back as they were left: paused, or failed with their reason.
 ``HubBridge`` turns the Qt-free ``DownloadManager``'s callbacks (from its worker threads) into a
 queued Qt signal, so the table only ever changes on the GUI thread.
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 from hearth.app.gui.qt import (
     QHBoxLayout,
@@ -13,15 +19,21 @@ from hearth.app.gui.qt import (
     QProgressBar,
     QTableWidget,
     QTableWidgetItem,
+    QTimer,
     QToolButton,
     QWidget,
     Signal,
 )
 from hearth.app.gui.resources import icon
 from hearth.app.hub import events as ev
+from hearth.app.hub.manager import DownloadItem, ItemState
 from hearth.app.hub.units import format_bytes, format_duration, format_speed
 
 COLUMNS = ("Model", "State", "Progress", "Speed", "ETA", "")
+ACTIONS = (("pause", "Pause"), ("resume", "Resume"), ("cancel", "Cancel and delete partial files"))
+# Which actions each state offers ("running" covers queued, downloading, retrying and verifying).
+OFFERED = {"running": {"pause", "cancel"}, "paused": {"resume", "cancel"}, "failed": {"resume", "cancel"},
+           "ready": set()}
 
 
 class HubBridge(QObject):
@@ -46,6 +58,11 @@ class DownloadsTable(QTableWidget):
         self.verticalHeader().hide()
         self.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.rows: dict[str, int] = {}
+        self.buttons: dict[str, dict[str, QToolButton]] = {}
+        self._retries: dict[str, tuple[float, int]] = {}  # item id -> (back-off ends at, attempt)
+        self._countdown = QTimer(self)
+        self._countdown.setInterval(1000)
+        self._countdown.timeout.connect(self._show_retries)
 
     def row_for(self, item_id: str, repo_id: str) -> int:
         if item_id in self.rows:
@@ -67,15 +84,33 @@ class DownloadsTable(QTableWidget):
         box = QWidget(self)
         layout = QHBoxLayout(box)
         layout.setContentsMargins(0, 0, 0, 0)
-        for name, tip, signal in (("pause", "Pause", self.pause_requested), ("resume", "Resume", self.resume_requested),
-                                  ("cancel", "Cancel and delete partial files", self.cancel_requested)):
+        signals = {"pause": self.pause_requested, "resume": self.resume_requested, "cancel": self.cancel_requested}
+        self.buttons[item_id] = {}
+        for name, tip in ACTIONS:
             button = QToolButton(box)
             button.setIcon(icon(name))
             button.setToolTip(tip)
+            button.setAccessibleName(tip)
             button.setObjectName(f"{name}Button")
-            button.clicked.connect(lambda _=False, s=signal: s.emit(item_id))
+            button.clicked.connect(lambda _=False, s=signals[name]: s.emit(item_id))
             layout.addWidget(button)
+            self.buttons[item_id][name] = button
+        layout.addStretch(1)
+        self._offer(item_id, "running")
         return box
+
+    def _offer(self, item_id: str, state: str) -> None:
+        for name, button in self.buttons.get(item_id, {}).items():
+            button.setVisible(name in OFFERED[state])
+
+    def restore(self, item: DownloadItem) -> None:
+        """Show an item from an earlier session as it was left (paused, or failed with its reason)."""
+        if item.state == ItemState.FAILED:
+            self.apply(ev.DownloadFailed(item.item_id, item.repo_id, item.message or "unknown error", False))
+        else:
+            self.apply(ev.DownloadPaused(item.item_id, item.repo_id, item.bytes_done, item.bytes_total))
+        if item.bytes_total:
+            self._show_bytes(self.rows[item.item_id], item.bytes_done, item.bytes_total)
 
     def progress_bar(self, item_id: str) -> QProgressBar | None:
         row = self.rows.get(item_id)
@@ -92,12 +127,21 @@ class DownloadsTable(QTableWidget):
             return
         row = self.row_for(event.item_id, event.repo_id)
         state, done, total = _describe(event)
-        if state is not None:
+        retry = self._retries.get(event.item_id)
+        if isinstance(event, ev.DownloadProgress) and retry is not None and time.monotonic() < retry[0]:
+            state = None  # progress ticks go on during a back-off; its countdown stays until it ends
+        if isinstance(event, ev.DownloadRetrying):
+            self._retries[event.item_id] = (time.monotonic() + event.delay_s, event.attempt)
+            self.item(row, 1).setToolTip(event.reason)
+            self._countdown.start()
+            self._show_retries()
+        elif state is not None:
+            self._retries.pop(event.item_id, None)
             self.item(row, 1).setText(state)
+            self.item(row, 1).setToolTip(state)
+        self._offer(event.item_id, _offered_state(event))
         if done is not None and total:
-            bar: QProgressBar = self.cellWidget(row, 2)
-            bar.setValue(int(1000 * done / total))
-            bar.setFormat(f"{format_bytes(done)} / {format_bytes(total)}")
+            self._show_bytes(row, done, total)
         if isinstance(event, ev.DownloadProgress):
             self.item(row, 3).setText(format_speed(event.speed_bps))
             self.item(row, 4).setText(format_duration(event.eta_s))
@@ -105,7 +149,25 @@ class DownloadsTable(QTableWidget):
             self.item(row, 3).setText("")
             self.item(row, 4).setText("")
 
+    def _show_bytes(self, row: int, done: int, total: int) -> None:
+        bar: QProgressBar = self.cellWidget(row, 2)
+        bar.setValue(int(1000 * done / total))
+        bar.setFormat(f"{format_bytes(done)} / {format_bytes(total)}")
+
+    def _show_retries(self) -> None:
+        now = time.monotonic()
+        for item_id, (until, attempt) in self._retries.items():
+            row = self.rows.get(item_id)
+            if row is not None:
+                wait = max(math.ceil(until - now), 0)
+                self.item(row, 1).setText(f"retrying in {wait} s (attempt {attempt})" if wait else
+                                          f"retrying (attempt {attempt})")
+        if not self._retries:
+            self._countdown.stop()
+
     def _remove(self, item_id: str) -> None:
+        self._retries.pop(item_id, None)
+        self.buttons.pop(item_id, None)
         row = self.rows.pop(item_id, None)
         if row is None:
             return
@@ -123,9 +185,9 @@ def _describe(event: ev.DownloadEvent) -> tuple[str | None, int | None, int | No
         case ev.DownloadProgress(bytes_done=done, bytes_total=total):
             return "downloading", done, total
         case ev.DownloadStalled(idle_s=idle):
-            return f"stalled {idle:.0f}s, reconnecting", None, None
-        case ev.DownloadRetrying(attempt=attempt, reason=reason):
-            return f"retry {attempt}: {reason}", None, None
+            return f"no data for {idle:.0f} s; reconnecting", None, None
+        case ev.DownloadRetrying():
+            return None, None, None  # a countdown (see DownloadsTable._show_retries)
         case ev.DownloadVerifying(bytes_done=done, bytes_total=total):
             return "verifying", done, total
         case ev.DownloadPaused(bytes_done=done, bytes_total=total):
@@ -135,3 +197,11 @@ def _describe(event: ev.DownloadEvent) -> tuple[str | None, int | None, int | No
         case ev.DownloadFailed(message=message, is_resumable=resumable):
             return f"failed: {message}" + (" (resumable)" if resumable else ""), None, None
     return None, None, None
+
+
+def _offered_state(event: ev.DownloadEvent) -> str:
+    if isinstance(event, ev.DownloadPaused):
+        return "paused"
+    if isinstance(event, ev.DownloadFailed):
+        return "failed"
+    return "ready" if isinstance(event, ev.DownloadReady) else "running"

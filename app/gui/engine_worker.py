@@ -15,17 +15,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hearth.app.client.context_window import ContextFullError
 from hearth.app.gui.backend import Backend, ModelChoice
 from hearth.app.gui.qt import QObject, QThread, Signal, Slot
 from hearth.app.store.chats import MessageStats
-from hearth.engine.api import decode_rate
+from hearth.engine.api import HearthError, decode_rate
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """How one answer ended. ``finish_reason`` is "stop", "length", "abort" or "error"."""
+    """How one answer ended. ``finish_reason`` is "stop", "length", "abort", "error", or
+    "context_full" (nothing was sent: the chat outgrew the context and the policy is "stop")."""
 
     request_id: int
     text: str
@@ -40,6 +42,7 @@ class EngineWorker(QObject):
 
     connected = Signal(object)  # backend.Connected
     connect_failed = Signal(str)
+    context_fitted = Signal(int, object)  # request id, ContextFit: what is sent, before the first chunk
     chunk = Signal(int, str)  # request id, new text
     generation_done = Signal(object)  # GenerationResult
     engine_died = Signal(str)
@@ -72,18 +75,24 @@ class EngineWorker(QObject):
         if result is not None:
             self.connected.emit(result)
 
-    @Slot(int, object, object)
-    def generate(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any]) -> None:
+    @Slot(int, object, object, str)
+    def generate(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any],
+                 context_policy: str) -> None:
         self._stop.clear()
         started = time.monotonic()
         state = _Progress()
         try:
-            self._stream(request_id, messages, sampling, state)
+            fit = self.backend.fit_context(messages, sampling.get("max_tokens"), context_policy)
+            self.context_fitted.emit(request_id, fit)
+            self._stream(request_id, fit.messages, sampling, state)
             reason = "abort" if self._stop.is_set() else (state.finish_reason or "stop")
             result = GenerationResult(request_id, state.text, reason, state.stats(started))
+        except ContextFullError as exc:
+            result = GenerationResult(request_id, "", "context_full", state.stats(started), str(exc))
         except Exception as exc:
             died = _is_engine_death(exc) or not self._alive()
-            logger.warning("Generation failed", exc_info=exc)
+            # A refused request (HearthError: the server's one-line reason) needs no traceback.
+            logger.warning("Generation failed: %s", exc, exc_info=None if isinstance(exc, HearthError) else exc)
             result = GenerationResult(request_id, state.text, "error", state.stats(started),
                                       str(exc) or type(exc).__name__, engine_died=died)
             if died:
@@ -164,7 +173,7 @@ class EngineThread(QObject):
     """Owns the worker's QThread and the queued signals that drive it from the GUI thread."""
 
     request_connect = Signal(object)
-    request_generate = Signal(int, object, object)
+    request_generate = Signal(int, object, object, str)  # request id, messages, sampling, context policy
     request_restart = Signal()
 
     def __init__(self, backend: Backend, parent: QObject | None = None) -> None:

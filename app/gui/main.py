@@ -3,7 +3,11 @@
 and exits (works with ``QT_QPA_PLATFORM=offscreen``).
 
     run([])                                   # the app
-    run(["--screenshot", "shot.png"])         # chat view; add --tab models|settings for the others
+    run(["--screenshot", "shot.png"])         # chat view; --tab picks another view (TABS)
+
+A screenshot run never touches the user's data: it reads the user's settings (theme, Hub mirror)
+once, then runs with its own throwaway Hearth folders (chats, settings, downloads, engine host),
+deleted when it exits.
 """
 
 from __future__ import annotations
@@ -12,22 +16,32 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hearth.app.gui.backend import DEMO_LABEL
 from hearth.app.gui.qt import QApplication, QEventLoop, QGuiApplication, Qt, QTimer
 from hearth.app.gui.resources import apply_theme, icon
-from hearth.app.store.settings import load_settings
+from hearth.app.paths import HOME_ENV
+from hearth.app.store.settings import Settings, load_settings
 
 logger = logging.getLogger(__name__)
 SCREENSHOT_PROMPT = "Hello! Who are you, and what does a hearth do?"
-TABS = ("chat", "models", "settings")
+# "truncated": a chat longer than a small context, with the marker where the model's context starts.
+TABS = ("chat", "truncated", "models", "settings", "server")
+TRUNCATED_CONTEXT = 256
+TRUNCATED_PROMPTS = ("What is a hearth?", "Why do people gather around one?", "How do I light a fire safely?",
+                     "What wood burns best?", "How do I clean the ashes?", "Tell me about chimneys.",
+                     "What is a fire screen for?", "Any last tips?")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hearth", description="Hearth desktop app")
     parser.add_argument("--screenshot", metavar="FILE.png", help="render the main window to a PNG and exit")
-    parser.add_argument("--tab", choices=TABS, default="chat", help="which tab the screenshot shows")
+    parser.add_argument("--tab", choices=TABS, default="chat",
+                        help="what the screenshot shows (truncated: a chat longer than a small context)")
     parser.add_argument("--timeout", type=float, default=120.0, help="screenshot: give up after this many seconds")
     return parser.parse_args(argv)
 
@@ -77,20 +91,49 @@ def run(argv: list[str]) -> int:
 
 
 def _screenshot(app: QApplication, path: Path, tab: str, timeout_s: float) -> int:
+    settings = load_settings().replace(default_model=DEMO_LABEL)
+    if tab == "truncated":
+        settings = settings.replace(max_model_len=TRUNCATED_CONTEXT)
+    with _throwaway_home():
+        return _render(app, settings, path, tab, timeout_s)
+
+
+@contextmanager
+def _throwaway_home() -> Iterator[Path]:
+    """Point Hearth's folders (``HEARTH_HOME``) at a temporary one for the block, then restore."""
+    old = os.environ.get(HOME_ENV)
+    with tempfile.TemporaryDirectory(prefix="hearth-screenshot-") as home:
+        os.environ[HOME_ENV] = home
+        try:
+            yield Path(home)
+        finally:
+            if old is None:
+                os.environ.pop(HOME_ENV, None)
+            else:
+                os.environ[HOME_ENV] = old
+
+
+def _render(app: QApplication, settings: Settings, path: Path, tab: str, timeout_s: float) -> int:
     from hearth.app.gui.main_window import MainWindow
 
-    settings = load_settings().replace(default_model=DEMO_LABEL)
     window = MainWindow(settings)
     window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     window.show()
     ok = _wait(app, lambda: window.chat.connected is not None, timeout_s)
-    if ok:
-        window.chat.composer.setPlainText(SCREENSHOT_PROMPT)
-        window.chat.sampling_panel.max_tokens.setValue(40)
-        window.chat.send()
-        ok = _wait(app, lambda: not window.chat.is_busy, timeout_s)
-    window.tabs.setCurrentIndex(TABS.index(tab))
+    if ok and tab in ("chat", "truncated"):
+        prompts = TRUNCATED_PROMPTS if tab == "truncated" else (SCREENSHOT_PROMPT,)
+        for prompt in prompts:
+            ok = _ask(app, window, prompt, timeout_s)
+            if not ok or (tab == "truncated" and not window.chat.view.context_marker.isHidden()):
+                break
+    if ok and tab == "server":
+        window.server_tab.start_server()
+        ok = _wait(app, lambda: window.server_tab.server is not None or window.server_tab.failed, timeout_s)
+    window.show_view(tab)
     _wait(app, lambda: False, 0.3)  # let layouts and the status bar settle
+    if tab == "truncated":
+        window.chat.view.scroll_to_context_marker()
+        _wait(app, lambda: False, 0.1)
     saved = ok and window.grab().save(str(path))
     if not ok:
         print(f"hearth: the demo model did not answer within {timeout_s:.0f}s", file=sys.stderr)
@@ -98,7 +141,14 @@ def _screenshot(app: QApplication, path: Path, tab: str, timeout_s: float) -> in
     return 0 if saved else 1
 
 
-def _wait(app: QApplication, done, timeout_s: float) -> bool:
+def _ask(app: QApplication, window, prompt: str, timeout_s: float) -> bool:
+    window.chat.composer.setPlainText(prompt)
+    window.chat.sampling_panel.max_tokens.setValue(40)
+    window.chat.send()
+    return _wait(app, lambda: not window.chat.is_busy, timeout_s)
+
+
+def _wait(app: QApplication, done: Callable[[], bool], timeout_s: float) -> bool:
     """Process events until ``done()`` or the timeout (a local event loop, no sleeping)."""
     loop = QEventLoop()
     check = QTimer()

@@ -1,8 +1,8 @@
-"""The main window: Chat (sidebar + chat panel), Models and Settings tabs, the status bar, the
+"""The main window: Chat (sidebar + chat panel), Models, Settings and Server tabs, the status bar, the
 keyboard shortcuts, and the wiring between them and the engine thread.
 
-Quitting writes a running answer as it is (``ChatPanel.save_partial``), pauses downloads, and stops
-the engine host when this window started it.
+Quitting writes a running answer as it is (``ChatPanel.save_partial``), pauses downloads, stops the
+API server switch, and stops the engine host when this window started it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from hearth.app.gui.qt import (
     QCloseEvent,
     QKeySequence,
     QMainWindow,
+    QMessageBox,
     QShortcut,
     QSplitter,
     Qt,
@@ -26,6 +27,7 @@ from hearth.app.gui.qt import (
     QWidget,
 )
 from hearth.app.gui.resources import apply_theme, icon
+from hearth.app.gui.server_tab import ServerTab
 from hearth.app.gui.settings_tab import SettingsTab
 from hearth.app.gui.sidebar import Sidebar
 from hearth.app.gui.status_bar import CrashBanner, EngineStatusBar, StatsPoller
@@ -65,6 +67,9 @@ class MainWindow(QMainWindow):
         self.poller.failed.connect(self._on_poll_failed)
         self.poller.timer.start()
         run_task(cuda_available, self.settings_tab.set_cuda_available)
+        self.recovery_notice: QMessageBox | None = None
+        if self.store.recovery is not None:
+            self._tell_chats_recovered(self.store.recovery.describe())
         self.refresh_models(connect=True)
 
     # ---- layout -----------------------------------------------------------------------------
@@ -72,6 +77,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget(self)
         self.sidebar = Sidebar(self.store, self)
         self.chat = ChatPanel(self.store, self.engine, self)
+        self.chat.context_policy = self.settings.context_overflow
         self.crash_banner = CrashBanner(self)
         right = QWidget(self)
         column = QVBoxLayout(right)
@@ -85,9 +91,11 @@ class MainWindow(QMainWindow):
         split.setSizes([260, 1020])
         self.models_tab = ModelsTab(self.settings, self, download_options)
         self.settings_tab = SettingsTab(self.settings, self)
+        self.server_tab = ServerTab(self.settings, self.backend.upstream, self)
         self.tabs.addTab(split, icon("chat"), "Chat")
         self.tabs.addTab(self.models_tab, icon("models"), "Models")
         self.tabs.addTab(self.settings_tab, icon("settings"), "Settings")
+        self.tabs.addTab(self.server_tab, icon("send"), "Server")
         self.setCentralWidget(self.tabs)
         self.status = EngineStatusBar(self)
         self.setStatusBar(self.status)
@@ -107,6 +115,7 @@ class MainWindow(QMainWindow):
         self.models_tab.use_model_requested.connect(self._use_installed)
         self.models_tab.error.connect(lambda text: self.status.showMessage(text, 10_000))
         self.settings_tab.settings_saved.connect(self.apply_settings)
+        self.server_tab.settings_changed.connect(self._save_server_settings)
 
     def _shortcuts(self) -> None:
         bindings = (("Ctrl+Return", self.chat.send), ("Ctrl+Enter", self.chat.send), ("Esc", self.chat.stop),
@@ -116,12 +125,26 @@ class MainWindow(QMainWindow):
             shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
             shortcut.activated.connect(slot)
 
+    def _tell_chats_recovered(self, text: str) -> None:
+        """Once, without blocking start-up: the chat file was unreadable and was set aside."""
+        box = QMessageBox(QMessageBox.Icon.Warning, "Chat history recovered", text, QMessageBox.StandardButton.Ok,
+                          self)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.setModal(False)
+        box.show()
+        self.recovery_notice = box
+
     # ---- conversations ----------------------------------------------------------------------
     def new_chat(self) -> None:
         self.tabs.setCurrentIndex(0)
         self.chat.load_conversation(None)
         self.sidebar.select_id(None)
         self.chat.composer.setFocus()
+
+    def show_view(self, name: str) -> None:
+        """Bring a tab to the front by name: chat (or truncated), models, settings, server."""
+        pages = {"models": self.models_tab, "settings": self.settings_tab, "server": self.server_tab}
+        self.tabs.setCurrentIndex(self.tabs.indexOf(pages[name]) if name in pages else 0)
 
     def focus_search(self) -> None:
         self.tabs.setCurrentIndex(0)
@@ -161,6 +184,7 @@ class MainWindow(QMainWindow):
         self.status.set_engine_state(f"loading {choice.label}…")
         self.chat.set_connected(None)
         self.settings_tab.set_model_context(choice.context_length, choice.label)
+        self.server_tab.set_model(None)
         self.engine.request_connect.emit(choice)
         if choice.label != self.settings.default_model:
             self.settings = self.settings.replace(default_model=choice.label)
@@ -182,6 +206,7 @@ class MainWindow(QMainWindow):
         self.crash_banner.hide()
         self.chat.set_choices(self.choices or [connected.choice], connected.choice.label)
         self.chat.set_connected(connected)
+        self.server_tab.set_model(connected.server_name)
         where = "remote backend" if self.backend.is_remote else "local engine"
         self.status.set_engine_state(f"{connected.choice.label} ready ({where})")
 
@@ -195,6 +220,7 @@ class MainWindow(QMainWindow):
             return
         self.connected = None
         self.chat.set_connected(None)
+        self.server_tab.set_model(None)
         self.status.set_engine_state("stopped", crashed=True)
         self.crash_banner.show_crash(reason)
 
@@ -220,6 +246,7 @@ class MainWindow(QMainWindow):
         engine_changed = restart_needed(self.settings, settings)
         self.settings = settings
         self.backend.settings = settings
+        self.chat.context_policy = settings.context_overflow
         app = QApplication.instance()
         if app is not None:
             self.chat.view.dark = apply_theme(app, settings.theme) == "dark"
@@ -227,7 +254,12 @@ class MainWindow(QMainWindow):
         if engine_changed and self.connected is not None:
             self.choose_model(self.connected.choice)
 
+    def _save_server_settings(self, server_settings: Settings) -> None:
+        self.settings = self.settings.replace(api_host=server_settings.api_host, api_port=server_settings.api_port)
+        save_settings(self.settings)
+
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt's virtual
+        self.server_tab.stop_server()
         self.chat.save_partial()
         self.chat.save_system_prompt()
         self.poller.timer.stop()

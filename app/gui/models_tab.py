@@ -1,5 +1,7 @@
-"""The Models tab: Hub search (sort, "all architectures"), a repo's files with sizes and the fit
-verdict, the download queue, and the installed models (use, delete, import a local folder).
+"""The Models tab: recommended models with their fit verdict for this machine (a bundled list, so
+it opens offline), Hub search (sort, "all architectures", sizes), a repo's files as ``pull`` would
+fetch them with their total and the fit verdict, the download queue, and the installed models
+(use, delete, import a local folder).
 
 All Hub calls run on the thread pool (``run_task``); downloads run in ``DownloadManager``'s own
 threads and report through ``HubBridge``.
@@ -34,10 +36,13 @@ from hearth.app.hub import HubContext, delete_model, import_local_model, list_in
 from hearth.app.hub import events as ev
 from hearth.app.hub.fit import FitReport, assess_fit, footprint_from_config, probe_machine
 from hearth.app.hub.manager import DownloadManager, DownloadOptions
+from hearth.app.hub.recommended import Recommendation, recommendations
 from hearth.app.hub.units import GIB, format_bytes
 from hearth.app.store.settings import Settings
 
 SORTS = ("downloads", "likes", "trending", "recent")
+SEARCH_COLUMNS = ("Repository", "Type", "Size", "Downloads", "Likes", "Gated")
+PICK_COLUMNS = ("Repository", "Type", "Size", "Fit here")
 
 
 def _table(headers: tuple[str, ...], parent: QWidget) -> QTableWidget:
@@ -51,7 +56,10 @@ def _table(headers: tuple[str, ...], parent: QWidget) -> QTableWidget:
     return table
 
 
-def _fill(table: QTableWidget, rows: list[tuple[Any, ...]]) -> None:
+def _fill(table: QTableWidget, rows: list[tuple[Any, ...]], headers: tuple[str, ...] | None = None) -> None:
+    if headers is not None:
+        table.setColumnCount(len(headers))
+        table.setHorizontalHeaderLabels(headers)
     table.setRowCount(0)
     for values in rows:
         row = table.rowCount()
@@ -74,8 +82,12 @@ class ModelsTab(QWidget):
         self._options = options or DownloadOptions()
         self.manager = self._new_manager()
         self.details: Any = None
+        self._shown_repo: str | None = None  # the repo the details pane is (being) filled with
+        self._listed_types: dict[str, str | None] = {}
+        self._searched = False  # once the user searched, the recommendations stay out of the way
         self._build()
         self.refresh_installed()
+        self.show_recommendations()
 
     def _new_manager(self) -> DownloadManager:
         manager = DownloadManager(self.settings, on_event=self.bridge, options=self._options)
@@ -91,11 +103,18 @@ class ModelsTab(QWidget):
         layout = QVBoxLayout(self)
         layout.addLayout(self._search_row())
         split = QSplitter(Qt.Orientation.Horizontal, self)
-        self.results = _table(("Repository", "Type", "Downloads", "Likes", "Gated"), self)
+        left = QWidget(self)
+        column = QVBoxLayout(left)
+        column.setContentsMargins(0, 0, 0, 0)
+        self.results_label = QLabel("", left)
+        self.results_label.setWordWrap(True)
+        self.results = _table(SEARCH_COLUMNS, left)
         self.results.itemSelectionChanged.connect(self._load_details)
-        split.addWidget(self.results)
+        column.addWidget(self.results_label)
+        column.addWidget(self.results, 1)
+        split.addWidget(left)
         split.addWidget(self._details_box())
-        split.setSizes([500, 500])
+        split.setSizes([560, 440])
         layout.addWidget(split, 3)
         downloads = QGroupBox("Downloads", self)
         self.downloads = DownloadsTable(downloads)
@@ -106,8 +125,8 @@ class ModelsTab(QWidget):
         QVBoxLayout(downloads).addWidget(self.downloads)
         layout.addWidget(downloads, 2)
         layout.addWidget(self._installed_box(), 2)
-        for item in self.manager.items():  # paused downloads from an earlier session
-            self.downloads.apply(ev.DownloadPaused(item.item_id, item.repo_id, item.bytes_done, item.bytes_total))
+        for item in self.manager.items():  # paused or failed downloads from an earlier session
+            self.downloads.restore(item)
 
     def _search_row(self) -> QHBoxLayout:
         row = QHBoxLayout()
@@ -127,11 +146,12 @@ class ModelsTab(QWidget):
     def _details_box(self) -> QGroupBox:
         box = QGroupBox("Repository", self)
         layout = QVBoxLayout(box)
-        self.details_label = QLabel("Pick a search result to see its files and whether it fits.", box)
+        self.details_label = QLabel("Pick a model to see its files, the download size and whether it fits.", box)
         self.details_label.setWordWrap(True)
         self.fit_label = QLabel("", box)
         self.fit_label.setWordWrap(True)
         self.files_table = _table(("File", "Size"), box)
+        self.files_table.setToolTip("The files Download fetches: weights, configs and tokenizer (never pickles)")
         self.download_button = QPushButton(icon("download"), "Download", box)
         self.download_button.setObjectName("primary")
         self.download_button.setEnabled(False)
@@ -156,19 +176,43 @@ class ModelsTab(QWidget):
         layout.addLayout(row)
         return box
 
-    # ---- search and details -----------------------------------------------------------------
+    # ---- recommendations, search and details -------------------------------------------------
+    def show_recommendations(self) -> None:
+        """The bundled list with verdicts for this machine (no network needed)."""
+        settings, disk = self.settings, self.ctx.cache_dir
+        run_task(lambda: recommendations(settings, probe_machine(settings, disk)), self._show_picks,
+                 lambda exc: self.error.emit(f"Could not rate the recommended models: {exc}"))
+
+    def _show_picks(self, picks: list[Recommendation]) -> None:
+        if self._searched:
+            return
+        self._listed_types = {p.repo_id: p.model_type for p in picks}
+        fitting = sum(p.fits for p in picks)
+        self.results_label.setText(
+            f"<b>Recommended for this machine</b>: {fitting} of {len(picks)} fit here"
+            + ("" if fitting else " (the demo model runs anywhere)")
+            + ". Search the Hub above for more.")
+        _fill(self.results, [(p.repo_id, p.model_type, f"~{format_bytes(p.weights_bytes)}", str(p.report.verdict))
+                             for p in picks], PICK_COLUMNS)
+        for row, pick in enumerate(picks):
+            for column in range(len(PICK_COLUMNS)):
+                self.results.item(row, column).setToolTip(f"{pick.why}\n{pick.report.summary}")
+
     def search(self) -> None:
         ctx, query = self.ctx, self.query_edit.text().strip()
         sort, all_arch = self.sort_combo.currentText(), self.all_arch_check.isChecked()
+        self._searched = True
         self.search_button.setEnabled(False)
         run_task(lambda: search_models(ctx, query, sort=sort, all_architectures=all_arch),
                  self._show_results, self._search_failed)
 
     def _show_results(self, results: list[Any]) -> None:
         self.search_button.setEnabled(True)
-        self._results = results
-        _fill(self.results, [(r.repo_id, r.model_type or "?", f"{r.downloads:,}", r.likes, "yes" if r.gated else "")
-                             for r in results])
+        self._listed_types = {r.repo_id: r.model_type for r in results}
+        self.results_label.setText(f"<b>Search results</b>: {len(results)}")
+        _fill(self.results, [(r.repo_id, r.model_type or "?",
+                              format_bytes(r.weights_bytes) if r.weights_bytes else "?", f"{r.downloads:,}",
+                              r.likes, "yes" if r.gated else "") for r in results], SEARCH_COLUMNS)
 
     def _search_failed(self, exc: BaseException) -> None:
         self.search_button.setEnabled(True)
@@ -180,26 +224,42 @@ class ModelsTab(QWidget):
             return
         repo_id = self.results.item(rows[0].row(), 0).text()
         ctx, settings = self.ctx, self.settings
+        # Until this repo's details arrive, Download must not queue the one shown before.
+        self.details, self._shown_repo = None, repo_id
+        self.download_button.setEnabled(False)
+        self.download_button.setText("Download")
+        self.fit_label.clear()
+        self.files_table.setRowCount(0)
         self.details_label.setText(f"Loading {repo_id}…")
-        run_task(lambda: _details_and_fit(ctx, settings, repo_id), self._show_details, self._details_failed)
+        run_task(lambda: _details_and_fit(ctx, settings, repo_id), self._show_details,
+                 lambda exc: self._details_failed(repo_id, exc))
 
     def _show_details(self, result: tuple[Any, FitReport]) -> None:
         details, report = result
+        if details.repo_id != self._shown_repo:
+            return  # the user picked another repo meanwhile
         self.details = details
+        kind = details.model_type or self._listed_types.get(details.repo_id)
+        if kind is None:
+            kind = "gated: sign in to see details" if details.gated else "unknown type"
         gated = " · gated (needs a token with access)" if details.gated else ""
-        support = "" if details.is_supported else " · not an architecture Hearth runs"
-        self.details_label.setText(f"<b>{details.repo_id}</b> @ {details.commit[:10]} · "
-                                   f"{details.model_type or 'unknown type'}{gated}{support}")
+        support = "" if details.is_supported or kind.startswith("gated") else " · not an architecture Hearth runs"
+        self.details_label.setText(f"<b>{details.repo_id}</b> @ {details.commit[:10]} · {kind}{gated}{support}")
         self.fit_label.setText(f"Fit: {report.summary}")
-        _fill(self.files_table, [(f.filename, format_bytes(f.size)) for f in details.files])
+        pulled = details.pulled_files()
+        _fill(self.files_table, [(f.filename, format_bytes(f.size)) for f in pulled])
+        skipped = len(details.files) - len(pulled)
+        self.files_table.setToolTip(f"The files Download fetches; {skipped} other file(s) of the repo are not needed"
+                                    if skipped else "The files Download fetches")
+        self.download_button.setText(f"Download {format_bytes(details.download_bytes())} ({len(pulled)} files)")
         self.download_button.setEnabled(True)
 
-    def _details_failed(self, exc: BaseException) -> None:
-        self.details_label.setText(f"Could not read the repository: {exc}")
-        self.download_button.setEnabled(False)
+    def _details_failed(self, repo_id: str, exc: BaseException) -> None:
+        if repo_id == self._shown_repo:
+            self.details_label.setText(f"Could not read the repository: {exc}")
 
     def download_selected(self) -> None:
-        if self.details is not None:
+        if self.details is not None and self.details.repo_id == self._shown_repo:
             self._manager_call(self.manager.enqueue, self.details.repo_id)
 
     def _manager_call(self, fn: Any, arg: str) -> None:
@@ -256,6 +316,7 @@ class ModelsTab(QWidget):
             self.manager.close(timeout=5)
             self.manager = self._new_manager()
             self.refresh_installed()
+        self.show_recommendations()  # the context length or memory caps may have changed
 
     def close_manager(self) -> None:
         self.manager.close(timeout=10)

@@ -46,6 +46,8 @@ THEMES = ("system", "light", "dark")
 _INT_MAX = 2**31 - 1  # QSpinBox holds a C int
 _TRI_STATE = {"auto": None, "on": True, "off": False}
 NO_CUDA_TIP = "This machine has no CUDA GPU, so every decode step runs eagerly; the option does nothing here."
+OVERFLOW_CHOICES = (("Drop the oldest messages (the system prompt stays)", "truncate"),
+                    ("Stop and say so", "stop"))
 
 
 class OptionRow:
@@ -56,6 +58,7 @@ class OptionRow:
     def __init__(self, option: EngineOption, parent: QWidget) -> None:
         self.option = option
         self.editor = _editor(option, parent)
+        self.editor.setAccessibleName(option.text.label)  # the row's label sits apart, in the form
         self.hint = QLabel(option.text.help, parent)
         self.hint.setObjectName("hintLabel")
         self.hint.setWordWrap(True)
@@ -142,6 +145,7 @@ class SettingsTab(QWidget):
         layout.addWidget(self._advanced_toggle(page))
         layout.addWidget(self.advanced_box)
         layout.addWidget(self._hub_box())
+        layout.addWidget(self._chat_box())
         layout.addWidget(self._look_box())
         layout.addStretch(1)
         scroll = QScrollArea(self)
@@ -220,7 +224,8 @@ class SettingsTab(QWidget):
         box = QGroupBox("Hugging Face", self)
         form = _form(box)
         self.endpoint = QLineEdit(box)
-        self.endpoint.setPlaceholderText("https://huggingface.co or a mirror such as https://hf-mirror.com")
+        self.endpoint.setPlaceholderText("empty: HF_ENDPOINT or https://huggingface.co; or a mirror such as "
+                                         "https://hf-mirror.com")
         self.token_edit = QLineEdit(box)
         self.token_edit.setEchoMode(QLineEdit.EchoMode.Password)
         self.token_edit.setPlaceholderText("hf_… (stored in huggingface_hub's login store)")
@@ -236,6 +241,18 @@ class SettingsTab(QWidget):
         form.addRow("", self.token_state)
         return box
 
+    def _chat_box(self) -> QGroupBox:
+        box = QGroupBox("Chat", self)
+        form = QFormLayout(box)
+        self.context_overflow = QComboBox(box)
+        for label, value in OVERFLOW_CHOICES:
+            self.context_overflow.addItem(label, value)
+        self.context_overflow.setToolTip("What happens when a conversation no longer fits the model's context: "
+                                         "leave out its oldest messages (a marker shows where), or send nothing "
+                                         "and say so in the chat")
+        form.addRow("When a chat outgrows the context", self.context_overflow)
+        return box
+
     def _look_box(self) -> QGroupBox:
         box = QGroupBox("Appearance", self)
         form = _form(box)
@@ -249,10 +266,11 @@ class SettingsTab(QWidget):
         self.backend_kind.setCurrentIndex(1 if settings.backend_url else 0)
         self.backend_url.setText(settings.backend_url or "")
         self.backend_url.setEnabled(bool(settings.backend_url))
-        self.endpoint.setText(settings.hf_endpoint)
+        self.endpoint.setText(settings.hf_endpoint or "")
         self.theme.setCurrentText(settings.theme)
         for name, row in self.rows.items():
             row.set_value(getattr(settings.engine, name))
+        self.context_overflow.setCurrentIndex(max(self.context_overflow.findData(settings.context_overflow), 0))
 
     def edited(self) -> Settings:
         """The settings as the form shows them (raises HearthError for bad values)."""
@@ -267,8 +285,8 @@ class SettingsTab(QWidget):
         engine = EngineConfig(**values)
         return self.settings.replace(
             backend_url=self.backend_url.text().strip() if remote else None,
-            hf_endpoint=self.endpoint.text().strip() or "https://huggingface.co", theme=self.theme.currentText(),
-            engine=engine)
+            hf_endpoint=self.endpoint.text().strip() or None, theme=self.theme.currentText(),
+            context_overflow=self.context_overflow.currentData(), engine=engine)
 
     def save(self) -> None:
         try:

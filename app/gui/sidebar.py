@@ -1,4 +1,8 @@
-"""The conversation list: new, rename, delete, export, and full-text search (Ctrl+F)."""
+"""The conversation list: new, rename, delete, export, and full-text search (Ctrl+F).
+
+Long histories page in: the list starts with the ``PAGE_SIZE`` most recent conversations and reads
+the next page when it is scrolled to the bottom (``load_more``); a search looks through all of them.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from hearth.app.gui.resources import icon
 from hearth.app.store.chats import ChatStore
 
 ID_ROLE = Qt.ItemDataRole.UserRole
+PAGE_SIZE = 200
 
 
 class Sidebar(QWidget):
@@ -48,8 +53,12 @@ class Sidebar(QWidget):
         self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list.itemClicked.connect(self._on_click)
         self.list.itemActivated.connect(self._on_click)
+        self.list.verticalScrollBar().valueChanged.connect(self._on_scroll)
         layout.addWidget(self.list, 1)
         layout.addLayout(self._buttons())
+        self._listed: set[int] = set()  # conversation ids in the list
+        self._loaded = 0  # conversations read from the store (without a search)
+        self._has_more = False
         self.refresh()
 
     def _buttons(self) -> QHBoxLayout:
@@ -62,21 +71,50 @@ class Sidebar(QWidget):
             button.setIcon(icon(name))
             button.setToolTip(tip)
             button.setAccessibleName(tip)
+            if name == "new":  # the one action a first-time user looks for gets words, not just an icon
+                button.setText("New chat")
+                button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
             button.clicked.connect(slot)
             row.addWidget(button)
         row.addStretch(1)
         return row
 
     def refresh(self) -> None:
-        """Re-read the list (all conversations, or the hits of the search text)."""
+        """Re-read the list: the hits of the search text, or the most recent conversations (as many
+        as were listed before, at least a page)."""
         current = self.current_id()
         self.list.clear()
+        self._listed.clear()
         query = self.search_edit.text().strip()
         if query:
-            entries = [(hit.conversation_id, hit.title, hit.snippet) for hit in self.store.search(query)]
-        else:
-            entries = [(c.id, c.title, None) for c in self.store.conversations()]
+            self._has_more = False
+            self._add([(hit.conversation_id, hit.title, hit.snippet) for hit in self.store.search(query)], current)
+            return
+        self._read_page(max(self._loaded, PAGE_SIZE), 0, current)
+
+    def has_more(self) -> bool:
+        """Whether older conversations are still to be read (never while searching)."""
+        return self._has_more
+
+    def load_more(self) -> int:
+        """List the next page of older conversations; returns how many were added."""
+        if not self._has_more:
+            return 0
+        before = self.list.count()
+        self._read_page(PAGE_SIZE, self._loaded, self.current_id())
+        return self.list.count() - before
+
+    def _read_page(self, limit: int, offset: int, current: int | None) -> None:
+        page = self.store.conversations(limit=limit, offset=offset)
+        self._loaded = offset + len(page)
+        self._has_more = len(page) == limit
+        self._add([(c.id, c.title, None) for c in page], current)
+
+    def _add(self, entries: list[tuple[int, str, str | None]], current: int | None) -> None:
         for conv_id, title, snippet in entries:
+            if conv_id in self._listed:  # moved up between two pages (it was changed meanwhile)
+                continue
+            self._listed.add(conv_id)
             item = QListWidgetItem(title if not snippet or snippet == title else f"{title}\n  {snippet}")
             item.setData(ID_ROLE, conv_id)
             item.setToolTip(title)
@@ -84,6 +122,10 @@ class Sidebar(QWidget):
             if conv_id == current:
                 item.setSelected(True)
                 self.list.setCurrentItem(item)
+
+    def _on_scroll(self, value: int) -> None:
+        if self._has_more and value >= self.list.verticalScrollBar().maximum():
+            self.load_more()
 
     def select_id(self, conversation_id: int | None) -> None:
         for row in range(self.list.count()):

@@ -1,6 +1,9 @@
 """The status bar (engine state, GPU and RAM use, expert-cache hit rate, tok/s), its stats poller,
 and the banner that says the engine stopped, with a Restart button.
 
+Messages ("Could not load ...") go to their own stretching label on the left, clipped with the full
+text in its tooltip, so they never draw over the engine state on the right.
+
 Stats come from ``ChatClient.stats()``, polled on a timer through the thread pool, never on the GUI
 thread; a poll is skipped while the previous one is still out.
 """
@@ -12,7 +15,18 @@ from typing import Any
 
 import psutil
 
-from hearth.app.gui.qt import QFrame, QHBoxLayout, QLabel, QObject, QPushButton, QStatusBar, QTimer, QWidget, Signal
+from hearth.app.gui.qt import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QObject,
+    QPushButton,
+    QSizePolicy,
+    QStatusBar,
+    QTimer,
+    QWidget,
+    Signal,
+)
 from hearth.app.gui.resources import icon
 from hearth.app.gui.tasks import run_task
 from hearth.app.hub.units import format_bytes
@@ -54,6 +68,13 @@ class EngineStatusBar(QStatusBar):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self.message_label = QLabel("", self)
+        self.message_label.setObjectName("statusMessage")
+        self.message_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.addWidget(self.message_label, 1)
+        self._message_timer = QTimer(self)
+        self._message_timer.setSingleShot(True)
+        self._message_timer.timeout.connect(self.clearMessage)
         self.engine_label = QLabel("Engine: not started", self)
         self.memory_label = QLabel("", self)
         self.cache_label = QLabel("", self)
@@ -64,6 +85,22 @@ class EngineStatusBar(QStatusBar):
         for widget in (self.engine_label, self.memory_label, self.cache_label, self.speed_label):
             self.addPermanentWidget(widget)
         self.addPermanentWidget(self.restart_button)
+
+    def showMessage(self, text: str, timeout: int | None = 0) -> None:  # noqa: N802 - replaces QStatusBar's
+        """Show ``text`` in the message label (for ``timeout`` ms; 0 or None = until replaced).
+        Replaces the built-in temporary message, which Qt draws over the bar's widgets."""
+        self.message_label.setText(text)
+        self.message_label.setToolTip(text)
+        self._message_timer.stop()
+        if timeout:
+            self._message_timer.start(timeout)
+
+    def clearMessage(self) -> None:  # noqa: N802 - replaces QStatusBar's
+        self.message_label.clear()
+        self.message_label.setToolTip("")
+
+    def currentMessage(self) -> str:  # noqa: N802 - replaces QStatusBar's
+        return self.message_label.text()
 
     def set_engine_state(self, text: str, *, crashed: bool = False) -> None:
         self.engine_label.setText(f"Engine: {text}")

@@ -18,20 +18,21 @@ from huggingface_hub.hf_api import ModelInfo
 from huggingface_hub.utils import filter_repo_objects
 
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.errors import HubError, describe
+from hearth.app.hub.errors import HubError, describe, search_error
 from hearth.app.hub.transfer import QuietTqdm
 from hearth.app.paths import cache_dir
-
-try:
-    from hearth.engine.config import DSA_MODEL_TYPES, SUPPORTED_MODEL_TYPES
-except ImportError:  # the engine's list arrives with engine/config.py; same values meanwhile
-    SUPPORTED_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa", "deepseek_v3", "deepseek_v2"})
-    DSA_MODEL_TYPES = frozenset({"deepseek_v32", "glm_moe_dsa"})
+from hearth.engine.config import SUPPORTED_MODEL_TYPES
 
 # What ``pull`` fetches unless told otherwise, and what it never fetches (pickles run code on load).
 DEFAULT_INCLUDE = ("*.safetensors", "*.json", "tokenizer*", "*.model", "*.tiktoken", "*.jinja",
                    "merges.txt", "vocab.txt", "LICENSE*")
 NEVER_INCLUDE = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
+
+# What a search asks the Hub for: the sort keys, the config's model_type and the safetensors
+# parameter counts (the size column).
+SEARCH_EXPAND = ["config", "safetensors", "downloads", "likes", "trendingScore", "createdAt", "gated", "tags"]
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 SortKey = Literal["downloads", "likes", "trending", "recent"]
 # Hearth's sort names -> (huggingface_hub's sort value, ModelInfo attribute to merge by).
@@ -52,11 +53,13 @@ class SearchResult:
     is_supported: bool
     gated: bool
     created_at: datetime | None
+    weights_bytes: int | None = None  # from the Hub's safetensors parameter counts; None: not published
 
     def to_json(self) -> dict[str, Any]:
         return {"repo_id": self.repo_id, "downloads": self.downloads, "likes": self.likes,
                 "model_type": self.model_type, "is_supported": self.is_supported, "gated": self.gated,
-                "created_at": self.created_at.isoformat() if self.created_at else None}
+                "created_at": self.created_at.isoformat() if self.created_at else None,
+                "weights_bytes": self.weights_bytes}
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class RepoFileInfo:
 
 @dataclass(frozen=True)
 class RepoDetails:
-    """A repo at one commit. ``access_error`` is set when config.json could not be read (gated)."""
+    """A repo at one commit. ``access_error`` is set when config.json could not be read (gated);
+    ``listed_model_type`` is the type the Hub's listing gives, known even then."""
 
     repo_id: str
     commit: str
@@ -79,10 +83,11 @@ class RepoDetails:
     files: tuple[RepoFileInfo, ...]
     config: dict[str, Any] | None
     access_error: str | None
+    listed_model_type: str | None = None
 
     @property
     def model_type(self) -> str | None:
-        return self.config.get("model_type") if self.config else None
+        return self.config.get("model_type") if self.config else self.listed_model_type
 
     @property
     def is_supported(self) -> bool:
@@ -92,13 +97,17 @@ class RepoDetails:
     def weights_bytes(self) -> int:
         return sum(f.size for f in self.files if f.filename.endswith(".safetensors"))
 
+    def pulled_files(self, include: tuple[str, ...] | None = None,
+                     exclude: tuple[str, ...] | None = None) -> list[RepoFileInfo]:
+        """The files ``pull`` fetches with these patterns (the same filter it uses)."""
+        return list(filter_repo_objects(self.files, allow_patterns=list(include or DEFAULT_INCLUDE),
+                                        ignore_patterns=[*(exclude or ()), *NEVER_INCLUDE],
+                                        key=lambda f: f.filename))
+
     def download_bytes(self, include: tuple[str, ...] | None = None,
                        exclude: tuple[str, ...] | None = None) -> int:
         """Size of the files ``pull`` would fetch with these patterns."""
-        chosen = filter_repo_objects(self.files, allow_patterns=list(include or DEFAULT_INCLUDE),
-                                     ignore_patterns=[*(exclude or ()), *NEVER_INCLUDE],
-                                     key=lambda f: f.filename)
-        return sum(f.size for f in chosen)
+        return sum(f.size for f in self.pulled_files(include, exclude))
 
 
 def search_models(ctx: HubContext, query: str, *, sort: SortKey = "downloads",
@@ -113,10 +122,10 @@ def search_models(ctx: HubContext, query: str, *, sort: SortKey = "downloads",
     try:
         for tag in tags:
             for info in api.list_models(search=query or None, filter=tag, sort=hub_sort, limit=limit,
-                                        fetch_config=True):
+                                        expand=SEARCH_EXPAND):
                 found.setdefault(info.id, info)
     except Exception as exc:
-        raise describe(exc, query or "search", ctx.endpoint) from exc
+        raise search_error(exc, query, ctx.endpoint) from exc
     results = [_search_result(info) for info in found.values()]
     if not all_architectures:
         results = [r for r in results if r.is_supported]
@@ -142,7 +151,8 @@ def repo_details(ctx: HubContext, repo_id: str, revision: str | None = None) -> 
             config = _fetch_config(ctx, repo_id, info.sha or revision)
         except HubError as exc:
             access_error = str(exc)
-    return RepoDetails(repo_id, info.sha or "", bool(info.gated), files, config, access_error)
+    listed = info.config.get("model_type") if isinstance(info.config, dict) else None
+    return RepoDetails(repo_id, info.sha or "", bool(info.gated), files, config, access_error, listed)
 
 
 def _fetch_config(ctx: HubContext, repo_id: str, revision: str | None) -> dict[str, Any]:
@@ -175,7 +185,16 @@ def _search_result(info: ModelInfo) -> SearchResult:
         is_supported=model_type in SUPPORTED_MODEL_TYPES,
         gated=bool(info.gated),
         created_at=info.created_at,
+        weights_bytes=_safetensors_bytes(info),
     )
+
+
+def _safetensors_bytes(info: ModelInfo) -> int | None:
+    """The weights' size from the Hub's per-dtype parameter counts (None when it publishes none)."""
+    counts = info.safetensors.parameters if info.safetensors else None
+    if not counts:
+        return None
+    return sum(int(n) * _DTYPE_BYTES.get(dtype.upper(), 2) for dtype, n in counts.items())
 
 
 def _sort_value(info: ModelInfo, attribute: str) -> Any:

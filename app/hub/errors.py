@@ -14,13 +14,14 @@ from huggingface_hub.errors import (
     DryRunError,
     GatedRepoError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import httpx
+from huggingface_hub.utils import httpx, validate_repo_id
 
 from hearth.engine.api import HearthError
 
@@ -107,6 +108,15 @@ def describe(exc: BaseException, repo_id: str, endpoint: str) -> HubError:
     return HubError(f"{repo_id}: {type(exc).__name__}: {_first_line(exc)}")
 
 
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a malformed repo id before anything uses it (it also becomes a cache folder name)."""
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise RepoNotFoundError(f"{ascii(repo_id)[:120]} is not a Hub repo id: use org/name (letters, digits, "
+                                "'-', '_' and '.')") from None
+
+
 def gated_message(repo_id: str, endpoint: str) -> str:
     has_token = huggingface_hub.get_token() is not None
     token_part = ("your Hugging Face token has no access yet (wait for approval, or use a token of "
@@ -124,3 +134,19 @@ def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0][:300] if lines else type(exc).__name__
+
+
+def search_error(exc: BaseException, query: str, endpoint: str) -> HubError:
+    """Map an exception from a Hub search to a ``HubError`` that names the search and the endpoint."""
+    if isinstance(exc, HubError):
+        return exc
+    what = f"Search for {query!r}" if query else "Search"
+    if isinstance(exc, OfflineModeIsEnabled):
+        return OfflineError(f"{what} needs {endpoint}, but HF_HUB_OFFLINE is set in the environment")
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return NetworkError(f"{what} failed: {endpoint} answered HTTP {exc.response.status_code} "
+                            f"({_first_line(exc)})")
+    if is_transient(exc):
+        return NetworkError(f"{what} failed: cannot reach {endpoint} ({_first_line(exc)}); check the "
+                            "network, or the hf_endpoint setting / HF_ENDPOINT")
+    return HubError(f"{what} on {endpoint} failed: {type(exc).__name__}: {_first_line(exc)}")

@@ -4,9 +4,20 @@ The estimate, per request of ``context_length`` tokens:
 - caches: every layer keeps the MLA latent (``kv_lora_rank + qk_rope_head_dim`` = 576 values, bf16)
   per token, and DSA models (DeepSeek-V3.2, GLM-5) also the indexer key (132 bytes: 128 FP8 values +
   one fp32 scale) per token;
+- grouped-query attention models (Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss) keep K and V of every KV head instead;
 - routed experts: MoE layers x ``n_routed_experts`` x 3 matrices x ``hidden_size`` x
   ``moe_intermediate_size`` x bytes per parameter (1 for FP8 checkpoints, else the config's dtype);
-  the rest of the weights (attention, shared experts, embeddings) is "dense".
+  the rest of the weights (attention, dense layers, shared experts, embeddings) is "dense"; gpt-oss's
+  MXFP4 experts download at 4.25 bits per weight (4-bit codes + one scale byte per 32) and are held
+  as bf16 once loaded, so its in-memory weights are larger than its files;
+- multi-token-prediction layers (``num_nextn_predict_layers``: DeepSeek-V3/V3.2, GLM-4.5, GLM-5) are
+  in the download but never loaded: their routed experts, the bulk of each, are left out.
+
+- runtime: a fixed allowance for the engine host itself (measured: the demo model's host used
+  0.56 GiB of RAM, nearly all of it Python and PyTorch; the CUDA context takes a few hundred MB of
+  GPU memory) plus activations, which grow with the hidden size (a 2,048-token prefill chunk with
+  ``ACTIVATION_BUFFERS`` fp32 hidden-size buffers per token; an allowance, not a measurement).
+  Small models thus need little more than their weights, not a multi-GB constant.
 
 Verdicts: everything on the GPU; dense weights + caches + an expert cache on the GPU with the
 experts in (pinned) RAM; CPU only when there is no CUDA device; or does not fit.
@@ -22,16 +33,21 @@ from typing import Any
 
 import psutil
 
-from hearth.app.hub.catalog import DSA_MODEL_TYPES, RepoDetails
+from hearth.app.hub.catalog import RepoDetails
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.units import GIB, format_bytes
 from hearth.app.store.settings import Settings
+from hearth.engine.config import DSA_MODEL_TYPES, GQA_MODEL_TYPES
 
-GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, activations, allocator slack
-RAM_RESERVE_BYTES = 4 * GIB  # the OS, the app and the engine host's Python
+MIB = 1024**2
+GPU_RUNTIME_BYTES = 512 * MIB  # CUDA context and allocator slack
+HOST_RUNTIME_BYTES = 640 * MIB  # the engine host's Python + PyTorch (measured 0.56 GiB with the demo model)
+PREFILL_CHUNK_TOKENS = 2048  # EngineConfig.max_num_batched_tokens
+ACTIVATION_BUFFERS = 16  # fp32 hidden-size buffers alive per token of a prefill chunk
 LATENT_VALUES_PER_TOKEN = 576  # MLA default: kv_lora_rank 512 + qk_rope_head_dim 64
 INDEXER_KEY_BYTES_PER_TOKEN = 132
 CACHE_VALUE_BYTES = 2  # bf16
+MXFP4_BITS_PER_WEIGHT = 4.25  # hearth.kernels.moe.mxfp4.BITS_PER_VALUE (not imported: that pulls in torch)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
@@ -60,6 +76,11 @@ class Footprint:
     num_layers: int
     cache_bytes_per_token: int
     num_moe_layers: int
+    hidden_size: int = 0
+
+    @property
+    def activation_bytes(self) -> int:
+        return PREFILL_CHUNK_TOKENS * self.hidden_size * 4 * ACTIVATION_BUFFERS
 
     @property
     def dense_bytes(self) -> int:
@@ -102,24 +123,34 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
     num_layers = int(config.get("num_hidden_layers", 0))
     latent = int(config.get("kv_lora_rank", 512)) + int(config.get("qk_rope_head_dim", 64))
     per_layer = (latent if "kv_lora_rank" in config else LATENT_VALUES_PER_TOKEN) * CACHE_VALUE_BYTES
-    if config.get("model_type") in ("qwen3_moe", "mixtral"):  # grouped-query attention: K and V per KV head
+    if config.get("model_type") in GQA_MODEL_TYPES:  # grouped-query attention: K and V per KV head
         heads = int(config.get("num_attention_heads") or 1)
         head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
         per_layer = 2 * int(config.get("num_key_value_heads") or heads) * head_dim * CACHE_VALUE_BYTES
     if config.get("model_type") in DSA_MODEL_TYPES:
         per_layer += INDEXER_KEY_BYTES_PER_TOKEN
     moe_layers = _num_moe_layers(config, num_layers)
-    mixtral = config.get("model_type") == "mixtral"
-    inter = int(config.get("intermediate_size" if mixtral else "moe_intermediate_size", 0) or 0)
+    stacked = config.get("model_type") in ("mixtral", "gpt_oss")  # experts as wide as intermediate_size
+    inter = int(config.get("intermediate_size" if stacked else "moe_intermediate_size", 0) or 0)
     per_expert = 3 * int(config.get("hidden_size", 0)) * inter
     n_experts = config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts") or 0
-    experts = moe_layers * int(n_experts) * per_expert * _param_bytes(config)
+    layer_experts = int(n_experts) * per_expert * _param_bytes(config)
+    if moe_layers:
+        weights_bytes = max(weights_bytes - int(config.get("num_nextn_predict_layers") or 0) * layer_experts, 0)
+    experts = min(moe_layers * layer_experts, int(weights_bytes * 0.98))
+    if _is_mxfp4(config):
+        # The download holds the experts at 4.25 bits per weight; Hearth dequantises them to bf16 at load.
+        params = moe_layers * int(n_experts) * per_expert
+        on_disk = min(int(params * MXFP4_BITS_PER_WEIGHT / 8), int(weights_bytes * 0.98))
+        experts = params * 2
+        weights_bytes += experts - on_disk
     return Footprint(
         weights_bytes=weights_bytes,
-        experts_bytes=min(experts, int(weights_bytes * 0.98)),
+        experts_bytes=experts,
         num_layers=num_layers,
         cache_bytes_per_token=per_layer * num_layers,
         num_moe_layers=moe_layers,
+        hidden_size=int(config.get("hidden_size", 0)),
     )
 
 
@@ -127,12 +158,13 @@ def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
                expert_cache_bytes: int | None = None, download_bytes: int = 0) -> FitReport:
     """The best way this model runs on ``machine``, with the numbers behind the verdict."""
     cache = footprint.cache_bytes(context_length)
-    all_on_gpu = footprint.weights_bytes + cache + GPU_RESERVE_BYTES
+    gpu_runtime = GPU_RUNTIME_BYTES + footprint.activation_bytes
+    all_on_gpu = footprint.weights_bytes + cache + gpu_runtime
     if expert_cache_bytes is None:  # at least one MoE layer's experts resident
         expert_cache_bytes = footprint.experts_bytes // max(footprint.num_moe_layers, 1)
-    split_gpu = footprint.dense_bytes + cache + expert_cache_bytes + GPU_RESERVE_BYTES
-    split_ram = footprint.experts_bytes + RAM_RESERVE_BYTES
-    cpu_ram = footprint.weights_bytes + cache + RAM_RESERVE_BYTES
+    split_gpu = footprint.dense_bytes + cache + expert_cache_bytes + gpu_runtime
+    split_ram = footprint.experts_bytes + HOST_RUNTIME_BYTES
+    cpu_ram = footprint.weights_bytes + cache + HOST_RUNTIME_BYTES + footprint.activation_bytes
 
     def report(verdict: Verdict, gpu_needed: int, ram_needed: int) -> FitReport:
         return FitReport(verdict, gpu_needed, machine.gpu_bytes, ram_needed, machine.ram_bytes, cache,
@@ -143,12 +175,12 @@ def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
         verdict = Verdict.CPU_ONLY if cpu_ram <= machine.ram_bytes else Verdict.DOES_NOT_FIT
         return report(verdict, 0, cpu_ram)
     if all_on_gpu <= gpu:
-        return report(Verdict.GPU, all_on_gpu, RAM_RESERVE_BYTES)
+        return report(Verdict.GPU, all_on_gpu, HOST_RUNTIME_BYTES)
     if footprint.experts_bytes > 0 and split_gpu <= gpu and split_ram <= machine.ram_bytes:
         return report(Verdict.EXPERTS_IN_RAM, split_gpu, split_ram)
     if footprint.experts_bytes > 0:
         return report(Verdict.DOES_NOT_FIT, split_gpu, split_ram)
-    return report(Verdict.DOES_NOT_FIT, all_on_gpu, RAM_RESERVE_BYTES)
+    return report(Verdict.DOES_NOT_FIT, all_on_gpu, HOST_RUNTIME_BYTES)
 
 
 def fit_for_repo(details: RepoDetails, settings: Settings, machine: Machine | None = None) -> FitReport:
@@ -188,9 +220,19 @@ def _probe_gpu_bytes() -> int | None:
     return int(free)
 
 
+def _is_mxfp4(config: dict[str, Any]) -> bool:
+    quant = config.get("quantization_config") or {}
+    return isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4"
+
+
 def _num_moe_layers(config: dict[str, Any], num_layers: int) -> int:
-    if config.get("model_type") == "mixtral":
+    if config.get("model_type") in ("mixtral", "gpt_oss"):
         return num_layers
+    if config.get("model_type") == "glm4_moe":  # dense first layers, then MoE (transformers' defaults)
+        if not config.get("n_routed_experts", 128):
+            return 0
+        first_dense = config.get("first_k_dense_replace")
+        return max(num_layers - (1 if first_dense is None else int(first_dense)), 0)
     if config.get("model_type") == "qwen3_moe":
         dense, step = set(config.get("mlp_only_layers") or []), int(config.get("decoder_sparse_step") or 1)
         return sum(1 for layer in range(num_layers) if layer not in dense and (layer + 1) % step == 0)

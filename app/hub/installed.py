@@ -92,7 +92,8 @@ def import_local_model(folder: str | Path, name: str | None = None,
 
 
 def resolve_model(name_or_path: str | Path, ctx: HubContext | None = None) -> Path:
-    """The folder to load: a folder path, an imported name, or a downloaded repo id's snapshot."""
+    """The folder to load: a folder path, an imported name, a downloaded repo id's snapshot, or a
+    short name: an installed model's name or its repo's name part, in any letter case."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -104,22 +105,49 @@ def resolve_model(name_or_path: str | Path, ctx: HubContext | None = None) -> Pa
         if not Path(imported).is_dir():
             raise HubError(f"The folder imported as {name} is gone ({imported}); import it again")
         return Path(imported)
-    if "/" not in name or name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        raise HubError(f"No model called {name}: not a folder, an imported name or a downloaded repo "
-                       "(see `hearth --cli models`)")
-    cache = RepoCache(ctx.cache_dir, name)
-    entry = registry.ready().get(name)
+    if _is_repo_id(name):
+        found = _downloaded_snapshot(name, ctx, registry)
+        if found is not None:
+            return found
+    return _by_short_name(name, ctx)
+
+
+def _is_repo_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith(("/", ".", "~"))
+
+
+def _downloaded_snapshot(repo_id: str, ctx: HubContext, registry: Registry) -> Path | None:
+    cache = RepoCache(ctx.cache_dir, repo_id)
+    entry = registry.ready().get(repo_id)
     if entry is not None and cache.snapshot(entry["commit"]).is_dir():
         return cache.snapshot(entry["commit"])
-    unfinished = [i for i in QueueFile(ctx.queue_path).load().values() if i.get("repo_id") == name]
+    unfinished = [i for i in QueueFile(ctx.queue_path).load().values() if i.get("repo_id") == repo_id]
     if unfinished:
-        raise HubError(f"{name} is not fully downloaded yet; resume it with `hearth --cli pull {name}`")
+        raise HubError(f"{repo_id} is not fully downloaded yet; resume it with `hearth --cli pull {repo_id}`")
     for repo in _cached_repos(ctx):
-        revision = _pick_revision(repo, None) if repo.repo_id == name else None
+        revision = _pick_revision(repo, None) if repo.repo_id == repo_id else None
         if revision is not None and (revision.snapshot_path / "config.json").exists():
             return revision.snapshot_path
-    raise HubError(f"No model called {name}: not a folder, an imported name or a downloaded repo "
-                   "(see `hearth --cli models`)")
+    return None
+
+
+def _by_short_name(name: str, ctx: HubContext) -> Path:
+    """The one installed model whose name, or repo name without the owner, is ``name`` (any case)."""
+    wanted = name.lower()
+    matches = [m for m in list_installed(ctx)
+               if wanted in (m.name.lower(), m.name.rsplit("/", 1)[-1].lower())]
+    ready = [m for m in matches if m.is_ready]
+    if len(ready) == 1:
+        return ready[0].path
+    if len(ready) > 1:
+        raise HubError(f"{name} could be {', '.join(m.name for m in ready)}; pass the full name")
+    if matches:
+        model = matches[0]
+        if model.source == "imported":
+            raise HubError(f"The folder imported as {model.name} is gone ({model.path}); import it again")
+        raise HubError(f"{model.name} is not fully downloaded yet; resume it with `hearth --cli pull {model.name}`")
+    raise HubError(f"No model called {name}: not a folder, an installed name, a downloaded repo or its short "
+                   "name (see `hearth --cli models`)")
 
 
 def delete_model(name: str, ctx: HubContext | None = None) -> int:

@@ -102,6 +102,12 @@ class RunControl:
         with self._lock:
             self._last_change[filename] = time.monotonic()
 
+    def file_waiting(self, filename: str) -> None:
+        """The file waits out a retry back-off: nothing is being transferred, so it cannot stall."""
+        with self._lock:
+            self._last_change.pop(filename, None)
+            self._reported_stalls.discard(filename)
+
     def file_size(self, filename: str, size: int) -> None:
         with self._lock:
             if self._sizes.get(filename) != size:
@@ -179,6 +185,9 @@ def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: 
     if not dry:
         raise HubError(f"No file of {repo_id} matches {', '.join(allow)}")
     commit = dry[0].commit_hash
+    cache = RepoCache(ctx.cache_dir, repo_id)
+    for d in dry:  # every name from the Hub must stay a file inside the snapshot (UnsafeNameError)
+        cache.pointer(commit, d.filename)
     info = ctx.api().model_info(repo_id, revision=commit, files_metadata=True)
     remote = {s.rfilename: s for s in info.siblings or ()}
     files = []
@@ -188,7 +197,6 @@ def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: 
         files.append(PlannedFile(d.filename, size, s.lfs.sha256 if s and s.lfs else None,
                                  s.blob_id if s else None, is_cached=not d.will_download))
     plan = Plan(commit, tuple(files))
-    cache = RepoCache(ctx.cache_dir, repo_id)
     _check_disk_space(plan, cache, repo_id)
     cache.snapshot(commit).mkdir(parents=True, exist_ok=True)  # scan_cache_dir wants the folder
     return plan
@@ -225,15 +233,18 @@ def fetch_all(ctx: HubContext, repo_id: str, plan: Plan, ctl: RunControl, policy
                   key=lambda f: f.size)
 
     def fetch_one(f: PlannedFile) -> None:
-        ctl.file_started(f.filename)
+        def attempt() -> None:
+            ctl.file_started(f.filename)
+            fetch_file(cache=cache, filename=f.filename, commit=plan.commit, endpoint=ctx.endpoint, stop=ctl.stop,
+                       on_size=lambda n: ctl.file_size(f.filename, n))
+
+        def retrying(attempt: int, delay: float, exc: BaseException) -> None:
+            ctl.file_waiting(f.filename)  # the back-off is not a stall
+            on_retry(f.filename, attempt, delay, exc)
+
         completed = False
         try:
-            call_with_retry(
-                lambda: fetch_file(cache=cache, filename=f.filename, commit=plan.commit,
-                                   endpoint=ctx.endpoint, stop=ctl.stop,
-                                   on_size=lambda n: ctl.file_size(f.filename, n)),
-                policy, ctl.stop, lambda attempt, delay, exc: on_retry(f.filename, attempt, delay, exc),
-                progress=lambda: ctl.progress(f.filename))
+            call_with_retry(attempt, policy, ctl.stop, retrying, progress=lambda: ctl.progress(f.filename))
             completed = True
         finally:
             ctl.file_finished(f.filename, completed)

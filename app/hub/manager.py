@@ -30,7 +30,7 @@ from huggingface_hub import constants as hf_constants
 
 from hearth.app.hub import events as ev
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.errors import ChecksumError, HubError, describe, is_transient
+from hearth.app.hub.errors import ChecksumError, check_repo_id, describe
 from hearth.app.hub.job import RetryPolicy, RunControl, fetch_all, plan_with_retry, verify_all
 from hearth.app.hub.state import QueueFile, Registry
 from hearth.app.hub.transfer import RepoCache, TransferStopped
@@ -134,6 +134,7 @@ class DownloadManager:
                 exclude: tuple[str, ...] | None = None) -> str:
         """Queue ``repo_id`` (again); returns its item id. A paused or failed item resumes."""
         self.ctx.require_online(f"download {repo_id}")
+        check_repo_id(repo_id)
         item_id = f"{repo_id}@{revision or 'main'}"
         with self._cond:
             item = self._items.get(item_id)
@@ -239,8 +240,9 @@ class DownloadManager:
                                                          item.bytes_total), ItemState.PAUSED)
         except Exception as exc:
             error = describe(exc, item.repo_id, self.ctx.endpoint)
-            if not isinstance(exc, HubError) and not is_transient(exc):
-                logger.warning("Download of %s failed", item.repo_id, exc_info=exc)
+            # The message is the user's one line (the CLI prints it, the GUI shows it); the
+            # traceback is for --debug only.
+            logger.debug("Download of %s failed", item.repo_id, exc_info=exc)
             if isinstance(error, ChecksumError):
                 self._registry.unmark_ready(item.repo_id)  # a re-pull found a bad file
             item.bytes_done = ctl.bytes_done()

@@ -19,6 +19,7 @@ from typing import Any
 
 import filelock
 
+from hearth.app.paths import PRIVATE_FILE_MODE
 from hearth.app.store.settings import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class StateFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock = filelock.FileLock(str(path.with_name(path.name + ".lock")))
+        self._lock = filelock.FileLock(str(path.with_name(path.name + ".lock")), mode=PRIVATE_FILE_MODE)
 
     def read(self) -> dict[str, Any]:
         try:

@@ -7,8 +7,14 @@ drives the library's own building blocks itself, with a stable partial file:
 1. ``get_hf_file_metadata`` (HEAD /resolve) -> ETag, size, final URL;
 2. ``http_get`` streams into ``blobs/<etag>.incomplete``, starting with ``Range: bytes=<size>-`` when
    that file already holds data (http_get also reconnects by itself after short network drops);
-3. the complete file is renamed to ``blobs/<etag>`` and ``hf_hub_download`` links it into
-   ``snapshots/<commit>/`` (it finds the blob present and downloads nothing).
+3. the complete file is renamed to ``blobs/<etag>`` and linked as ``snapshots/<commit>/<filename>``
+   (a relative symlink, as the library makes them; a move where symlinks are not allowed).
+
+Nothing the network sends may name a path: ETags, commit hashes and repo file names become file
+names here, so ``RepoCache`` accepts only the shapes the Hub uses (hex ETags and commits, relative
+file names without ``..``) and raises ``UnsafeNameError`` for anything else, before any file is
+touched. The link is made here rather than by ``hf_hub_download``, which would ask the server for
+the ETag a second time and trust that answer.
 
 All HTTP is the library's (same endpoint, proxies, certificates, headers). A worker stops at the next
 chunk when its ``stop`` event is set (``TransferStopped``), leaving the partial file for a resume.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +33,7 @@ from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import filelock
-from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import build_hf_headers
 from huggingface_hub.utils import tqdm as hf_tqdm
@@ -34,14 +41,22 @@ from huggingface_hub.utils import tqdm as hf_tqdm
 from hearth.app.hub.errors import HubError
 
 HASH_BLOCK_BYTES = 8 * 1024 * 1024
+# The Hub names blobs by the git object id (40 hex) or the LFS sha256 (64 hex), commits by 40 hex.
+_ETAG = re.compile(r"[0-9a-fA-F]{40}|[0-9a-fA-F]{64}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class TransferStopped(Exception):
     """A pause or cancel request reached a worker; partial files are kept."""
 
 
+class UnsafeNameError(HubError):
+    """The Hub (or a mirror) sent an ETag, commit or file name that is not a safe file name."""
+
+
 class RepoCache:
-    """Paths of one model repo inside the HF cache (``models--org--name``)."""
+    """Paths of one model repo inside the HF cache (``models--org--name``). Every name that came
+    from the network is checked here (see the module docstring)."""
 
     def __init__(self, cache_dir: Path, repo_id: str) -> None:
         self.cache_dir = cache_dir
@@ -49,19 +64,39 @@ class RepoCache:
         self.folder = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
 
     def blob(self, etag: str) -> Path:
-        return self.folder / "blobs" / etag
+        return self.folder / "blobs" / self._etag(etag)
 
     def partial(self, etag: str) -> Path:
-        return self.folder / "blobs" / f"{etag}.incomplete"
+        return self.folder / "blobs" / f"{self._etag(etag)}.incomplete"
 
     def snapshot(self, commit: str) -> Path:
+        if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
+            raise self._unsafe("commit hash", commit)
         return self.folder / "snapshots" / commit
 
     def pointer(self, commit: str, filename: str) -> Path:
-        return self.snapshot(commit).joinpath(*filename.split("/"))
+        snapshot = self.snapshot(commit)
+        parts = filename.split("/") if isinstance(filename, str) else []
+        unsafe = (not parts or "\\" in filename or "\0" in filename or filename.startswith("/")
+                  or any(part in ("", ".", "..") or ":" in part for part in parts))
+        pointer = snapshot.joinpath(*parts)
+        if unsafe or os.path.commonpath([os.path.abspath(snapshot), os.path.abspath(pointer)]) != \
+                os.path.abspath(snapshot):
+            raise self._unsafe("file name", filename)
+        return pointer
 
     def lock(self, etag: str) -> Path:
-        return self.cache_dir / ".locks" / self.folder.name / f"{etag}.hearth.lock"
+        return self.cache_dir / ".locks" / self.folder.name / f"{self._etag(etag)}.hearth.lock"
+
+    def _etag(self, etag: str) -> str:
+        if not isinstance(etag, str) or not _ETAG.fullmatch(etag):
+            raise self._unsafe("ETag", etag)
+        return etag.lower()
+
+    def _unsafe(self, what: str, value: object) -> UnsafeNameError:
+        shown = ascii(value)[:120]  # one printable line, whatever the server sent
+        return UnsafeNameError(f"{self.repo_id}: the Hub sent an unsafe {what} {shown}; refusing to use it "
+                               "as a file name (nothing was written). Is the endpoint a trusted Hub or mirror?")
 
 
 class QuietTqdm(hf_tqdm):
@@ -126,9 +161,20 @@ def fetch_file(*, cache: RepoCache, filename: str, commit: str, endpoint: str, s
         # The library's non-Xet route: follow the redirect it resolved, or the /resolve URL for Xet files.
         source = meta.location if meta.xet_file_data is None else url
         _download_blob(cache, meta.etag, source, meta.size, endpoint, stop, on_size)
-    linked = hf_hub_download(cache.repo_id, filename, revision=commit, cache_dir=cache.cache_dir,
-                             endpoint=endpoint, library_name="hearth")
-    return Path(linked)
+    _link(cache.blob(meta.etag), pointer)
+    return pointer
+
+
+def _link(blob: Path, pointer: Path) -> None:
+    """``pointer`` -> ``blob`` as a relative symlink (the cache stays movable); a move where the
+    file system or OS refuses symlinks."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.symlink(os.path.relpath(blob, pointer.parent), pointer)
+    except FileExistsError:
+        pass  # another worker linked the same file
+    except OSError:
+        os.replace(blob, pointer)
 
 
 def _download_blob(cache: RepoCache, etag: str, url: str, size: int | None, endpoint: str,

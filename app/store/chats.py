@@ -13,22 +13,43 @@ that version's subtree.
 Full-text search uses FTS5 when SQLite has it, else ``LIKE``. Writes happen when a message starts
 (an empty, incomplete row) and when it completes or is stopped (content + stats), so a partial
 answer survives a stop or a quit.
+
+A file SQLite cannot read (random bytes, a truncated copy, a failed integrity check) never stops
+the app: it is renamed aside (``chats.sqlite3.corrupt-<time>``, with its -wal/-shm), a fresh store
+takes its place, and every row that can still be read from the old file is copied into it
+(``ChatStore.recovery`` says what happened, so the GUI can tell the user once). The file and its
+-wal/-shm are the owner's only (0600): SQLite gives the -wal/-shm the database file's mode.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
 import sqlite3
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from hearth.app.paths import data_dir
+from hearth.app.paths import PRIVATE_FILE_MODE, data_dir, private_file
 
+logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
+SIDE_FILES = ("-wal", "-shm", "-journal")
+# Recovered in this order, so messages find their conversations. Table -> its columns.
+_RECOVERED_TABLES = {
+    "conversations": ("id", "title", "system_prompt", "model", "sampling", "current_leaf_id", "created_at",
+                      "updated_at"),
+    "messages": ("id", "conversation_id", "parent_id", "role", "content", "model", "created_at", "is_complete",
+                 "finish_reason", "stats"),
+    "presets": ("name", "system_prompt", "sampling"),
+    "model_sampling": ("model", "sampling"),
+}
 Role = Literal["system", "user", "assistant"]
 
 _SCHEMA = """
@@ -69,6 +90,7 @@ class MessageStats:
     time_to_first_token_s: float | None = None
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    context_start_id: int | None = None  # the first message the model saw (older ones were dropped)
 
 
 @dataclass(frozen=True)
@@ -112,6 +134,20 @@ class SearchHit:
     snippet: str
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What happened to an unreadable chat file: where it went and what was copied back."""
+
+    aside: Path
+    reason: str
+    conversations: int
+    messages: int
+
+    def describe(self) -> str:
+        return (f"The chat history could not be read ({self.reason}); it was moved to {self.aside} and a fresh "
+                f"one started. Recovered {self.conversations} conversations and {self.messages} messages.")
+
+
 def default_path() -> Path:
     return data_dir() / "chats.sqlite3"
 
@@ -122,12 +158,45 @@ class ChatStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path) if path else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.has_fts = False
+        self.recovery: Recovery | None = None  # set when an unreadable file was replaced
+        try:
+            self._open()
+        except sqlite3.DatabaseError as exc:
+            if not _is_corrupt(exc):  # locked, permissions, disk full...: not the file's fault
+                raise
+            self._db.close()
+            self.recovery = self._replace_unreadable(str(exc))
+            logger.warning("%s", self.recovery.describe())
+
+    def _open(self) -> None:
+        _make_private(self.path)  # before SQLite creates the -wal/-shm: they copy its mode
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
+        # Checked before anything writes to the file (switching to WAL does). O(file size), which for
+        # chats is milliseconds.
+        problem = self._db.execute("PRAGMA quick_check(1)").fetchone()[0]
+        if problem != "ok":
+            raise _FailedCheck(f"integrity check: {problem}")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA foreign_keys=ON")
-        self.has_fts = False
         self._migrate()
+
+    def _replace_unreadable(self, reason: str) -> Recovery:
+        """Move the file (and its -wal/-shm) aside, open a fresh store, copy in what is readable."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for n in range(2, 1000):  # never over an earlier set-aside file
+            if not aside.exists():
+                break
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        for suffix in ("", *SIDE_FILES):
+            source = self.path.with_name(self.path.name + suffix)
+            if source.exists():
+                os.replace(source, aside.with_name(aside.name + suffix))  # SQLite finds the -wal by name
+        self._open()
+        copied = _copy_readable_rows(aside, self._db)
+        return Recovery(aside, reason.splitlines()[0][:200], copied["conversations"], copied["messages"])
 
     def close(self) -> None:
         self._db.close()
@@ -172,10 +241,14 @@ class ChatStore:
             raise KeyError(f"no conversation {conversation_id}")
         return _conversation(row)
 
-    def conversations(self) -> list[Conversation]:
-        """All conversations, most recently updated first."""
-        rows = self._db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id DESC")
+    def conversations(self, limit: int | None = None, offset: int = 0) -> list[Conversation]:
+        """Conversations, most recently updated first: all of them, or ``limit`` from ``offset``."""
+        rows = self._db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id DESC LIMIT ? OFFSET ?",
+                                (-1 if limit is None else limit, offset))
         return [_conversation(r) for r in rows]
+
+    def count_conversations(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM conversations").fetchone()[0])
 
     def update_conversation(self, conversation_id: int, **changes: Any) -> Conversation:
         """Change ``title``, ``system_prompt``, ``model`` or ``sampling`` (a dict)."""
@@ -224,6 +297,19 @@ class ChatStore:
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = "
                        "(SELECT conversation_id FROM messages WHERE id = ?)", (time.time(), message_id))
         return self.message(message_id)
+
+    def discard_empty_answer(self, message_id: int) -> None:
+        """Remove an answer that never got a word (the request was refused before it started);
+        its parent becomes the current leaf again. Anything else is left alone."""
+        with self._tx() as db:
+            row = db.execute("SELECT conversation_id, parent_id, content FROM messages WHERE id = ? AND role = "
+                             "'assistant' AND NOT EXISTS (SELECT 1 FROM messages c WHERE c.parent_id = ?)",
+                             (message_id, message_id)).fetchone()
+            if row is None or row["content"]:
+                return
+            db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+            db.execute("UPDATE conversations SET current_leaf_id = ? WHERE id = ? AND current_leaf_id = ?",
+                       (row["parent_id"], row["conversation_id"], message_id))
 
     def message(self, message_id: int) -> Message:
         row = self._db.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
@@ -341,15 +427,108 @@ class ChatStore:
                 "thread": thread_ids, "messages": [asdict(m) for m in self.all_messages(conversation_id)]}
 
 
+class _FailedCheck(sqlite3.DatabaseError):
+    """SQLite opened the file, but its integrity check found damage."""
+
+
+def _is_corrupt(exc: sqlite3.DatabaseError) -> bool:
+    # SQLITE_CORRUPT (11) and SQLITE_NOTADB (26), with any extended code in the high bits.
+    return isinstance(exc, _FailedCheck) or getattr(exc, "sqlite_errorcode", 0) & 0xFF in (11, 26)
+
+
+def _make_private(path: Path) -> None:
+    private_file(path)
+    for suffix in SIDE_FILES:
+        side = path.with_name(path.name + suffix)
+        if side.exists() and os.name == "posix":
+            os.chmod(side, PRIVATE_FILE_MODE)
+
+
+def _copy_readable_rows(source: Path, target: sqlite3.Connection) -> dict[str, int]:
+    """Best effort, like the sqlite3 shell's ``.recover`` but with what Python's module offers: on a
+    scratch copy of the file (the set-aside file stays as it was), read each table forwards and then
+    backwards by rowid until a damaged page stops the scan, insert every row read, then repair the
+    references a lost row broke. Returns rows copied per table."""
+    copied = dict.fromkeys(_RECOVERED_TABLES, 0)
+    with tempfile.TemporaryDirectory(prefix=".recover-", dir=source.parent) as scratch:
+        copy = Path(scratch) / "chats.sqlite3"
+        for suffix in ("", "-wal"):
+            if source.with_name(source.name + suffix).exists():
+                shutil.copyfile(source.with_name(source.name + suffix), copy.with_name(copy.name + suffix))
+        _trust_file_size(copy)
+        old = sqlite3.connect(copy)
+        target.execute("PRAGMA foreign_keys=OFF")  # parents may be among the lost rows; repaired below
+        try:
+            for table, columns in _RECOVERED_TABLES.items():
+                insert = (f"INSERT OR IGNORE INTO {table}({', '.join(columns)}) "
+                          f"VALUES ({', '.join('?' * len(columns))})")
+                for row in _readable_rows(old, table, columns):
+                    copied[table] += target.execute(insert, row).rowcount
+            _repair_references(target)
+        finally:
+            target.execute("PRAGMA foreign_keys=ON")
+            old.close()
+    return copied
+
+
+def _trust_file_size(path: Path) -> None:
+    """A truncated file still claims its old page count in its header, and SQLite then refuses to
+    read any of it. Zero that field (SQLite falls back to the file's size) and cut the last partial
+    page, so the pages that survived can be read."""
+    with open(path, "r+b") as f:
+        header = f.read(100)
+        if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
+            return  # not an SQLite file at all: nothing to read
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        f.seek(28)
+        f.write(bytes(4))
+        size = f.seek(0, os.SEEK_END)
+        f.truncate(size - size % page_size if page_size else size)
+
+
+def _readable_rows(db: sqlite3.Connection, table: str, columns: tuple[str, ...]) -> Iterator[tuple[Any, ...]]:
+    seen: set[int] = set()
+    for order in ("ASC", "DESC"):
+        try:
+            query = f"SELECT rowid, {', '.join(columns)} FROM {table} ORDER BY rowid {order}"
+            for rowid, *values in db.execute(query):
+                if rowid in seen:
+                    return  # the two scans met: everything readable was read
+                seen.add(rowid)
+                yield tuple(values)
+        except sqlite3.DatabaseError:
+            continue  # a damaged page (or no such table): try from the other end
+
+
+def _repair_references(db: sqlite3.Connection) -> None:
+    """Drop messages of lost conversations; a message whose parent was lost starts its thread;
+    a conversation's current leaf that was lost becomes its newest surviving message."""
+    db.execute("DELETE FROM messages WHERE conversation_id NOT IN (SELECT id FROM conversations)")
+    db.execute("UPDATE messages SET parent_id = NULL WHERE parent_id IS NOT NULL "
+               "AND parent_id NOT IN (SELECT id FROM messages)")
+    db.execute("UPDATE conversations SET current_leaf_id = (SELECT MAX(id) FROM messages m "
+               "WHERE m.conversation_id = conversations.id) WHERE current_leaf_id IS NULL "
+               "OR current_leaf_id NOT IN (SELECT id FROM messages)")
+
+
 def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(row["id"], row["title"], row["system_prompt"], row["model"], json.loads(row["sampling"]),
                         row["current_leaf_id"], row["created_at"], row["updated_at"])
 
 
 def _message(row: sqlite3.Row) -> Message:
-    stats = MessageStats(**json.loads(row["stats"])) if row["stats"] else None
+    stats = _stats(row["stats"])
     return Message(row["id"], row["conversation_id"], row["parent_id"], row["role"], row["content"], row["model"],
                    row["created_at"], bool(row["is_complete"]), row["finish_reason"], stats)
+
+
+def _stats(text: str | None) -> MessageStats | None:
+    """Stats from their JSON; keys this version does not know (a newer Hearth's) are ignored."""
+    if not text:
+        return None
+    known = {f.name for f in fields(MessageStats)}
+    return MessageStats(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 def _stats_json(stats: MessageStats | None) -> str | None:

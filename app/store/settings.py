@@ -7,7 +7,13 @@ file + ``os.replace``) and keeps keys this version does not know, so an older He
 a newer one's settings.
 
 The Hugging Face token is deliberately not a setting: it comes from ``HF_TOKEN`` or the library's
-own login store (``hf auth login``), so Hearth never writes a secret into its files.
+own login store (``hf auth login``), so Hearth never writes a secret into its files. The Hub's other
+conventions (``HF_ENDPOINT``, ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``) apply unless a
+setting overrides them: ``hf_endpoint`` and ``hf_cache_dir`` are null by default, meaning "what the
+environment says" (see ``hearth.app.hub.context``).
+
+Files written before ``settings_version`` 2 stored the default endpoint explicitly; that value is
+read as unset, so ``HF_ENDPOINT`` applies to them too.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ logger = logging.getLogger(__name__)
 Theme = Literal["light", "dark", "system"]
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_CONTEXT_LENGTH = 8192
+SETTINGS_VERSION = 2
+VERSION_KEY = "settings_version"
 
 
 class SettingsError(HearthError):
@@ -40,17 +48,22 @@ class SettingsError(HearthError):
 class Settings:
     """Everything the user can set. ``None`` means "decide from the machine" or "library default".
 
-    hf_endpoint: the Hub or a mirror (passed as ``endpoint=`` to every huggingface_hub call).
-    hf_cache_dir: where model weights go; None = the library's cache (``HF_HUB_CACHE``).
+    hf_endpoint: the Hub or a mirror (passed as ``endpoint=`` to every huggingface_hub call); None =
+    ``HF_ENDPOINT``, else https://huggingface.co.
+    hf_cache_dir: where model weights go; None = the library's cache (``HF_HUB_CACHE``, ``HF_HOME``).
     download_parallelism: files downloaded at once.
-    offline: no network calls at all; only installed models are listed and used.
+    offline: no network calls at all; only installed models are listed and used (``HF_HUB_OFFLINE``
+    in the environment turns it on as well).
     backend_url: an OpenAI-compatible server to use instead of the local engine host; None = local.
     engine: the local engine's options (memory budgets, context length, scheduler, long-context
         tiers...), described once by ``EngineConfig``'s field metadata. In the settings file they
         sit beside the other keys, under their ``EngineConfig`` names.
+    context_overflow: when a chat outgrows the context, "truncate" drops its oldest messages (the
+    system prompt stays), "stop" says so and sends nothing.
+    api_host / api_port: where the app's API server switch listens (127.0.0.1: this machine only).
     """
 
-    hf_endpoint: str = DEFAULT_ENDPOINT
+    hf_endpoint: str | None = None
     hf_cache_dir: str | None = None
     download_parallelism: int = 4
     offline: bool = False
@@ -58,14 +71,21 @@ class Settings:
     theme: Theme = "system"
     default_model: str | None = None
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_model_len=DEFAULT_CONTEXT_LENGTH))
+    context_overflow: str = "truncate"
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
 
     def __post_init__(self) -> None:
         _check_types(self)
-        object.__setattr__(self, "hf_endpoint", self.hf_endpoint.rstrip("/"))
+        if self.hf_endpoint is not None:
+            object.__setattr__(self, "hf_endpoint", self.hf_endpoint.rstrip("/"))
         checks = [
-            (self.hf_endpoint.startswith(("http://", "https://")), "hf_endpoint must be an http(s) URL"),
+            (self.hf_endpoint is None or self.hf_endpoint.startswith(("http://", "https://")),
+             "hf_endpoint must be an http(s) URL (or null for HF_ENDPOINT / the Hub)"),
             (1 <= self.download_parallelism <= 64, "download_parallelism must be in [1, 64]"),
             (self.theme in ("light", "dark", "system"), "theme must be light, dark or system"),
+            (self.context_overflow in ("truncate", "stop"), "context_overflow must be truncate or stop"),
+            (0 <= self.api_port <= 65535, "api_port must be in [0, 65535]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -97,7 +117,7 @@ class Settings:
 ENGINE_KEYS = frozenset(option.name for option in engine_options())
 _LEGACY_KEYS = {"context_length": "max_model_len"}  # the name older settings files use
 _TYPES: dict[str, tuple[type, ...]] = {
-    "hf_endpoint": (str,),
+    "hf_endpoint": (str, type(None)),
     "hf_cache_dir": (str, type(None)),
     "download_parallelism": (int,),
     "offline": (bool,),
@@ -105,6 +125,9 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "theme": (str,),
     "default_model": (str, type(None)),
     "engine": (EngineConfig,),
+    "context_overflow": (str,),
+    "api_host": (str,),
+    "api_port": (int,),
 }
 
 
@@ -131,11 +154,13 @@ def load_settings(path: Path | None = None) -> Settings:
     raw = _read_raw(path)
     if raw is None:
         return Settings()
+    if raw.get(VERSION_KEY) is None and raw.get("hf_endpoint") == DEFAULT_ENDPOINT:
+        raw.pop("hf_endpoint")  # an older Hearth wrote its default here, not the user's choice
     for old, new in _LEGACY_KEYS.items():
         if old in raw:
             raw.setdefault(new, raw.pop(old))
     settings = Settings()
-    for name in [f.name for f in dataclasses.fields(Settings) if f.name != "engine"] + sorted(ENGINE_KEYS):
+    for name in setting_names():
         if name not in raw:
             continue
         try:
@@ -152,6 +177,7 @@ def save_settings(settings: Settings, path: Path | None = None) -> None:
     for old in _LEGACY_KEYS:
         raw.pop(old, None)  # now written under its new name
     raw.update(settings.to_json())
+    raw[VERSION_KEY] = SETTINGS_VERSION
     write_json_atomic(path, raw)
 
 
@@ -189,3 +215,46 @@ def _read_raw(path: Path, *, set_aside_if_corrupt: bool = True) -> dict[str, Any
                            path, exc, aside)
         return None
     return raw
+
+
+def setting_names() -> list[str]:
+    """The keys of the settings file: the app's settings, then every engine option."""
+    return [f.name for f in dataclasses.fields(Settings) if f.name != "engine"] + [o.name for o in engine_options()]
+
+
+def _setting_types(name: str) -> tuple[type, ...] | None:
+    """The JSON types setting ``name`` takes (None for an unknown name)."""
+    option = next((o for o in engine_options() if o.name == name), None)
+    if option is None:
+        return _TYPES.get(name) if name != "engine" else None
+    types: tuple[type, ...] = {"bool": (bool,), "int": (int,), "float": (float,)}.get(option.kind, (str,))
+    return (*types, type(None)) if option.optional else types
+
+
+def parse_setting(name: str, text: str) -> Any:
+    """``text`` (from a command line) as a value of setting ``name``: true/false for switches,
+    numbers for counts and sizes, ``null`` for "unset" where a setting allows it."""
+    types = _setting_types(name)
+    if types is None:
+        raise SettingsError(f"unknown setting {name!r}; known: {', '.join(setting_names())}")
+    if text.strip().lower() in ("null", "none") and type(None) in types:
+        return None
+    if bool in types:
+        word = text.strip().lower()
+        if word in ("true", "yes", "on", "1"):
+            return True
+        if word in ("false", "no", "off", "0"):
+            return False
+        raise SettingsError(f"{name} is true or false, not {text!r}")
+    for kind, what in ((int, "a whole number"), (float, "a number")):
+        if kind in types:
+            try:
+                return kind(text)
+            except ValueError:
+                if float not in types or kind is float:
+                    raise SettingsError(f"{name} takes {what}{_or_null(types)}, not {text!r}") from None
+    return text
+
+
+def _or_null(types: tuple[type, ...]) -> str:
+    return " (or null)" if type(None) in types else ""

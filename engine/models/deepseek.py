@@ -1,5 +1,6 @@
 """MoE decoder in plain PyTorch: the DeepSeek family (DeepSeek-V3.2, GLM-5, DeepSeek-V3, DeepSeek-V2,
-MLA attention) and Qwen3-MoE / Mixtral (grouped-query attention, models/gqa.py).
+MLA attention) and Qwen3-MoE / Mixtral / GLM-4.5 / gpt-oss (grouped-query attention, models/gqa.py;
+gpt-oss's router and experts in models/gpt_oss.py).
 
 Module names follow the Hugging Face checkpoints so tensor names map one to one
 (``model.layers.N.self_attn.q_a_proj.weight``, ``model.layers.N.mlp.experts.E.gate_proj.weight``,
@@ -21,6 +22,7 @@ from torch import nn
 
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import ForwardContext
+from hearth.engine.models.gpt_oss import GptOssMoE
 from hearth.engine.models.gqa import GQAttention
 from hearth.engine.models.layers import RMSNorm
 from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths, MLAttention
@@ -76,7 +78,8 @@ class Gate(nn.Module):
             choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
         ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
-        if c.norm_topk_prob and c.num_experts_per_tok > 1:
+        # NOTE: only DeepSeek-V2's reference skips the normalisation for top-1 routing.
+        if c.norm_topk_prob and (c.num_experts_per_tok > 1 or c.model_type != "deepseek_v2"):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * c.routed_scaling_factor
 
@@ -124,6 +127,10 @@ class MoE(nn.Module):
         return y
 
 
+def _moe(config: ModelConfig, layer: int) -> nn.Module:
+    return GptOssMoE(config, layer) if config.model_type == "gpt_oss" else MoE(config, layer)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, faithful: bool, attention: AttentionPaths) -> None:
         super().__init__()
@@ -135,7 +142,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer)
         # NOTE: registered under the checkpoint's module name (Mixtral: block_sparse_moe); `mlp` reads it.
         self._mlp_name = config.moe_module if self.is_moe else "mlp"
-        ffn = MoE(config, layer) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        ffn = _moe(config, layer) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
         setattr(self, self._mlp_name, ffn)
 
     @property

@@ -92,7 +92,9 @@ def enable(model, require_cuda: bool = True) -> int:
     done = 0
     for layer in model.layers:
         moe = layer.mlp
-        if not layer.is_moe or moe.backend is not None or not len(moe.experts):
+        if not layer.is_moe or moe.backend is not None or not isinstance(moe.experts, nn.ModuleList):
+            continue  # (gpt-oss's stacked experts have biases and a clamped SwiGLU: not this kernel's)
+        if not len(moe.experts):
             continue
         backend = stack_layer(moe, require_cuda)
         if backend is not None:

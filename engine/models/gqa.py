@@ -1,9 +1,12 @@
-"""Grouped-query attention over the paged cache (Qwen3-MoE, Mixtral), plain PyTorch.
+"""Grouped-query attention over the paged cache (Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss), plain PyTorch.
 
 Each token's cache row holds its keys then its values for every KV head: ``2 * kv_heads * head_dim``
 values per layer (the same paged cache the MLA models fill with latents). Rope is NeoX-style
-(``rotate_half``) on the whole head; Qwen3 RMS-normalises each q / k head before it. Attention
-is fp32, causal, with an optional sliding window (a key is visible iff q_pos - k_pos < window).
+(``rotate_half``) on the first ``rotary_dim`` dims of each head (all of them except for GLM-4.5's
+partial rotary); Qwen3 and GLM-4.5 (``use_qk_norm``) RMS-normalise each q / k head before it.
+Attention is fp32, causal, with an optional sliding window (a key is visible iff q_pos - k_pos < window;
+gpt-oss chooses it per layer). gpt-oss also learns one sink logit per head: it joins each softmax row as
+an extra key with no value, so a head can put part of its attention nowhere.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from hearth.engine.models.layers import RMSNorm, Rotary, apply_rotary
 
 
 class GQAttention(nn.Module):
-    """Checkpoint names: q_proj, k_proj, v_proj, o_proj (+ q_norm, k_norm for Qwen3)."""
+    """Checkpoint names: q_proj, k_proj, v_proj, o_proj (+ q_norm, k_norm for Qwen3 / GLM-4.5)."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -25,16 +28,19 @@ class GQAttention(nn.Module):
         self.n_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, \
             config.head_dim
         self.scale = config.softmax_scale
-        self.window = config.sliding_window
+        self.window = config.window(layer)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = Rotary(config.rope, self.head_dim)
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
+        self.rotary_dim = config.rotary_dim
+        self.rotary = Rotary(config.rope, self.rotary_dim)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
@@ -45,7 +51,7 @@ class GQAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(ctx.positions)
-        q, k = apply_rotary(q, cos, sin, interleaved=False), apply_rotary(k, cos, sin, interleaved=False)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         cache = ctx.cache.latent[self.layer]
         cache[ctx.slot_mapping] = torch.cat((k.flatten(1), v.flatten(1)), dim=-1).to(cache.dtype)
         out = torch.empty(n, self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
@@ -53,6 +59,13 @@ class GQAttention(nn.Module):
             rows = slice(seq.start, seq.start + seq.q_len)
             out[rows] = self._attend(q[rows], cache[seq.slots], seq).to(x.dtype)
         return self.o_proj(out.flatten(1))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rope on the first rotary_dim dims of each head of x (N, heads, D); the rest pass through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, cos, sin, interleaved=False)
+        turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((apply_rotary(turned, cos, sin, interleaved=False), kept), dim=-1)
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
         """q (q_len, H, D), kv (T, 2 * kv_heads * D) -> (q_len, H, D)."""
@@ -65,5 +78,10 @@ class GQAttention(nn.Module):
         visible = k_pos <= q_pos
         if self.window is not None:
             visible &= q_pos - k_pos < self.window
-        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        if hasattr(self, "sinks"):
+            sink = self.sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)  # (H, q_len, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         return torch.einsum("hqt,thd->qhd", probs, v)

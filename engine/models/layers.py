@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.config import RopeConfig
+from hearth.kernels.fp8_linear import fp8_linear
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -44,23 +45,36 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                          dtype: torch.dtype) -> torch.Tensor:
-    """W = W8 * s[i // br, j // bc] for a block-scaled FP8 weight; edge blocks may be partial."""
+def check_fp8_scales(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    """Raise ValueError unless scale_inv has one value per (partial) block of the 2-D weight."""
+    if weight.dim() != 2:
+        raise ValueError(f"FP8 weight must be 2-D, got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     br, bc = block
     expected = (math.ceil(rows / br), math.ceil(cols / bc))
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"FP8 scale shape {tuple(scale_inv.shape)} does not match weight {rows}x{cols} "
                          f"with {br}x{bc} blocks (expected {expected})")
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                          dtype: torch.dtype) -> torch.Tensor:
+    """W = W8 * s[i // br, j // bc] for a block-scaled FP8 weight; edge blocks may be partial."""
+    check_fp8_scales(weight, scale_inv, block)
+    rows, cols = weight.shape
+    br, bc = block
     scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return (weight.float() * scale).to(dtype)
 
 
 class Fp8Linear(nn.Module):
     """A linear layer whose weight stays FP8 e4m3 with 128x128 block scales (the checkpoint
-    format), dequantised block-wise on the fly. Parameter names match the checkpoint
-    (``weight``, ``weight_scale_inv``)."""
+    format). Parameter names match the checkpoint (``weight``, ``weight_scale_inv``).
+
+    On CUDA it runs Hearth's FP8 kernels (a GEMV for decode, a tl.dot GEMM for prefill), which read
+    the FP8 bytes and never build a dequantised weight; elsewhere it dequantises block-wise per call.
+    ``dense_weight`` (MLA's absorbed ``kv_b_proj``, used as per-head matrices rather than a linear)
+    is dequantised once and kept."""
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                  compute_dtype: torch.dtype) -> None:
@@ -70,12 +84,17 @@ class Fp8Linear(nn.Module):
         self.block = block
         self.compute_dtype = compute_dtype
         self.out_features, self.in_features = weight.shape
+        self._dense: torch.Tensor | None = None
 
     def dense_weight(self) -> torch.Tensor:
-        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
+        if self._dense is None:
+            self._dense = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
+        return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight())
+        if x.is_cuda and self.block == (128, 128):
+            return fp8_linear(x, self.weight, self.weight_scale_inv)
+        return F.linear(x, dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, x.dtype))
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:

@@ -3,6 +3,9 @@
 Same contract as :func:`hearth.kernels.moe.fused_moe`: SwiGLU experts read from slot tensors,
 ``h = silu(x Wg^T) * (x Wu^T)`` in fp32 cast to the activation dtype, ``y = h Wd^T``, and the
 weighted sum over the top-k accumulated in fp32. Slow (a Python loop over slots) and simple on purpose.
+
+gpt-oss's experts add biases to the three projections and clamp the SwiGLU (``swiglu_limit``); only
+this reference computes those (the Triton kernel is plain SwiGLU without bias).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 SCALE_BLOCK = 128
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid gain
 
 
 def dequant_block_fp8(w: torch.Tensor, scale: torch.Tensor, block: int = SCALE_BLOCK) -> torch.Tensor:
@@ -43,12 +47,23 @@ def slot_weights(
     return w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype)
 
 
-def swiglu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``: x [T, D] -> [T, D] fp32 (silu/product in fp32, cast before down)."""
-    gate = F.linear(x, w_gate).float()  # (T, I)
-    up = F.linear(x, w_up).float()
-    h = (F.silu(gate) * up).to(x.dtype)
-    return F.linear(h, w_down).float()
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float = SWIGLU_ALPHA) -> torch.Tensor:
+    """gpt-oss's activation: ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def swiglu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                  biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  limit: float | None = None, alpha: float = SWIGLU_ALPHA) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``: x [T, D] -> [T, D] fp32 (silu/product in fp32, cast before down).
+    With ``limit`` the clamped SwiGLU instead; ``biases`` (gate, up, down) are added to the projections."""
+    b_gate, b_up, b_down = biases or (None, None, None)
+    gate = F.linear(x, w_gate, b_gate).float()  # (T, I)
+    up = F.linear(x, w_up, b_up).float()
+    h = (F.silu(gate) * up if limit is None else clamped_swiglu(gate, up, limit, alpha)).to(x.dtype)
+    return F.linear(h, w_down, b_down).float()
 
 
 def moe_reference(
@@ -59,14 +74,23 @@ def moe_reference(
     w2: torch.Tensor,
     s13: torch.Tensor | None = None,
     s2: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = SWIGLU_ALPHA,
 ) -> torch.Tensor:
     """Reference of ``fused_moe``: x [T, D], slot_ids [T, K] (-1 = skip), weights [T, K] fp32,
     w13 [S, 2I, D], w2 [S, D, I], optional FP8 scales s13 [S, 2*ceil(I/128), ceil(D/128)] and
-    s2 [S, ceil(D/128), ceil(I/128)]. Returns [T, D] fp32."""
+    s2 [S, ceil(D/128), ceil(I/128)]; gpt-oss: biases b13 [S, 2I] and b2 [S, D] and the clamped
+    SwiGLU. Returns [T, D] fp32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for slot in sorted(set(slot_ids.flatten().tolist()) - {-1}):
         rows, ks = torch.nonzero(slot_ids == slot, as_tuple=True)
         w_gate, w_up, w_down = slot_weights(w13, w2, s13, s2, slot, x.dtype)
-        y = swiglu_expert(x[rows], w_gate, w_up, w_down)  # (n, D)
+        biases = None
+        if b13 is not None:
+            inter = w_gate.shape[0]
+            biases = (b13[slot, :inter].to(x.dtype), b13[slot, inter:].to(x.dtype), b2[slot].to(x.dtype))
+        y = swiglu_expert(x[rows], w_gate, w_up, w_down, biases, swiglu_limit, swiglu_alpha)  # (n, D)
         out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
     return out

@@ -1,7 +1,8 @@
 """A small fake Hugging Face Hub on 127.0.0.1 for the Hub manager's tests.
 
 It answers what huggingface_hub 2.4 calls, with the headers the library reads:
-- ``GET /api/models`` (search: ``search``, ``filter``, ``sort``, ``limit``, ``config``);
+- ``GET /api/models`` (search: ``search``, ``filter``, ``sort``, ``limit``, ``config``, and ``expand``
+  with ``config`` / ``safetensors``);
 - ``GET /api/models/{repo}[/revision/{rev}]`` (``blobs=True`` adds size, blobId and lfs per file);
 - ``GET /api/models/{repo}/tree/{rev}`` (what ``snapshot_download`` lists);
 - ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with ETag, X-Repo-Commit, X-Linked-Etag/-Size,
@@ -31,6 +32,7 @@ class FakeFile:
     content: bytes
     is_lfs: bool = False
     served: bytes | None = None  # what GET sends instead (corruption); same length keeps size checks quiet
+    served_etag: str | None = None  # what HEAD/GET send as the ETag instead (a hostile mirror)
 
     @property
     def sha256(self) -> str:
@@ -174,17 +176,22 @@ class _Handler(BaseHTTPRequestHandler):
                "createdAt": "created_at"}.get(query.get("sort", ["downloads"])[0], "downloads")
         found.sort(key=lambda r: getattr(r, key), reverse=True)
         limit = int(query.get("limit", [1000])[0])
-        return [self._summary(r, with_config="config" in query) for r in found[:limit]]
+        expand = query.get("expand", [])
+        return [self._summary(r, with_config="config" in query or "config" in expand,
+                              with_safetensors="safetensors" in expand) for r in found[:limit]]
 
     def _tags(self, repo: FakeRepo) -> list[str]:
         return ["safetensors", "text-generation"] + ([repo.model_type] if repo.model_type else [])
 
-    def _summary(self, repo: FakeRepo, *, with_config: bool) -> dict[str, Any]:
+    def _summary(self, repo: FakeRepo, *, with_config: bool, with_safetensors: bool = False) -> dict[str, Any]:
         out = {"id": repo.repo_id, "modelId": repo.repo_id, "downloads": repo.downloads, "likes": repo.likes,
                "trendingScore": repo.trending, "createdAt": repo.created_at, "tags": self._tags(repo),
                "private": False, "gated": "manual" if repo.gated else False}
         if with_config and repo.model_type:
             out["config"] = {"model_type": repo.model_type}
+        weights = sum(len(f.content) for f in repo.files.values() if f.path.endswith(".safetensors"))
+        if with_safetensors and weights:  # the Hub counts parameters per dtype; the fakes hold float32
+            out["safetensors"] = {"parameters": {"F32": weights // 4}, "total": weights // 4}
         return out
 
     def _api(self, rest: str, query: dict[str, list[str]]) -> None:
@@ -238,13 +245,14 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None and fault.kind == "status":
             return self._error(fault.status, None, "injected failure")
         data = f.served if f.served is not None else f.content
+        etag = f.served_etag or f.etag
         start = self._range_start()
         self.send_response(206 if start else 200)
-        self.send_header("ETag", f'"{f.etag}"')
+        self.send_header("ETag", f'"{etag}"')
         self.send_header("X-Repo-Commit", repo.commit)
         self.send_header("Accept-Ranges", "bytes")
         if f.is_lfs:
-            self.send_header("X-Linked-Etag", f'"{f.etag}"')
+            self.send_header("X-Linked-Etag", f'"{etag}"')
             self.send_header("X-Linked-Size", str(len(f.content)))
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")

@@ -126,7 +126,7 @@ def test_unreachable_backend_is_one_line(capsys):
 
 def test_stats_without_an_engine_is_one_line(capsys):
     assert cli(["stats"]) == 1
-    assert "no local engine host is running" in _one_error_line(capsys.readouterr().err)
+    assert "no local engine is running" in _one_error_line(capsys.readouterr().err)
 
 
 @pytest.mark.slow

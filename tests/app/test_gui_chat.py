@@ -17,6 +17,7 @@ from hearth.app.gui.main import run
 from hearth.app.gui.main_window import MainWindow
 from hearth.app.gui.qt import Qt
 from hearth.app.store.chats import ChatStore
+from hearth.app.store.settings import Settings, save_settings
 from tests.app.test_gui_helpers import (
     FAST_DOWNLOADS,
     isolated_settings,
@@ -207,11 +208,26 @@ def test_quitting_mid_answer_keeps_the_partial_answer(qtbot, open_window, window
         store.close()
 
 
-def test_screenshot_entry_point(qtbot, engine_home: Path, tmp_path: Path, windows):
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes (symlinks as their target)."""
+    return {str(p.relative_to(folder)): (str(p.readlink()).encode() if p.is_symlink() else p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
+
+
+def test_screenshot_leaves_the_users_data_untouched(qtbot, engine_home: Path, tmp_path: Path, windows,
+                                                    isolated_home: Path):
     link_demo_model(engine_home)
+    save_settings(Settings(theme="dark").replace(max_model_len=4096))
+    store = ChatStore()
+    conversation = store.create_conversation("My own chat")
+    store.add_message(conversation.id, "user", "Keep me", parent_id=None)
+    store.close()
+    before = _tree(isolated_home)
     out = tmp_path / "shot.png"
     assert run(["--screenshot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _tree(isolated_home) == before  # no chat, no sampling, no settings, no engine record written
+    assert os.environ["HEARTH_HOME"] == str(isolated_home)
 
 
 def test_engine_crash_shows_restart_and_restart_recovers(qtbot, open_window, backend):

@@ -14,9 +14,10 @@ from hearth.app.gui.models_tab import ModelsTab
 from hearth.app.gui.qt import Qt
 from hearth.app.gui.settings_tab import SettingsTab
 from hearth.app.hub import events as ev
+from hearth.app.hub.manager import DownloadOptions
 from hearth.app.paths import settings_path
 from hearth.app.store.settings import Settings, load_settings
-from tests.app.conftest import TINY_REPO, write_tiny_model
+from tests.app.conftest import GATED_REPO, TINY_REPO, write_tiny_model
 from tests.app.fakehub import FakeHub, Fault
 from tests.app.test_gui_helpers import FAST_DOWNLOADS, windows_checked
 
@@ -43,8 +44,8 @@ def _row_of(table, text: str) -> int:
     return rows[0]
 
 
-def _open_details(qtbot, tab: ModelsTab) -> None:
-    tab.query_edit.setText("tiny")
+def _open_details(qtbot, tab: ModelsTab, query: str = "tiny") -> None:
+    tab.query_edit.setText(query)
     tab.sort_combo.setCurrentText("likes")
     qtbot.mouseClick(tab.search_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: tab.results.rowCount() > 0 and tab.search_button.isEnabled(), timeout=TIMEOUT_MS)
@@ -57,8 +58,79 @@ def test_search_details_and_fit(qtbot, models_tab: ModelsTab):
     files = {models_tab.files_table.item(r, 0).text(): models_tab.files_table.item(r, 1).text()
              for r in range(models_tab.files_table.rowCount())}
     assert files["model.safetensors"].endswith("kB") and "config.json" in files
+    # only what pull fetches: no pickle, no README; the button says how much that is
+    assert set(files) == {"config.json", "model.safetensors", "tokenizer.json"}
+    total_kb = models_tab.details.download_bytes() / 1000
+    assert models_tab.download_button.text() == f"Download {total_kb:.1f} kB (3 files)"
     assert models_tab.fit_label.text().startswith("Fit: runs")
     assert TINY_REPO in models_tab.details_label.text()
+    row = _row_of(models_tab.results, TINY_REPO)
+    assert models_tab.results.horizontalHeaderItem(2).text() == "Size"
+    assert models_tab.results.item(row, 2).text().endswith("kB")  # from the Hub's safetensors counts
+
+
+def test_opens_on_recommendations_rated_for_this_machine(qtbot, models_tab: ModelsTab):
+    qtbot.waitUntil(lambda: "Recommended for this machine" in models_tab.results_label.text(), timeout=TIMEOUT_MS)
+    headers = [models_tab.results.horizontalHeaderItem(c).text() for c in range(models_tab.results.columnCount())]
+    assert headers == ["Repository", "Type", "Size", "Fit here"]
+    verdicts = [models_tab.results.item(r, 3).text() for r in range(models_tab.results.rowCount())]
+    assert models_tab.results.rowCount() >= 5 and all(v.startswith(("runs", "does not fit")) for v in verdicts)
+    fitting = [v for v in verdicts if v != "does not fit"]
+    assert verdicts[:len(fitting)] == fitting  # the ones that fit come first
+    assert f"{len(fitting)} of {len(verdicts)} fit here" in models_tab.results_label.text()
+    repos = [models_tab.results.item(r, 0).text() for r in range(models_tab.results.rowCount())]
+    assert "deepseek-ai/DeepSeek-V3.2" in repos
+
+
+def test_download_is_bound_to_the_repo_shown_and_gated_repos_name_their_type(qtbot, models_tab: ModelsTab):
+    _open_details(qtbot, models_tab, "hearth-test")
+    models_tab.results.selectRow(_row_of(models_tab.results, GATED_REPO))
+    assert not models_tab.download_button.isEnabled()  # not the previous repo while this one loads
+    models_tab.download_selected()
+    assert models_tab.manager.items() == []
+    qtbot.waitUntil(models_tab.download_button.isEnabled, timeout=TIMEOUT_MS)
+    assert models_tab.details.repo_id == GATED_REPO and models_tab.details.access_error
+    assert "deepseek_v32" in models_tab.details_label.text()  # from the listing: config.json is gated
+    assert "unknown type" not in models_tab.details_label.text()
+
+
+def test_failed_download_keeps_its_reason_after_a_restart(qtbot, models_tab: ModelsTab, settings: Settings, windows):
+    _open_details(qtbot, models_tab, "hearth-test")
+    models_tab.results.selectRow(_row_of(models_tab.results, GATED_REPO))
+    qtbot.waitUntil(models_tab.download_button.isEnabled, timeout=TIMEOUT_MS)
+    models_tab.download_selected()
+    item_id = f"{GATED_REPO}@main"
+    qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id).startswith("failed"), timeout=TIMEOUT_MS)
+    reason = models_tab.downloads.state_text(item_id)
+    models_tab.close_manager()
+
+    again = windows.track(ModelsTab(settings, options=FAST_DOWNLOADS))
+    try:
+        assert again.downloads.state_text(item_id) == reason.replace(" (resumable)", "")
+        buttons = again.downloads.buttons[item_id]
+        assert not buttons["pause"].isVisibleTo(again) and buttons["resume"].isVisibleTo(again)
+    finally:
+        again.close_manager()
+
+
+def test_retry_backoff_counts_down_instead_of_reporting_a_stall(qtbot, settings: Settings, fake_hub: FakeHub,
+                                                                windows):
+    options = DownloadOptions(stall_timeout_s=0.3, max_retries=3, backoff_base_s=3.0, backoff_max_s=3.0,
+                              progress_interval_s=0.05, chunk_bytes=16 * 1024)
+    tab = windows.track(ModelsTab(settings, options=options))
+    try:
+        fake_hub.add_fault(TINY_REPO, "model.safetensors", Fault("status", status=503))
+        states: list[str] = []
+        tab.bridge.event.connect(lambda event: states.append(tab.downloads.state_text(event.item_id)))
+        tab.manager.enqueue(TINY_REPO)
+        item_id = f"{TINY_REPO}@main"
+        qtbot.waitUntil(lambda: tab.downloads.state_text(item_id).startswith("retrying in"), timeout=TIMEOUT_MS)
+        assert tab.downloads.state_text(item_id) in ("retrying in 3 s (attempt 1)", "retrying in 2 s (attempt 1)")
+        qtbot.waitUntil(lambda: tab.downloads.state_text(item_id) == "ready", timeout=TIMEOUT_MS)
+        assert not any(s.startswith(("no data", "stalled")) for s in states), states
+        assert not any(b.isVisibleTo(tab) for b in tab.downloads.buttons[item_id].values())  # nothing to do now
+    finally:
+        tab.close_manager()
 
 
 def test_download_shows_progress_and_completes(qtbot, models_tab: ModelsTab, fake_hub: FakeHub):
@@ -78,6 +150,7 @@ def test_download_shows_progress_and_completes(qtbot, models_tab: ModelsTab, fak
     qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id) == "ready", timeout=TIMEOUT_MS)
     assert any(0 < value < 1000 and speed.endswith("/s") for value, speed in progress), progress
     assert models_tab.downloads.progress_bar(item_id).value() == 1000
+    assert not any(b.isVisibleTo(models_tab) for b in models_tab.downloads.buttons[item_id].values())
     qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 1, timeout=TIMEOUT_MS)
     row = _row_of(models_tab.installed_table, TINY_REPO)
     assert models_tab.installed_table.item(row, 4).text() == "yes"

@@ -9,7 +9,8 @@ from hearth.app.hub.catalog import repo_details, search_models
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.errors import HubError, OfflineError, RepoNotFoundError
 from hearth.app.hub.fit import (
-    GPU_RESERVE_BYTES,
+    GPU_RUNTIME_BYTES,
+    HOST_RUNTIME_BYTES,
     Machine,
     Verdict,
     assess_fit,
@@ -50,7 +51,7 @@ def test_search_keeps_runnable_architectures_sorted(ctx, more_repos: FakeHub):
     assert [r.repo_id for r in search_models(ctx, "", sort="recent")][0] == "other/glm-5-mini"
     # one request per supported model_type, each filtered by the Hub
     filters = {r.query.get("filter", [None])[0] for r in more_repos.requests if r.path == "/api/models"}
-    assert {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2"} <= filters
+    assert {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v2", "glm4_moe"} <= filters
 
 
 def test_search_all_architectures_text_and_limit(ctx, more_repos: FakeHub):
@@ -129,7 +130,7 @@ def test_fit_verdicts(machine: Machine, verdict: Verdict):
     assert report.cache_bytes == 8192 * 61 * 576 * 2
     assert str(verdict) in report.summary and "GPU" in report.summary
     if verdict == Verdict.GPU:
-        assert report.gpu_needed_bytes == V3_WEIGHTS + report.cache_bytes + GPU_RESERVE_BYTES
+        assert report.gpu_needed_bytes == V3_WEIGHTS + report.cache_bytes + GPU_RUNTIME_BYTES + fp.activation_bytes
     if verdict == Verdict.EXPERTS_IN_RAM:
         assert report.gpu_needed_bytes < machine.gpu_bytes < V3_WEIGHTS
         assert fp.experts_bytes < report.ram_needed_bytes <= machine.ram_bytes
@@ -147,6 +148,20 @@ def test_fit_reports_a_disk_that_is_too_small():
     machine = Machine(gpu_bytes=800 * GIB, ram_bytes=64 * GIB, disk_free_bytes=100 * 10**9)
     report = assess_fit(fp, machine, context_length=8192, download_bytes=V3_WEIGHTS)
     assert not report.fits_on_disk and "free on disk" in report.summary
+
+
+def test_a_tiny_model_needs_its_weights_and_the_runtime_not_gigabytes():
+    """A 24.7 MB model (the demo) on a CPU machine: the engine host measured 0.56 GiB."""
+    config = {"model_type": "deepseek_v32", "num_hidden_layers": 2, "hidden_size": 256, "kv_lora_rank": 64,
+              "qk_rope_head_dim": 32, "first_k_dense_replace": 1, "n_routed_experts": 8,
+              "moe_intermediate_size": 128, "torch_dtype": "float32"}
+    fp = footprint_from_config(config, 24_700_000)
+    report = assess_fit(fp, Machine(gpu_bytes=None, ram_bytes=8 * GIB, disk_free_bytes=10**12), context_length=2048)
+    assert report.verdict == Verdict.CPU_ONLY
+    assert 0.6 * GIB < report.ram_needed_bytes < 0.75 * GIB
+    assert report.ram_needed_bytes == 24_700_000 + report.cache_bytes + HOST_RUNTIME_BYTES + fp.activation_bytes
+    on_gpu = assess_fit(fp, Machine(gpu_bytes=8 * GIB, ram_bytes=8 * GIB, disk_free_bytes=10**12), context_length=2048)
+    assert on_gpu.verdict == Verdict.GPU and on_gpu.gpu_needed_bytes < 1 * GIB
 
 
 def test_fit_for_a_hub_repo(ctx, settings):
@@ -171,3 +186,39 @@ def test_fit_footprint_of_gqa_moe_models():
                "num_key_value_heads": 8, "num_local_experts": 8, "intermediate_size": 14336, "torch_dtype": "bfloat16"}
     fp = footprint_from_config(mixtral, weights_bytes=93 * 10**9)
     assert fp.num_moe_layers == 32 and fp.experts_bytes == 32 * 8 * 3 * 4096 * 14336 * 2
+
+
+def test_fit_footprint_of_gpt_oss_counts_mxfp4_downloads_as_bf16_in_memory():
+    """gpt-oss-120b: 36 layers x 128 experts of 3 x 2880 x 2880 weights, 4.25 bits each in the files
+    (about 61 GiB downloaded), bf16 once Hearth loads them."""
+    from hearth.app.hub.fit import footprint_from_config
+
+    config = {"model_type": "gpt_oss", "num_hidden_layers": 36, "hidden_size": 2880, "intermediate_size": 2880,
+              "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+              "quantization_config": {"quant_method": "mxfp4"}, "torch_dtype": "bfloat16"}
+    params = 36 * 128 * 3 * 2880 * 2880
+    download = 65 * 10**9
+    fp = footprint_from_config(config, weights_bytes=download)
+    assert fp.num_moe_layers == 36 and fp.cache_bytes_per_token == 36 * 2 * 8 * 64 * 2
+    assert fp.experts_bytes == params * 2
+    assert fp.weights_bytes == download - int(params * 4.25 / 8) + params * 2
+    assert fp.dense_bytes == download - int(params * 4.25 / 8)  # attention, embeddings, routers stay as shipped
+
+
+def test_fit_footprint_of_glm45_air():
+    """GLM-4.5-Air-like config: one dense layer then 45 MoE layers of 128 experts; K and V of 8 KV
+    heads of 128 dims per token (head_dim is not hidden / heads here); the MTP layer's experts are
+    in the download but never loaded."""
+    from hearth.app.hub.fit import footprint_from_config
+
+    air = {"model_type": "glm4_moe", "num_hidden_layers": 46, "hidden_size": 4096, "num_attention_heads": 96,
+           "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "moe_intermediate_size": 1408,
+           "first_k_dense_replace": 1, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16"}
+    layer_experts = 128 * 3 * 4096 * 1408 * 2
+    fp = footprint_from_config(air, weights_bytes=221 * 10**9)
+    assert fp.num_moe_layers == 45 and fp.experts_bytes == 45 * layer_experts
+    assert fp.weights_bytes == 221 * 10**9 - layer_experts  # the MTP layer's experts
+    assert fp.cache_bytes_per_token == 46 * 2 * 8 * 128 * 2
+    assert footprint_from_config({**air, "first_k_dense_replace": 0}, 221 * 10**9).num_moe_layers == 46
+    defaults = {k: v for k, v in air.items() if k != "first_k_dense_replace"}
+    assert footprint_from_config(defaults, 221 * 10**9).num_moe_layers == 45  # transformers' default: 1

@@ -42,16 +42,20 @@ def test_pull_then_models_then_rm(settings, fake_hub: FakeHub, capsys):
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["NAME", "SIZE", "ARCH", "SUPPORTED", "STATUS", "PATH"]
     assert table[1].split()[:6] == [TINY_REPO, "262.6", "kB", "deepseek_v3", "yes", "ready"]
+    demo_row = table[2].split()
+    assert demo_row[0] == "demo" and demo_row[3:7] == ["deepseek_v32", "yes", "bundled", "demo"]
     assert run(["models", "--json"]) == 0
-    [model] = json.loads(capsys.readouterr().out)
+    model, demo = json.loads(capsys.readouterr().out)
     assert model["name"] == TINY_REPO and model["is_supported"] and model["is_ready"]
+    assert demo["name"] == "demo" and demo["source"] == "demo" and Path(demo["path"], "config.json").is_file()
 
     assert run(["rm", TINY_REPO]) == 1  # stdin is not a terminal: needs --yes
     assert "--yes" in capsys.readouterr().err
     assert run(["rm", TINY_REPO, "--yes"]) == 0
     assert capsys.readouterr().out.startswith(f"Deleted {TINY_REPO} (")
     assert run(["models"]) == 0
-    assert "No models installed" in capsys.readouterr().out
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table] == ["NAME", "demo", "No"] and "No models installed" in table[2]
 
 
 def test_pull_with_patterns_and_revision(settings, fake_hub: FakeHub, capsys):
@@ -103,8 +107,8 @@ def test_ctrl_c_leaves_a_resumable_partial(settings, fake_hub: FakeHub, capsys, 
 def test_search_table_and_json(settings, capsys):
     assert run(["search", "tiny"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["REPO", "DOWNLOADS", "LIKES", "ARCH", "SUPPORTED"]
-    assert lines[1].split() == [TINY_REPO, "500", "10", "deepseek_v3", "yes"]
+    assert lines[0].split() == ["REPO", "DOWNLOADS", "LIKES", "ARCH", "SUPPORTED", "ACCESS"]
+    assert lines[1].split() == [TINY_REPO, "500", "10", "deepseek_v3", "yes", "open"]
     assert run(["search", "", "--sort", "likes", "--json", "--limit", "1"]) == 0
     [first] = json.loads(capsys.readouterr().out)
     assert first["repo_id"] == GATED_REPO and first["gated"]

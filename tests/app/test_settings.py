@@ -17,7 +17,7 @@ from hearth.app.store.settings import Settings, SettingsError, load_settings, sa
 
 def test_missing_file_gives_defaults():
     assert load_settings() == Settings()
-    assert Settings().hf_endpoint == "https://huggingface.co" and Settings().hf_cache_dir is None
+    assert Settings().hf_endpoint is None and Settings().hf_cache_dir is None  # the environment's, else the Hub
 
 
 def test_round_trip_keeps_unknown_keys(tmp_path):

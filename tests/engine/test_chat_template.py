@@ -90,6 +90,8 @@ EXPECTED = {
     "<｜end▁of▁sentence｜><｜User｜>Another?<｜Assistant｜>",
     "glm_moe_dsa": "[gMASK]<sop><|system|>\nBe brief.<|user|>\nName a colour 🎨<|assistant|>\nBlue."
     "<|user|>\nAnother?<|assistant|>\n<think></think>",
+    "glm4_moe": "[gMASK]<sop><|system|>\nBe brief.<|user|>\nName a colour 🎨/nothink<|assistant|>\n<think></think>"
+    "\nBlue.<|user|>\nAnother?/nothink<|assistant|>\n<think></think>",
     "deepseek_v32": "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Name a colour 🎨<｜Assistant｜></think>Blue."
     "<｜end▁of▁sentence｜><｜User｜>Another?<｜Assistant｜></think>",
 }
@@ -125,3 +127,31 @@ def test_glm_thinking_switch(tmp_path: Path):
     tok = Tokenizer.from_pretrained(tmp_path, "glm_moe_dsa")
     assert tok.decode(tok.encode_chat(USER, thinking=True)).endswith("<|assistant|>")
     assert tok.decode(tok.encode_chat(USER, thinking=False)).endswith("<|assistant|>\n<think></think>")
+
+
+def test_glm45_template_reasoning_tools_and_parts(tmp_path: Path):
+    """GLM-4.5's format: content as text parts, the reasoning of turns after the last user turn kept
+    (earlier ones emptied), calls as arg_key / arg_value pairs, a run of tool results under one
+    <|observation|>, and thinking on when asked (no /nothink, open generation prompt)."""
+    write_tiny_tokenizer(tmp_path, "glm4_moe", 400)
+    tok = Tokenizer.from_pretrained(tmp_path, "glm4_moe")
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo", "days": 2}}}
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "greet back"},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "<think>need the tool</think>", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "cold"},
+    ]
+    text = tok.apply_chat_template(conversation, enable_thinking=True)
+    assert text == ("[gMASK]<sop><|user|>\nHi<|assistant|>\n<think></think>\nHello.<|user|>\nWeather in Oslo?"
+                    "<|assistant|>\n<think>need the tool</think>\n<tool_call>weather\n<arg_key>city</arg_key>"
+                    "\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
+                    "<|observation|>\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\ncold\n"
+                    "</tool_response><|assistant|>")
+    ids = tok.encode_chat(conversation, thinking=True)
+    for special in ("<|observation|>", "<tool_call>", "<arg_key>", "<think>"):
+        assert ids.count(tok.token_to_id(special)) == text.count(special) > 0
+    with pytest.raises(HearthError, match="Unknown message role"):
+        tok.encode_chat([{"role": "critic", "content": "x"}])

@@ -1,5 +1,5 @@
-"""Conformance: Hearth's engine against Hugging Face transformers on tiny random configs of all four
-model types (deepseek_v32, glm_moe_dsa, deepseek_v3, deepseek_v2).
+"""Conformance: Hearth's engine against Hugging Face transformers on tiny random configs of every
+model type (deepseek_v32, glm_moe_dsa, deepseek_v3, deepseek_v2, qwen3_moe, mixtral, glm4_moe).
 
 Tolerances: fp32 logits must agree to 1e-4 absolute (observed ~5e-6; logits are O(5)); bf16 no
 worse than the reference's own bf16 error (median per token, with slack) and its top-1 agreement.
@@ -59,7 +59,7 @@ def test_greedy_decode_matches_transformers(arch, tiny_models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deepseek_v32", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["deepseek_v32", "deepseek_v2", "glm4_moe"])
 def test_bfloat16_as_close_as_the_reference_in_bfloat16(arch, tiny_models):
     """bf16 flips discrete choices (expert routing, top-k) on some tokens, so the bar is the
     reference's own bf16 error against its fp32 logits: ours must be no worse (with slack)."""

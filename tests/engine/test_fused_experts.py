@@ -14,7 +14,8 @@ from hearth.engine.tiny import write_tiny_model
 from tests.engine.conftest import TEST_DEVICE
 
 
-@pytest.mark.parametrize("arch,fp8", [("deepseek_v3", False), ("deepseek_v32", True), ("mixtral", False)])
+@pytest.mark.parametrize("arch,fp8", [("deepseek_v3", False), ("deepseek_v32", True), ("mixtral", False),
+                                     ("glm4_moe", False)])
 def test_fused_backend_matches_expert_loop(tmp_path, arch, fp8):
     path = write_tiny_model(tmp_path / arch, arch, seed=5, fp8=fp8)
     ids = torch.randint(3, 400, (37,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -110,3 +110,89 @@ def test_config_variants_parse():
     assert pattern.indexer_types == ("full", "shared", "shared", "full")
     v2 = ModelConfig.from_dict(tiny_config("deepseek_v2"))
     assert v2.q_lora_rank is None and v2.scoring_func == "softmax" and not v2.has_indexer
+
+
+@pytest.fixture
+def fp8_copy(tiny_fp8_model, tmp_path):
+    path = tmp_path / "fp8"
+    shutil.copytree(tiny_fp8_model, path)
+    return path
+
+
+def _edit_tensor(folder, edit) -> str:
+    """Apply edit(name, tensors) -> changed name to the shard holding an FP8 attention weight."""
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        name = next((n for n in sorted(tensors) if n.endswith("self_attn.o_proj.weight")), None)
+        if name is not None:
+            changed = edit(name, tensors)
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            return changed
+    raise AssertionError("no FP8 o_proj weight in the tiny checkpoint")
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_nan_weight_is_refused_at_load(fp8_copy, keep_fp8):
+    import torch
+
+    def poison(name, tensors):
+        assert tensors[name].dtype == torch.float8_e4m3fn
+        raw = tensors[name].view(torch.uint8).clone()
+        raw.view(-1)[3] = 0x7F  # e4m3fn NaN
+        tensors[name] = raw.view(torch.float8_e4m3fn)
+        return name
+
+    name = _edit_tensor(fp8_copy, poison)
+    with pytest.raises(CheckpointError, match=f"'{name}' has 1 NaN/inf"):
+        load_checkpoint(fp8_copy, torch.device("cpu"), torch.float32, keep_fp8=keep_fp8)
+
+
+def test_inf_scale_is_refused(fp8_copy):
+    def inf_scale(name, tensors):
+        tensors[name + "_scale_inv"][0, 0] = float("inf")
+        return name + "_scale_inv"
+
+    name = _edit_tensor(fp8_copy, inf_scale)
+    with pytest.raises(CheckpointError, match=f"'{name}' has 1 NaN/inf"):
+        _load(fp8_copy)
+
+
+def test_wrong_scale_shape_is_refused(fp8_copy):
+    import torch
+
+    def bad_shape(name, tensors):
+        tensors[name + "_scale_inv"] = torch.ones(3, 5)
+        return name + "_scale_inv"
+
+    name = _edit_tensor(fp8_copy, bad_shape)
+    with pytest.raises(CheckpointError, match=f"'{name}': FP8 scale shape \\(3, 5\\) does not match"):
+        _load(fp8_copy)
+
+
+def test_fp8_block_size_other_than_128_is_refused():
+    raw = tiny_config("deepseek_v32")
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 64]}
+    with pytest.raises(UnsupportedModelError, match=r"weight_block_size.*\[64, 64\].*128, 128"):
+        ModelConfig.from_dict({**raw, "quantization_config": quant})
+
+
+def test_nan_routed_expert_is_refused_when_experts_are_offloaded(fp8_copy):
+    import torch
+
+    from hearth.engine import Engine, EngineConfig
+
+    def poison(_, tensors):
+        name = next(n for n in sorted(tensors) if ".experts." in n and n.endswith("down_proj.weight"))
+        raw = tensors[name].view(torch.uint8).clone()
+        raw.view(-1)[0] = 0xFF
+        tensors[name] = raw.view(torch.float8_e4m3fn)
+        return name
+
+    for shard in sorted(fp8_copy.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if any(".experts." in n for n in tensors):
+            name = poison(None, tensors)
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+            break
+    with pytest.raises(CheckpointError, match=f"{name.split('.experts.')[1].split('.')[0]}.*NaN/inf"):
+        Engine.load(str(fp8_copy), EngineConfig(device="cpu", offload="always", expert_cache_slots=2))

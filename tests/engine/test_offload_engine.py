@@ -50,9 +50,10 @@ def test_model_that_cannot_fit_fails_before_loading(tiny_models):
                                                                     gpu_memory_gib=1e-6))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "glm4_moe"])
 def test_offloaded_experts_of_gqa_models(tiny_models, arch):
-    """Mixtral's block_sparse_moe.experts.E.w1/w3/w2 and Qwen3's names both fill the expert store."""
+    """Mixtral's block_sparse_moe.experts.E.w1/w3/w2, Qwen3's and GLM-4.5's names (GLM-4.5 behind a
+    dense first layer, with a shared expert and an MTP layer that stays on disk) fill the expert store."""
     path = str(tiny_models[arch])
     expected = _run(Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32")), PROMPTS[:2])
     engine = Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32", offload="always",

@@ -21,10 +21,13 @@ MESSAGES = [{"role": "user", "content": "Tell me about hearths."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    model = write_tiny_model(root / "tiny-v32", "deepseek_v32", seed=3)
-    running = start_server(model, root / "run", api_key=API_KEY, max_model_len=MAX_MODEL_LEN)
+def model_path(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("server") / "tiny-v32", "deepseek_v32", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    running = start_server(model_path, model_path.parent / "run", api_key=API_KEY, max_model_len=MAX_MODEL_LEN)
     yield running
     running.stop()
 
@@ -200,14 +203,14 @@ def test_stats_report_engine_and_memory(server):
     assert {"running", "waiting", "decode_tokens_per_s", "cache_blocks_free"} <= set(stats)
 
 
-def test_unload_and_load(server, client, tmp_path):
+def test_unload_and_load(server, client, model_path, tmp_path):
     base, headers = server.base_url, server.headers
     bad = httpx.post(f"{base}/hearth/load", json={"model": str(tmp_path / "missing")}, headers=headers, timeout=30)
-    assert bad.status_code == 400 and "not a model folder" in bad.json()["error"]["message"]
+    assert bad.status_code == 403 and bad.json()["error"]["code"] == "model_not_allowed"
     assert httpx.get(f"{base}/health", headers=headers).json()["status"] == "ready"  # the model was kept
 
-    path = _stats(server)["model_path"]
-    assert httpx.post(f"{base}/hearth/unload", headers=headers, timeout=30).json() == {"unloaded": "tiny-v32"}
+    path = str(model_path)
+    assert httpx.post(f"{base}/hearth/unload", json={}, headers=headers, timeout=30).json() == {"unloaded": "tiny-v32"}
     assert client.models.list().data == []
     with pytest.raises(openai.InternalServerError) as err:  # 503: nothing to run on
         client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2)

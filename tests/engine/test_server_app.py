@@ -1,6 +1,7 @@
 """The engine host's failure paths, in-process (Starlette's TestClient, a real tiny engine):
 an engine step that raises fails only the requests in flight (500 JSON / an SSE error event) and
-the host keeps serving; an unexpected handler error is a 500 without traceback text; no model is 503."""
+the host keeps serving; an unexpected handler error is a 500 without traceback text; no model is 503;
+``/hearth/tokenize`` counts a prompt exactly as the answer's usage does."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi.testclient import TestClient
 from hearth.engine.api import EngineConfig
 from hearth.engine.server_app import create_app
 from hearth.engine.server_host import EngineHost
-from tests.engine.test_server_support import in_process_host, serving_client
+from tests.engine.test_server_support import LOCAL_URL, in_process_host, serving_client
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 
@@ -74,8 +75,23 @@ def test_an_unexpected_handler_error_is_a_500_without_traceback(host, http, monk
 
 def test_no_model_is_503():
     empty = EngineHost(EngineConfig(device="cpu"))
-    with TestClient(create_app(empty), raise_server_exceptions=False) as client:
+    with TestClient(create_app(empty), base_url=LOCAL_URL, raise_server_exceptions=False) as client:
         assert client.get("/health").json() == {"status": "no_model", "model": None}
         response = client.post("/v1/chat/completions", json=BODY)
         assert response.status_code == 503 and "no model is loaded" in response.json()["error"]["message"]
         assert client.get("/v1/models").json()["data"] == []
+
+
+def test_tokenize_counts_the_prompt_as_the_answer_does(http):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, engine"},
+                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Count me"}]
+    counted = http.post("/hearth/tokenize", json={"model": "tiny", "messages": messages})
+    assert counted.status_code == 200
+    body = counted.json()
+    answer = http.post("/v1/chat/completions", json={**BODY, "messages": messages})
+    assert body["prompt_tokens"] == answer.json()["usage"]["prompt_tokens"] > 8
+    assert body["max_model_len"] == 256
+    shorter = http.post("/hearth/tokenize", json={"model": "tiny", "messages": messages[-1:]}).json()
+    assert shorter["prompt_tokens"] < body["prompt_tokens"]
+    assert http.post("/hearth/tokenize", json={"model": "other", "messages": messages}).status_code == 404
+    assert http.post("/hearth/tokenize", json={"model": "tiny", "messages": []}).status_code == 400

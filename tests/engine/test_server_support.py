@@ -25,6 +25,7 @@ from hearth.engine.server_protocol import (
 )
 
 T = TypeVar("T")
+LOCAL_URL = "http://127.0.0.1"  # in-process clients: a Host the server answers to ("testserver" is refused)
 STARTUP_TIMEOUT_S = 120.0  # generous: CI machines may be busy; the wait ends as soon as it answers
 
 
@@ -175,5 +176,5 @@ def serving_client(engine_host):
 
     from hearth.engine.server_app import create_app
 
-    with TestClient(create_app(engine_host), raise_server_exceptions=False) as client:
+    with TestClient(create_app(engine_host), base_url=LOCAL_URL, raise_server_exceptions=False) as client:
         yield client

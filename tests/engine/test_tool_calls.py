@@ -35,6 +35,25 @@ def test_parse_dsml_and_hermes_formats():
     assert parse_tool_calls(broken, "qwen3_moe") == (broken, [])  # kept, not lost
 
 
+def test_parse_glm_format():
+    """GLM-4.5 puts each part on its own line, GLM-4.7 / GLM-5 run them together; string values are
+    printed as they are, other values as JSON."""
+    glm45 = ("<think>the user wants weather</think>Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+             "<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
+    content, calls = parse_tool_calls(glm45, "glm4_moe")
+    assert content == "<think>the user wants weather</think>Checking."
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 3}
+    compact = ('<tool_call>search<arg_key>query</arg_key><arg_value>hearth "stones"</arg_value><arg_key>filters'
+               '</arg_key><arg_value>{"year": 2024}</arg_value></tool_call><tool_call>now</tool_call>')
+    content, calls = parse_tool_calls(compact, "glm_moe_dsa")
+    assert content == "" and [c["function"]["name"] for c in calls] == ["search", "now"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"query": 'hearth "stones"', "filters": {"year": 2024}}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}
+    for broken in ("x <tool_call>two words</tool_call>", "<tool_call>f<arg_key>a</arg_key>stray</tool_call>"):
+        assert parse_tool_calls(broken, "glm4_moe") == (broken, [])  # kept, not lost
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
     yield from in_process_host(tmp_path_factory.mktemp("tools"), max_model_len=512)

@@ -83,3 +83,23 @@ def test_footprint_from_tensor_bytes():
     fp = footprint_from_tensor_bytes(sizes, top_k=2)
     assert (fp.dense_bytes, fp.expert_bytes, fp.num_moe_layers, fp.num_experts) == (1514, 33, 2, 4)
     assert fp.routed_bytes == 2 * 4 * 33
+    # An MTP layer after the last layer (GLM-4.5, DeepSeek-V3): counted only when not told the layers
+    mtp = {**sizes, "model.layers.3.eh_proj.weight": 50}
+    mtp.update({f"model.layers.3.mlp.experts.{e}.gate_proj.weight": 10 for e in range(4)})
+    with_mtp = footprint_from_tensor_bytes(mtp, top_k=2)
+    assert (with_mtp.num_moe_layers, with_mtp.dense_bytes) == (3, 1564)
+    assert footprint_from_tensor_bytes(mtp, top_k=2, num_layers=3) == fp
+
+
+def test_stacked_gpt_oss_experts_are_counted_dequantised():
+    """gpt-oss's MXFP4 files are 4.25 bits a weight; the store holds bf16, so sizes come from the shapes."""
+    from hearth.offload.planner import footprint_from_stacked_experts
+
+    hidden, inter, experts = 2880, 2880, 128
+    mxfp4 = int(experts * 2 * inter * hidden * 4.25 / 8)
+    sizes = {"model.embed_tokens.weight": 1000, "model.layers.0.self_attn.q_proj.weight": 500,
+             "model.layers.0.mlp.experts.gate_up_proj_blocks": mxfp4, "model.layers.0.mlp.experts.down_proj_blocks": 1,
+             "model.layers.1.mlp.experts.gate_up_proj_blocks": mxfp4, "model.layers.1.mlp.router.weight": 7}
+    fp = footprint_from_stacked_experts(sizes, 4, experts, hidden, inter, value_bytes=2)
+    assert fp.dense_bytes == 1507 and fp.num_moe_layers == 2 and fp.num_experts == experts
+    assert fp.expert_bytes == (3 * hidden * inter + 2 * inter + hidden) * 2

@@ -1,0 +1,503 @@
+"""The user's path, measured end to end: a real-width FP8 checkpoint on disk, served by Hearth's
+server in its own process, timed from the official OpenAI client.
+
+1. Writes (once; reused while its config is unchanged) a checkpoint in the Hugging Face layout at a
+   release's real widths — DeepSeek-V3.2 by default, GLM-5 with ``--family glm_moe_dsa`` — with
+   1 dense + N MoE layers of 256 routed experts, FP8 e4m3 with 128x128 power-of-two block scales on every
+   linear the releases quantise, random weights made on the GPU, ~4 GB shards, and a tokenizer of exactly
+   the release's vocabulary size whose every id decodes to text.
+2. For each configuration (``--configs``) starts ``python -m hearth.engine.server`` (what
+   ``hearth --cli serve`` runs) with that configuration's flags and measures: load time (process start to
+   listening), the first request after start (Triton compiles and graph captures included), TTFT of 2K
+   and 16K-token prompts, decode tok/s per request and aggregate at 1 / 8 / 32 concurrent streams
+   (``ignore_eos`` so every stream decodes ``--decode-tokens`` tokens), and the engine's own split of a
+   decode step (``decode_step_ms``: the whole engine step; ``decode_run_gpu_ms``: the model's GPU time).
+3. Prints each row beside its floor: the bytes one decode step must read (FP8 weights one byte each, the
+   distinct routed experts a batch of that size touches under uniform routing, indexer keys and the
+   selected latents) at 4.28 TB/s; with offloaded experts also the link floor (expert bytes the server
+   fetched per step / 55 GB/s pinned host-to-device).
+4. With ``--runner``, times ``ModelRunner.run`` on the same checkpoint in-process (CUDA graphs on) and the
+   bf16 runner of the same shapes (``bench_decode_step.build_model``): the engine-level ceilings the server
+   rows are compared with.
+
+    python bench/bench_e2e.py --dir /tmp/ckpt [--family deepseek_v32] [--moe-layers 2]
+        [--configs resident offload-sync ...] [--concurrency 1 8 32] [--json FILE] [--runner]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HBM = 4.28e12
+LINK = 55e9
+SHARD_BYTES = 4 << 30
+
+DEEPSEEK_V32 = dict(
+    model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1,
+    index_n_heads=64, index_head_dim=128, index_topk=2048, scoring_func="sigmoid", topk_method="noaux_tc",
+    norm_topk_prob=True, routed_scaling_factor=2.5, rope_theta=10000.0, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+GLM5 = dict(
+    model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"], vocab_size=154880, hidden_size=6144,
+    intermediate_size=12288, moe_intermediate_size=2048, num_attention_heads=64, num_key_value_heads=64,
+    q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+    n_routed_experts=256, num_experts_per_tok=8, n_group=1, topk_group=1, n_shared_experts=1,
+    index_n_heads=32, index_head_dim=128, index_topk=2048, scoring_func="sigmoid", topk_method="noaux_tc",
+    norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    rope_interleave=True, indexer_rope_interleave=True, max_position_embeddings=202752, rms_norm_eps=1e-5,
+    hidden_act="silu", tie_word_embeddings=False,
+)
+# A smoke-test model (the same code path at small widths, runs on the CPU): --family tiny --device cpu.
+TINY = {**DEEPSEEK_V32, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "n_routed_experts": 16,
+        "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4, "index_n_heads": 4, "index_topk": 64}
+FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM5, "tiny": TINY}
+
+# name -> server flags. Offloaded rows keep 64 of 256 experts per layer on the GPU (a 25% cache).
+OFFLOAD = ["--offload", "always", "--expert-cache-slots", "64"]
+CONFIGS: dict[str, list[str]] = {
+    "resident": ["--offload", "never"],
+    "resident-eager": ["--offload", "never", "--cuda-graphs", "false"],
+    "offload-sync": [*OFFLOAD, "--scheduler", "sync"],
+    "offload-runahead": [*OFFLOAD, "--scheduler", "runahead"],
+    "offload-prefetch": [*OFFLOAD, "--scheduler", "prefetch"],
+    "mli": ["--offload", "never", "--mli", "true"],
+    "tiers64k": ["--offload", "never", "--index-key-hot-pages", "64", "--latent-hot-rows", "4096"],
+}
+
+
+# ---- the checkpoint --------------------------------------------------------------------------
+
+
+def checkpoint_config(family: str, moe_layers: int) -> dict:
+    return {**FAMILIES[family], "num_hidden_layers": 1 + moe_layers, "first_k_dense_replace": 1,
+            "num_nextn_predict_layers": 0,
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+
+
+def write_checkpoint(out: Path, family: str, moe_layers: int, device: torch.device) -> Path:
+    """Write (or reuse) the benchmark checkpoint; returns its folder."""
+    from safetensors.torch import save_file
+
+    from hearth.engine.config import ModelConfig
+    from hearth.engine.tiny import is_fp8_quantized, param_shapes, quantize_fp8_blocks
+    from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
+
+    raw = checkpoint_config(family, moe_layers)
+    stamp = json.dumps(raw, sort_keys=True)
+    if (out / "bench-stamp.json").exists() and (out / "bench-stamp.json").read_text() == stamp:
+        print(f"checkpoint: reusing {out}", flush=True)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    t0 = time.perf_counter()
+    special = write_tiny_tokenizer(out, raw["model_type"], raw["vocab_size"], synthetic=True)
+    raw = {**raw, **{k: v for k, v in special.items() if v is not None}}
+    config = ModelConfig.from_dict(raw)
+    gen = torch.Generator(device=device).manual_seed(0)
+    files: list[str] = []
+    weight_map: dict[str, int] = {}
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        files.append(f"part-{len(files) + 1:05d}.safetensors")
+        save_file(shard, str(out / files[-1]), metadata={"format": "pt"})
+        weight_map.update({n: len(files) - 1 for n in shard})
+        shard, size = {}, 0
+
+    for name, shape in param_shapes(config).items():
+        value = _init(name, shape, gen, device)
+        if is_fp8_quantized(name, shape):
+            w8, scale = quantize_fp8_blocks(value)
+            tensors = {name: w8, name + "_scale_inv": scale}
+        else:
+            keep_fp32 = "e_score_correction_bias" in name
+            tensors = {name: value.to(torch.float32 if keep_fp32 else torch.bfloat16)}
+        for n, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if size + nbytes > SHARD_BYTES and shard:
+                flush()
+            shard[n] = t.cpu()
+            size += nbytes
+            total += nbytes
+    flush()
+    names = [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    for old, new in zip(files, names):
+        (out / old).rename(out / new)
+    weight_map = {n: names[i] for n, i in weight_map.items()}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(raw, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    (out / "bench-stamp.json").write_text(stamp)
+    print(f"checkpoint: wrote {total / 1e9:.1f} GB in {len(names)} shards to {out} "
+          f"in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    if "norm" in name:
+        return torch.ones(shape, device=device)
+    if name.endswith("bias"):
+        return torch.zeros(shape, device=device)
+    if name == "model.embed_tokens.weight":
+        return torch.randn(shape, device=device, generator=gen)
+    return torch.randn(shape, device=device, generator=gen) * shape[-1] ** -0.5
+
+
+# ---- floors ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Floors:
+    fixed: int  # bytes every decode step reads: all weights but the embedding and the routed experts
+    expert: int  # bytes of one routed expert (FP8 + scales)
+    moe_layers: int
+    layers: int
+    n_experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, folder: Path) -> Floors:
+        from hearth.engine.config import ModelConfig
+        from hearth.engine.loader import ROUTED_EXPERT, tensor_bytes
+
+        config = ModelConfig.from_file(folder)
+        sizes = tensor_bytes(folder)
+        fixed = sum(b for n, b in sizes.items() if not ROUTED_EXPERT.search(n) and "embed_tokens" not in n)
+        experts = sum(b for n, b in sizes.items() if ROUTED_EXPERT.search(n))
+        moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        return cls(fixed, experts // (moe * config.n_routed_experts), moe, config.num_hidden_layers,
+                   config.n_routed_experts, config.num_experts_per_tok)
+
+    def distinct(self, batch: int) -> float:
+        """Expected distinct experts per layer for ``batch`` tokens under uniform routing."""
+        return self.n_experts * (1 - (1 - self.top_k / self.n_experts) ** batch)
+
+    def step_bytes(self, batch: int, context: int, latent_row: int = 656, key_row: int = 132) -> float:
+        kv = self.layers * batch * (context * key_row + min(context, 2048) * latent_row)
+        return self.fixed + self.moe_layers * self.distinct(batch) * self.expert + kv
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+
+class Server:
+    """``python -m hearth.engine.server`` in its own process; ``url`` once it listens."""
+
+    def __init__(self, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int, log: Path) -> None:
+        self.port_file = Path(tempfile.mkdtemp()) / "port"
+        cmd = [sys.executable, "-m", "hearth.engine.server", "--model", str(model), "--port", "0",
+               "--port-file", str(self.port_file), "--max-model-len", str(max_model_len),
+               "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *flags]
+        self.log = log.open("w")
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.load_s = math.nan
+        self.url = ""
+
+    def wait(self, timeout: float = 900) -> None:
+        while not self.port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            if time.perf_counter() - self.t0 > timeout:
+                raise TimeoutError("server did not start")
+            time.sleep(0.05)
+        self.load_s = time.perf_counter() - self.t0
+        self.url = f"http://127.0.0.1:{self.port_file.read_text().strip()}"
+
+    def stats(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/hearth/stats", timeout=30).json()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def find_number(stats: dict, key: str) -> float | None:
+    """The first value named ``key`` anywhere in the stats JSON."""
+    stack = [stats]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if key in node and isinstance(node[key], int | float):
+                return float(node[key])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+
+class Prompts:
+    """Chat messages of an exact prompt length (counted with the checkpoint's tokenizer)."""
+
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.seed = 0
+
+    def text(self, tokens: int) -> str:
+        """Random lowercase words of about ``tokens`` tokens; each call is new (no prefix-cache hits)."""
+        self.seed += 1
+        gen = torch.Generator().manual_seed(self.seed)
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        words = []
+        for length in torch.randint(2, 9, (tokens,), generator=gen).tolist():
+            idx = torch.randint(0, 26, (length,), generator=gen).tolist()
+            words.append("".join(letters[i] for i in idx))
+        text = " ".join(words)
+        ids = self.tokenizer.encode(text).ids[:tokens]
+        return self.tokenizer.decode(ids)
+
+
+@dataclass
+class Stream:
+    ttft: float
+    decode_s: float
+    completion_tokens: int
+    prompt_tokens: int
+    start: float
+    end: float
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else math.nan
+
+
+async def one_stream(client, model: str, prompt: str, max_tokens: int, started: asyncio.Queue) -> Stream:
+    start = time.perf_counter()
+    first = None
+    usage = None
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if first is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+            first = time.perf_counter()
+            started.put_nowait(first)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    end = time.perf_counter()
+    assert usage is not None, "the server sent no usage chunk"
+    first = first or end
+    return Stream(first - start, end - first, usage.completion_tokens, usage.prompt_tokens, start, end)
+
+
+async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int,
+                      snapshots: list | None = None) -> list[Stream]:
+    """Stream every prompt at once; with ``snapshots``, append (time, /hearth/stats) once every stream
+    has its first token (prefill over, decode only from here) and again when all are done."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    started: asyncio.Queue = asyncio.Queue()
+
+    async def snapshot_when_all_decode() -> None:
+        for _ in prompts:
+            await started.get()
+        async with httpx.AsyncClient() as http:
+            stats = (await http.get(url + "/hearth/stats", timeout=30)).json()
+        snapshots.append((time.perf_counter(), stats))
+
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0) as client:
+        watcher = asyncio.create_task(snapshot_when_all_decode()) if snapshots is not None else None
+        streams = list(await asyncio.gather(*(one_stream(client, model, p, max_tokens, started) for p in prompts)))
+        if watcher is not None:
+            await watcher
+            async with httpx.AsyncClient() as http:
+                snapshots.append((time.perf_counter(), (await http.get(url + "/hearth/stats", timeout=30)).json()))
+        return streams
+
+
+def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespace, floors: Floors,
+            offloaded: bool) -> dict:
+    res: dict = {"load_s": server.load_s}
+    t0 = time.perf_counter()
+    asyncio.run(run_streams(server.url, model, [prompts.text(256)], 16))
+    res["first_request_s"] = time.perf_counter() - t0
+    print(f"  load {server.load_s:.1f} s; first request (compiles, graph captures) {res['first_request_s']:.1f} s",
+          flush=True)
+    # Warm every batch bucket (graph captures) before timing.
+    for c in args.concurrency:
+        asyncio.run(run_streams(server.url, model, [prompts.text(64) for _ in range(c)], 8))
+    for length in args.ttft:
+        runs = [asyncio.run(run_streams(server.url, model, [prompts.text(length)], 2))[0] for _ in range(args.reps)]
+        ttft = statistics.median(r.ttft for r in runs)
+        res[f"ttft_{length}_s"] = ttft
+        print(f"  TTFT {runs[0].prompt_tokens}-token prompt: {ttft * 1e3:.0f} ms "
+              f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s)", flush=True)
+    rows = []
+    for c in args.concurrency:
+        snaps: list = []
+        streams = asyncio.run(run_streams(server.url, model, [prompts.text(args.prompt) for _ in range(c)],
+                                          args.decode_tokens, snaps))
+        (t_a, before), (t_b, after) = snaps
+        per_req = statistics.median(s.decode_tok_s for s in streams)
+        span = max(s.end for s in streams) - min(s.start for s in streams)
+        agg = sum(s.decode_tok_s for s in streams)  # the streams decode side by side
+        ms_per_token = 1e3 / per_req
+        floor_ms = floors.step_bytes(c, args.prompt + args.decode_tokens // 2) / HBM * 1e3
+        row = {"concurrency": c, "per_request_tok_s": per_req, "aggregate_tok_s": agg,
+               "total_tok_s": sum(s.completion_tokens for s in streams) / span, "ms_per_token": ms_per_token,
+               "hbm_floor_ms": floor_ms, "pct_of_hbm_floor": 100 * floor_ms / ms_per_token,
+               "engine_step_ms": find_number(after, "decode_step_ms"),
+               "run_gpu_ms": find_number(after, "decode_run_gpu_ms")}
+        if offloaded:
+            fetched = (find_number(after, "expert_cache_bytes_fetched") or 0) - \
+                (find_number(before, "expert_cache_bytes_fetched") or 0)
+            steps = max(1.0, (t_b - t_a) * 1e3 / ms_per_token)  # decode steps between the snapshots
+            row["link_floor_ms"] = fetched / steps / LINK * 1e3
+            row["link_busy_pct"] = 100 * fetched / LINK / (t_b - t_a)
+            row["x_link_floor"] = ms_per_token / row["link_floor_ms"] if row["link_floor_ms"] else math.nan
+        if row["engine_step_ms"] and row["run_gpu_ms"]:
+            row["outside_run_pct"] = 100 * (ms_per_token - row["run_gpu_ms"]) / ms_per_token
+        rows.append(row)
+        extra = f"; link floor {row['link_floor_ms']:.2f} ms ({row['x_link_floor']:.2f}x)" if offloaded else ""
+        step, gpu = row["engine_step_ms"] or math.nan, row["run_gpu_ms"] or math.nan
+        print(f"  c={c}: {per_req:.1f} tok/s per request ({ms_per_token:.2f} ms/token), aggregate {agg:.0f} tok/s; "
+              f"HBM floor {floor_ms:.2f} ms ({row['pct_of_hbm_floor']:.0f}% of it); engine step {step:.2f} ms, "
+              f"model GPU {gpu:.2f} ms{extra}", flush=True)
+    res["decode"] = rows
+    return res
+
+
+# ---- runner-level steps (same run) -----------------------------------------------------------
+
+
+def kernel_profile(runner, context: int) -> str:
+    """GPU time by kernel over 10 eager batch-1 decode steps (the graphed step runs the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hearth.engine.runner import StepInput
+
+    table = list(range(-(-runner.max_model_len // runner.block_size)))
+    ids = list(range(3, 3 + context))
+    for start in range(0, context, 2048):
+        runner.run([StepInput(table, start, ids[start:start + 2048])])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for step in range(10):
+            runner.run([StepInput(table, context + step, [5])], use_graphs=False).argmax(-1).tolist()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+
+
+def runner_steps(folder: Path, batches: list[int], context: int, profile: Path | None = None) -> dict:
+    """ms per decode step of ModelRunner.run (CUDA graphs) on this checkpoint and on bf16 weights of
+    the same shapes built on the GPU."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_decode_step as bds
+
+    from hearth.engine.api import EngineConfig
+    from hearth.engine.config import ModelConfig
+    from hearth.engine.runner import ModelRunner
+
+    out: dict = {}
+    max_len = 1 << (context + 200).bit_length()
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(batches),
+                       offload="never")
+    runner = ModelRunner.load(str(folder), cfg)
+    probe = bds.RoutingProbe(runner.model)
+    for b in batches:
+        out[f"fp8_b{b}_ms"] = bds.run_batch(runner, b, context, 30, graphs=True, probe=probe)["median_s"] * 1e3
+    if profile is not None:
+        profile.write_text(kernel_profile(runner, context))
+    del runner, probe
+    torch.cuda.empty_cache()
+    config = ModelConfig.from_file(folder)
+    device = torch.device("cuda")
+    model = bds.build_model(config, device, ModelRunner.features_for(config, cfg, device).attention)
+    runner = ModelRunner.from_model(model, cfg)
+    probe = bds.RoutingProbe(model)
+    for b in batches:
+        out[f"bf16_b{b}_ms"] = bds.run_batch(runner, b, context, 30, graphs=True, probe=probe)["median_s"] * 1e3
+    del runner, model
+    torch.cuda.empty_cache()
+    print("  runner-level step (CUDA graphs): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "hearth-bench-ckpt")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="deepseek_v32")
+    parser.add_argument("--moe-layers", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=["resident"], choices=sorted(CONFIGS))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--ttft", type=int, nargs="*", default=[2048, 16384], help="prompt lengths for TTFT")
+    parser.add_argument("--prompt", type=int, default=1536, help="prompt tokens of the decode streams")
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=20480)
+    parser.add_argument("--runner", action="store_true", help="also time ModelRunner.run in-process")
+    parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script itself (with --family tiny)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    folder = write_checkpoint(args.dir, args.family, args.moe_layers, device)
+    floors = Floors.of(folder)
+    print(f"floors: {floors.fixed / 1e9:.2f} GB read by every step besides routed experts; "
+          f"{floors.expert / 1e6:.1f} MB per routed expert; batch 1 step floor "
+          f"{floors.step_bytes(1, args.prompt) / HBM * 1e3:.3f} ms", flush=True)
+    prompts = Prompts(folder)
+    results: dict = {"family": args.family, "moe_layers": args.moe_layers, "configs": {},
+                     "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none"}
+    for name in args.configs:
+        print(f"== {name}: {' '.join(CONFIGS[name])}", flush=True)
+        max_len = 65536 + 4096 if name == "tiers64k" else args.max_model_len
+        flags = CONFIGS[name] + (["--device", "cpu"] if device.type == "cpu" else [])
+        server = Server(folder, flags, max_len, max(args.concurrency), args.logs / f"server-{name}.log")
+        try:
+            server.wait()
+            results["configs"][name] = measure(server, folder.name, prompts, args, floors, "offload" in name)
+        except Exception as exc:  # a failing configuration is a result too: report it and go on
+            print(f"  FAILED: {type(exc).__name__}: {exc}", flush=True)
+            results["configs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            server.stop()
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+    if args.runner:
+        results["runner"] = runner_steps(folder, [b for b in args.concurrency if b <= 8], args.prompt,
+                                         args.logs / "kernel-profile.txt")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,54 @@
+"""Where a decode step's time goes: the engine step on the host versus the model's GPU work.
+
+``StepTimer`` records, for steps where every request decodes one token, the wall time of the whole
+engine step (scheduling, the runner, sampling, detokenising, events) and the GPU time between CUDA
+events recorded around ``ModelRunner.run`` (read one step later, so timing adds no synchronisation).
+The difference is what the engine adds around the model; the server's HTTP/SSE work shows up as the
+client's time per token minus the engine step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+_WINDOW = 256  # recent decode steps averaged
+
+
+@dataclass
+class StepTimer:
+    enabled: bool
+    _pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    _start: float = 0.0
+    _decode: bool = False
+    step_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    run_gpu_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+
+    def begin(self, decode: bool) -> None:
+        self._decode = decode
+        self._start = time.perf_counter()
+
+    def around_run(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """Two events to record before and after the runner (None off CUDA or outside decode)."""
+        if not (self.enabled and self._decode):
+            return None
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def end(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        if not self._decode:
+            return
+        self.step_s.append(time.perf_counter() - self._start)
+        if self._pending is not None and self._pending[1].query():
+            self.run_gpu_s.append(self._pending[0].elapsed_time(self._pending[1]) / 1e3)
+        self._pending = events
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.step_s:
+            out["decode_step_ms"] = 1e3 * sorted(self.step_s)[len(self.step_s) // 2]
+        if self.run_gpu_s:
+            out["decode_run_gpu_ms"] = 1e3 * sorted(self.run_gpu_s)[len(self.run_gpu_s) // 2]
+        return out
