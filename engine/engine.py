@@ -16,6 +16,7 @@ import json
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,9 @@ class _Request:
 _OOM_MESSAGE = "the GPU ran out of memory; lower the context length or the number of concurrent requests"
 
 
+_RATE_WINDOW_S = 5.0  # tok/s in stats averages the steps of the last 5 s
+
+
 class Engine:
     """Continuous batching over a loaded model: requests join and leave at any step."""
 
@@ -83,7 +87,7 @@ class Engine:
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._generated = 0
-        self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps, for tok/s
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 5 s of steps, for tok/s
         device = getattr(runner, "device", None)
         self.timer = StepTimer(enabled=device is not None and device.type == "cuda")
         self.decoder: RunaheadDecoder | None = None
@@ -263,7 +267,9 @@ class Engine:
             [r.seq.token_ids for r in requests], [r.seq.output_ids for r in requests],
         ).tolist()
         now = time.perf_counter()
-        self._recent = [(t, n) for t, n in self._recent if now - t < 5.0] + [(now, len(tokens))]
+        self._recent.append((now, len(tokens)))
+        while now - self._recent[0][0] >= _RATE_WINDOW_S:
+            self._recent.popleft()
         self._generated += len(tokens)
         events: list[Event] = []
         for request, token in zip(requests, tokens):
@@ -344,7 +350,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         now = time.perf_counter()
-        window = [(t, n) for t, n in self._recent if now - t < 5.0]
+        window = [(t, n) for t, n in self._recent if now - t < _RATE_WINDOW_S]
         span = now - window[0][0] if len(window) > 1 else 0.0
         rate = sum(n for _, n in window[1:]) / span if span > 0 else 0.0
         return EngineStats(

@@ -81,22 +81,34 @@ class RequestStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def events(self, request: Request) -> AsyncIterator[Event]:
-        """Events until ``Finished``; raises ClientGone if the client disconnects meanwhile
-        (checked every ``_DISCONNECT_POLL_S``, whether or not events keep coming)."""
+        """Events until ``Finished``, one at a time (see :meth:`batches`)."""
+        async for batch in self.batches(request):
+            for event in batch:
+                yield event
+
+    async def batches(self, request: Request) -> AsyncIterator[list[Event]]:
+        """Events until ``Finished``, in lists of whatever has arrived (one event when the reader
+        keeps up, several when it lags: a busy server then writes fewer, larger chunks); raises
+        ClientGone if the client disconnects meanwhile (checked every ``_DISCONNECT_POLL_S``,
+        whether or not events keep coming)."""
         next_check = time.monotonic() + _DISCONNECT_POLL_S
+        queue = self._queue
         while True:
-            try:
-                event = await asyncio.wait_for(self._queue.get(), max(next_check - time.monotonic(), 0.0))
-            except TimeoutError:
-                event = None
+            batch: list[Event] = []
+            if queue.empty():
+                with contextlib.suppress(TimeoutError):
+                    batch.append(await asyncio.wait_for(queue.get(), max(next_check - time.monotonic(), 0.0)))
+            while not queue.empty():
+                batch.append(queue.get_nowait())
             if time.monotonic() >= next_check:
                 if await request.is_disconnected():
                     raise ClientGone()
                 next_check = time.monotonic() + _DISCONNECT_POLL_S
-            if event is None:
+            if not batch:
                 continue
-            yield event
-            if isinstance(event, Finished):
+            done = next((i for i, e in enumerate(batch) if isinstance(e, Finished)), None)
+            yield batch if done is None else batch[:done + 1]
+            if done is not None:
                 return
 
 
@@ -321,15 +333,18 @@ async def _stream_chunks(stream: RequestStream, request: Request, writer: Respon
     if writer.chat:
         yield sse(writer.chunk("", first=True))
     try:
-        async for event in stream.events(request):
-            if isinstance(event, TokenDelta):
-                if harmony is not None:
-                    split = harmony.feed(event.text)
-                    if split.reasoning or split.content:
-                        yield sse(writer.chunk(split.content, reasoning=split.reasoning))
-                elif event.text and tools_model_type is None:
-                    yield sse(writer.chunk(event.text))
+        async for batch in stream.batches(request):
+            deltas = [e for e in batch if isinstance(e, TokenDelta)]
+            text = "".join(d.text for d in deltas)
+            if harmony is not None:
+                split = harmony.feed(text)
+                if split.reasoning or split.content:
+                    yield sse(writer.chunk(split.content, reasoning=split.reasoning))
+            elif text and tools_model_type is None:
+                yield sse(writer.chunk(text))
+            if len(deltas) == len(batch):
                 continue
+            event = batch[-1]  # Finished
             if harmony is not None:
                 split = harmony.finish()
                 if split.reasoning or split.content:

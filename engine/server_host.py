@@ -39,6 +39,7 @@ logger = logging.getLogger("hearth.engine.server")
 
 Sink = Callable[[Event], None]
 _IDLE_WAIT_S = 0.25
+_SNAPSHOT_EVERY_S = 0.1  # how stale /hearth/stats may be while the engine is busy
 
 
 class NoModelError(HearthError):
@@ -76,6 +77,7 @@ class EngineHost:
         self._model: LoadedModel | None = None
         self._loading: str | None = None
         self._sinks: dict[str, Sink] = {}
+        self._snapshot_at = 0.0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -222,7 +224,10 @@ class EngineHost:
             except Exception:  # an engine bug must not kill the host: fail the requests, keep serving
                 logger.exception("engine step failed")
                 events = self._fail_running(engine)
-            self._take_snapshot(engine)
+            now = time.monotonic()
+            if now - self._snapshot_at >= _SNAPSHOT_EVERY_S or any(isinstance(e, Finished) for e in events):
+                self._take_snapshot(engine)  # not every step: stats cost host time a decode step cannot spare
+                self._snapshot_at = now
             self._dispatch(events)
 
     def _dispatch(self, events: list[Event]) -> None:

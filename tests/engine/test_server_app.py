@@ -95,3 +95,33 @@ def test_tokenize_counts_the_prompt_as_the_answer_does(http):
     assert shorter["prompt_tokens"] < body["prompt_tokens"]
     assert http.post("/hearth/tokenize", json={"model": "other", "messages": messages}).status_code == 404
     assert http.post("/hearth/tokenize", json={"model": "tiny", "messages": []}).status_code == 400
+
+
+def test_a_lagging_stream_reads_its_queued_events_in_one_batch():
+    """Events queued while the reader was busy come out together (one SSE chunk for their text), up
+    to and including Finished; one event at a time when the reader keeps up."""
+    import asyncio
+
+    from hearth.engine.api import Finished, RequestStats, TokenDelta
+    from hearth.engine.server_app import RequestStream
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def run() -> list[list[str]]:
+        stream = RequestStream()
+        stats = RequestStats(prompt_tokens=1, completion_tokens=3, cached_prompt_tokens=0,
+                             time_to_first_token_s=0.0, total_time_s=0.0)
+        stream.sink(TokenDelta("r", (1,), "a"))
+        got = []
+        async for batch in stream.batches(Connected()):
+            got.append([type(e).__name__ for e in batch])
+            if len(got) == 1:  # the reader lags: three more events arrive before it asks again
+                for event in (TokenDelta("r", (2,), "b"), TokenDelta("r", (3,), "c"),
+                              Finished("r", "length", "abc", stats), TokenDelta("r", (4,), "late")):
+                    stream.sink(event)
+                await asyncio.sleep(0.01)
+        return got
+
+    assert asyncio.run(run()) == [["TokenDelta"], ["TokenDelta", "TokenDelta", "Finished"]]
