@@ -6,8 +6,8 @@ server in its own process, timed from the official OpenAI client.
    1 dense + N MoE layers of 256 routed experts, FP8 e4m3 with 128x128 power-of-two block scales on every
    linear the releases quantise, random weights made on the GPU, ~4 GB shards, and a tokenizer of exactly
    the release's vocabulary size whose every id decodes to text.
-2. For each configuration (``--configs``) starts ``python -m hearth.engine.server`` (what
-   ``hearth --cli serve`` runs) with that configuration's flags and measures: load time (process start to
+2. For each configuration (``--configs``) starts ``hearth --cli serve`` (``python -m hearth.app.main``)
+   with that configuration's flags and measures: load time (process start to
    listening), the first request after start (Triton compiles and graph captures included), TTFT of 2K
    and 16K-token prompts, decode tok/s per request and aggregate at 1 / 8 / 32 concurrent streams
    (``ignore_eos`` so every stream decodes ``--decode-tokens`` tokens), and the engine's own split of a
@@ -31,6 +31,7 @@ import asyncio
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -206,28 +207,36 @@ class Floors:
 
 
 class Server:
-    """``python -m hearth.engine.server`` in its own process; ``url`` once it listens."""
+    """``hearth --cli serve`` in its own process (as a user starts it); ``url`` once it answers."""
 
     def __init__(self, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int, log: Path) -> None:
-        self.port_file = Path(tempfile.mkdtemp()) / "port"
-        cmd = [sys.executable, "-m", "hearth.engine.server", "--model", str(model), "--port", "0",
-               "--port-file", str(self.port_file), "--max-model-len", str(max_model_len),
-               "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *flags]
+        with socket.socket() as probe:  # a free port for the server to bind
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        cmd = [sys.executable, "-m", "hearth.app.main", "--cli", "serve", "--model", str(model),
+               "--port", str(self.port), "--max-model-len", str(max_model_len),
+               "--max-num-seqs", str(max_num_seqs), *flags]
         self.log = log.open("w")
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.load_s = math.nan
-        self.url = ""
+        self.url = f"http://127.0.0.1:{self.port}"
 
     def wait(self, timeout: float = 900) -> None:
-        while not self.port_file.exists():
+        import httpx
+
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
             if time.perf_counter() - self.t0 > timeout:
                 raise TimeoutError("server did not start")
-            time.sleep(0.05)
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
         self.load_s = time.perf_counter() - self.t0
-        self.url = f"http://127.0.0.1:{self.port_file.read_text().strip()}"
 
     def stats(self) -> dict:
         import httpx

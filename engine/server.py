@@ -32,7 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hearth.engine.api import EngineConfig, HearthError, engine_options
+from hearth.engine.api import HearthError
+from hearth.engine.flags import add_engine_arguments, engine_config
 from hearth.engine.server_app import create_app
 from hearth.engine.server_host import EngineHost
 from hearth.engine.server_security import AccessPolicy, LoadPaths, add_security_arguments, is_loopback
@@ -58,42 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of start-up errors")
     return parser
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineConfig`` field (``--max-model-len`` for ``max_model_len``), from its metadata."""
-    group = parser.add_argument_group("engine options")
-    for option in engine_options():
-        default = "" if option.default is None else f" (default: {str(option.default).lower()})"
-        if option.kind == "bool":
-            parse = _optional_flag if option.optional else _flag
-            values = "true, false or auto" if option.optional else "true or false"
-            group.add_argument(option.flag, type=parse, default=option.default, metavar="BOOL",
-                               help=f"{option.text.help} ({values}){default}")
-        elif option.kind == "choice":
-            group.add_argument(option.flag, choices=option.choices, default=option.default,
-                               help=option.text.help + default)
-        else:
-            parse_value = {"int": int, "float": float, "str": str}[option.kind]
-            group.add_argument(option.flag, type=parse_value, default=option.default,
-                               metavar="TEXT" if option.kind == "str" else "N", help=option.text.help + default)
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The ``EngineConfig`` the parsed flags describe (raises HearthError for bad values)."""
-    return EngineConfig(**{option.name: getattr(args, option.name) for option in engine_options()})
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _optional_flag(text: str) -> bool | None:
-    return None if text.lower() in ("auto", "none") else _flag(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import threading
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any
 from hearth.app.cli.common import DEMO_NAMES, api_key_of, print_json, resolve_model_path
 from hearth.app.client.local_engine import serve_record_path
 from hearth.app.store.settings import Settings, load_settings
-from hearth.engine.api import HearthError
+from hearth.engine.api import HearthError, engine_options
+from hearth.engine.flags import add_engine_arguments, engine_flags
 from hearth.engine.server_security import add_security_arguments
 
 _PORT_POLL_S = 0.05
@@ -36,11 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
     serve.add_argument("--api-key", default=argparse.SUPPRESS, help="require this bearer token "
                        "(default: $HEARTH_API_KEY; needed to bind anything but this machine's loopback)")
-    serve.add_argument("--max-model-len", type=int, default=argparse.SUPPRESS, metavar="N",
-                       help="context length (default: max_model_len in the settings)")
-    serve.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="requests decoded together")
     serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     add_security_arguments(serve)
+    add_engine_arguments(serve, defaults_from="the settings")
     serve.set_defaults(func=cmd_serve)
 
     stats = subparsers.add_parser("stats", help="show the running engines' statistics",
@@ -64,10 +64,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     path = resolve_model_path(args.model, settings)
-    argv = ["--model", str(path), "--host", args.host, "--port", str(args.port),
-            "--max-model-len", str(args.max_model_len or settings.context_length),
-            "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
-            "--max-body-mib", str(args.max_body_mib)]
+    # (None from a non-flag option is the top-level parser's "not given" for --max-model-len.)
+    given = {o.name: getattr(args, o.name) for o in engine_options()
+             if hasattr(args, o.name) and (getattr(args, o.name) is not None or o.kind == "bool")}
+    engine = dataclasses.replace(settings.engine, **given)  # the settings, with this command's flags on top
+    argv = ["--model", str(path), "--host", args.host, "--port", str(args.port), "--log-level", "warning",
+            "--max-body-mib", str(args.max_body_mib), *engine_flags(engine)]
     served_name = args.served_name or _installed_name(args.model or settings.default_model)
     if served_name:
         argv += ["--served-name", served_name]

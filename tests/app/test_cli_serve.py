@@ -69,3 +69,22 @@ def test_serve_on_all_interfaces_needs_a_key(model_dir, capsys, monkeypatch):
     assert cli(["serve", "--model", str(model_dir), "--host", "0.0.0.0", "--port", "0"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "without an API key" in err[0] and "--insecure-no-key" in err[0]
+
+
+def test_serve_takes_engine_flags_over_the_settings(model_dir, monkeypatch):
+    """Every engine option is a ``serve`` flag; options not given come from the settings file."""
+    import hearth.engine.server as server
+
+    save_settings(Settings().replace(max_num_seqs=3, scheduler="prefetch", max_model_len=1024))
+    seen: list[list[str]] = []
+    monkeypatch.setattr(server, "main", lambda argv: seen.append(argv) or 0)
+    assert cli(["serve", "--model", str(model_dir), "--offload", "always", "--expert-cache-slots", "4",
+                "--scheduler", "runahead", "--mli", "true"]) == 0
+    argv = seen[0]
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert value("--offload") == "always" and value("--expert-cache-slots") == "4"
+    assert value("--scheduler") == "runahead" and value("--mli") == "true"  # the flags win
+    assert value("--max-num-seqs") == "3" and value("--max-model-len") == "1024"  # the rest: settings
