@@ -112,6 +112,19 @@ def _option(default: Any, label: str, help: str, **text: Any) -> Any:
     return field(default=default, metadata={"text": OptionText(label, help, **text)})
 
 
+SchedulerName = Literal["sync", "runahead", "prefetch"]
+
+# What ``scheduler="auto"`` runs while several requests are answered, set from bench/bench_e2e.py
+# measurements on the H200 (docs/benchmarks.md). One request always decodes with "sync": the others
+# only pay with several requests in flight.
+AUTO_SEVERAL_REQUESTS: SchedulerName = "sync"
+
+
+def auto_scheduler(num_requests: int) -> SchedulerName:
+    """The scheduler ``auto`` runs while ``num_requests`` requests are being answered."""
+    return "sync" if num_requests <= 1 else AUTO_SEVERAL_REQUESTS
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model. ``None`` and ``"auto"`` mean "decide from the machine".
@@ -132,8 +145,9 @@ class EngineConfig:
         (256 for DeepSeek-V3.2 at 64-token pages), keeps top-k recall >= 0.99 on clustered keys
         (docs/benchmarks.md); the device page cache is as large.
     index_key_lagged_fetch: needs the page cache to hold the candidates; exact mode stays exact.
-    scheduler: "runahead" is described in hearth.engine.runahead; "prefetch" is a baseline for
-        measurements.
+    scheduler: only used with offloaded experts (resident ones always decode layer by layer, as "sync",
+        unless "runahead" is asked for). "runahead" is described in hearth.engine.runahead; "prefetch"
+        is a baseline for measurements; "auto" picks per step with :func:`auto_scheduler`.
     """
 
     device: str = _option(
@@ -230,11 +244,12 @@ class EngineConfig:
         "Long contexts on DSA models: keep this many attention-cache rows per request and layer on the GPU, "
         "all of them in RAM; rows a step needs are copied in (off: all on the GPU).",
         section=BASIC, none_text="off", unit=" rows", minimum=1)
-    scheduler: Literal["sync", "runahead", "prefetch"] = _option(
-        "sync", "Scheduler",
-        "How answers advance when experts live in RAM: sync (together, layer by layer), runahead (ready requests "
-        "run ahead while others wait for experts), prefetch (sync plus guessing the next layer's experts).",
-        section=BASIC)
+    scheduler: Literal["auto", "sync", "runahead", "prefetch"] = _option(
+        "auto", "Scheduler",
+        "How answers advance when experts live in RAM: auto (sync for one answer, "
+        f"{AUTO_SEVERAL_REQUESTS} for several), sync (together, layer by layer), runahead "
+        "(ready requests run ahead while others wait for experts), prefetch (sync plus guessing the next layer's "
+        "experts).", section=BASIC)
 
     def __post_init__(self) -> None:
         for option in engine_options():

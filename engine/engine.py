@@ -34,6 +34,7 @@ from hearth.engine.api import (
     RequestStats,
     SamplingParams,
     TokenDelta,
+    auto_scheduler,
 )
 from hearth.engine.block_manager import BlockManager
 from hearth.engine.detokenizer import IncrementalDetokenizer, StopChecker
@@ -90,8 +91,12 @@ class Engine:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 5 s of steps, for tok/s
         device = getattr(runner, "device", None)
         self.timer = StepTimer(enabled=device is not None and device.type == "cuda")
+        # "auto" picks a scheduler per step (api.auto_scheduler) when experts are offloaded; resident
+        # experts decode synchronously.
+        self._auto = config.scheduler == "auto" and getattr(runner, "expert_cache", None) is not None
+        self._runahead = config.scheduler == "runahead"  # new tokens start in the decoder
         self.decoder: RunaheadDecoder | None = None
-        if config.scheduler == "runahead":
+        if self._runahead or self._auto:
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device)
             self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
         self.scheduler.on_preempt.append(lambda seq: self._forget(seq.request_id))
@@ -195,10 +200,16 @@ class Engine:
     def step(self) -> list[Event]:
         """Run one scheduling step; returns the events it produced, in order."""
         events = self._take_intake()
-        chunks = self.scheduler.schedule(include_decodes=self.decoder is None)
+        if self._auto:
+            self._choose_scheduler()
+        # Tokens in flight in the decoder finish there (after auto switched away from runahead).
+        in_flight = self.decoder.flights if self.decoder is not None else {}
+        chunks = self.scheduler.schedule(include_decodes=not self._runahead, busy=in_flight)
         self.timer.begin(bool(chunks) and all(c.num_tokens == 1 for c in chunks))
         marks = self.timer.around_run()
         if chunks:
+            if self.decoder is not None:
+                self.decoder.release_holds()  # the step's experts may need every slot of the expert cache
             try:
                 if marks is not None:
                     marks[0].record()
@@ -220,6 +231,21 @@ class Engine:
         self.timer.end(marks)
         return events
 
+    def _choose_scheduler(self) -> None:
+        """auto: the scheduler for the requests answered now. Switching to runahead puts every decoding
+        request's next token in flight; switching away lets the tokens in flight finish in the decoder
+        while the others decode synchronously."""
+        answering = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
+        choice = auto_scheduler(answering)
+        if choice == "runahead" and not self._runahead:
+            self._runahead = True
+            for seq in list(self.scheduler.running):
+                if not seq.in_prefill and seq.request_id not in self.decoder.flights:
+                    self._launch(seq)
+        self._runahead = choice == "runahead"
+        if self.runner.prefetcher is not None:
+            self.runner.prefetcher.active = choice == "prefetch"
+
     def _runahead_step(self) -> list[Event]:
         try:
             done = self.decoder.step()
@@ -238,7 +264,12 @@ class Engine:
 
     def _launch(self, seq: Seq) -> None:
         """Runahead: put the request's newest token in flight (after growing its cache pages)."""
-        if self.decoder is None or seq.status is not Status.RUNNING or not self.scheduler.make_room(seq):
+        if self.decoder is None:
+            return
+        if not self._runahead:  # auto chose another scheduler: the request decodes synchronously
+            self.decoder.drop(seq.request_id)  # it rejoins (if ever) at the round of the others
+            return
+        if seq.status is not Status.RUNNING or not self.scheduler.make_room(seq):
             return
         self.decoder.start(seq.request_id, seq.output_ids[-1], seq.num_tokens - 1,
                            self.blocks.block_table(seq.request_id), len(seq.output_ids))

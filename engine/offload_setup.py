@@ -174,11 +174,14 @@ class PrefetchingExperts:
     """Baseline for the runahead scheduler: layer-synchronous offload plus a *prediction*
     prefetcher. After a layer's experts are queued, the next MoE layer's router is applied to this
     layer's MoE input (the hidden state one layer early, as mixtral-offloading and FATE do) and
-    the predicted experts are fetched ahead; a wrong guess costs link time and cache room."""
+    the predicted experts are fetched ahead; a wrong guess costs link time and cache room. Guesses
+    take only slots nobody holds. ``active`` False makes it the plain backend (``--scheduler auto``
+    switches it per step)."""
 
     def __init__(self, backend: OffloadedExperts, model: DeepseekForCausalLM) -> None:
         self.backend = backend
         self.cache = backend.cache
+        self.active = True
         layers = [i for i in range(model.config.num_hidden_layers) if model.config.is_moe_layer(i)]
         self._next = dict(zip(layers, layers[1:]))
         self._gates = {i: model.layers[i].mlp.gate for i in layers}
@@ -187,14 +190,12 @@ class PrefetchingExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = self.backend(layer, x, ids, weights)
         nxt = self._next.get(layer)
-        if nxt is not None:
+        if nxt is not None and self.active:
             guess = list(dict.fromkeys(self._gates[nxt](x)[0].flatten().tolist()))
-            guess = guess[: self.cache.capacity(nxt)]
-            try:
+            guess = guess[: self.cache.available(nxt)]  # slots held elsewhere are not the guess's to take
+            if guess:
                 self.cache.release(self.cache.acquire(nxt, guess))  # copies run on; slots stay evictable
                 self.predicted += len(guess)
-            except RuntimeError:
-                pass  # every slot of that layer is in use right now: skip the guess
         return out
 
 
@@ -214,11 +215,12 @@ def _host_store(path: Path, config: ModelConfig, layers: list[int], dtype: torch
 def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placement: Placement,
                    device: torch.device, dtype: torch.dtype, policy: str, prefetch: bool = False,
                    store: ExpertStore | None = None,
-                   host_experts: str = "auto") -> tuple[ExpertCache, CacheResidency]:
+                   host_experts: str = "auto",
+                   ) -> tuple[ExpertCache, CacheResidency, PrefetchingExperts | None]:
     """Fill the host store from the checkpoint (or use ``store``), put a device cache in front,
-    route every MoE layer through it (with the prediction prefetcher when ``prefetch``).
-    host_experts: compute missed experts on the CPU when measured faster ("auto"), always ("on"),
-    never ("off") — see hearth.offload.cpu_experts."""
+    route every MoE layer through it (with the prediction prefetcher when ``prefetch``, returned
+    last so its ``active`` can be switched). host_experts: compute missed experts on the CPU when
+    measured faster ("auto"), always ("on"), never ("off") — see hearth.offload.cpu_experts."""
     config = model.config
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     if store is None:
@@ -226,7 +228,7 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
     plan = EvictionPlan()
     cache = ExpertCache(store, device, slots_per_layer=placement.slots_per_layer, policy=plan.policy(policy))
     backend = OffloadedExperts(cache, host_experts=host_experts)
-    routed = PrefetchingExperts(backend, model) if prefetch else backend
+    prefetcher = PrefetchingExperts(backend, model) if prefetch else None
     for i in layers:
-        model.layers[i].mlp.backend = routed
-    return cache, CacheResidency(cache, use_kernel=backend.use_kernel, plan=plan)
+        model.layers[i].mlp.backend = prefetcher or backend
+    return cache, CacheResidency(cache, use_kernel=backend.use_kernel, plan=plan), prefetcher

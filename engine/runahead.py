@@ -42,6 +42,12 @@ Cache cooperation:
 - *Eviction plan*: before fetching at a layer, the residency is told which experts of that layer
   requests still expect there: tier 2 for experts that routed requests wait for, tier 1 for the
   experts each request that has not reached the layer yet used there on its previous token.
+- *Room*: a copy is queued only when the layer's pool has a slot nobody holds; otherwise the expert
+  waits until pairs computed at that layer release theirs. Every held expert belongs to a waiting pair
+  that can be computed once its copy lands, so holds always drain and the most lagging request's
+  missing experts are the first fetched when room appears. The engine's prompt steps share the pool:
+  before one runs, :meth:`RunaheadDecoder.release_holds` lets every hold go (resident experts stay
+  cached, queued copies still land) and the next micro-step holds again what its pairs need.
 """
 
 from __future__ import annotations
@@ -167,6 +173,18 @@ class RunaheadDecoder:
 
     def __len__(self) -> int:
         return len(self.flights)
+
+    def release_holds(self) -> None:
+        """Release every held expert, so that a step outside the decoder (a prompt chunk) may use the
+        whole expert cache; the next micro-step holds again what waiting pairs need."""
+        if self.residency is None:
+            return
+        for held in self._held.values():
+            for handle in held.values():
+                self.residency.release(handle)
+        self._held.clear()
+        self._landed.clear()
+        self._queued.clear()
 
     @property
     def num_held(self) -> int:

@@ -15,7 +15,7 @@ from hearth.engine.loader import load_checkpoint
 from hearth.engine.models import dsa_kernels, fused_experts
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.mla import AttentionPaths
-from hearth.engine.offload_setup import CacheResidency, Placement, attach_offload, plan_placement
+from hearth.engine.offload_setup import CacheResidency, Placement, PrefetchingExperts, attach_offload, plan_placement
 from hearth.engine.tiers import KeyTiers, LatentTiers
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertStore
@@ -79,7 +79,7 @@ class RunnerFeatures:
     key_tiers / latent_tiers: long-context tiers (``index_key_hot_pages`` / ``latent_hot_rows``).
     fused_experts: resident experts on CUDA run as one grouped kernel.
     cuda_graphs: decode steps replayed from CUDA graphs; only for the kernel path with resident
-        experts, MLI off and the synchronous scheduler.
+        experts, MLI off and the synchronous scheduler ("auto" is synchronous with resident experts).
     """
 
     attention: AttentionPaths
@@ -100,7 +100,7 @@ class RunnerFeatures:
                        and dsa_kernels.kernels_apply(model_config, block_size, device, dtype))
         fused = not offload and device.type == "cuda" and config.use_kernels == "auto"
         graphs = (config.cuda_graphs and use_kernels and not offload and not config.mli
-                  and config.scheduler == "sync")
+                  and config.scheduler in ("sync", "auto"))
         return cls(AttentionPaths(use_kernels=use_kernels, mli=config.mli), offload, key_tiers, latent_tiers,
                    fused, graphs)
 
@@ -136,10 +136,14 @@ class ModelRunner:
                                 index_fp8=self.use_kernels, key_tiers=self.key_tiers, latent_tiers=self.latent_tiers)
         self.expert_cache: ExpertCache | None = None
         self.residency: CacheResidency | None = None  # the expert cache as the runahead decoder sees it
+        self.prefetcher: PrefetchingExperts | None = None  # "prefetch", or "auto" (switched per step)
         if placement.offload:
-            self.expert_cache, self.residency = attach_offload(
+            self.expert_cache, self.residency, self.prefetcher = attach_offload(
                 model, checkpoint, placement, self.device, dtype, config.expert_cache_policy,
-                prefetch=config.scheduler == "prefetch", store=expert_store, host_experts=config.host_experts)
+                prefetch=config.scheduler in ("prefetch", "auto"), store=expert_store,
+                host_experts=config.host_experts)
+            if self.prefetcher is not None and config.scheduler == "auto":
+                self.prefetcher.active = False  # until the engine's auto rule picks it
         elif features.fused_experts:
             fused_experts.enable(model)  # resident experts: one grouped kernel, no host sync
         self.graphs: DecodeGraphs | None = None

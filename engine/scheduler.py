@@ -11,6 +11,7 @@ preempted (its pages freed; it re-enters the queue and recomputes its tokens lat
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -70,15 +71,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, include_decodes: bool = True) -> list[ScheduledChunk]:
+    def schedule(self, include_decodes: bool = True, busy: Container[str] = ()) -> list[ScheduledChunk]:
         """The next step's work. include_decodes=False leaves decoding requests to another
-        executor (runahead) and schedules prompt chunks only."""
+        executor (runahead) and schedules prompt chunks only; ``busy``: ids of requests whose next
+        token that executor is still computing (they are left to it)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running) if include_decodes else []:
             if seq not in self.running:
                 continue  # preempted below while making room for an earlier request
-            if seq.in_prefill:
+            if seq.in_prefill or seq.request_id in busy:
                 continue
             if not self.make_room(seq) or budget < 1:
                 continue

@@ -153,6 +153,7 @@ class _Pool:
     size: int
     free: list[int]
     policy: EvictionPolicy
+    held: int = 0  # slots referenced by at least one lease
 
 
 class ExpertCache:
@@ -199,8 +200,14 @@ class ExpertCache:
         return self._pool_of[layer]
 
     def capacity(self, layer: int) -> int:
-        """Slots available to ``layer``: the most experts one lease of it can hold."""
+        """Slots of ``layer``'s pool: the most experts one lease of it can hold."""
         return self._pool(layer).size
+
+    def available(self, layer: int) -> int:
+        """Slots of ``layer``'s pool a lease could take now: free, or holding an expert nobody
+        references. Experts already held by other leases can be acquired on top of these."""
+        pool = self._pool(layer)
+        return pool.size - pool.held
 
     def resident(self, layer: int) -> list[int]:
         return sorted(e for (l, e) in self._slot_of if l == layer)
@@ -267,6 +274,7 @@ class ExpertCache:
             if event not in lease.events:
                 lease.events.append(event)
         lease.slots[i] = slot
+        pool.held += self._refs[slot] == 0
         self._refs[slot] += 1
         pool.policy.touch((lease.layer, lease.experts[i]))
 
@@ -274,10 +282,9 @@ class ExpertCache:
         need = n - len(pool.free)
         victims = pool.policy.victims(need, lambda k: self._refs[self._slot_of[k]] == 0) if need > 0 else []
         if need > len(victims):
-            held = sum(1 for k, s in self._slot_of.items() if self._refs[s] > 0 and self._pool(k[0]) is pool)
             raise CacheFullError(
                 f"expert cache: layer {layer} needs {n} more experts but its pool of {pool.size} slots has "
-                f"{len(pool.free)} free and {len(victims)} evictable ({held} hold experts in use); release "
+                f"{len(pool.free)} free and {len(victims)} evictable ({pool.held} hold experts in use); release "
                 f"leases first or give the cache more slots")
         for key in victims:
             slot = self._slot_of.pop(key)
@@ -325,6 +332,7 @@ class ExpertCache:
         key = (lease.layer, lease.experts[i])
         self._slot_of[key] = slot
         self._key_of[slot] = key
+        pool.held += self._refs[slot] == 0
         self._refs[slot] += 1
         lease.slots[i] = slot
         pool.policy.touch(key)
@@ -338,10 +346,12 @@ class ExpertCache:
             event.record(current)
             self._num_released += 1
             released = (self._num_released, current.cuda_stream, event)
+        pool = self._pool_of[lease.layer]
         for slot in lease.slots:
             if slot < 0:
                 continue
             self._refs[slot] -= 1
+            pool.held -= self._refs[slot] == 0
             if released is not None:
                 self._released[slot] = released
         lease.slots = [-1] * len(lease.slots)

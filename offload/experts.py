@@ -9,8 +9,11 @@ Both implement ``backend(layer_idx, x [T, D], topk_ids [T, K], topk_weights [T, 
   first), compute the resident ones meanwhile, then each fetched expert (or small group) as soon as
   its own copy lands, so what is left after the last copy is one expert's compute. A missed expert
   may instead be computed on the host when that is measured to be faster (:mod:`cpu_experts`).
-  When a call needs more experts than the pool holds (long prompts), they stream through the two
-  halves of the pool: round i+1 is copied while round i computes.
+  When a call needs more experts than the pool has room for (long prompts), they stream through the
+  two halves of that room: round i+1 is copied while round i computes. The room is the slots no other
+  lease holds (the runahead decoder may hold some between steps); a call never asks for more, so it
+  never meets a full cache. With one slot of room the experts go through it one by one; with none,
+  the experts other leases hold are computed on the device and the rest on the host.
 
 The host path before the first copy is what delays the whole link schedule, so it is kept short: one
 host sync (a decode call reads its routing back directly, with no kernel queued before the read), the
@@ -190,8 +193,12 @@ class OffloadedExperts:
         if t == 0:
             return torch.zeros_like(x)
         ids, counts = self._read_routing(topk_ids)
-        order, states, num_on_host = self._serving_order(layer_idx, counts)
-        rounds = split_rounds(len(order) - num_on_host, self.cache.capacity(layer_idx))
+        room = self.cache.available(layer_idx)
+        order, states, num_on_host = self._serving_order(layer_idx, counts, room)
+        num_on_device = len(order) - num_on_host
+        # NOTE: without room only experts other leases hold stay on the device: acquiring them takes no slot.
+        capacity = room or max(1, num_on_device)
+        rounds = split_rounds(num_on_device, capacity)
         held: list[ExpertLease] = []
         try:
             if rounds:  # copies start before anything else is planned or queued
@@ -205,8 +212,9 @@ class OffloadedExperts:
                 host_rows = (pairs.x[start:].cpu(), pairs.w[start:].cpu())
             pos = 0
             for r, size in enumerate(rounds):
-                if r + 1 < len(rounds):  # the next round's copies start now, into the other half
-                    held.append(self.cache.acquire(layer_idx, order[pos + size:pos + size + rounds[r + 1]]))
+                following = order[pos + size:pos + size + rounds[r + 1]] if r + 1 < len(rounds) else []
+                if following and size + len(following) <= capacity:  # its copies start now, into the other half
+                    held.append(self.cache.acquire(layer_idx, following))
                 lease = held.pop(0)
                 try:
                     planned = [states[e] for e in order[pos:pos + size]]
@@ -214,6 +222,8 @@ class OffloadedExperts:
                     self._compute_round(lease, planned, slots, bounds[pos:pos + size + 1], pairs.x, pairs.w, pairs.y)
                 finally:
                     self.cache.release(lease)
+                if following and not held:  # no room for two rounds: the next one reuses this one's slots
+                    held.append(self.cache.acquire(layer_idx, following))
                 pos += size
             if host_rows is not None:
                 self._compute_on_host(layer_idx, order[pos:], bounds[pos:], host_rows, pairs.y)
@@ -240,22 +250,31 @@ class OffloadedExperts:
         counts_dev.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
         return None, {e: c for e, c in enumerate(counts_dev.tolist()) if c}
 
-    def _serving_order(self, layer: int, counts: dict[int, int]) -> tuple[list[int], dict[int, int], int]:
+    def _serving_order(self, layer: int, counts: dict[int, int], room: int
+                       ) -> tuple[list[int], dict[int, int], int]:
         """(needed experts in serving order, those computed on the host last; their states; how many
-        of them are computed on the host)."""
+        of them are computed on the host). ``room``: slots no other lease holds."""
         needed = list(counts)  # ascending ids
         state_list = self.cache.lookup(layer, needed)
         order = [needed[i] for i in serving_order([counts[e] for e in needed], state_list)]
         states = dict(zip(needed, state_list))
-        if self.host_experts == "off":
+        on_host = self._host_choice(order, states, counts)
+        if room == 0:  # every slot is held elsewhere: the host computes what those leases do not hold
+            on_host |= {e for e in order if self.cache.refcount(layer, e) == 0}
+        if not on_host:
             return order, states, 0
-        missing = [e for e in order if states[e] == MISSING]
-        if not self._host_may_win(len(missing)):
-            return order, states, 0
-        on_host = {e for e, h in zip(missing, choose_host_experts(
-            [counts[e] for e in missing], self.host_speeds, self.host_experts)) if h}
         order = [e for e in order if e not in on_host] + [e for e in order if e in on_host]
         return order, states, len(on_host)
+
+    def _host_choice(self, order: list[int], states: dict[int, int], counts: dict[int, int]) -> set[int]:
+        """The missing experts the host-experts policy computes on the host."""
+        if self.host_experts == "off":
+            return set()
+        missing = [e for e in order if states[e] == MISSING]
+        if not self._host_may_win(len(missing)):
+            return set()
+        return {e for e, h in zip(missing, choose_host_experts(
+            [counts[e] for e in missing], self.host_speeds, self.host_experts)) if h}
 
     def _host_may_win(self, num_missing: int) -> bool:
         """False when :func:`choose_host_experts` surely keeps every one of ``num_missing`` misses on the

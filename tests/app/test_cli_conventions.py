@@ -124,7 +124,7 @@ def test_config_get_set_unset_list(monkeypatch, capsys):
     (["set", "max_model_len", "1"], "max_model_len must be >= 2"),
     (["set", "offline", "maybe"], "offline is true or false, not 'maybe'"),
     (["set", "hf_endpoint", "ftp://mirror"], "hf_endpoint must be an http(s) URL"),
-    (["set", "scheduler", "null"], "scheduler must be sync, runahead or prefetch, not 'null'"),
+    (["set", "scheduler", "null"], "scheduler must be auto, sync, runahead or prefetch, not 'null'"),
     (["get", "colour"], "unknown setting 'colour'; known: hf_endpoint, "),
 ])
 def test_config_refuses_bad_keys_and_values_in_one_line(argv, words, capsys):

@@ -365,3 +365,52 @@ def test_eviction_plan_keeps_needed_then_predicted_experts():
     assert cache.resident(0) == [0, 5, 6]  # an empty plan is plain LRU; the held expert stays
     for handle in held:
         residency.release(handle)
+
+
+class PairedGate(torch.nn.Module):
+    """Adversarial routing: the real gate's weights, but each token's experts are the pair {2p, 2p+1}
+    where p is its real top-1 expert // 2, so tokens routed to different pairs share no expert."""
+
+    def __init__(self, gate: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights = self.gate(x)
+        first = ids[:, :1] - ids[:, :1] % 2  # (T, 1)
+        return torch.cat([first, first + 1], dim=1), weights
+
+
+def _paired_routing(engine: Engine) -> Engine:
+    for layer in engine.runner.model.layers:
+        if layer.is_moe:
+            layer.mlp.gate = PairedGate(layer.mlp.gate)
+    return engine
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_adversarial_routing_through_a_tiny_cache(model_dir, slots):
+    """Every pool holds at most one pair (or half of one) while the requests want four disjoint pairs
+    of experts, behind a slow serial link, with prompt chunks running between decode micro-steps
+    while flights wait for experts: every request completes with the resident tokens, no
+    CacheFullError escapes and every slot is released at the end."""
+    options = dict(max_num_batched_tokens=16)
+    expected = _run(_paired_routing(_engine(model_dir, "sync", **options)), _prompts())[0]
+    engine = _paired_routing(_engine(model_dir, "runahead", offload="always", expert_cache_slots=slots, **options))
+    residency = LinkResidency(engine, LINKS["slow_even"])
+    engine.decoder.residency = residency
+    prompts_while_waiting = []
+    run = engine.runner.run
+
+    def run_and_record(inputs, *args, **kwargs):
+        prompts_while_waiting.append(any(f.phase == "moe" for f in engine.decoder.flights.values()))
+        return run(inputs, *args, **kwargs)
+
+    engine.runner.run = run_and_record
+    tokens, finished, _ = _run(engine, _prompts())
+    assert tokens == expected
+    assert all(f.reason == "length" for f in finished)
+    assert any(prompts_while_waiting)  # a prompt chunk ran while flights waited for experts
+    cache = residency.cache
+    assert engine.decoder.num_held == 0 and residency.held == 0
+    assert all(cache.available(layer) == slots for layer in cache.store.layers)

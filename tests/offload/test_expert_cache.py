@@ -167,3 +167,23 @@ def test_fetch_copies_the_right_rows_in_a_global_pool(store):
         for e, s in zip(lease.experts, lease.slots):
             assert torch.equal(cache.buffer[s], store.expert(layer, e))
         cache.release(lease)
+
+
+def test_available_counts_slots_not_held(store):
+    """Free slots and slots of unreferenced experts can be taken; held ones cannot, in either kind of pool."""
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    assert cache.available(0) == 3
+    held = cache.acquire(0, [0, 1])
+    _use(cache, 0, [2])
+    assert cache.available(0) == 1 and cache.available(1) == 3
+    again = cache.acquire(0, [1])  # a second reference to a held slot takes no new room
+    assert cache.available(0) == 1
+    cache.release(held)
+    assert cache.available(0) == 2
+    cache.release(again)
+    assert cache.available(0) == 3
+    shared = ExpertCache(store, "cpu", num_slots=4)
+    lease = shared.acquire(0, [0, 1])
+    assert shared.available(0) == shared.available(1) == 2
+    shared.release(lease)
+    assert shared.available(1) == 4

@@ -257,3 +257,44 @@ def test_host_shortcut_agrees_with_choose_host_experts():
             assert not any(choose_host_experts(tokens, speeds, "auto"))
     backend.host_experts = "on"
     assert backend._host_may_win(1) and not backend._host_may_win(0)
+
+
+def test_one_slot_pool_streams_expert_by_expert(tmp_path):
+    """A pool of one slot cannot hold the next round while the current one computes: the experts
+    stream one at a time, the result is exact and nothing stays referenced."""
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=1)
+    x, ids, w = _routing(torch.Generator().manual_seed(10), tokens=6)
+    _assert_close(OffloadedExperts(cache)(1, x, ids, w), reference_moe(tensors, 1, x, ids, w), rtol=1e-5)
+    assert all(cache.refcount(1, e) == 0 for e in range(NUM_EXPERTS))
+
+
+def test_call_streams_through_the_slots_other_leases_leave(tmp_path):
+    """Another user (the runahead decoder) holds 4 of the 5 slots: the call reuses the experts it holds
+    and streams every other expert through the one slot left; the other user's leases are untouched."""
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=5)
+    other = cache.acquire(1, [0, 1, 2, 3])
+    assert cache.available(1) == 1
+    x, ids, w = _routing(torch.Generator().manual_seed(11), tokens=64)  # all 12 experts
+    _assert_close(OffloadedExperts(cache)(1, x, ids, w), reference_moe(tensors, 1, x, ids, w), rtol=1e-5)
+    assert [cache.refcount(1, e) for e in range(NUM_EXPERTS)] == [1] * 4 + [0] * 8
+    assert cache.stats()["layers"][1]["cpu_computed"] == 0
+    cache.release(other)
+    assert cache.available(1) == 5
+
+
+def test_call_with_every_slot_held_elsewhere_computes_the_rest_on_the_host(tmp_path):
+    """Every slot is held by another user: the experts it holds are computed on the device, every
+    other one on the host from the store (host_experts off does not forbid this last resort)."""
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    other = cache.acquire(1, [0, 1, 2])
+    assert cache.available(1) == 0
+    x, ids, w = _routing(torch.Generator().manual_seed(12), tokens=8)
+    _assert_close(OffloadedExperts(cache, host_experts="off")(1, x, ids, w), reference_moe(tensors, 1, x, ids, w),
+                  rtol=1e-5)
+    needed = set(ids.flatten().tolist())
+    assert cache.stats()["layers"][1]["cpu_computed"] == len(needed - {0, 1, 2})
+    assert cache.resident(1) == [0, 1, 2] and all(cache.refcount(1, e) == 1 for e in (0, 1, 2))
+    cache.release(other)
