@@ -101,8 +101,8 @@ def write_checkpoint(out: Path, family: str, moe_layers: int, device: torch.devi
     from safetensors.torch import save_file
 
     from hearth.engine.config import ModelConfig
-    from hearth.engine.tiny import is_fp8_quantized, param_shapes, quantize_fp8_blocks
-    from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
+    from hearth.engine.testing.tiny import is_fp8_quantized, param_shapes, quantize_fp8_blocks
+    from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
 
     raw = checkpoint_config(family, moe_layers)
     stamp = json.dumps(raw, sort_keys=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hearth.engine.api import CheckpointError, HearthError
-from hearth.engine.tiny_tokenizer import CORPUS, write_tiny_tokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.testing.tiny_tokenizer import CORPUS, write_tiny_tokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 
 FAMILIES = ("deepseek_v32", "deepseek_v3", "deepseek_v2", "glm_moe_dsa")
 TEXTS = (
@@ -95,7 +95,7 @@ def test_glm_special_ids(tiny: dict[str, Path]):
 
 
 SCRIPT = (
-    "import sys; from pathlib import Path; from hearth.engine.tiny_tokenizer import write_tiny_tokenizer; "
+    "import sys; from pathlib import Path; from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer; "
     "write_tiny_tokenizer(Path(sys.argv[1]), 'glm_moe_dsa', 600)"
 )
 
