@@ -237,12 +237,11 @@ class Engine:
         while the others decode synchronously."""
         answering = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
         choice = auto_scheduler(answering)
-        if choice == "runahead" and not self._runahead:
-            self._runahead = True
-            for seq in list(self.scheduler.running):
-                if not seq.in_prefill and seq.request_id not in self.decoder.flights:
-                    self._launch(seq)
+        starting = choice == "runahead" and not self._runahead
         self._runahead = choice == "runahead"
+        for seq in list(self.scheduler.running) if starting else []:
+            if not seq.in_prefill and seq.request_id not in self.decoder.flights:
+                self._launch(seq)
         if self.runner.prefetcher is not None:
             self.runner.prefetcher.active = choice == "prefetch"
 
