@@ -4,6 +4,8 @@
 # bench/bench_e2e.py. Results and logs go to $OUT. Needs the server's and the OpenAI client's wheels
 # (fastapi, uvicorn, openai, ...) on PYTHONPATH when the machine lacks them.
 #   usage: bash scripts/gpu_e2e.sh [tests] [micro] [sweep] [e2e -- bench_e2e args...]
+#   e2e families: --family deepseek_v32 (default), glm_moe_dsa (GLM-5), glm4_moe (GLM-4.5-Air, bf16),
+#   gpt_oss (gpt-oss-120b, MXFP4 experts); see bench/bench_e2e.py and docs/benchmarks.md.
 set -o pipefail
 source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
