@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: hearth [--screenshot FILE [--tab chat|truncated|models|settings|server] [--timeout S]]
+USAGE = """usage: hearth [--screenshot FILE [--tab chat|truncated|thinking|models|settings|server] [--timeout S]]
        hearth --cli COMMAND ...
 
   hearth                     open the desktop app
   hearth --screenshot FILE   open the app, save a screenshot to FILE and quit
-    --tab chat|truncated|models|settings|server   the view the screenshot shows (default: chat)
+    --tab chat|truncated|thinking|models|settings|server   the view the screenshot shows (default: chat)
     --timeout S                                   give up after S seconds (default: 120)
   hearth --cli --help        the command line: chat, run, serve, stats, stop, pull, rm, models, search, config
 """

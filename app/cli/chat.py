@@ -24,9 +24,11 @@ from hearth.app.cli.common import (
     add_common_options,
     api_key_of,
     backend_of,
+    chat_options,
     consume,
     resolve_model_path,
     sampling_options,
+    thoughts_stream,
 )
 from hearth.app.cli.serve import format_stats
 from hearth.app.client.local_engine import EngineProcess
@@ -56,7 +58,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     session = ChatSession.open(args, load_settings(), sys.stderr)
     try:
-        return Repl(session, args.system, sampling_options(args)).run()
+        options = {**sampling_options(args), "chat_template_kwargs": chat_options(args) or None}
+        return Repl(session, args.system, options, thoughts=thoughts_stream(args, sys.stderr)).run()
     finally:
         session.close(keep_engine=getattr(args, "keep_engine", False))
 
@@ -112,8 +115,10 @@ class Repl:
     """The read-answer loop. ``input()`` reads lines, so readline editing works on terminals."""
 
     def __init__(self, session: ChatSession, system: str | None, sampling: dict[str, Any],
-                 out: TextIO | None = None, err: TextIO | None = None) -> None:
+                 out: TextIO | None = None, err: TextIO | None = None, thoughts: TextIO | None = None) -> None:
+        """``thoughts``: where a thinking model's reasoning is printed (None: not shown)."""
         self.session = session
+        self.thoughts = thoughts
         self.system = system
         self.sampling = sampling
         self.history: list[dict[str, str]] = []
@@ -183,7 +188,7 @@ class Repl:
         answer = Answer()
         chunks = self.session.stream(messages, self.sampling)
         try:
-            consume(chunks, self.out, answer)
+            consume(chunks, self.out, answer, self.thoughts)
         except KeyboardInterrupt:
             chunks.close()  # closes the HTTP stream, so the server aborts the request
             self.out.write("\n[stopped]\n")
@@ -202,6 +207,7 @@ class Repl:
         self._remember(text, answer)
 
     def _remember(self, text: str, answer: Answer) -> None:
+        # Only the answer: the releases' templates drop earlier reasoning anyway.
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer.text}]
 
 

@@ -42,6 +42,10 @@ def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
     parser.add_argument("--top-k", type=int, metavar="K", **d)
     parser.add_argument("--seed", type=int, metavar="S", help="make sampling reproducible", **d)
     parser.add_argument("--system", metavar="TEXT", help="system prompt", **d)
+    parser.add_argument("--think", action="store_true", help="ask the model to reason before it answers "
+                        "(the chat template's thinking switch; gpt-oss always reasons)", **d)
+    parser.add_argument("--hide-thinking", action="store_true", help="do not print the model's reasoning "
+                        "(by default it goes to stderr, dimmed, after \"Thinking:\")", **d)
     parser.add_argument("--debug", action="store_true", help="show tracebacks", **d)
 
 
@@ -49,6 +53,16 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling options given on the command line (None = not given)."""
     return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "seed": args.seed}
+
+
+def chat_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Chat-template switches (``chat_template_kwargs``): thinking, under both names templates use."""
+    return {"thinking": True, "enable_thinking": True} if getattr(args, "think", False) else {}
+
+
+def thoughts_stream(args: argparse.Namespace, err: TextIO) -> TextIO | None:
+    """Where the reasoning is printed: ``err``, or nowhere with --hide-thinking."""
+    return None if getattr(args, "hide_thinking", False) else err
 
 
 def backend_of(args: argparse.Namespace, settings: Settings) -> str | None:
@@ -142,6 +156,7 @@ class Answer:
     """What came back, and how fast."""
 
     text: str = ""
+    reasoning: str = ""
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     time_to_first_token_s: float | None = None
@@ -167,47 +182,101 @@ class Answer:
         return "[" + ", ".join(parts) + "]"
 
     def to_json(self) -> dict[str, Any]:
-        return {"text": self.text, "finish_reason": self.finish_reason, "usage": self.usage,
-                "time_to_first_token_s": self.time_to_first_token_s, "tokens_per_s": self.tokens_per_s,
-                "total_time_s": self.total_time_s}
+        return {"text": self.text, "reasoning": self.reasoning, "finish_reason": self.finish_reason,
+                "usage": self.usage, "time_to_first_token_s": self.time_to_first_token_s,
+                "tokens_per_s": self.tokens_per_s, "total_time_s": self.total_time_s}
 
 
-def consume(chunks: Iterator[ChatChunk], out: TextIO | None, answer: Answer | None = None) -> Answer:
-    """Read a chunk stream to its end, echoing text to ``out`` as it comes. Pass ``answer`` to keep
-    the partial text when the stream is interrupted (KeyboardInterrupt propagates)."""
+class ThoughtPrinter:
+    """Prints reasoning as it streams: "Thinking: " then the text, dimmed on a terminal, and a line
+    break once the answer starts (reasoning goes to stderr, so stdout holds only the answer)."""
+
+    DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.dim = out.isatty()
+        self.open = False
+
+    def write(self, text: str) -> None:
+        if not self.open:
+            self.out.write((self.DIM if self.dim else "") + "Thinking: ")
+            self.open = True
+        self.out.write(text)
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.open:
+            self.out.write((self.RESET if self.dim else "") + "\n")
+            self.out.flush()
+            self.open = False
+
+
+def consume(chunks: Iterator[ChatChunk], out: TextIO | None, answer: Answer | None = None,
+            thoughts: TextIO | None = None) -> Answer:
+    """Read a chunk stream to its end, echoing text to ``out`` and reasoning to ``thoughts`` (see
+    ThoughtPrinter) as they come. Pass ``answer`` to keep the partial text when the stream is
+    interrupted (KeyboardInterrupt propagates)."""
     answer = answer or Answer()
+    printer = ThoughtPrinter(thoughts) if thoughts is not None else None
     start = time.perf_counter()
-    for chunk in chunks:
-        if chunk.text and answer.time_to_first_token_s is None:
-            answer.time_to_first_token_s = time.perf_counter() - start
-        if chunk.text:
-            answer.text += chunk.text
-            answer.chunks += 1
-            if out is not None:
-                out.write(chunk.text)
-                out.flush()
-        if chunk.finish_reason is not None or chunk.usage is not None:
-            answer.finish_reason = chunk.finish_reason or answer.finish_reason
-            answer.usage = chunk.usage or answer.usage
-        answer.total_time_s = time.perf_counter() - start
+    try:
+        for chunk in chunks:
+            if (chunk.text or chunk.reasoning) and answer.time_to_first_token_s is None:
+                answer.time_to_first_token_s = time.perf_counter() - start
+            if chunk.text or chunk.reasoning:
+                answer.chunks += 1
+            if chunk.reasoning:
+                answer.reasoning += chunk.reasoning
+                if printer is not None:
+                    printer.write(chunk.reasoning)
+            if chunk.text:
+                answer.text += chunk.text
+                if printer is not None:
+                    printer.close()
+                if out is not None:
+                    out.write(chunk.text)
+                    out.flush()
+            if chunk.finish_reason is not None or chunk.usage is not None:
+                answer.finish_reason = chunk.finish_reason or answer.finish_reason
+                answer.usage = chunk.usage or answer.usage
+            answer.total_time_s = time.perf_counter() - start
+    finally:
+        if printer is not None:
+            printer.close()
     return answer
 
 
-def local_chunks(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any]) -> Iterator[ChatChunk]:
-    """The in-process engine's answer as ChatChunks (same shape as a server stream). ``options`` are
-    the sampling options as given (None = not given): the engine fills in the model's defaults."""
+def local_chunks(engine: Any, messages: list[dict[str, Any]], options: dict[str, Any],
+                 template_options: dict[str, Any] | None = None) -> Iterator[ChatChunk]:
+    """The in-process engine's answer as ChatChunks (same shape as a server stream: reasoning split
+    from the answer as the server does). ``options`` are the sampling options as given (None = not
+    given): the engine fills in the model's defaults; ``template_options`` go to the chat template."""
     from hearth.engine.api import Finished
+    from hearth.engine.text.reasoning import PROMPT_TAIL_TOKENS, reasoning_parser_for
 
-    for event in engine.generate(messages=messages, sampling=options):
+    ids = engine.encode(messages, **(template_options or {}))
+    new_parser = reasoning_parser_for(engine.model_config.model_type,
+                                      engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
+    parser = new_parser() if new_parser else None
+    for event in engine.generate(prompt_token_ids=ids, sampling=options):
         if isinstance(event, Finished):
             if event.reason not in ("stop", "length"):
                 raise HearthError(event.error or f"the answer ended with {event.reason}")
+            if parser is not None:
+                tail = parser.finish()
+                if tail.content or tail.reasoning:
+                    yield ChatChunk(tail.content, reasoning=tail.reasoning)
             stats = event.stats
             usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
                      "total_tokens": stats.prompt_tokens + stats.completion_tokens}
             yield ChatChunk("", event.reason, usage)
         elif event.text:
-            yield ChatChunk(event.text)
+            split = parser.feed(event.text) if parser is not None else None
+            if split is None:
+                yield ChatChunk(event.text)
+            elif split.content or split.reasoning:
+                yield ChatChunk(split.content, reasoning=split.reasoning)
 
 
 def print_json(data: Any, out: TextIO | None = None) -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
+from typing import TextIO
 
 from hearth.app.cli.common import (
     Answer,
     add_common_options,
     api_key_of,
     backend_of,
+    chat_options,
     consume,
     local_chunks,
     messages_for,
@@ -25,6 +27,7 @@ from hearth.app.cli.common import (
     read_prompt,
     resolve_model_path,
     sampling_options,
+    thoughts_stream,
 )
 from hearth.app.client.openai_client import ChatChunk, ChatClient, ClientError
 from hearth.app.store.settings import Settings, load_settings
@@ -50,11 +53,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt, sys.stdin)
     messages = messages_for(prompt, args.system)
     out = None if args.json else sys.stdout
+    thoughts = None if args.json else thoughts_stream(args, sys.stderr)
     backend = backend_of(args, settings)
     if backend:
-        model, answer = _run_remote(backend, args, messages, out)
+        model, answer = _run_remote(backend, args, messages, out, thoughts)
     else:
-        model, answer = _run_local(args, settings, messages, out)
+        model, answer = _run_local(args, settings, messages, out, thoughts)
     if args.json:
         print_json({"model": model, **answer.to_json()})
     else:
@@ -65,28 +69,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace, settings: Settings, messages: list[dict[str, str]],
-               out: object) -> tuple[str, Answer]:
+               out: TextIO | None, thoughts: TextIO | None) -> tuple[str, Answer]:
     from hearth.engine import Engine, EngineConfig
 
     path = resolve_model_path(args.model, settings)
     # One request at a time here, so the cache only needs room for one sequence.
     config = EngineConfig(max_model_len=args.max_model_len or settings.context_length, max_num_seqs=1)
     engine = Engine.load(str(path), config)
-    chunks = local_chunks(engine, messages, sampling_options(args))
-    return path.name, _consume_closing(chunks, out)
+    chunks = local_chunks(engine, messages, sampling_options(args), chat_options(args))
+    return path.name, _consume_closing(chunks, out, thoughts)
 
 
 def _run_remote(url: str, args: argparse.Namespace, messages: list[dict[str, str]],
-                out: object) -> tuple[str, Answer]:
+                out: TextIO | None, thoughts: TextIO | None) -> tuple[str, Answer]:
     with ChatClient(url, api_key_of(args)) as client:
         model = args.model or _first_model(client)
-        chunks = client.stream_chat(model, messages, **sampling_options(args))
-        return model, _consume_closing(chunks, out)
+        chunks = client.stream_chat(model, messages, **sampling_options(args),
+                                    chat_template_kwargs=chat_options(args) or None)
+        return model, _consume_closing(chunks, out, thoughts)
 
 
-def _consume_closing(chunks: Iterator[ChatChunk], out: object) -> Answer:
+def _consume_closing(chunks: Iterator[ChatChunk], out: TextIO | None, thoughts: TextIO | None) -> Answer:
     try:
-        return consume(chunks, out)  # type: ignore[arg-type]
+        return consume(chunks, out, thoughts=thoughts)
     finally:
         chunks.close()  # type: ignore[attr-defined]
 

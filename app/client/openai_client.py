@@ -46,7 +46,8 @@ class EngineDiedError(ClientError):
 class ChatChunk:
     """A piece of an answer. The last chunk of a stream has ``finish_reason`` ("stop", "length")
     and, when the server reports it, ``usage`` (prompt_tokens, completion_tokens, total_tokens).
-    ``reasoning`` carries ``reasoning_content`` from servers that split it out."""
+    ``reasoning`` carries the thinking of servers that split it out (``reasoning_content``, as
+    Hearth, vLLM and llama.cpp send it, or ``reasoning``, as some newer servers do)."""
 
     text: str
     finish_reason: str | None = None
@@ -93,7 +94,7 @@ class ChatClient:
         choice = (data.get("choices") or [{}])[0]
         message = choice.get("message") or {}
         return ChatChunk(message.get("content") or "", choice.get("finish_reason"), data.get("usage"),
-                         message.get("reasoning_content") or "")
+                         _reasoning_of(message))
 
     # ---- Hearth endpoints ------------------------------------------------------------------
 
@@ -214,8 +215,12 @@ def _parse_stream(response: httpx.Response) -> Iterator[ChatChunk]:
 def _chunk_of(event: dict[str, Any]) -> ChatChunk:
     choice = (event.get("choices") or [{}])[0]
     delta = choice.get("delta") or {}
-    return ChatChunk(delta.get("content") or "", choice.get("finish_reason"), event.get("usage"),
-                     delta.get("reasoning_content") or "")
+    return ChatChunk(delta.get("content") or "", choice.get("finish_reason"), event.get("usage"), _reasoning_of(delta))
+
+
+def _reasoning_of(message: dict[str, Any]) -> str:
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    return reasoning if isinstance(reasoning, str) else ""
 
 
 def _raise_for_status(response: httpx.Response) -> None:

@@ -8,6 +8,7 @@ completes or stops; ``save_partial()`` writes a running answer (used when quitti
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from hearth.app.client.context_window import ContextFit
 from hearth.app.gui.backend import Connected, ModelChoice
@@ -47,7 +48,9 @@ class ChatPanel(QWidget):
         self._request_id = 0
         self._answer: Message | None = None
         self._answer_text = ""
+        self._answer_reasoning = ""
         self._pending: list[str] = []
+        self._pending_reasoning: list[str] = []
         self._sent_ids: list[int] = []  # ids of the history messages of the running request
         self._context_start_id: int | None = None  # first message the running request sends
         self._prompt_tokens: int | None = None  # the running request's prompt, counted by the server
@@ -67,8 +70,13 @@ class ChatPanel(QWidget):
         self.model_picker = ModelPicker(self)
         self.system_button = self._toggle("System prompt", "system")
         self.sampling_button = self._toggle("Sampling", "settings")
+        self.think_button = QPushButton("Think", self)
+        self.think_button.setCheckable(True)
+        self.think_button.setToolTip("Ask the model to reason before it answers (the chat template's thinking "
+                                     "switch: DeepSeek-V3.2, GLM, Qwen3). gpt-oss always reasons.")
         self.context_meter = ContextMeter(self)
-        for widget in (QLabel("Model:"), self.model_picker, self.system_button, self.sampling_button):
+        for widget in (QLabel("Model:"), self.model_picker, self.system_button, self.sampling_button,
+                       self.think_button):
             top.addWidget(widget)
         top.addStretch(1)
         top.addWidget(self.context_meter)
@@ -122,6 +130,7 @@ class ChatPanel(QWidget):
         worker = self.engine.worker
         worker.context_fitted.connect(self._on_context_fitted)
         worker.chunk.connect(self._on_chunk)
+        worker.reasoning_chunk.connect(self._on_reasoning_chunk)
         worker.generation_done.connect(self._on_done)
         self.system_panel.set_presets(self.store.presets())
 
@@ -228,22 +237,32 @@ class ChatPanel(QWidget):
         self._answer = self.store.add_message(self.conversation_id, "assistant", "", parent_id=user.id,
                                               model=self._model_label(), is_complete=False)
         self._answer_text, self._pending = "", []
+        self._answer_reasoning, self._pending_reasoning = "", []
         self._context_start_id = self._prompt_tokens = None
         self._reload_thread()
         self._request_id += 1
         self._count_generation += 1
         sent = [m for m in history if m.content or m.role == "user"]
         self._sent_ids = [m.id for m in sent]
-        self.engine.request_generate.emit(self._request_id, self._messages(sent), self.sampling_panel.values(),
+        self.engine.request_generate.emit(self._request_id, self._messages(sent), self._request_options(),
                                           self.context_policy)
         self._flush_timer.start()
         self._update_buttons()
         self.busy_changed.emit(True)
 
     def _messages(self, history: list[Message]) -> list[dict[str, str]]:
+        """The request's messages: the answers' content only, as the releases' templates drop
+        earlier reasoning anyway."""
         system = self.system_panel.text()
         messages = [{"role": "system", "content": system}] if system else []
         return messages + [{"role": m.role, "content": m.content} for m in history]
+
+    def _request_options(self) -> dict[str, Any]:
+        """Sampling, plus the templates' thinking switch (both names templates use) when Think is on."""
+        options: dict[str, Any] = self.sampling_panel.values()
+        if self.think_button.isChecked():
+            options["chat_template_kwargs"] = {"thinking": True, "enable_thinking": True}
+        return options
 
     def _model_label(self) -> str | None:
         return self.connected.choice.label if self.connected else None
@@ -262,14 +281,24 @@ class ChatPanel(QWidget):
         if request_id == self._request_id and self._answer is not None:
             self._pending.append(text)
 
+    def _on_reasoning_chunk(self, request_id: int, text: str) -> None:
+        if request_id == self._request_id and self._answer is not None:
+            self._pending_reasoning.append(text)
+
     def _flush(self) -> None:
-        if not self._pending or self._answer is None:
+        if not (self._pending or self._pending_reasoning) or self._answer is None:
             return
-        self._answer_text += "".join(self._pending)
-        self._pending.clear()
         widget = self.view.widget_for(self._answer.id)
-        if widget is not None:
-            widget.set_text(self._answer_text)
+        if self._pending_reasoning:
+            self._answer_reasoning += "".join(self._pending_reasoning)
+            self._pending_reasoning.clear()
+            if widget is not None:
+                widget.set_reasoning(self._answer_reasoning, live=True)
+        if self._pending:
+            self._answer_text += "".join(self._pending)
+            self._pending.clear()
+            if widget is not None:
+                widget.set_text(self._answer_text)
         self._update_meter()
 
     def _on_done(self, result: GenerationResult) -> None:
@@ -296,7 +325,8 @@ class ChatPanel(QWidget):
         stats = dataclasses.replace(result.stats, context_start_id=self._context_start_id)
         complete = result.finish_reason in ("stop", "length")
         message = self.store.finish_message(answer.id, result.text or self._answer_text, stats=stats,
-                                            finish_reason=result.finish_reason, is_complete=complete)
+                                            finish_reason=result.finish_reason, is_complete=complete,
+                                            reasoning=result.reasoning or self._answer_reasoning)
         self.view.update_message(message)
         if stats.prompt_tokens is not None and stats.completion_tokens is not None:
             self._meter = (stats.prompt_tokens + stats.completion_tokens, True)
@@ -309,7 +339,8 @@ class ChatPanel(QWidget):
             return
         self._flush()
         self._flush_timer.stop()
-        self.store.finish_message(self._answer.id, self._answer_text, finish_reason="abort", is_complete=False)
+        self.store.finish_message(self._answer.id, self._answer_text, finish_reason="abort", is_complete=False,
+                                  reasoning=self._answer_reasoning)
         self._answer = None
         self.engine.worker.stop()
 
@@ -321,7 +352,7 @@ class ChatPanel(QWidget):
         if self.is_busy:
             if self._prompt_tokens is None:
                 return  # counted before the first chunk arrives
-            streamed = (len(self._answer_text) + 3) // 4
+            streamed = (len(self._answer_text) + len(self._answer_reasoning) + 3) // 4
             self.context_meter.set_usage(self._prompt_tokens + streamed, limit, estimated=streamed > 0)
         elif self._meter is not None:
             self.context_meter.set_usage(self._meter[0], limit, estimated=not self._meter[1])

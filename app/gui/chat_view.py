@@ -22,6 +22,7 @@ class ChatView(QScrollArea):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.dark = False
+        self.show_thinking = True  # Settings > Chat > Show thinking
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -72,7 +73,7 @@ class ChatView(QScrollArea):
         return widget
 
     def _add(self, view: MessageView) -> MessageWidget:
-        widget = MessageWidget(view, self.widget(), self.dark)
+        widget = MessageWidget(view, self.widget(), self.dark, self.show_thinking)
         widget.edit_requested.connect(self.edit_requested)
         widget.regenerate_requested.connect(self.regenerate_requested)
         widget.version_requested.connect(self.version_requested)
@@ -118,6 +119,11 @@ class ChatView(QScrollArea):
         if widget is not None:
             widget.set_text(message.content)
             widget.set_message(message)
+
+    def set_show_thinking(self, show: bool) -> None:
+        self.show_thinking = show
+        for widget in self.widgets:
+            widget.set_show_thinking(show)
 
     def set_busy(self, busy: bool) -> None:
         for widget in self.widgets:

@@ -35,6 +35,7 @@ class GenerationResult:
     stats: MessageStats
     error: str | None = None
     engine_died: bool = False
+    reasoning: str = ""  # what a thinking model wrote before its answer
 
 
 class EngineWorker(QObject):
@@ -44,6 +45,7 @@ class EngineWorker(QObject):
     connect_failed = Signal(str)
     context_fitted = Signal(int, object)  # request id, ContextFit: what is sent, before the first chunk
     chunk = Signal(int, str)  # request id, new text
+    reasoning_chunk = Signal(int, str)  # request id, new reasoning (a thinking model's, before the answer)
     generation_done = Signal(object)  # GenerationResult
     engine_died = Signal(str)
 
@@ -86,7 +88,7 @@ class EngineWorker(QObject):
             self.context_fitted.emit(request_id, fit)
             self._stream(request_id, fit.messages, sampling, state)
             reason = "abort" if self._stop.is_set() else (state.finish_reason or "stop")
-            result = GenerationResult(request_id, state.text, reason, state.stats(started))
+            result = GenerationResult(request_id, state.text, reason, state.stats(started), reasoning=state.reasoning)
         except ContextFullError as exc:
             result = GenerationResult(request_id, "", "context_full", state.stats(started), str(exc))
         except Exception as exc:
@@ -94,7 +96,7 @@ class EngineWorker(QObject):
             # A refused request (HearthError: the server's one-line reason) needs no traceback.
             logger.warning("Generation failed: %s", exc, exc_info=None if isinstance(exc, HearthError) else exc)
             result = GenerationResult(request_id, state.text, "error", state.stats(started),
-                                      str(exc) or type(exc).__name__, engine_died=died)
+                                      str(exc) or type(exc).__name__, engine_died=died, reasoning=state.reasoning)
             if died:
                 self.engine_died.emit(str(exc) or "The engine stopped")
         self.generation_done.emit(result)
@@ -107,6 +109,8 @@ class EngineWorker(QObject):
                 if self._stop.is_set():
                     break
                 state.add(chunk)
+                if getattr(chunk, "reasoning", ""):
+                    self.reasoning_chunk.emit(request_id, chunk.reasoning)
                 if getattr(chunk, "text", ""):
                     self.chunk.emit(request_id, chunk.text)
         finally:
@@ -126,7 +130,9 @@ class _Progress:
 
     def __init__(self) -> None:
         self.parts: list[str] = []
+        self.reasoning_parts: list[str] = []
         self.first_token_at: float | None = None
+        self.first_answer_at: float | None = None
         self.num_chunks = 0
         self.finish_reason: str | None = None
         self.usage: Any = None
@@ -135,13 +141,23 @@ class _Progress:
     def text(self) -> str:
         return "".join(self.parts)
 
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
     def add(self, chunk: Any) -> None:
         text = getattr(chunk, "text", "") or ""
-        if text:
-            self.parts.append(text)
+        reasoning = getattr(chunk, "reasoning", "") or ""
+        if text or reasoning:
             self.num_chunks += 1
             if self.first_token_at is None:
                 self.first_token_at = time.monotonic()
+        if reasoning:
+            self.reasoning_parts.append(reasoning)
+        if text:
+            self.parts.append(text)
+            if self.first_answer_at is None:
+                self.first_answer_at = time.monotonic()
         self.finish_reason = getattr(chunk, "finish_reason", None) or self.finish_reason
         self.usage = getattr(chunk, "usage", None) or self.usage
 
@@ -151,7 +167,10 @@ class _Progress:
         prompt = _usage_value(self.usage, "prompt_tokens")
         ttft = self.first_token_at - started if self.first_token_at is not None else None
         speed = decode_rate(completion or 0, ttft, end - started)
-        return MessageStats(speed, ttft, completion, prompt)
+        thinking = None
+        if self.reasoning_parts and self.first_token_at is not None:
+            thinking = (self.first_answer_at or end) - self.first_token_at
+        return MessageStats(speed, ttft, completion, prompt, thinking_s=thinking)
 
 
 def _usage_value(usage: Any, key: str) -> int | None:

@@ -30,7 +30,21 @@ from hearth.app.store.settings import Settings, load_settings
 logger = logging.getLogger(__name__)
 SCREENSHOT_PROMPT = "Hello! Who are you, and what does a hearth do?"
 # "truncated": a chat longer than a small context, with the marker where the model's context starts.
-TABS = ("chat", "truncated", "models", "settings", "server")
+# "thinking": an example chat with a thinking model's reasoning (the demo model does not reason, so
+# the exchange is written into the throwaway chat store, not generated).
+TABS = ("chat", "truncated", "thinking", "models", "settings", "server")
+THINKING_EXAMPLE = (
+    ("Is 1001 a prime number?",
+     "The user asks whether 1001 is prime. It is odd, its digits sum to 2 so 3 does not divide it, and it "
+     "does not end in 0 or 5. Try 7: 7 × 143 = 1001. And 143 = 11 × 13. So 1001 = 7 × 11 × 13.",
+     "No. **1001 = 7 × 11 × 13**, so it has divisors other than 1 and itself.", 2.4),
+    ("Which is the smallest prime above it?",
+     "Check 1002 upwards. 1002 is even. 1003 = 17 × 59. 1004 is even. 1005 ends in 5. 1006 is even. 1007 = "
+     "19 × 53. 1008 is even. 1009: not divisible by 2, 3, 5, 7, 11, 13, 17, 19, 23, 29 or 31, and 31² = 961 "
+     "< 1009 < 32², so 1009 is prime.",
+     "**1009**: 1003 = 17 × 59 and 1007 = 19 × 53 are composite, and 1009 has no prime factor up to 31 "
+     "(31² = 961 < 1009 < 32² = 1024).", 5.1),
+)
 TRUNCATED_CONTEXT = 256
 TRUNCATED_PROMPTS = ("What is a hearth?", "Why do people gather around one?", "How do I light a fire safely?",
                      "What wood burns best?", "How do I clean the ashes?", "Tell me about chimneys.",
@@ -126,6 +140,8 @@ def _render(app: QApplication, settings: Settings, path: Path, tab: str, timeout
             ok = _ask(app, window, prompt, timeout_s)
             if not ok or (tab == "truncated" and not window.chat.view.context_marker.isHidden()):
                 break
+    if ok and tab == "thinking":
+        _show_thinking_example(window)
     if ok and tab == "server":
         window.server_tab.start_server()
         ok = _wait(app, lambda: window.server_tab.server is not None or window.server_tab.failed, timeout_s)
@@ -139,6 +155,26 @@ def _render(app: QApplication, settings: Settings, path: Path, tab: str, timeout
         print(f"hearth: the demo model did not answer within {timeout_s:.0f}s", file=sys.stderr)
     window.close()
     return 0 if saved else 1
+
+
+def _show_thinking_example(window) -> None:
+    """Write THINKING_EXAMPLE into the (throwaway) chat store and open it: the first answer's
+    Thinking block folded, the last one's open."""
+    from hearth.app.store.chats import MessageStats
+
+    store = window.store
+    conversation = store.create_conversation("Is 1001 prime?", model="example")
+    parent = None
+    for question, reasoning, answer, seconds in THINKING_EXAMPLE:
+        parent = store.add_message(conversation.id, "user", question, parent_id=parent).id
+        stats = MessageStats(tokens_per_s=21.7, time_to_first_token_s=0.31, thinking_s=seconds)
+        parent = store.add_message(conversation.id, "assistant", answer, parent_id=parent, model="example",
+                                   stats=stats, finish_reason="stop", reasoning=reasoning).id
+    window.chat.think_button.setChecked(True)
+    window.open_conversation(conversation.id)
+    window.sidebar.refresh()
+    window.sidebar.select_id(conversation.id)
+    window.chat.view.widgets[-1].thinking.set_expanded(True)
 
 
 def _ask(app: QApplication, window, prompt: str, timeout_s: float) -> bool:

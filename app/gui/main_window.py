@@ -78,6 +78,8 @@ class MainWindow(QMainWindow):
         self.sidebar = Sidebar(self.store, self)
         self.chat = ChatPanel(self.store, self.engine, self)
         self.chat.context_policy = self.settings.context_overflow
+        self.chat.view.show_thinking = self.settings.show_thinking
+        self.chat.think_button.setChecked(self.settings.think)
         self.crash_banner = CrashBanner(self)
         right = QWidget(self)
         column = QVBoxLayout(right)
@@ -116,6 +118,7 @@ class MainWindow(QMainWindow):
         self.models_tab.error.connect(lambda text: self.status.showMessage(text, 10_000))
         self.settings_tab.settings_saved.connect(self.apply_settings)
         self.server_tab.settings_changed.connect(self._save_server_settings)
+        self.chat.think_button.toggled.connect(self._save_think)
 
     def _shortcuts(self) -> None:
         bindings = (("Ctrl+Return", self.chat.send), ("Ctrl+Enter", self.chat.send), ("Esc", self.chat.stop),
@@ -142,7 +145,7 @@ class MainWindow(QMainWindow):
         self.chat.composer.setFocus()
 
     def show_view(self, name: str) -> None:
-        """Bring a tab to the front by name: chat (or truncated), models, settings, server."""
+        """Bring a tab to the front by name: chat (or truncated, thinking), models, settings, server."""
         pages = {"models": self.models_tab, "settings": self.settings_tab, "server": self.server_tab}
         self.tabs.setCurrentIndex(self.tabs.indexOf(pages[name]) if name in pages else 0)
 
@@ -247,12 +250,18 @@ class MainWindow(QMainWindow):
         self.settings = settings
         self.backend.settings = settings
         self.chat.context_policy = settings.context_overflow
+        self.chat.view.set_show_thinking(settings.show_thinking)
         app = QApplication.instance()
         if app is not None:
             self.chat.view.dark = apply_theme(app, settings.theme) == "dark"
         self.models_tab.apply_settings(settings)
         if engine_changed and self.connected is not None:
             self.choose_model(self.connected.choice)
+
+    def _save_think(self, think: bool) -> None:
+        self.settings = self.settings.replace(think=think)
+        self.settings_tab.settings = self.settings  # its Save must not turn the switch back
+        save_settings(self.settings)
 
     def _save_server_settings(self, server_settings: Settings) -> None:
         self.settings = self.settings.replace(api_host=server_settings.api_host, api_port=server_settings.api_port)

@@ -1,5 +1,6 @@
-"""One message bubble: role, Markdown body (highlighted code, copy link per code block), stats line,
-copy / edit / regenerate buttons and the version switcher (< 2/3 >)."""
+"""One message bubble: role, a thinking model's reasoning (a foldable "Thinking" block), Markdown
+body (highlighted code, copy link per code block), stats line, copy / edit / regenerate buttons and
+the version switcher (< 2/3 >)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from hearth.app.gui.qt import (
     Signal,
 )
 from hearth.app.gui.resources import icon
-from hearth.app.store.chats import Message
+from hearth.app.store.chats import Message, thinking_title
+
+THINKING_LIVE = "Thinking…"
 
 
 @dataclass(frozen=True)
@@ -58,21 +61,66 @@ class MarkdownBrowser(QTextBrowser):
         self.setFixedHeight(int(self.document().size().height()) + 6)
 
 
+class ThinkingBlock(QWidget):
+    """The reasoning above an answer: a toggle line ("Thinking…" while it streams, "Thought for
+    3.2 s" after) over the reasoning text, shown dimmed."""
+
+    def __init__(self, parent: QWidget | None = None, dark: bool = False) -> None:
+        super().__init__(parent)
+        self.text = ""
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.toggle = QToolButton(self)
+        self.toggle.setObjectName("thinkingToggle")
+        self.toggle.setCheckable(True)
+        self.toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.toggle.setToolTip("Show or hide what the model thought before answering")
+        self.toggle.toggled.connect(self._expand)
+        layout.addWidget(self.toggle, 0, Qt.AlignmentFlag.AlignLeft)
+        self.body = MarkdownBrowser(self, dark)
+        self.body.setObjectName("thinkingBody")
+        self.body.hide()
+        layout.addWidget(self.body)
+
+    @property
+    def expanded(self) -> bool:
+        return self.toggle.isChecked()
+
+    def set_expanded(self, expanded: bool) -> None:
+        self.toggle.setChecked(expanded)
+
+    def set_text(self, text: str) -> None:
+        if text != self.text:
+            self.text = text
+            self.body.setPlainText(text)
+
+    def _expand(self, expanded: bool) -> None:
+        self.body.setVisible(expanded)
+        self.toggle.setArrowType(Qt.ArrowType.DownArrow if expanded else Qt.ArrowType.RightArrow)
+
+
 class MessageWidget(QFrame):
-    """A bubble; emits requests, never touches the store itself."""
+    """A bubble; emits requests, never touches the store itself. While an answer streams, its
+    Thinking block is open; it folds when the answer starts (a click opens it again)."""
 
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
     version_requested = Signal(int)  # the message id to show instead
 
-    def __init__(self, view: MessageView, parent: QWidget | None = None, dark: bool = False) -> None:
+    def __init__(self, view: MessageView, parent: QWidget | None = None, dark: bool = False,
+                 show_thinking: bool = True) -> None:
         super().__init__(parent)
         self.view = view
         self.text = view.message.content
+        self.show_thinking = show_thinking
+        self._folded = bool(self.text)  # the Thinking block was folded for the answer (or never opened)
         self.setObjectName(f"bubble_{view.message.role}")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(10, 6, 10, 6)
         layout.addLayout(self._header())
+        self.thinking = ThinkingBlock(self, dark)
+        layout.addWidget(self.thinking)
         self.body = MarkdownBrowser(self, dark)
         self.body.anchorClicked.connect(self._on_link)
         layout.addWidget(self.body)
@@ -134,10 +182,28 @@ class MessageWidget(QFrame):
         """Re-render the body (called per coalesced batch while streaming)."""
         self.text = text
         self.body.setMarkdown(with_copy_links(text) if text else "…")
+        if text and not self._folded:
+            self._folded = True
+            self.thinking.set_expanded(False)
+
+    def set_reasoning(self, text: str, live: bool = False) -> None:
+        """Show the reasoning; ``live``: it is streaming (open, titled "Thinking…", until the answer starts)."""
+        self.thinking.set_text(text)
+        self.thinking.setVisible(bool(text) and self.show_thinking)
+        if live:
+            self.thinking.toggle.setText(THINKING_LIVE)
+            if not self._folded and not self.thinking.expanded:
+                self.thinking.set_expanded(True)
+
+    def set_show_thinking(self, show: bool) -> None:
+        self.show_thinking = show
+        self.thinking.setVisible(bool(self.thinking.text) and show)
 
     def set_message(self, message: Message) -> None:
         """Refresh the stats line once an answer has finished."""
         self.view = MessageView(message, self.view.sibling_ids)
+        self.set_reasoning(message.reasoning)
+        self.thinking.toggle.setText(thinking_title(message))
         if message.role == "assistant" and message.model:
             self.role_label.setText(f"Assistant · {message.model}")
         self.stats_label.setText(stats_line(message))

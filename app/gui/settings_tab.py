@@ -251,6 +251,10 @@ class SettingsTab(QWidget):
                                          "leave out its oldest messages (a marker shows where), or send nothing "
                                          "and say so in the chat")
         form.addRow("When a chat outgrows the context", self.context_overflow)
+        self.show_thinking = QCheckBox("Show thinking", box)
+        self.show_thinking.setToolTip("Show a thinking model's reasoning in a foldable block above its answer "
+                                      "(it is kept with the chat either way)")
+        form.addRow("", self.show_thinking)
         return box
 
     def _look_box(self) -> QGroupBox:
@@ -271,6 +275,7 @@ class SettingsTab(QWidget):
         for name, row in self.rows.items():
             row.set_value(getattr(settings.engine, name))
         self.context_overflow.setCurrentIndex(max(self.context_overflow.findData(settings.context_overflow), 0))
+        self.show_thinking.setChecked(settings.show_thinking)
 
     def edited(self) -> Settings:
         """The settings as the form shows them (raises HearthError for bad values)."""
@@ -286,7 +291,8 @@ class SettingsTab(QWidget):
         return self.settings.replace(
             backend_url=self.backend_url.text().strip() if remote else None,
             hf_endpoint=self.endpoint.text().strip() or None, theme=self.theme.currentText(),
-            context_overflow=self.context_overflow.currentData(), engine=engine)
+            context_overflow=self.context_overflow.currentData(), show_thinking=self.show_thinking.isChecked(),
+            engine=engine)
 
     def save(self) -> None:
         try:

@@ -39,14 +39,18 @@ from typing import Any, Literal
 from hearth.app.paths import PRIVATE_FILE_MODE, data_dir, private_file
 
 logger = logging.getLogger(__name__)
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Schema changes, applied in order to a file written at an older version (version -> its SQL).
+_MIGRATIONS = {
+    2: "ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''",  # a thinking model's reasoning
+}
 SIDE_FILES = ("-wal", "-shm", "-journal")
 # Recovered in this order, so messages find their conversations. Table -> its columns.
 _RECOVERED_TABLES = {
     "conversations": ("id", "title", "system_prompt", "model", "sampling", "current_leaf_id", "created_at",
                       "updated_at"),
     "messages": ("id", "conversation_id", "parent_id", "role", "content", "model", "created_at", "is_complete",
-                 "finish_reason", "stats"),
+                 "finish_reason", "stats", "reasoning"),
     "presets": ("name", "system_prompt", "sampling"),
     "model_sampling": ("model", "sampling"),
 }
@@ -63,7 +67,7 @@ CREATE TABLE IF NOT EXISTS messages (
     conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
     parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
     role TEXT NOT NULL, content TEXT NOT NULL DEFAULT '', model TEXT, created_at REAL NOT NULL,
-    is_complete INTEGER NOT NULL DEFAULT 1, finish_reason TEXT, stats TEXT);
+    is_complete INTEGER NOT NULL DEFAULT 1, finish_reason TEXT, stats TEXT, reasoning TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(conversation_id, parent_id);
 CREATE TABLE IF NOT EXISTS presets (
     name TEXT PRIMARY KEY, system_prompt TEXT NOT NULL, sampling TEXT NOT NULL DEFAULT '{}');
@@ -91,6 +95,7 @@ class MessageStats:
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     context_start_id: int | None = None  # the first message the model saw (older ones were dropped)
+    thinking_s: float | None = None  # from the first reasoning token to the first answer token
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class Message:
     is_complete: bool
     finish_reason: str | None
     stats: MessageStats | None
+    reasoning: str = ""  # a thinking model's reasoning before the answer; never sent back to it
 
 
 @dataclass(frozen=True)
@@ -215,10 +221,14 @@ class ChatStore:
         self._db.executescript(_SCHEMA)  # idempotent: every statement is IF NOT EXISTS
         with self._tx() as db:
             row = db.execute("SELECT version FROM schema_version").fetchone()
-            if row is None:
+            if row is None:  # a new file: _SCHEMA made it at the current version
                 db.execute("INSERT INTO schema_version(version) VALUES (?)", (SCHEMA_VERSION,))
             elif row["version"] > SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} was written by a newer Hearth (schema {row['version']})")
+            elif row["version"] < SCHEMA_VERSION:
+                for version in range(row["version"] + 1, SCHEMA_VERSION + 1):
+                    db.execute(_MIGRATIONS[version])
+                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
         try:
             self._db.executescript(_FTS_SCHEMA)
             self.has_fts = True
@@ -275,25 +285,27 @@ class ChatStore:
     # ---- messages ---------------------------------------------------------------------------
     def add_message(self, conversation_id: int, role: Role, content: str, *, parent_id: int | None,
                     model: str | None = None, is_complete: bool = True,
-                    stats: MessageStats | None = None, finish_reason: str | None = None) -> Message:
+                    stats: MessageStats | None = None, finish_reason: str | None = None,
+                    reasoning: str = "") -> Message:
         """Append a message under ``parent_id``; it becomes the conversation's current leaf."""
         now = time.time()
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO messages(conversation_id, parent_id, role, content, model, created_at, is_complete, "
-                "finish_reason, stats) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "finish_reason, stats, reasoning) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conversation_id, parent_id, role, content, model, now, int(is_complete), finish_reason,
-                 _stats_json(stats)))
+                 _stats_json(stats), reasoning))
             db.execute("UPDATE conversations SET current_leaf_id = ?, updated_at = ? WHERE id = ?",
                        (cur.lastrowid, now, conversation_id))
         return self.message(int(cur.lastrowid))
 
     def finish_message(self, message_id: int, content: str, *, stats: MessageStats | None = None,
-                       finish_reason: str | None = None, is_complete: bool = True) -> Message:
-        """Store an answer's final (or partial, when stopped) text and its stats."""
+                       finish_reason: str | None = None, is_complete: bool = True, reasoning: str = "") -> Message:
+        """Store an answer's final (or partial, when stopped) text, reasoning and stats."""
         with self._tx() as db:
-            db.execute("UPDATE messages SET content = ?, stats = ?, finish_reason = ?, is_complete = ? "
-                       "WHERE id = ?", (content, _stats_json(stats), finish_reason, int(is_complete), message_id))
+            db.execute("UPDATE messages SET content = ?, stats = ?, finish_reason = ?, is_complete = ?, reasoning = ? "
+                       "WHERE id = ?", (content, _stats_json(stats), finish_reason, int(is_complete), reasoning,
+                                        message_id))
             db.execute("UPDATE conversations SET updated_at = ? WHERE id = "
                        "(SELECT conversation_id FROM messages WHERE id = ?)", (time.time(), message_id))
         return self.message(message_id)
@@ -302,10 +314,10 @@ class ChatStore:
         """Remove an answer that never got a word (the request was refused before it started);
         its parent becomes the current leaf again. Anything else is left alone."""
         with self._tx() as db:
-            row = db.execute("SELECT conversation_id, parent_id, content FROM messages WHERE id = ? AND role = "
-                             "'assistant' AND NOT EXISTS (SELECT 1 FROM messages c WHERE c.parent_id = ?)",
+            row = db.execute("SELECT conversation_id, parent_id, content, reasoning FROM messages WHERE id = ? "
+                             "AND role = 'assistant' AND NOT EXISTS (SELECT 1 FROM messages c WHERE c.parent_id = ?)",
                              (message_id, message_id)).fetchone()
-            if row is None or row["content"]:
+            if row is None or row["content"] or row["reasoning"]:
                 return
             db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
             db.execute("UPDATE conversations SET current_leaf_id = ? WHERE id = ? AND current_leaf_id = ?",
@@ -413,7 +425,12 @@ class ChatStore:
         if conv.system_prompt:
             lines += ["**System**", "", conv.system_prompt, ""]
         for message in self.thread(conversation_id):
-            lines += [f"**{message.role.capitalize()}**", "", message.content, ""]
+            lines += [f"**{message.role.capitalize()}**", ""]
+            if message.reasoning:
+                # A <details> block: folded like the chat's Thinking block where Markdown renders HTML.
+                lines += [f"<details><summary>{thinking_title(message)}</summary>", "", message.reasoning, "",
+                          "</details>", ""]
+            lines += [message.content, ""]
             note = _stats_note(message)
             if note:
                 lines += [f"*{note}*", ""]
@@ -459,7 +476,8 @@ def _copy_readable_rows(source: Path, target: sqlite3.Connection) -> dict[str, i
         old = sqlite3.connect(copy)
         target.execute("PRAGMA foreign_keys=OFF")  # parents may be among the lost rows; repaired below
         try:
-            for table, columns in _RECOVERED_TABLES.items():
+            for table, wanted in _RECOVERED_TABLES.items():
+                columns = _present_columns(old, table, wanted)
                 insert = (f"INSERT OR IGNORE INTO {table}({', '.join(columns)}) "
                           f"VALUES ({', '.join('?' * len(columns))})")
                 for row in _readable_rows(old, table, columns):
@@ -485,6 +503,16 @@ def _trust_file_size(path: Path) -> None:
         f.write(bytes(4))
         size = f.seek(0, os.SEEK_END)
         f.truncate(size - size % page_size if page_size else size)
+
+
+def _present_columns(db: sqlite3.Connection, table: str, columns: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``columns`` the old file's table has (a file of an older schema lacks the newer ones);
+    all of them when its schema cannot be read."""
+    try:
+        names = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+    except sqlite3.DatabaseError:
+        return columns
+    return tuple(c for c in columns if c in names) or columns
 
 
 def _readable_rows(db: sqlite3.Connection, table: str, columns: tuple[str, ...]) -> Iterator[tuple[Any, ...]]:
@@ -520,7 +548,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
 def _message(row: sqlite3.Row) -> Message:
     stats = _stats(row["stats"])
     return Message(row["id"], row["conversation_id"], row["parent_id"], row["role"], row["content"], row["model"],
-                   row["created_at"], bool(row["is_complete"]), row["finish_reason"], stats)
+                   row["created_at"], bool(row["is_complete"]), row["finish_reason"], stats, row["reasoning"])
 
 
 def _stats(text: str | None) -> MessageStats | None:
@@ -533,6 +561,12 @@ def _stats(text: str | None) -> MessageStats | None:
 
 def _stats_json(stats: MessageStats | None) -> str | None:
     return json.dumps(asdict(stats)) if stats is not None else None
+
+
+def thinking_title(message: Message) -> str:
+    """"Thought for 3.2 s" (or "Thinking" when the time is unknown)."""
+    seconds = message.stats.thinking_s if message.stats is not None else None
+    return "Thinking" if seconds is None else f"Thought for {seconds:.1f} s"
 
 
 def _stats_note(message: Message) -> str:

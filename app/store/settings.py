@@ -61,6 +61,9 @@ class Settings:
     context_overflow: when a chat outgrows the context, "truncate" drops its oldest messages (the
     system prompt stays), "stop" says so and sends nothing.
     api_host / api_port: where the app's API server switch listens (127.0.0.1: this machine only).
+    show_thinking: the chat shows a thinking model's reasoning (a foldable block above the answer).
+    think: the chat's Think switch: requests ask the chat template for reasoning (``thinking`` /
+    ``enable_thinking`` in ``chat_template_kwargs``).
     """
 
     hf_endpoint: str | None = None
@@ -74,6 +77,8 @@ class Settings:
     context_overflow: str = "truncate"
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    show_thinking: bool = True
+    think: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -128,6 +133,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "context_overflow": (str,),
     "api_host": (str,),
     "api_port": (int,),
+    "show_thinking": (bool,),
+    "think": (bool,),
 }
 
 

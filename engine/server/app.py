@@ -48,7 +48,9 @@ from hearth.engine.server.security import (
     UnexpectedErrors,
 )
 from hearth.engine.server.tool_calls import parse_tool_calls
-from hearth.engine.text.harmony import HarmonyParser, parse_harmony, uses_harmony
+from hearth.engine.text.harmony import uses_harmony
+from hearth.engine.text.markers import ReasoningDelta, ReasoningParser
+from hearth.engine.text.reasoning import reasoning_parser_for, split_reasoning
 
 _DISCONNECT_POLL_S = 0.5
 _RETRY_AFTER_LOADING_S = 5
@@ -294,11 +296,13 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
     submission = await run_in_threadpool(lambda: host.submit(stream.sink, sampling=sampling, **prompt))
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
     model_type = host.model.model_type if host.model else ""
-    harmony = chat and uses_harmony(model_type)  # the answer's channels split into reasoning and content
-    tools = isinstance(body, ChatCompletionRequest) and body.uses_tools and not harmony
+    parsed = isinstance(body, ChatCompletionRequest) and body.reasoning_format == "parsed"
+    new_parser = reasoning_parser_for(model_type, submission.prompt_tail) if parsed else None
+    # Harmony's tool calls (commentary-channel messages) are not parsed: its templates get no tools.
+    tools = isinstance(body, ChatCompletionRequest) and body.uses_tools and not uses_harmony(model_type)
+    tools_model_type = model_type if tools else None
     if body.stream:
-        chunks = _stream_chunks(stream, request, writer, body.include_usage, model_type if tools else None,
-                                HarmonyParser() if harmony else None)
+        chunks = _stream_chunks(stream, request, writer, body.include_usage, tools_model_type, new_parser)
         return StreamWithCleanup(chunks, on_close=lambda: host.abort(submission.request_id))
     try:
         finished = await _wait_finished(stream, request)
@@ -307,10 +311,13 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
     error = finish_error(finished)
     if error is not None:
         raise error
-    if harmony:
-        split = parse_harmony(finished.text)
-        return writer.response(finished, reasoning=(split.reasoning, split.content))
-    return writer.response(finished, parse_tool_calls(finished.text, model_type) if tools else None)
+    if not chat:
+        return writer.response(finished)
+    split = split_reasoning(new_parser(), finished.text) if new_parser else ReasoningDelta(content=finished.text)
+    if tools_model_type is None:
+        return writer.response(finished, split.content, split.reasoning)
+    content, calls = parse_tool_calls(split.content, tools_model_type)
+    return writer.response(finished, content, split.reasoning, calls)
 
 
 async def _wait_finished(stream: RequestStream, request: Request) -> Finished:
@@ -326,36 +333,35 @@ async def _wait_finished(stream: RequestStream, request: Request) -> Finished:
 
 async def _stream_chunks(stream: RequestStream, request: Request, writer: ResponseWriter,
                          include_usage: bool, tools_model_type: str | None = None,
-                         harmony: HarmonyParser | None = None) -> AsyncIterator[bytes]:
-    """SSE chunks. With tools offered the answer is held back until it ends (a tool call is only
-    known once complete), then sent as content and tool_calls chunks. With ``harmony`` each piece
-    is split into reasoning and content as it comes."""
+                         new_parser: Callable[[], ReasoningParser] | None = None) -> AsyncIterator[bytes]:
+    """SSE chunks. With ``new_parser`` each piece is split into reasoning and content as it comes.
+    With tools offered the content is held back until the answer ends (a tool call is only known
+    once complete), then sent as content and tool_calls chunks parsed from the whole answer, like a
+    non-streamed one; reasoning still streams as it comes."""
     if writer.chat:
         yield sse(writer.chunk("", first=True))
+    parser = new_parser() if new_parser else None
     try:
         async for batch in stream.batches(request):
-            deltas = [e for e in batch if isinstance(e, TokenDelta)]
-            text = "".join(d.text for d in deltas)
-            if harmony is not None:
-                split = harmony.feed(text)
-                if split.reasoning or split.content:
-                    yield sse(writer.chunk(split.content, reasoning=split.reasoning))
-            elif text and tools_model_type is None:
-                yield sse(writer.chunk(text))
-            if len(deltas) == len(batch):
+            text = "".join(e.text for e in batch if isinstance(e, TokenDelta))
+            event = batch[-1] if isinstance(batch[-1], Finished) else None
+            split = parser.feed(text) if parser else ReasoningDelta(content=text)
+            if event is not None and parser is not None:
+                split += parser.finish()
+            if tools_model_type is not None:
+                split.content = ""
+            if split.reasoning or split.content:
+                yield sse(writer.chunk(split.content or None, reasoning=split.reasoning))
+            if event is None:
                 continue
-            event = batch[-1]  # Finished
-            if harmony is not None:
-                split = harmony.finish()
-                if split.reasoning or split.content:
-                    yield sse(writer.chunk(split.content, reasoning=split.reasoning))
             error = finish_error(event)
             if error is not None:
                 yield sse(error.body())
                 break
             reason = event.reason
             if tools_model_type is not None:
-                content, calls = parse_tool_calls(event.text, tools_model_type)
+                answer = split_reasoning(new_parser(), event.text).content if new_parser else event.text
+                content, calls = parse_tool_calls(answer, tools_model_type)
                 if content:
                     yield sse(writer.chunk(content))
                 if calls:

@@ -34,6 +34,7 @@ from hearth.engine.api import (
 from hearth.engine.config import ModelConfig
 from hearth.engine.engine import Engine
 from hearth.engine.loader import CheckpointFiles
+from hearth.engine.text.reasoning import PROMPT_TAIL_TOKENS
 
 logger = logging.getLogger("hearth.engine.server")
 
@@ -58,6 +59,7 @@ class BusyError(HearthError):
 class Submission:
     request_id: str
     prompt_tokens: int
+    prompt_tail: str = ""  # the prompt's last tokens as text, markers kept (does it open a <think>?)
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ class EngineHost:
                 raise
             self._counts["requests_total"] += 1
         self._wake.set()
-        return Submission(request_id, len(ids))
+        return Submission(request_id, len(ids), engine.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
 
     def count_prompt_tokens(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
                             chat_options: dict[str, Any] | None = None) -> int:

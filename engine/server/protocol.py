@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,6 +96,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # "parsed": a thinking model's reasoning comes back as reasoning_content, apart from the
+    # content; "raw": the text as the model wrote it, reasoning and its markers inside the content.
+    reasoning_format: Literal["parsed", "raw"] = "parsed"
 
     @property
     def uses_tools(self) -> bool:
@@ -227,17 +230,19 @@ class ResponseWriter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def response(self, finished: Finished, tool_calls: tuple[str, list[dict[str, Any]]] | None = None,
-                 reasoning: tuple[str, str] | None = None) -> dict[str, Any]:
-        """The non-streaming body; ``tool_calls`` = (content, calls) parsed from the answer,
-        ``reasoning`` = (reasoning, content) split from it (gpt-oss's harmony channels)."""
+    def response(self, finished: Finished, content: str | None = None, reasoning: str = "",
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The non-streaming body. For chat, ``content`` (default: the whole text), ``reasoning``
+        and ``tool_calls`` are what the chat layer split out of the answer."""
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": finished.text}
-            if reasoning is not None:
-                message = {"role": "assistant", "content": reasoning[1], "reasoning_content": reasoning[0]}
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": finished.text if content is None else content}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             reason = finished.reason
-            if tool_calls is not None and tool_calls[1]:
-                message = {"role": "assistant", "content": tool_calls[0] or None, "tool_calls": tool_calls[1]}
+            if tool_calls:
+                message["content"] = message["content"] or None
+                message["tool_calls"] = tool_calls
                 reason = "tool_calls"
             choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])

@@ -6,13 +6,13 @@ Text of the ``analysis`` channel is reasoning (the API's ``reasoning_content``, 
 block); text of ``final`` (and of a message with no channel) is the answer; ``commentary`` (tool
 preambles) is shown as answer text too. Marker tokens never reach either.
 
-:class:`HarmonyParser` works on streamed text cut anywhere, even inside a marker: text that could
-still become a marker is held back until the next piece decides it.
+:class:`HarmonyParser` works on streamed text cut anywhere, even inside a marker (its
+``markers.MarkerScanner`` holds back text that could still become a marker).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from hearth.engine.text.markers import Marker, MarkerScanner, ReasoningDelta
 
 HARMONY_MODEL_TYPES = frozenset({"gpt_oss"})
 
@@ -26,56 +26,30 @@ def uses_harmony(model_type: str) -> bool:
     return model_type in HARMONY_MODEL_TYPES
 
 
-@dataclass
-class HarmonyDelta:
-    """What one piece of streamed text added: reasoning and answer text."""
-
-    reasoning: str = ""
-    content: str = ""
-
-
 class HarmonyParser:
     """Incremental parser. State: inside a message header (role, channel, constraint: dropped) or a
     message body (shown as reasoning or content by its channel). The prompt leaves the model in the
     header of an assistant message."""
 
     def __init__(self) -> None:
-        self._pending = ""  # text that may be the start of a marker
+        self._scanner = MarkerScanner(_MARKERS)
         self._in_body = False
         self._header = ""  # the current message's header text (what follows <|channel|> names the channel)
         self._channel: str | None = None
 
-    def feed(self, text: str) -> HarmonyDelta:
-        delta = HarmonyDelta()
-        data = self._pending + text
-        self._pending = ""
-        while data:
-            cut = data.find("<|")
-            if cut < 0:
-                keep = 1 if data.endswith("<") else 0  # a lone "<" at the end may open a marker
-                self._text(data[:len(data) - keep], delta)
-                self._pending = data[len(data) - keep:]
-                break
-            if cut:
-                self._text(data[:cut], delta)
-                data = data[cut:]
-            marker = next((m for m in _MARKERS if data.startswith(m)), None)
-            if marker is not None:
-                self._marker(marker)
-                data = data[len(marker):]
-            elif any(m.startswith(data) for m in _MARKERS):
-                self._pending = data  # a marker cut by the stream: wait for the rest
-                break
+    def feed(self, text: str) -> ReasoningDelta:
+        delta = ReasoningDelta()
+        for piece in self._scanner.feed(text):
+            if isinstance(piece, Marker):
+                self._marker(piece.text)
             else:
-                self._text(data[:2], delta)  # "<|" that starts no marker is plain text
-                data = data[2:]
+                self._text(piece, delta)
         return delta
 
-    def finish(self) -> HarmonyDelta:
+    def finish(self) -> ReasoningDelta:
         """Flush text held back at the end of the stream (an unfinished marker is plain text)."""
-        delta = HarmonyDelta()
-        self._text(self._pending, delta)
-        self._pending = ""
+        delta = ReasoningDelta()
+        self._text(self._scanner.finish(), delta)
         return delta
 
     def _marker(self, marker: str) -> None:
@@ -96,7 +70,7 @@ class HarmonyParser:
         words = rest.split(_CONSTRAIN)[0].split()
         return words[0] if words else None
 
-    def _text(self, text: str, delta: HarmonyDelta) -> None:
+    def _text(self, text: str, delta: ReasoningDelta) -> None:
         if not text:
             return
         if not self._in_body:
@@ -107,9 +81,7 @@ class HarmonyParser:
             delta.content += text
 
 
-def parse_harmony(text: str) -> HarmonyDelta:
+def parse_harmony(text: str) -> ReasoningDelta:
     """The reasoning and answer of a whole completion."""
     parser = HarmonyParser()
-    whole = parser.feed(text)
-    tail = parser.finish()
-    return HarmonyDelta(whole.reasoning + tail.reasoning, whole.content + tail.content)
+    return parser.feed(text) + parser.finish()

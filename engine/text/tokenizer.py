@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 from hearth.engine.api import CheckpointError, HearthError, RequestError
 from hearth.engine.text import dsv32_encoding
 from hearth.engine.text.chat_template import render_chat_template
+from hearth.engine.text.reasoning import THINK_END, THINK_START
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _BUILTIN_ENCODERS = ("deepseek_v32",)
@@ -181,7 +182,21 @@ class Tokenizer:
         return -(-length // self.max_token_chars)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``. Skipping special tokens keeps ``<think>`` / ``</think>``: they are
+        text the chat layer splits reasoning on, and most released tokenizers mark them not special
+        anyway (the tiny DeepSeek-V3.2 / GLM-5 ones, and perhaps some releases, do)."""
+        skipped = self._skipped_special_ids if skip_special_tokens else None
+        if skipped is not None:
+            ids, skip_special_tokens = [i for i in ids if i not in skipped], False
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _skipped_special_ids(self) -> frozenset[int] | None:
+        """The special ids that skipping drops when a think marker is special; None when none is
+        (the tokenizer's own skipping is then the same)."""
+        special = {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        kept = {self.token_to_id(t) for t in (THINK_START, THINK_END)} & special
+        return frozenset(special - kept) if kept else None
 
     # ------------------------------------------------------------------ chat
 
