@@ -212,7 +212,9 @@ class EngineHost:
             engine = self._engine
         if engine is not None:
             with self._step_lock:
-                return engine.drop_conversation(conversation_id)
+                dropped = engine.drop_conversation(conversation_id)
+                self._take_snapshot(engine)  # stats show the chat gone at once
+            return dropped
         folder = self.config.prefix_cache_dir
         return drop_from_folder(folder, conversation_id) if folder else 0
 
