@@ -1,24 +1,38 @@
-"""The user's path, measured end to end: a real-width FP8 checkpoint on disk, served by Hearth's
-server in its own process, timed from the official OpenAI client.
+"""The user's path, measured end to end: a real-width checkpoint on disk, served by Hearth's server in its
+own process, timed from the official OpenAI client.
 
 1. Writes (once; reused while its config is unchanged) a checkpoint in the Hugging Face layout at a
-   release's real widths — DeepSeek-V3.2 by default, GLM-5 with ``--family glm_moe_dsa`` — with
-   1 dense + N MoE layers of 256 routed experts, FP8 e4m3 with 128x128 power-of-two block scales on every
-   linear the releases quantise, random weights made on the GPU, ~4 GB shards, and a tokenizer of exactly
-   the release's vocabulary size whose every id decodes to text.
+   release's real widths, with the release's tensor names and weight formats, random weights made on the
+   GPU, ~4 GB shards, a tokenizer of exactly the release's vocabulary size whose every id decodes to text,
+   and generation_config.json (``--family``):
+   - ``deepseek_v32`` (default) / ``glm_moe_dsa`` (GLM-5): 1 dense + N MoE layers of 256 routed experts,
+     FP8 e4m3 with 128x128 power-of-two block scales on every linear the releases quantise;
+   - ``glm4_moe`` (GLM-4.5-Air): 1 dense + N MoE layers of 128 routed experts + 1 shared, bf16 like the
+     release (its FP8 variant uses another quantisation format);
+   - ``gpt_oss`` (gpt-oss-120b): N MoE layers (no dense ones) alternating sliding-window and full
+     attention, 128 experts stored as MXFP4 ``*_blocks`` / ``*_scales`` like the release, the rest bf16;
+   - ``tiny``, ``tiny-glm4``, ``tiny-gpt-oss``: the same code paths at small widths, for a CPU smoke run
+     (``--device cpu``).
 2. For each configuration (``--configs``) starts ``hearth --cli serve`` (``python -m hearth.app.main``)
    with that configuration's flags and measures: load time (process start to
    listening), the first request after start (Triton compiles and graph captures included), TTFT of 2K
    and 16K-token prompts, decode tok/s per request and aggregate at 1 / 8 / 32 concurrent streams
    (``ignore_eos`` so every stream decodes ``--decode-tokens`` tokens), and the engine's own split of a
    decode step (``decode_step_ms``: the whole engine step; ``decode_run_gpu_ms``: the model's GPU time).
-3. Prints each row beside its floor: the bytes one decode step must read (FP8 weights one byte each, the
-   distinct routed experts a batch of that size touches under uniform routing, indexer keys and the
-   selected latents) at 4.28 TB/s; with offloaded experts also the link floor (expert bytes the server
-   fetched per step / 55 GB/s pinned host-to-device).
-4. With ``--runner``, times ``ModelRunner.run`` on the same checkpoint in-process (CUDA graphs on) and the
-   bf16 runner of the same shapes (``bench_decode_step.build_model``): the engine-level ceilings the server
-   rows are compared with.
+   Offloaded configurations keep a quarter of each layer's routed experts on the GPU.
+3. Prints each row beside its floor: the bytes one decode step must read at 4.28 TB/s: the weights as the
+   checkpoint stores them (FP8 one byte, bf16 two, MXFP4 4.25 bits), the distinct routed experts a batch
+   of that size touches under uniform routing, and the attention cache: DSA's indexer keys and selected
+   latents, or GQA's keys and values of the context (of the window on sliding layers); with offloaded
+   experts also the link floor (expert bytes the server fetched per step / 55 GB/s pinned host-to-device).
+4. With ``--runner``, times ``ModelRunner.run`` on the same checkpoint in-process (CUDA graphs on) and, for
+   FP8 checkpoints, the bf16 runner of the same shapes (``bench_decode_step.build_model``): the
+   engine-level ceilings the server rows are compared with.
+
+gpt-oss answers in harmony channels and the server shows only message bodies, but a random-weights model
+never writes the ``<|channel|>final<|message|>`` header, so its chat stream would carry no text at all.
+Its requests therefore go to ``/v1/completions`` with the rendered chat prompt opened at the final
+channel's message: the same prompt tokens, prefill and decode steps, and one text chunk per token.
 
     python bench/bench_e2e.py --dir /tmp/ckpt [--family deepseek_v32] [--moe-layers 2]
         [--configs resident offload-sync ...] [--concurrency 1 8 32] [--json FILE] [--runner]
@@ -39,8 +53,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hearth.engine.config import ModelConfig
 
 HBM = 4.28e12
 LINK = 55e9
@@ -67,33 +85,80 @@ GLM5 = dict(
     rope_interleave=True, indexer_rope_interleave=True, max_position_embeddings=202752, rms_norm_eps=1e-5,
     hidden_act="silu", tie_word_embeddings=False,
 )
-# A smoke-test model (the same code path at small widths, runs on the CPU): --family tiny --device cpu.
+# GLM-4.5-Air, from zai-org/GLM-4.5-Air's config.json (transformers' Glm4MoeConfig defaults are the same
+# widths; INTELLECT-3, a GLM-4.5-Air fine-tune, publishes the identical config): 46 layers of which the first
+# is dense, head_dim 128 given explicitly (not hidden / heads), rope on half of each head, q/k/v biases, no q/k
+# norms, routed_scaling_factor 1.0 (GLM-4.5 itself has 2.5), one MTP layer (left out here, as in the others).
+GLM45_AIR = dict(
+    model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=151552, hidden_size=4096,
+    intermediate_size=10944, moe_intermediate_size=1408, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+    partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False, n_routed_experts=128, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+    rope_theta=1000000.0, max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+    tie_word_embeddings=False,
+)
+# gpt-oss-120b, from openai/gpt-oss-120b's config.json (= transformers' GptOssConfig defaults): 36 layers
+# alternating sliding (128 tokens) and full attention, each with 128 experts, top-4, learned sinks.
+GPT_OSS_120B = dict(
+    model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128,
+    num_experts_per_tok=4, experts_per_token=4, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
+    rope_theta=150000, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096},
+    initial_context_length=4096, max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+    tie_word_embeddings=False,
+)
+# Smoke-test models (the same code paths at small widths, run on the CPU): --family tiny... --device cpu.
 TINY = {**DEEPSEEK_V32, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "n_routed_experts": 16,
         "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4, "index_n_heads": 4, "index_topk": 64}
-FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM5, "tiny": TINY}
+TINY_GLM4 = {**GLM45_AIR, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,
+             "moe_intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+             "n_routed_experts": 32, "num_experts_per_tok": 4}
+TINY_GPT_OSS = {**GPT_OSS_120B, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 128,
+                "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 32,
+                "sliding_window": 32}  # a window shorter than the smoke prompts, so it acts
+FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM5, "glm4_moe": GLM45_AIR, "gpt_oss": GPT_OSS_120B,
+            "tiny": TINY, "tiny-glm4": TINY_GLM4, "tiny-gpt-oss": TINY_GPT_OSS}
 
-# name -> server flags. Offloaded rows keep 64 of 256 experts per layer on the GPU (a 25% cache).
-OFFLOAD = ["--offload", "always", "--expert-cache-slots", "64"]
-CONFIGS: dict[str, list[str]] = {
-    "resident": ["--offload", "never"],
-    "resident-eager": ["--offload", "never", "--cuda-graphs", "false"],
-    "offload-sync": [*OFFLOAD, "--scheduler", "sync"],
-    "offload-runahead": [*OFFLOAD, "--scheduler", "runahead"],
-    "offload-prefetch": [*OFFLOAD, "--scheduler", "prefetch"],
-    "mli": ["--offload", "never", "--mli", "true"],
-    "tiers64k": ["--offload", "never", "--index-key-hot-pages", "64", "--latent-hot-rows", "4096"],
-}
+CONFIG_NAMES = ("resident", "resident-eager", "offload-sync", "offload-runahead", "offload-prefetch", "mli",
+                "tiers64k")
+
+
+def config_flags(name: str, n_experts: int) -> list[str]:
+    """The server flags of one configuration. Offloaded rows keep a quarter of each layer's routed experts
+    on the GPU (a 25% cache: 64 of DeepSeek-V3.2's 256, 32 of GLM-4.5-Air's or gpt-oss-120b's 128)."""
+    offload = ["--offload", "always", "--expert-cache-slots", str(max(1, n_experts // 4))]
+    return {
+        "resident": ["--offload", "never"],
+        "resident-eager": ["--offload", "never", "--cuda-graphs", "false"],
+        "offload-sync": [*offload, "--scheduler", "sync"],
+        "offload-runahead": [*offload, "--scheduler", "runahead"],
+        "offload-prefetch": [*offload, "--scheduler", "prefetch"],
+        "mli": ["--offload", "never", "--mli", "true"],
+        "tiers64k": ["--offload", "never", "--index-key-hot-pages", "64", "--latent-hot-rows", "4096"],
+    }[name]
 
 
 # ---- the checkpoint --------------------------------------------------------------------------
 
 
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+              "weight_block_size": [128, 128]}
+MXFP4_EXPERTS = {"quant_method": "mxfp4", "modules_to_not_convert": [  # as gpt-oss's release lists them
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
 def checkpoint_config(family: str, moe_layers: int) -> dict:
-    return {**FAMILIES[family], "num_hidden_layers": 1 + moe_layers, "first_k_dense_replace": 1,
-            "num_nextn_predict_layers": 0,
-            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}
+    raw = FAMILIES[family]
+    if raw["model_type"] == "gpt_oss":  # every layer MoE; sliding and full attention alternate, sliding first
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(moe_layers)]
+        return {**raw, "num_hidden_layers": moe_layers, "layer_types": kinds, "quantization_config": MXFP4_EXPERTS}
+    dense_first = {**raw, "num_hidden_layers": 1 + moe_layers, "first_k_dense_replace": 1,
+                   "num_nextn_predict_layers": 0}
+    if raw["model_type"] == "glm4_moe":  # bf16, as GLM-4.5-Air's main release
+        return dense_first
+    return {**dense_first, "quantization_config": FP8_BLOCKS}
 
 
 def write_checkpoint(out: Path, family: str, moe_layers: int, device: torch.device) -> Path:
@@ -101,8 +166,8 @@ def write_checkpoint(out: Path, family: str, moe_layers: int, device: torch.devi
     from safetensors.torch import save_file
 
     from hearth.engine.config import ModelConfig
-    from hearth.engine.tiny import is_fp8_quantized, param_shapes, quantize_fp8_blocks
-    from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
+    from hearth.engine.testing.tiny import param_shapes
+    from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
 
     raw = checkpoint_config(family, moe_layers)
     stamp = json.dumps(raw, sort_keys=True)
@@ -114,7 +179,8 @@ def write_checkpoint(out: Path, family: str, moe_layers: int, device: torch.devi
         old.unlink()
     t0 = time.perf_counter()
     special = write_tiny_tokenizer(out, raw["model_type"], raw["vocab_size"], synthetic=True)
-    raw = {**raw, **{k: v for k, v in special.items() if v is not None}}
+    special = {k: v for k, v in special.items() if v is not None}
+    raw = {**raw, **special}
     config = ModelConfig.from_dict(raw)
     gen = torch.Generator(device=device).manual_seed(0)
     files: list[str] = []
@@ -130,14 +196,7 @@ def write_checkpoint(out: Path, family: str, moe_layers: int, device: torch.devi
         shard, size = {}, 0
 
     for name, shape in param_shapes(config).items():
-        value = _init(name, shape, gen, device)
-        if is_fp8_quantized(name, shape):
-            w8, scale = quantize_fp8_blocks(value)
-            tensors = {name: w8, name + "_scale_inv": scale}
-        else:
-            keep_fp32 = "e_score_correction_bias" in name
-            tensors = {name: value.to(torch.float32 if keep_fp32 else torch.bfloat16)}
-        for n, t in tensors.items():
+        for n, t in stored_tensors(name, shape, config, gen, device).items():
             nbytes = t.numel() * t.element_size()
             if size + nbytes > SHARD_BYTES and shard:
                 flush()
@@ -152,11 +211,44 @@ def write_checkpoint(out: Path, family: str, moe_layers: int, device: torch.devi
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(raw, indent=1))
-    (out / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    # The release's special ids; greedy (the requests send temperature 0 anyway).
+    (out / "generation_config.json").write_text(json.dumps({**special, "temperature": 0.0}))
     (out / "bench-stamp.json").write_text(stamp)
     print(f"checkpoint: wrote {total / 1e9:.1f} GB in {len(names)} shards to {out} "
           f"in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
+
+
+def stored_tensors(name: str, shape: tuple[int, ...], config: ModelConfig, gen: torch.Generator,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """One parameter as the release stores it: gpt-oss's stacked experts as MXFP4 blocks + scales
+    ([E, out, in / 32, 16] and [E, out, in / 32]), FP8 + block scales where an FP8 release quantises,
+    the rest bf16 (the router's correction bias fp32)."""
+    from hearth.engine.testing.tiny import is_fp8_quantized, quantize_fp8_blocks
+
+    if config.mxfp4_experts and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return mxfp4_experts(name, shape, gen, device)
+    value = _init(name, shape, gen, device)
+    if config.quantization is not None and is_fp8_quantized(name, shape):
+        w8, scale = quantize_fp8_blocks(value)
+        return {name: w8, name + "_scale_inv": scale}
+    keep_fp32 = "e_score_correction_bias" in name
+    return {name: value.to(torch.float32 if keep_fp32 else torch.bfloat16)}
+
+
+def mxfp4_experts(name: str, shape: tuple[int, ...], gen: torch.Generator,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """A stacked [E, in, out] expert tensor quantised one expert at a time (the whole of gpt-oss-120b's
+    gate_up_proj would take 8.5 GB in fp32, its quantisation several times that)."""
+    from hearth.kernels.moe.mxfp4 import quantize_mxfp4
+
+    blocks, scales = [], []
+    for _ in range(shape[0]):
+        value = torch.randn(shape[1:], device=device, generator=gen) * shape[1] ** -0.5
+        b, sc = quantize_mxfp4(value.T)  # stored [out, in] like the release
+        blocks.append(b.cpu())
+        scales.append(sc.cpu())
+    return {name + "_blocks": torch.stack(blocks), name + "_scales": torch.stack(scales)}
 
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -172,14 +264,23 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch
 # ---- floors ----------------------------------------------------------------------------------
 
 
+# Cache bytes per token and layer that a DSA decode step reads: the indexer's key (128 FP8 + an fp32 scale)
+# for every context token, then the latent row (512 FP8 + scales + the bf16 rope key) of each selected token.
+INDEX_KEY_ROW = 132
+LATENT_ROW = 656
+
+
 @dataclass(frozen=True)
 class Floors:
     fixed: int  # bytes every decode step reads: all weights but the embedding and the routed experts
-    expert: int  # bytes of one routed expert (FP8 + scales)
+    expert: int  # bytes of one routed expert as stored (FP8 + scales, bf16, or MXFP4 blocks + scales + biases)
     moe_layers: int
-    layers: int
     n_experts: int
     top_k: int
+    windows: tuple[int | None, ...]  # per layer: the tokens its attention reads at most (None: the context)
+    kv_row: int  # GQA: bytes of one token's keys and values per layer (the cache is bf16)
+    dsa_topk: int | None  # DSA: latents selected per query (the cache is read as INDEX_KEY_ROW / LATENT_ROW)
+    mxfp4: bool  # experts stored as MXFP4 (Hearth holds them dequantised to bf16)
 
     @classmethod
     def of(cls, folder: Path) -> Floors:
@@ -191,16 +292,31 @@ class Floors:
         fixed = sum(b for n, b in sizes.items() if not ROUTED_EXPERT.search(n) and "embed_tokens" not in n)
         experts = sum(b for n, b in sizes.items() if ROUTED_EXPERT.search(n))
         moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        return cls(fixed, experts // (moe * config.n_routed_experts), moe, config.num_hidden_layers,
-                   config.n_routed_experts, config.num_experts_per_tok)
+        return cls(fixed, experts // (moe * config.n_routed_experts), moe, config.n_routed_experts,
+                   config.num_experts_per_tok, tuple(config.window(i) for i in range(config.num_hidden_layers)),
+                   2 * config.latent_dim, config.index_topk, config.mxfp4_experts)
 
     def distinct(self, batch: int) -> float:
         """Expected distinct experts per layer for ``batch`` tokens under uniform routing."""
         return self.n_experts * (1 - (1 - self.top_k / self.n_experts) ** batch)
 
-    def step_bytes(self, batch: int, context: int, latent_row: int = 656, key_row: int = 132) -> float:
-        kv = self.layers * batch * (context * key_row + min(context, 2048) * latent_row)
-        return self.fixed + self.moe_layers * self.distinct(batch) * self.expert + kv
+    def kv_bytes(self, context: int) -> int:
+        """Cache bytes one request's decode step reads at ``context`` tokens."""
+        if self.dsa_topk is not None:
+            return len(self.windows) * (context * INDEX_KEY_ROW + min(context, self.dsa_topk) * LATENT_ROW)
+        return sum(context if w is None else min(context, w) for w in self.windows) * self.kv_row
+
+    def step_bytes(self, batch: int, context: int) -> float:
+        return self.fixed + self.moe_layers * self.distinct(batch) * self.expert + batch * self.kv_bytes(context)
+
+    def describe(self, context: int) -> str:
+        cache = "indexer keys + selected latents" if self.dsa_topk is not None else "K/V of the context"
+        held = ""
+        if self.mxfp4:  # MXFP4 is 4.25 bits a value; Hearth dequantises the experts at load
+            held = f" (as stored in MXFP4; Hearth holds them in bf16, {16 / 4.25:.2f}x the bytes)"
+        return (f"floors: {self.fixed / 1e9:.2f} GB read by every step besides routed experts; "
+                f"{self.expert / 1e6:.1f} MB per routed expert{held}; {cache} {self.kv_bytes(context) / 1e6:.1f} MB "
+                f"per request at {context} tokens; batch 1 step floor {self.step_bytes(1, context) / HBM * 1e3:.3f} ms")
 
 
 # ---- the server ------------------------------------------------------------------------------
@@ -271,13 +387,24 @@ def find_number(stats: dict, key: str) -> float | None:
 
 
 class Prompts:
-    """Chat messages of an exact prompt length (counted with the checkpoint's tokenizer)."""
+    """Prompts of an exact length (counted with the checkpoint's tokenizer): a chat message, or for
+    harmony models (gpt-oss) the rendered chat prompt opened at the final channel's message, sent as a
+    text completion (see the module docstring)."""
 
     def __init__(self, folder: Path) -> None:
         from tokenizers import Tokenizer
 
+        from hearth.engine.config import ModelConfig
+        from hearth.engine.text.harmony import uses_harmony
+
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.seed = 0
+        harmony = uses_harmony(ModelConfig.from_file(folder).model_type)
+        self.template = (folder / "chat_template.jinja").read_text(encoding="utf-8") if harmony else None
+
+    @property
+    def completions(self) -> bool:
+        return self.template is not None
 
     def text(self, tokens: int) -> str:
         """Random lowercase words of about ``tokens`` tokens; each call is new (no prefix-cache hits)."""
@@ -291,6 +418,20 @@ class Prompts:
         text = " ".join(words)
         ids = self.tokenizer.encode(text).ids[:tokens]
         return self.tokenizer.decode(ids)
+
+    def prompt(self, tokens: int) -> str:
+        """What one request sends: ``tokens`` tokens of words as the user's message (chat), or the whole
+        harmony prompt around them (text completion)."""
+        from hearth.engine.text.chat_template import render_chat_template
+
+        words = self.text(tokens)
+        if self.template is None:
+            return words
+        return render_chat_template(self.template, [{"role": "user", "content": words}]) + HARMONY_FINAL
+
+
+# After the prompt's <|start|>assistant: the answer's message header, so the completion is message text.
+HARMONY_FINAL = "<|channel|>final<|message|>"
 
 
 @dataclass
@@ -308,19 +449,25 @@ class Stream:
         return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else math.nan
 
 
-async def one_stream(client, model: str, prompt: str, max_tokens: int, started: asyncio.Queue) -> Stream:
+async def one_stream(client, model: str, prompt: str, max_tokens: int, started: asyncio.Queue,
+                     completions: bool) -> Stream:
     start = time.perf_counter()
     first = None
     usage = None
     arrivals: list[float] = []
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    sampling = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    if completions:
+        stream = await client.completions.create(prompt=prompt, **sampling)
+    else:
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **sampling)
     async for chunk in stream:
         now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta.content:
+        choice = chunk.choices[0] if chunk.choices else None
+        text = (choice.text if completions else choice.delta.content) if choice is not None else None
+        if text:
             arrivals.append(now)
-        if first is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+        if first is None and choice is not None and (text or choice.finish_reason):
             first = now
             started.put_nowait(first)
         if chunk.usage is not None:
@@ -341,7 +488,7 @@ def decode_window(streams: list[Stream]) -> tuple[list[float], float]:
     return [sum(lo < t <= hi for t in s.arrivals) / (hi - lo) for s in streams], hi - lo
 
 
-async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int,
+async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int, completions: bool,
                       snapshots: list | None = None) -> list[Stream]:
     """Stream every prompt at once; with ``snapshots``, append (time, /hearth/stats) once every stream
     has its first token (prefill over, decode only from here) and again when all are done."""
@@ -359,7 +506,8 @@ async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int,
 
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0) as client:
         watcher = asyncio.create_task(snapshot_when_all_decode()) if snapshots is not None else None
-        streams = list(await asyncio.gather(*(one_stream(client, model, p, max_tokens, started) for p in prompts)))
+        requests = (one_stream(client, model, p, max_tokens, started, completions) for p in prompts)
+        streams = list(await asyncio.gather(*requests))
         if watcher is not None:
             await watcher
             async with httpx.AsyncClient() as http:
@@ -369,18 +517,22 @@ async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int,
 
 def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespace, floors: Floors,
             offloaded: bool) -> dict:
+    def streams(lengths: list[int], max_tokens: int, snapshots: list | None = None) -> list[Stream]:
+        return asyncio.run(run_streams(server.url, model, [prompts.prompt(n) for n in lengths], max_tokens,
+                                       prompts.completions, snapshots))
+
     res: dict = {"load_s": server.load_s}
     t0 = time.perf_counter()
-    asyncio.run(run_streams(server.url, model, [prompts.text(256)], 16))
+    streams([256], 16)
     res["first_request_s"] = time.perf_counter() - t0
     print(f"  load {server.load_s:.1f} s; first request (compiles, graph captures) {res['first_request_s']:.1f} s",
           flush=True)
     # Warm every batch bucket (graph captures) before timing.
     for c in args.concurrency:
-        asyncio.run(run_streams(server.url, model, [prompts.text(64) for _ in range(c)], 8))
+        streams([64] * c, 8)
     for length in args.ttft:  # one untimed run first: a new prompt length compiles prefill kernels
-        asyncio.run(run_streams(server.url, model, [prompts.text(length)], 2))
-        runs = [asyncio.run(run_streams(server.url, model, [prompts.text(length)], 2))[0] for _ in range(args.reps)]
+        streams([length], 2)
+        runs = [streams([length], 2)[0] for _ in range(args.reps)]
         ttft = statistics.median(r.ttft for r in runs)
         res[f"ttft_{length}_s"] = ttft
         print(f"  TTFT {runs[0].prompt_tokens}-token prompt: {ttft * 1e3:.0f} ms "
@@ -388,17 +540,16 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     rows = []
     for c in args.concurrency:
         snaps: list = []
-        streams = asyncio.run(run_streams(server.url, model, [prompts.text(args.prompt) for _ in range(c)],
-                                          args.decode_tokens, snaps))
+        decoded = streams([args.prompt] * c, args.decode_tokens, snaps)
         (t_a, before), (t_b, after) = snaps
-        rates, window = decode_window(streams)
+        rates, window = decode_window(decoded)
         per_req = statistics.median(rates)
-        span = max(s.end for s in streams) - min(s.start for s in streams)
+        span = max(s.end for s in decoded) - min(s.start for s in decoded)
         agg = sum(rates)
         ms_per_token = 1e3 / per_req
         floor_ms = floors.step_bytes(c, args.prompt + args.decode_tokens // 2) / HBM * 1e3
         row = {"concurrency": c, "per_request_tok_s": per_req, "aggregate_tok_s": agg, "window_s": window,
-               "total_tok_s": sum(s.completion_tokens for s in streams) / span, "ms_per_token": ms_per_token,
+               "total_tok_s": sum(s.completion_tokens for s in decoded) / span, "ms_per_token": ms_per_token,
                "hbm_floor_ms": floor_ms, "pct_of_hbm_floor": 100 * floor_ms / ms_per_token,
                "engine_step_ms": find_number(after, "decode_step_ms"),
                "run_gpu_ms": find_number(after, "decode_run_gpu_ms")}
@@ -441,8 +592,8 @@ def kernel_profile(runner, context: int) -> str:
 
 
 def runner_steps(folder: Path, batches: list[int], context: int, profile: Path | None = None) -> dict:
-    """ms per decode step of ModelRunner.run (CUDA graphs) on this checkpoint and on bf16 weights of
-    the same shapes built on the GPU."""
+    """ms per decode step of ModelRunner.run (CUDA graphs) on this checkpoint and, for an FP8 one, on bf16
+    weights of the same shapes built on the GPU (the other checkpoints already run in bf16)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_decode_step as bds
 
@@ -454,23 +605,25 @@ def runner_steps(folder: Path, batches: list[int], context: int, profile: Path |
     max_len = 1 << (context + 200).bit_length()
     cfg = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=max_len, max_num_seqs=max(batches),
                        offload="never")
+    config = ModelConfig.from_file(folder)
+    stored = "fp8" if config.quantization is not None else "bf16"
     runner = ModelRunner.load(str(folder), cfg)
     probe = bds.RoutingProbe(runner.model)
     for b in batches:
-        out[f"fp8_b{b}_ms"] = bds.run_batch(runner, b, context, 30, graphs=True, probe=probe)["median_s"] * 1e3
+        out[f"{stored}_b{b}_ms"] = bds.run_batch(runner, b, context, 30, graphs=True, probe=probe)["median_s"] * 1e3
     if profile is not None:
         profile.write_text(kernel_profile(runner, context))
     del runner, probe
     torch.cuda.empty_cache()
-    config = ModelConfig.from_file(folder)
-    device = torch.device("cuda")
-    model = bds.build_model(config, device, ModelRunner.features_for(config, cfg, device).attention)
-    runner = ModelRunner.from_model(model, cfg)
-    probe = bds.RoutingProbe(model)
-    for b in batches:
-        out[f"bf16_b{b}_ms"] = bds.run_batch(runner, b, context, 30, graphs=True, probe=probe)["median_s"] * 1e3
-    del runner, model
-    torch.cuda.empty_cache()
+    if config.quantization is not None:
+        device = torch.device("cuda")
+        model = bds.build_model(config, device, ModelRunner.features_for(config, cfg, device).attention)
+        runner = ModelRunner.from_model(model, cfg)
+        probe = bds.RoutingProbe(model)
+        for b in batches:
+            out[f"bf16_b{b}_ms"] = bds.run_batch(runner, b, context, 30, graphs=True, probe=probe)["median_s"] * 1e3
+        del runner, model
+        torch.cuda.empty_cache()
     print("  runner-level step (CUDA graphs): " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()), flush=True)
     return out
 
@@ -480,7 +633,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "hearth-bench-ckpt")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="deepseek_v32")
     parser.add_argument("--moe-layers", type=int, default=2)
-    parser.add_argument("--configs", nargs="+", default=["resident"], choices=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["resident"], choices=CONFIG_NAMES)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--ttft", type=int, nargs="*", default=[2048, 16384], help="prompt lengths for TTFT")
     parser.add_argument("--prompt", type=int, default=1536, help="prompt tokens of the decode streams")
@@ -490,22 +643,21 @@ def main() -> None:
     parser.add_argument("--runner", action="store_true", help="also time ModelRunner.run in-process")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script itself (with --family tiny)")
+    parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script itself (with a tiny family)")
     args = parser.parse_args()
     device = torch.device(args.device)
     folder = write_checkpoint(args.dir, args.family, args.moe_layers, device)
     floors = Floors.of(folder)
-    print(f"floors: {floors.fixed / 1e9:.2f} GB read by every step besides routed experts; "
-          f"{floors.expert / 1e6:.1f} MB per routed expert; batch 1 step floor "
-          f"{floors.step_bytes(1, args.prompt) / HBM * 1e3:.3f} ms", flush=True)
+    print(floors.describe(args.prompt), flush=True)
     prompts = Prompts(folder)
     results: dict = {"family": args.family, "moe_layers": args.moe_layers, "configs": {},
                      "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none"}
     for name in args.configs:
-        print(f"== {name}: {' '.join(CONFIGS[name])}", flush=True)
+        flags = config_flags(name, floors.n_experts)
+        print(f"== {name}: {' '.join(flags)}", flush=True)
         max_len = 65536 + 4096 if name == "tiers64k" else args.max_model_len
-        flags = CONFIGS[name] + (["--device", "cpu"] if device.type == "cpu" else [])
+        flags += ["--device", "cpu"] if device.type == "cpu" else []
         server = Server(folder, flags, max_len, max(args.concurrency), args.logs / f"server-{name}.log")
         try:
             server.wait()

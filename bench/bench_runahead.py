@@ -51,8 +51,8 @@ from hearth.engine.engine import Engine
 from hearth.engine.loader import materialize_buffers
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.runner import ModelRunner
-from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 from hearth.offload.expert_store import ExpertLayout, ExpertStore
 
 LINK_GBPS = 55.0

@@ -22,7 +22,7 @@ def __getattr__(name: str):
 
         return Engine
     if name == "load_model":
-        from hearth.engine.conformance import load_model
+        from hearth.engine.testing.conformance import load_model
 
         return load_model
     raise AttributeError(name)

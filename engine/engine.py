@@ -43,16 +43,14 @@ from hearth.engine.api import (
     TokenDelta,
 )
 from hearth.engine.block_manager import BlockManager
-from hearth.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from hearth.engine.harmony import uses_harmony
 from hearth.engine.prefix_store import PageTier, PrefixStore, fingerprint, model_key
-from hearth.engine.runahead import RunaheadDecoder
-from hearth.engine.runner import ModelRunner, StepInput
 from hearth.engine.sampling import Sampler, make_generator
 from hearth.engine.scheduler import Scheduler, Status
 from hearth.engine.scheduler import Sequence as Seq
 from hearth.engine.step_timer import StepTimer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.detokenizer import IncrementalDetokenizer, StopChecker
+from hearth.engine.text.harmony import uses_harmony
+from hearth.engine.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -29,6 +29,7 @@ conversations also used keeps their tags and stays).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -432,10 +433,8 @@ def _touch(path: Path) -> None:
     """Mark a file used now, so the LRU order survives a restart (an explicit time: the file
     system's own clock may tick only every few milliseconds)."""
     now = time.time_ns()
-    try:
+    with contextlib.suppress(OSError):
         os.utime(path, ns=(now, now))
-    except OSError:
-        pass
 
 
 # ---- the tier the BlockManager sees ----------------------------------------------------------

@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 if [ -z "${SKIP_TESTS:-}" ]; then
-  HEARTH_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -x \
+  HEARTH_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -p no:cacheprovider -x \
       tests/engine/test_cuda_graphs.py tests/engine/test_fused_experts.py tests/engine/test_dsa_kernels_engine.py \
       2>&1 | tee "$OUT/decode_step_tests.log" | tail -25
 fi

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 rc=0
 if [[ $what == tests || $what == all ]]; then
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -40
+    timeout 300 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -p no:cacheprovider -n 8 tests/kernels 2>&1 | tee "$OUT/tests.log" | tail -40
     rc=${PIPESTATUS[0]}
 fi
 if [[ $what == bench || $what == all ]]; then

@@ -4,6 +4,8 @@
 # bench/bench_e2e.py. Results and logs go to $OUT. Needs the server's and the OpenAI client's wheels
 # (fastapi, uvicorn, openai, ...) on PYTHONPATH when the machine lacks them.
 #   usage: bash scripts/gpu_e2e.sh [tests] [micro] [sweep] [e2e -- bench_e2e args...]
+#   e2e families: --family deepseek_v32 (default), glm_moe_dsa (GLM-5), glm4_moe (GLM-4.5-Air, bf16),
+#   gpt_oss (gpt-oss-120b, MXFP4 experts); see bench/bench_e2e.py and docs/benchmarks.md.
 set -o pipefail
 source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -16,9 +18,9 @@ for step in "${steps[@]}"; do
     case $step in
     tests)
         export HEARTH_TEST_DEVICE=cuda
-        timeout 300 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_fp8_linear.py \
+        timeout 300 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -p no:cacheprovider -x tests/kernels/test_fp8_linear.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py tests/engine/test_fused_experts.py \
-            tests/engine/test_loader_errors.py 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1 ;;
+            tests/engine/test_runner.py tests/engine/test_mli.py tests/engine/test_loader_errors.py 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1 ;;
     micro) timeout 200 python3 bench/bench_fp8_linear.py --json "$OUT/fp8_linear.json" 2>&1 | tee "$OUT/fp8_linear.log" || rc=1 ;;
     sweep) timeout 170 python3 bench/bench_fp8_linear.py --rows 1 --sweep --json "$OUT/fp8_sweep.json" \
             2>&1 | grep -E "best|Error|error" | tee "$OUT/fp8_sweep.log" || rc=1 ;;

@@ -27,7 +27,7 @@ run_part() {
 }
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-  run_part gpu_tests 120 250 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py tests/offload
+  run_part gpu_tests 120 250 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -p no:cacheprovider tests/kernels/test_moe.py tests/offload
 fi
 run_part bench_layers 200 150 python3 bench/bench_offload.py --parts decode,prefill --layers "${LAYERS:-4}" \
   --steps "${STEPS:-12}" --json "$OUT/bench_layers.json"

@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-HEARTH_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:cacheprovider \
+HEARTH_TEST_DEVICE=cuda timeout 90 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -p no:cacheprovider \
     tests/engine/test_runahead.py tests/engine/test_offload_engine.py \
     2>&1 | tee "$OUT/runahead_tests.log" | tail -8
 # --budget-s: no configuration starts after 230 s; the JSON is rewritten after each one.

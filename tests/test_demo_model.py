@@ -3,7 +3,7 @@
 Corpus cleaning and the tokenizer on a small hand-written reST set; one training step of the smoke
 preset (the batched forward itself is checked against the engine's path in test_train_batched.py);
 the learning-rate schedule; a ``--smoke`` training run that must save a folder the engine loads,
-with the tensor names hearth.engine.tiny writes; and the shipped model.
+with the tensor names hearth.engine.testing.tiny writes; and the shipped model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from hearth.app.demo_model import REQUIRED_FILES, bundled_demo_path
 from hearth.engine import Engine, EngineConfig, Finished, SamplingParams, TokenDelta
 from hearth.engine.config import ModelConfig
-from hearth.engine.tiny import make_weights
+from hearth.engine.testing.tiny import make_weights
 from train import corpus
 from train.train_demo import _PRESETS, Batches, Schedule, demo_config, init_weights, make_step, parse, set_dense, train
 
@@ -137,7 +137,7 @@ def test_smoke_training_saves_a_model_the_engine_loads(data_dir: Path, tmp_path:
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert names == set(make_weights(ModelConfig.from_dict(raw), seed=0))  # hearth.engine.tiny's names
+    assert names == set(make_weights(ModelConfig.from_dict(raw), seed=0))  # hearth.engine.testing.tiny's names
     samples = (out / "samples.txt").read_text(encoding="utf-8")
     assert "sampling failed" not in samples and samples.startswith("The")
 

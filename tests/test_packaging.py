@@ -30,7 +30,7 @@ def test_spec_parses_and_bundles_what_the_app_needs() -> None:
     assert {"Analysis", "PYZ", "EXE", "COLLECT"} <= calls  # one-folder: COLLECT, exclude_binaries
     assert "exclude_binaries=True" in source
     for needed in ('"hearth_entry.py"', '"hearth.resources"', '"PySide6.QtSvg"', '"hearth.kernels": "pyz+py"',
-                   'collect_submodules("hearth")'):
+                   'collect_submodules("hearth")', '"hearth.engine.server.__main__"'):
         assert needed in source, needed
 
 
@@ -42,6 +42,10 @@ def test_frozen_entry_point_runs_modules_like_python_dash_m() -> None:
     assert done.returncode == 0 and done.stdout.startswith("usage: hearth"), done.stderr
     done = subprocess.run([sys.executable, str(entry), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "hearth --cli" in done.stdout
+    # the GUI's engine host: a package run through its __main__, as `python -m` does
+    done = subprocess.run([sys.executable, str(entry), "-m", "hearth.engine.server", "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m hearth.engine.server"), done.stderr
 
 
 def test_desktop_entry_has_valid_keys() -> None:

@@ -18,7 +18,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.layers import apply_rotary
-from hearth.engine.tiny import tiny_config
+from hearth.engine.testing.tiny import tiny_config
 from train.batched import batched_forward
 from train.indexer_loss import ExpertLoad, lm_loss
 

@@ -12,7 +12,7 @@ autocast on CUDA (optionally ``torch.compile``), and a warm-up / stable / decay 
 decay starts at ``1 - decay_frac`` of the wall-clock budget, or earlier once the held-out loss
 (evaluated every ``--eval-every`` seconds) stops improving; the weights with the best held-out loss
 are kept. The run stops itself ``--reserve`` seconds before ``--time-budget`` (counted from process
-start) and writes a Hub-layout model folder (tensor names as ``hearth.engine.tiny`` writes them),
+start) and writes a Hub-layout model folder (tensor names as ``hearth.engine.testing.tiny`` writes them),
 ``loss_log.csv``, ``loss_curve.svg``, ``samples.txt`` and ``MODEL_CARD.md``.
 """
 
@@ -36,7 +36,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from hearth.engine.config import ModelConfig  # noqa: E402
 from hearth.engine.models.deepseek import DeepseekForCausalLM  # noqa: E402
-from hearth.engine.tiny import tiny_config  # noqa: E402
+from hearth.engine.testing.tiny import tiny_config  # noqa: E402
 from train.batched import batched_forward  # noqa: E402
 from train.indexer_loss import ExpertLoad, lm_loss  # noqa: E402
 from train.report import write_report  # noqa: E402
@@ -87,7 +87,7 @@ _PRESETS: dict[str, Preset] = {
 
 
 def demo_config(preset: Preset, vocab_size: int) -> dict[str, Any]:
-    """The Hub config.json: the tiny DeepSeek-V3.2 config of hearth.engine.tiny, resized."""
+    """The Hub config.json: the tiny DeepSeek-V3.2 config of hearth.engine.testing.tiny, resized."""
     raw = tiny_config("deepseek_v32")
     raw.update(preset.model)
     raw.update(vocab_size=vocab_size, num_key_value_heads=preset.model["num_attention_heads"], n_group=1,

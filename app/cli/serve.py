@@ -22,7 +22,7 @@ from hearth.app.paths import prefix_cache_dir
 from hearth.app.store.settings import Settings, load_settings
 from hearth.engine.api import HearthError, engine_options
 from hearth.engine.flags import add_engine_arguments, engine_flags
-from hearth.engine.server_security import add_security_arguments
+from hearth.engine.server.security import add_security_arguments
 
 _PORT_POLL_S = 0.05
 
@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hearth.engine.server import main as server_main
+    from hearth.engine.server.main import main as server_main
 
     settings = load_settings()
     path = resolve_model_path(args.model, settings)

@@ -62,7 +62,7 @@ def ensure_demo_model() -> Path:
     with _demo_lock:
         if (folder / "config.json").is_file():
             return folder
-        from hearth.engine.tiny import write_tiny_model  # lazy: imports torch
+        from hearth.engine.testing.tiny import write_tiny_model  # lazy: imports torch
 
         tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=folder.parent))
         try:

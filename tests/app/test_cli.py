@@ -22,7 +22,7 @@ from hearth.app.cli.main import main as cli
 from hearth.app.client import ChatChunk, ChatClient
 from hearth.app.client.local_engine import STATE_FILE
 from hearth.app.store.settings import Settings, save_settings
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.app.cli_support import Terminal, broken_copies, hearth_cmd, run_hearth
 from tests.engine.test_server_support import start_server
 

@@ -22,7 +22,7 @@ from hearth.app.hub import import_local_model
 from hearth.app.paths import settings_path
 from hearth.app.store.settings import Settings, load_settings, save_settings
 from hearth.engine.api import HearthError
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.app.cli_support import fake_openai_server, hearth_cmd
 from tests.app.conftest import FAST, GATED_REPO, TINY_REPO
 from tests.app.fakehub import FakeHub

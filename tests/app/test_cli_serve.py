@@ -16,7 +16,7 @@ from hearth.app.cli.main import main as cli
 from hearth.app.hub.state import Registry
 from hearth.app.paths import data_dir
 from hearth.app.store.settings import Settings, save_settings
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.app.cli_support import hearth_cmd
 
 REPO = "hearth-test/tiny-v32"
@@ -73,7 +73,7 @@ def test_serve_on_all_interfaces_needs_a_key(model_dir, capsys, monkeypatch):
 
 def test_serve_takes_engine_flags_over_the_settings(model_dir, monkeypatch):
     """Every engine option is a ``serve`` flag; options not given come from the settings file."""
-    import hearth.engine.server as server
+    import hearth.engine.server.main as server
 
     save_settings(Settings().replace(max_num_seqs=3, scheduler="prefetch", max_model_len=1024))
     seen: list[list[str]] = []

@@ -13,7 +13,7 @@ import pytest
 from hearth.app.client import ChatClient, ClientError, EngineDiedError, EngineProcess, EngineStartError
 from hearth.app.client.local_engine import STATE_FILE
 from hearth.app.paths import runtime_dir
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.app.cli_support import broken_copies, fake_openai_server
 from tests.engine.test_server_support import start_server, wait_until
 

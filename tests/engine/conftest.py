@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hearth.engine.tiny import ARCHS, write_tiny_model
+from hearth.engine.testing.tiny import ARCHS, write_tiny_model
 
 # The conformance suite runs on the CPU in CI and on the GPU machine with HEARTH_TEST_DEVICE=cuda
 # (and HEARTH_TEST_DTYPE=bfloat16 for the bf16 run of the exact-match tests).

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from hearth.engine.api import HearthError
-from hearth.engine.chat_template import render_chat_template
-from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
+from hearth.engine.text.chat_template import render_chat_template
+from hearth.engine.text.tokenizer import Tokenizer
 
 USER = [{"role": "user", "content": "hi"}]
 

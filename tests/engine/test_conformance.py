@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from hearth.engine import Engine, EngineConfig, SamplingParams, load_model
 from hearth.engine.config import ModelConfig
-from hearth.engine.tiny import ARCHS
+from hearth.engine.testing.tiny import ARCHS
 from tests.engine.conftest import TEST_DEVICE, dequantize_reference, hf_greedy, hf_model
 
 FP32_ATOL = 1e-4

@@ -13,7 +13,7 @@ import torch
 from hearth.engine import Engine, EngineConfig, SamplingParams, load_model
 from hearth.engine.api import UnsupportedModelError
 from hearth.engine.config import ModelConfig
-from hearth.engine.tiny import tiny_config, write_tiny_model
+from hearth.engine.testing.tiny import tiny_config, write_tiny_model
 from tests.engine.conftest import TEST_DEVICE, hf_greedy, hf_model
 
 FP32_ATOL = 1e-4

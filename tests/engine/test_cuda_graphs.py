@@ -8,7 +8,7 @@ import torch
 
 from hearth.engine import Engine, EngineConfig, SamplingParams
 from hearth.engine.cuda_graphs import batch_buckets
-from hearth.engine.tiny import KERNEL_SHAPES, write_tiny_model
+from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
 from tests.engine.conftest import run_to_completion
 
 pytestmark = pytest.mark.gpu

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hearth.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopChecker
-from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
+from hearth.engine.text.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopChecker
+from hearth.engine.text.tokenizer import Tokenizer
 
 TEXTS = (
     "plain ascii text, nothing special",

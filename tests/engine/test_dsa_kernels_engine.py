@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hearth.engine import Engine, EngineConfig, SamplingParams, TokenDelta, load_model
-from hearth.engine.tiny import KERNEL_SHAPES, write_tiny_model
+from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
 from tests.engine.conftest import hf_model
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from hearth.engine.api import HearthError
-from hearth.engine.dsv32_encoding import (
+from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
+from hearth.engine.text.dsv32_encoding import (
     BOS,
     EOS,
     encode_messages,
@@ -16,8 +17,7 @@ from hearth.engine.dsv32_encoding import (
     parse_completion,
     parse_tool_calls,
 )
-from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 
 SPEC_MESSAGES = [
     {"role": "user", "content": "hello"},

@@ -10,7 +10,7 @@ import torch
 
 from hearth.engine import load_model
 from hearth.engine.models import fused_experts
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.conftest import TEST_DEVICE
 
 

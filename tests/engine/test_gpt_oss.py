@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from hearth.engine import CheckpointError, Engine, EngineConfig, SamplingParams, load_model
 from hearth.engine.api import UnsupportedModelError
 from hearth.engine.config import ModelConfig
-from hearth.engine.tiny import tiny_config, write_tiny_model
+from hearth.engine.testing.tiny import tiny_config, write_tiny_model
 from hearth.kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tests.engine.conftest import TEST_DEVICE, hf_greedy, run_to_completion
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hearth.engine.harmony import HarmonyParser, parse_harmony
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.harmony import HarmonyParser, parse_harmony
+from hearth.engine.text.tokenizer import Tokenizer
 
 ANSWER = ("<|channel|>analysis<|message|>The user greets; answer < briefly.<|end|>"
           "<|start|>assistant<|channel|>final<|message|>Hello <|there, friend|>!<|return|>")

@@ -14,7 +14,7 @@ from hearth.engine.models.layers import (
     hadamard_matrix,
     rope_inv_freq,
 )
-from hearth.engine.tiny import quantize_fp8_blocks
+from hearth.engine.testing.tiny import quantize_fp8_blocks
 
 
 def test_yarn_frequencies_follow_the_reference_ramp():

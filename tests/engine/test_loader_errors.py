@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from hearth.engine.api import CheckpointError, UnsupportedModelError
 from hearth.engine.config import ModelConfig
 from hearth.engine.loader import load_checkpoint
-from hearth.engine.tiny import tiny_config
+from hearth.engine.testing.tiny import tiny_config
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from hearth.engine import Engine, EngineConfig, Finished, RequestError, Sampling
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import PagedCache
 from hearth.engine.prefix_store import PrefixStore
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.conftest import TEST_DEVICE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -13,7 +13,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.runner import ModelRunner, RunnerFeatures, StepInput
-from hearth.engine.tiny import tiny_config
+from hearth.engine.testing.tiny import tiny_config
 
 CUDA = torch.device("cuda")  # only its type is read: the decision needs no GPU
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.test_server_support import ServerProcess, start_server, wait_until
 
 openai = pytest.importorskip("openai")

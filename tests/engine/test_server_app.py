@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hearth.engine.api import EngineConfig
-from hearth.engine.server_app import create_app
-from hearth.engine.server_host import EngineHost
+from hearth.engine.server.app import create_app
+from hearth.engine.server.host import EngineHost
 from tests.engine.test_server_support import LOCAL_URL, in_process_host, serving_client
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
@@ -103,7 +103,7 @@ def test_a_lagging_stream_reads_its_queued_events_in_one_batch():
     import asyncio
 
     from hearth.engine.api import Finished, RequestStats, TokenDelta
-    from hearth.engine.server_app import RequestStream
+    from hearth.engine.server.app import RequestStream
 
     class Connected:
         async def is_disconnected(self) -> bool:

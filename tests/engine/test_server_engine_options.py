@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.test_server_support import start_server
 
 MESSAGES = [{"role": "user", "content": "Tell me about hearths."}]
@@ -38,7 +38,7 @@ def test_offload_and_runahead_options(tmp_path):
 
 
 def test_cuda_graphs_flag():
-    from hearth.engine.server import build_parser
+    from hearth.engine.server.main import build_parser
 
     assert build_parser().parse_args([]).cuda_graphs is True
     assert build_parser().parse_args(["--cuda-graphs", "false"]).cuda_graphs is False
@@ -50,7 +50,7 @@ def test_every_engine_option_has_a_flag_that_reaches_the_config():
     import dataclasses
 
     from hearth.engine.api import EngineConfig, engine_options
-    from hearth.engine.server import build_parser, engine_config
+    from hearth.engine.server.main import build_parser, engine_config
 
     parser = build_parser()
     flags = {action.dest: action for action in parser._actions}
@@ -68,7 +68,7 @@ def test_every_engine_option_has_a_flag_that_reaches_the_config():
 
 
 def test_a_bad_option_value_is_one_clear_error(capsys):
-    from hearth.engine.server import main
+    from hearth.engine.server.main import main
 
     assert main(["--max-num-seqs", "0"]) == 1
     assert capsys.readouterr().err.strip() == "error: max_num_seqs must be >= 1"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from hearth.engine import Engine, EngineConfig, SamplingParams, TokenDelta
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.test_server_support import ServerProcess, start_server
 
 openai = pytest.importorskip("openai")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hearth.engine.harmony import parse_harmony
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.text.harmony import parse_harmony
+from hearth.engine.text.tokenizer import Tokenizer
 from tests.engine.test_server_support import start_server
 
 openai = pytest.importorskip("openai")

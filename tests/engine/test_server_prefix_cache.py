@@ -10,7 +10,7 @@ import stat
 import httpx
 import pytest
 
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.test_server_support import ServerProcess, start_server
 
 # 7 pages of 16 tokens: another chat's 80-token prompt evicts the first chat's pages (to disk:

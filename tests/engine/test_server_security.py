@@ -20,9 +20,9 @@ from fastapi.testclient import TestClient
 
 from hearth.engine.api import EngineConfig
 from hearth.engine.engine import Engine
-from hearth.engine.server_app import create_app
-from hearth.engine.server_host import EngineHost
-from hearth.engine.server_security import AccessPolicy, LoadPaths, RequestGuard, is_loopback
+from hearth.engine.server.app import create_app
+from hearth.engine.server.host import EngineHost
+from hearth.engine.server.security import AccessPolicy, LoadPaths, RequestGuard, is_loopback
 from tests.engine.test_server_support import LOCAL_URL, in_process_host, serving_client, wait_until
 
 MAX_MODEL_LEN = 256

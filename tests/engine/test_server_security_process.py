@@ -16,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from hearth.engine.tiny import write_tiny_model
+from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.test_server_support import STARTUP_TIMEOUT_S, ServerProcess, start_server, wait_until
 
 TEN_MB = 10 * 1024 * 1024

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import pytest
 
 from hearth.engine.api import Finished, RequestStats
-from hearth.engine.server_protocol import (
+from hearth.engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -159,8 +159,8 @@ def test_writer_and_finish_errors():
 def in_process_host(root: Path, max_model_len: int, seed: int = 4):
     """A started EngineHost serving a tiny DeepSeek-V3.2 named "tiny" (a generator: close after)."""
     from hearth.engine.api import EngineConfig
-    from hearth.engine.server_host import EngineHost
-    from hearth.engine.tiny import write_tiny_model
+    from hearth.engine.server.host import EngineHost
+    from hearth.engine.testing.tiny import write_tiny_model
 
     engine_host = EngineHost(EngineConfig(max_model_len=max_model_len, device="cpu"))
     engine_host.load(write_tiny_model(root / "tiny", "deepseek_v32", seed=seed))
@@ -175,7 +175,7 @@ def serving_client(engine_host):
     """Starlette's TestClient over the host's app, errors answered as HTTP (a generator)."""
     from fastapi.testclient import TestClient
 
-    from hearth.engine.server_app import create_app
+    from hearth.engine.server.app import create_app
 
     with TestClient(create_app(engine_host), base_url=LOCAL_URL, raise_server_exceptions=False) as client:
         yield client

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hearth.engine.api import CheckpointError, HearthError
-from hearth.engine.tiny_tokenizer import CORPUS, write_tiny_tokenizer
-from hearth.engine.tokenizer import Tokenizer
+from hearth.engine.testing.tiny_tokenizer import CORPUS, write_tiny_tokenizer
+from hearth.engine.text.tokenizer import Tokenizer
 
 FAMILIES = ("deepseek_v32", "deepseek_v3", "deepseek_v2", "glm_moe_dsa")
 TEXTS = (
@@ -68,6 +68,20 @@ def test_vocab_size_is_exact(tmp_path: Path, family: str, vocab_size: int):
     assert all(tok.id_to_token(i) is not None for i in range(vocab_size))
 
 
+@pytest.mark.parametrize(("family", "marker", "visible"), [("glm4_moe", "<think>", True),
+                                                        ("gpt_oss", "<|channel|>", False)])
+def test_synthetic_vocab_is_exact_and_keeps_the_family_markers(tmp_path: Path, family: str, marker: str,
+                                                               visible: bool):
+    """The benchmarks' constructed vocabulary (release sizes): exactly vocab_size ids, word ids decode to
+    letters, and the family's markers stay single tokens (GLM-4.5's reasoning markers as decoded text)."""
+    write_tiny_tokenizer(tmp_path, family, 3000, synthetic=True)
+    tok = Tokenizer.from_pretrained(tmp_path, family)
+    assert tok.vocab_size == 3000
+    assert tok.encode(marker) == [tok.token_to_id(marker)]
+    assert tok.decode([tok.token_to_id(marker)], skip_special_tokens=True) == (marker if visible else "")
+    assert tok.decode(tok.encode("hearth")) == "hearth"
+
+
 def test_vocab_too_small_is_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="vocab_size"):
         write_tiny_tokenizer(tmp_path, "deepseek_v32", 200)
@@ -95,7 +109,7 @@ def test_glm_special_ids(tiny: dict[str, Path]):
 
 
 SCRIPT = (
-    "import sys; from pathlib import Path; from hearth.engine.tiny_tokenizer import write_tiny_tokenizer; "
+    "import sys; from pathlib import Path; from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer; "
     "write_tiny_tokenizer(Path(sys.argv[1]), 'glm_moe_dsa', 600)"
 )
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from hearth.engine.dsv32_encoding import encode_tool_calls
-from hearth.engine.server_host import EngineHost
-from hearth.engine.tool_calls import parse_tool_calls
+from hearth.engine.server.host import EngineHost
+from hearth.engine.server.tool_calls import parse_tool_calls
+from hearth.engine.text.dsv32_encoding import encode_tool_calls
 from tests.engine.test_server_support import in_process_host, serving_client
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -330,10 +330,11 @@ def _train(family: _Family, vocab_size: int) -> Tokenizer:
 def _synthetic(family: _Family, vocab_size: int) -> Tokenizer:
     """A byte-level BPE of exactly vocab_size ids whose merges build lowercase words (a, b, .., aa,
     ab, .., aaa, ..): every id decodes to visible text, so a random model at a release's vocabulary
-    size streams real characters (benchmarks). No training: the vocabulary is constructed."""
+    size streams real characters (benchmarks). No training: the vocabulary is constructed. The
+    family's specials and visible added tokens (GLM-4.5's reasoning and tool markers) come last."""
     vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     merges: list[tuple[str, str]] = []
-    need = vocab_size - len(vocab) - len(family.specials)
+    need = vocab_size - len(vocab) - len(family.specials) - len(family.visible)
     letters = "abcdefghijklmnopqrstuvwxyz"
     frontier = list(letters)
     while len(merges) < need:
@@ -350,6 +351,7 @@ def _synthetic(family: _Family, vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(family.specials))
+    tokenizer.add_tokens(list(family.visible))
     return tokenizer
 
 

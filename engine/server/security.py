@@ -238,7 +238,7 @@ async def _refuse(send: Send, status: int, message: str, code: str) -> None:
 
 
 def _error_body(message: str, type_: str, code: str | None = None) -> dict[str, Any]:
-    # NOTE: server_protocol.error_body's shape; not imported, as that module pulls pydantic into
+    # NOTE: protocol.error_body's shape; not imported, as that module pulls pydantic into
     # the command line, which reads this module's flags.
     return {"error": {"message": message, "type": type_, "param": None, "code": code}}
 

@@ -15,11 +15,11 @@ It binds 127.0.0.1 unless told otherwise, and refuses to bind anything else with
 (unless ``--insecure-no-key``). The API key can also come from the ``HEARTH_API_KEY`` environment
 variable, which keeps it out of the process list; when set, every request needs
 ``Authorization: Bearer <key>``. What else it checks (Host, Origin, body size, load paths):
-``server_security`` and docs/security.md. ``--port 0`` picks a free port; ``--port-file F`` writes the port
+``security`` and docs/security.md. ``--port 0`` picks a free port; ``--port-file F`` writes the port
 to F once the server accepts connections (how the app's local engine process finds it).
 
-The pieces: ``server_host.EngineHost`` (the engine thread), ``server_app.create_app`` (routes and
-errors), ``server_protocol`` (the OpenAI wire format).
+The pieces: ``host.EngineHost`` (the engine thread), ``app.create_app`` (routes and
+errors), ``protocol`` (the OpenAI wire format).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from pathlib import Path
 
 from hearth.engine.api import HearthError
 from hearth.engine.flags import add_engine_arguments, engine_config
-from hearth.engine.server_app import create_app
-from hearth.engine.server_host import EngineHost
-from hearth.engine.server_security import AccessPolicy, LoadPaths, add_security_arguments, is_loopback
+from hearth.engine.server.app import create_app
+from hearth.engine.server.host import EngineHost
+from hearth.engine.server.security import AccessPolicy, LoadPaths, add_security_arguments, is_loopback
 
 API_KEY_ENV = "HEARTH_API_KEY"
 DEFAULT_PORT = 8000
@@ -149,6 +149,3 @@ def _write_atomic(path: Path, text: str) -> None:
         f.write(text)
     os.replace(tmp, path)
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

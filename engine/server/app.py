@@ -3,7 +3,7 @@
 
 Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status when
 the request is at fault, or a 500 without traceback text (logged once, by
-``server_security.UnexpectedErrors``) when the engine is. Requests pass ``server_security.RequestGuard``
+``security.UnexpectedErrors``) when the engine is. Requests pass ``security.RequestGuard``
 (Host, Origin, JSON body, size limit) before any route runs.
 A client that disconnects has its request aborted: streams check ``request.is_disconnected()``
 while waiting and abort when the response ends early for any reason; non-streaming handlers abort
@@ -28,9 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hearth.engine.api import Event, Finished, HearthError, TokenDelta
-from hearth.engine.harmony import HarmonyParser, parse_harmony, uses_harmony
-from hearth.engine.server_host import BusyError, EngineHost, NoModelError, StillLoadingError
-from hearth.engine.server_protocol import (
+from hearth.engine.server.host import BusyError, EngineHost, NoModelError, StillLoadingError
+from hearth.engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,14 +40,15 @@ from hearth.engine.server_protocol import (
     sampling_fields,
     sse,
 )
-from hearth.engine.server_security import (
+from hearth.engine.server.security import (
     AccessPolicy,
     LoadNotAllowedError,
     LoadPaths,
     RequestGuard,
     UnexpectedErrors,
 )
-from hearth.engine.tool_calls import parse_tool_calls
+from hearth.engine.server.tool_calls import parse_tool_calls
+from hearth.engine.text.harmony import HarmonyParser, parse_harmony, uses_harmony
 
 _DISCONNECT_POLL_S = 0.5
 _RETRY_AFTER_LOADING_S = 5

@@ -18,7 +18,7 @@ import re
 import uuid
 from typing import Any
 
-from hearth.engine.dsv32_encoding import parse_completion
+from hearth.engine.text.dsv32_encoding import parse_completion
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>\s*", re.DOTALL)

@@ -1,6 +1,6 @@
 """Tiny random models in the exact Hugging Face layout, for tests and the offline demo.
 
-    python -m hearth.engine.tiny --arch deepseek_v32 --out DIR [--seed S] [--fp8 | --mxfp4]
+    python -m hearth.engine.testing.tiny --arch deepseek_v32 --out DIR [--seed S] [--fp8 | --mxfp4]
 
 writes config.json, two safetensors shards + model.safetensors.index.json (real Hub tensor names,
 per-expert weights), tokenizer.json trained with ``tokenizers``, tokenizer_config.json (+ a chat
@@ -200,7 +200,7 @@ def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = 
                      overrides: dict[str, Any] | None = None, mxfp4: bool = False) -> Path:
     """Write a complete Hub-layout model folder; returns its path. ``overrides`` replace
     config.json fields (e.g. KERNEL_SHAPES). ``mxfp4``: gpt_oss experts in MXFP4, as released."""
-    from hearth.engine.tiny_tokenizer import write_tiny_tokenizer
+    from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,7 +226,7 @@ def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hearth.engine.tiny", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hearth.engine.testing.tiny", description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=ARCHS, required=True)
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)

@@ -16,9 +16,9 @@ from typing import Any
 
 from tokenizers import Tokenizer as _RustTokenizer
 
-from hearth.engine import dsv32_encoding
 from hearth.engine.api import CheckpointError, HearthError, RequestError
-from hearth.engine.chat_template import render_chat_template
+from hearth.engine.text import dsv32_encoding
+from hearth.engine.text.chat_template import render_chat_template
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _BUILTIN_ENCODERS = ("deepseek_v32",)

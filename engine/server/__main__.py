@@ -1,0 +1,5 @@
+"""``python -m hearth.engine.server``: see ``hearth.engine.server.main``."""
+
+from hearth.engine.server.main import main
+
+raise SystemExit(main())
