@@ -44,6 +44,8 @@ from hearth.engine.api import (
 )
 from hearth.engine.block_manager import BlockManager
 from hearth.engine.prefix_store import PageTier, PrefixStore, fingerprint, model_key
+from hearth.engine.runahead import RunaheadDecoder
+from hearth.engine.runner import ModelRunner, StepInput
 from hearth.engine.sampling import Sampler, make_generator
 from hearth.engine.scheduler import Scheduler, Status
 from hearth.engine.scheduler import Sequence as Seq
