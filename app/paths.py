@@ -66,6 +66,15 @@ def cache_dir() -> Path:
     return _folder("cache", "user_cache_dir")
 
 
+def prefix_cache_dir() -> Path:
+    """The engine's chat cache files (attention caches of earlier turns; they hold what the chats
+    say, so the folder is private like the others)."""
+    path = cache_dir() / "chat-cache"
+    path.mkdir(exist_ok=True, mode=PRIVATE_DIR_MODE)
+    _restrict(path, PRIVATE_DIR_MODE)
+    return path
+
+
 def runtime_dir() -> Path:
     """Sockets, pid and port files of a running engine host; private to the user (0700).
 

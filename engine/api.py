@@ -148,6 +148,9 @@ class EngineConfig:
     scheduler: only used with offloaded experts (resident ones always decode layer by layer, as "sync",
         unless "runahead" is asked for). "runahead" is described in hearth.engine.runahead; "prefetch"
         is a baseline for measurements; "auto" picks per step with :func:`auto_scheduler`.
+    prefix_cache_*: hearth.engine.prefix_store. Pages are spilled when the device reuses them and
+        when the engine stops, restored when a new prompt starts with them; off with tiered keys or
+        latents (their pages are not shared).
     """
 
     device: str = _option(
@@ -167,6 +170,22 @@ class EngineConfig:
     num_cache_blocks: int | None = _option(
         None, "Cache pages", "Pages per attention cache (auto: enough for every parallel request at full length).",
         minimum=1)
+    prefix_cache_offload: bool = _option(
+        True, "Keep chat caches",
+        "When the GPU needs the cache pages of earlier turns, move them to RAM and then to disk, and copy them back "
+        "when the chat goes on instead of reading the whole chat again.", section=BASIC)
+    prefix_cache_host_gib: float | None = _option(
+        None, "Chat cache in RAM",
+        "RAM for chat cache pages moved off the GPU; the least recently used go to disk (auto: 4 GiB, at most a "
+        "tenth of the machine's RAM).", unit=" GiB")
+    prefix_cache_disk_gib: float = _option(
+        16.0, "Chat cache on disk",
+        "Disk space for chat cache pages that left RAM or were saved when the engine stopped; the least recently "
+        "used are deleted first.", unit=" GiB")
+    prefix_cache_dir: str | None = _option(
+        None, "Chat cache folder",
+        "Folder of the chat cache's files (the app and `hearth --cli serve` use Hearth's cache folder; none: RAM "
+        "only, nothing survives a restart).", none_text="none")
     keep_fp8: bool | None = _option(
         None, "Keep FP8 weights",
         "Keep FP8 checkpoints in FP8, half the memory of bfloat16, and expand them as they are used "

@@ -18,6 +18,15 @@ token was sampled but never fed back (the request ended right after sampling it)
 registered. Callers that know more (a finished prefill chunk) may call ``mark_computed`` earlier.
 Registering at allocation instead would let a second request read keys not yet written, since
 prompts are prefilled in chunks and the runahead scheduler moves requests through layers unevenly.
+
+Lower tiers. With a ``SpillTier`` (``hearth.engine.prefix_store.PageTier``: host RAM, then disk) a
+cached block is spilled there when its memory is taken for new content, and a prompt's prefix match
+continues there after the device's blocks end: those pages are restored into free blocks at
+``allocate`` instead of being recomputed. Spills and restores happen only in ``allocate`` /
+``append``, between steps (the tier's copies are ordered before the next forward step).
+
+Conversations. ``allocate`` may name the request's conversation; its registered blocks carry that
+tag (into the lower tiers too), and ``drop_conversation`` forgets the conversation's blocks.
 """
 
 from __future__ import annotations
@@ -27,8 +36,9 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["BlockManager", "hash_block"]
+__all__ = ["BlockManager", "SpillTier", "hash_block"]
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -39,11 +49,25 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+class SpillTier(Protocol):
+    """Where evicted cached blocks go and come back from (see the module doc)."""
+
+    def __contains__(self, block_hash: int) -> bool: ...
+
+    def spill(self, pages: list[tuple[int, int, frozenset[str]]]) -> None:
+        """Keep the content of the blocks ``(block id, hash, conversations)`` before they are reused."""
+
+    def restore(self, pages: list[tuple[int, int]]) -> list[frozenset[str]]:
+        """Fill the blocks ``(hash, block id)`` in order, stopping at the first it cannot; returns the
+        conversations of each block filled."""
+
+
 @dataclass
 class _Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None  # set while the block is registered in the prefix cache
+    conversations: set[str] = field(default_factory=set)  # of the requests that used it (while registered)
 
 
 @dataclass
@@ -51,6 +75,7 @@ class _Sequence:
     token_ids: list[int]
     block_table: list[int]
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the computed full blocks
+    conversation: str | None = None
 
 
 class BlockManager:
@@ -61,7 +86,8 @@ class BlockManager:
     misuse (allocating a live ``seq_id`` twice, appending to an unknown one).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: SpillTier | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
@@ -72,6 +98,10 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unused but cached; oldest first
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._seqs: dict[str, _Sequence] = {}
+        self.tier = tier if enable_prefix_caching else None
+        self._spills: list[tuple[int, int, frozenset[str]]] = []  # evicted, not yet handed to the tier
+        self.hit_tokens = 0  # prompt tokens served from cached blocks, device and lower tiers
+        self.restored_tokens = 0  # of those, from the lower tiers
 
     # ---- questions -------------------------------------------------------------------------
 
@@ -88,7 +118,7 @@ class BlockManager:
 
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         """Whether ``allocate`` would find enough blocks for this prompt right now."""
-        hits = self._prefix_hits(token_ids)
+        hits, _ = self._prefix_hits(token_ids)
         num_new = self._blocks_for(len(token_ids)) - len(hits)
         num_hits_unused = sum(1 for _, block_id in hits if self._blocks[block_id].ref_count == 0)
         return num_new <= self.num_free_blocks - num_hits_unused
@@ -98,23 +128,53 @@ class BlockManager:
 
     # ---- actions ---------------------------------------------------------------------------
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: str, token_ids: Sequence[int], conversation: str | None = None) -> int:
         """Give a new request blocks for its prompt; returns the number of leading prompt tokens
-        whose cache was reused (whole blocks only, always < len(token_ids))."""
+        whose cache was reused (whole blocks only, always < len(token_ids)), from the device or
+        restored from the lower tier. ``conversation`` tags the blocks the request uses."""
         if seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
         if not self.can_allocate(token_ids):
             raise RuntimeError(f"out of cache blocks for {seq_id!r} (call can_allocate first)")
-        hits = self._prefix_hits(token_ids)
+        hits, lower = self._prefix_hits(token_ids)
         for _, block_id in hits:
             self._take_cached(block_id)
         new_blocks = [self._take_free() for _ in range(self._blocks_for(len(token_ids)) - len(hits))]
-        block_table = [block_id for _, block_id in hits] + new_blocks
-        seq = _Sequence(list(token_ids), block_table, [block_hash for block_hash, _ in hits])
+        seq = _Sequence(list(token_ids), [block_id for _, block_id in hits] + new_blocks,
+                        [block_hash for block_hash, _ in hits], conversation)
         self._seqs[seq_id] = seq
-        return len(hits) * self.block_size
+        self._flush_spills()  # before restoring: the blocks restored into may be the ones evicted
+        restored = self._restore(seq, list(zip(lower, new_blocks)))
+        for block_id in seq.block_table[:len(seq.block_hashes)]:
+            self._tag(self._blocks[block_id], conversation)
+        self.hit_tokens += len(seq.block_hashes) * self.block_size
+        self.restored_tokens += restored * self.block_size
+        return len(seq.block_hashes) * self.block_size
+
+    def drop_conversation(self, conversation: str) -> int:
+        """Forget the cached blocks of ``conversation`` (those other conversations used too only
+        lose its tag); returns how many blocks were forgotten. Requests using them keep running."""
+        dropped = 0
+        for block_id in list(self._cached.values()):
+            block = self._blocks[block_id]
+            if conversation not in block.conversations:
+                continue
+            block.conversations.discard(conversation)
+            if not block.conversations:
+                self._unregister(block)
+                dropped += 1
+        return dropped
+
+    def cached_blocks(self) -> list[tuple[int, int, frozenset[str]]]:
+        """``(block id, hash, conversations)`` of every registered block (to save them all)."""
+        return [(block_id, block_hash, frozenset(self._blocks[block_id].conversations))
+                for block_hash, block_id in self._cached.items()]
+
+    def conversations(self) -> set[str]:
+        """The conversations with registered blocks on the device."""
+        return {c for block_id in self._cached.values() for c in self._blocks[block_id].conversations}
 
     def append(self, seq_id: str, new_token_ids: Sequence[int]) -> None:
         """Add tokens to a running request (normally the one it just sampled), growing its block
@@ -126,6 +186,7 @@ class BlockManager:
         self.mark_computed(seq_id, len(seq.token_ids))
         seq.token_ids.extend(new_token_ids)
         seq.block_table.extend(self._take_free() for _ in range(num_grow))
+        self._flush_spills()
 
     def mark_computed(self, seq_id: str, num_computed_tokens: int) -> None:
         """Register for reuse every full block within the first ``num_computed_tokens`` tokens,
@@ -139,7 +200,7 @@ class BlockManager:
             start = index * self.block_size
             block_hash = hash_block(parent, seq.token_ids[start : start + self.block_size])
             seq.block_hashes.append(block_hash)
-            self._register(seq.block_table[index], block_hash)
+            self._register(seq.block_table[index], block_hash, seq.conversation)
 
     def free(self, seq_id: str) -> None:
         """Release a request's blocks (no-op for an unknown or already freed ``seq_id``)."""
@@ -171,21 +232,43 @@ class BlockManager:
     def _blocks_to_grow(self, seq: _Sequence, num_new_tokens: int) -> int:
         return self._blocks_for(len(seq.token_ids) + num_new_tokens) - len(seq.block_table)
 
-    def _prefix_hits(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(hash, block id) of the cached blocks that serve the prompt's leading full blocks,
-        leaving at least its last token to compute."""
-        if not self.enable_prefix_caching:
-            return []
+    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+        """(hash, block id) of the device's cached blocks that serve the prompt's leading full
+        blocks, then the hashes of the blocks after them that the lower tier holds, leaving at
+        least the prompt's last token to compute."""
         hits: list[tuple[int, int]] = []
+        lower: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits, lower
         parent: int | None = None
         for index in range((len(token_ids) - 1) // self.block_size):
             start = index * self.block_size
             parent = hash_block(parent, token_ids[start : start + self.block_size])
             block_id = self._cached.get(parent)
-            if block_id is None:
-                break
-            hits.append((parent, block_id))
-        return hits
+            if block_id is not None and not lower:
+                hits.append((parent, block_id))
+            elif block_id is None and self.tier is not None and parent in self.tier:
+                lower.append(parent)
+            else:
+                break  # (a device block after lower-tier ones ends the match: restores stay a contiguous run)
+        return hits, lower
+
+    def _restore(self, seq: _Sequence, pages: list[tuple[int, int]]) -> int:
+        """Fill ``seq``'s new blocks from the lower tier where its prefix continues there; returns
+        how many were filled (the rest are computed like any new block)."""
+        if not pages or self.tier is None:
+            return 0
+        tags = self.tier.restore(pages)
+        for (block_hash, block_id), conversations in zip(pages, tags):
+            seq.block_hashes.append(block_hash)
+            self._register(block_id, block_hash, None)
+            self._blocks[block_id].conversations |= conversations
+        return len(tags)
+
+    def _flush_spills(self) -> None:
+        spills, self._spills = self._spills, []
+        if spills and self.tier is not None:
+            self.tier.spill(spills)
 
     def _take_cached(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -202,16 +285,36 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)
             block = self._blocks[block_id]
             assert block.hash is not None, "evictable blocks are always hashed"
+            if self.tier is not None:
+                self._spills.append((block_id, block.hash, frozenset(block.conversations)))
             del self._cached[block.hash]
             block.hash = None
+            block.conversations.clear()
         else:
             raise RuntimeError("out of cache blocks")
         self._blocks[block_id].ref_count = 1
         return block_id
 
-    def _register(self, block_id: int, block_hash: int) -> None:
+    def _register(self, block_id: int, block_hash: int, conversation: str | None) -> None:
         block = self._blocks[block_id]
         if block.hash is not None or block_hash in self._cached:
+            self._tag(self._blocks[self._cached.get(block_hash, block_id)], conversation)
             return  # already registered, or the same content is cached in another block
         block.hash = block_hash
         self._cached[block_hash] = block_id
+        self._tag(block, conversation)
+
+    @staticmethod
+    def _tag(block: _Block, conversation: str | None) -> None:
+        if conversation is not None and block.hash is not None:
+            block.conversations.add(conversation)
+
+    def _unregister(self, block: _Block) -> None:
+        """Forget a cached block's content: unused, it becomes free; in use, free once released."""
+        assert block.hash is not None
+        del self._cached[block.hash]
+        block.hash = None
+        block.conversations.clear()
+        if block.ref_count == 0:
+            del self._evictable[block.block_id]
+            self._free.append(block.block_id)

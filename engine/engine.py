@@ -7,12 +7,18 @@ benchmarks drive.
         for event in engine.step(): ...        # TokenDelta / Finished
 
 or ``for event in engine.generate(messages=..., sampling=...)`` for a single request.
-``add_request`` and ``abort`` may be called from other threads; ``step`` runs on one thread.
+``add_request`` and ``abort`` may be called from other threads; ``step`` runs on one thread, and
+``drop_conversation`` / ``close`` run on it or between its steps.
+
+A request may name its conversation (``conversation_id``): its cache pages are tagged with it, kept
+in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
+``drop_conversation``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from hearth.engine.api import (
@@ -37,6 +44,7 @@ from hearth.engine.api import (
     auto_scheduler,
 )
 from hearth.engine.block_manager import BlockManager
+from hearth.engine.prefix_store import PageTier, PrefixStore, fingerprint, model_key
 from hearth.engine.runahead import RunaheadDecoder
 from hearth.engine.runner import ModelRunner, StepInput
 from hearth.engine.sampling import Sampler, make_generator
@@ -64,6 +72,10 @@ _OOM_MESSAGE = "the GPU ran out of memory; lower the context length or the numbe
 
 
 _RATE_WINDOW_S = 5.0  # tok/s in stats averages the steps of the last 5 s
+_CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_GIB = 1 << 30
+_AUTO_HOST_CACHE_GIB = 4.0
+_PERSIST_BATCH = 64  # pages copied to the host at once when the engine stops
 
 
 class Engine:
@@ -80,7 +92,9 @@ class Engine:
         self.max_model_len = runner.max_model_len
         # Tiered indexer keys live per request outside the pages, so pages cannot be shared.
         tiered = runner.key_tiers is not None or runner.latent_tiers is not None
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=not tiered)
+        self.prefix_tier = None if tiered else _prefix_tier(runner, config)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=not tiered,
+                                   tier=self.prefix_tier)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
@@ -135,8 +149,10 @@ class Engine:
     def add_request(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
                     sampling: SamplingParams | Mapping[str, Any] | None = None,
-                    request_id: str | None = None, **chat_options: Any) -> str:
+                    request_id: str | None = None, conversation_id: str | None = None,
+                    **chat_options: Any) -> str:
         """Queue a request; returns its id. Raises RequestError if it can never run.
+        ``conversation_id`` tags its cache pages (see ``drop_conversation``).
 
         ``sampling`` is either complete ``SamplingParams``, used as given, or what the user asked
         for as ``SamplingParams`` keywords (None or missing = not given): the model's
@@ -145,9 +161,10 @@ class Engine:
         """
         ids = self.encode(messages, prompt, prompt_token_ids, **chat_options)
         self._validate(ids)
+        check_conversation_id(conversation_id)
         params = sampling if isinstance(sampling, SamplingParams) else self.sampling_params(sampling or {}, len(ids))
         request_id = request_id or uuid.uuid4().hex
-        seq = Seq(request_id=request_id, prompt_ids=ids, params=params)
+        seq = Seq(request_id=request_id, prompt_ids=ids, params=params, conversation=conversation_id)
         request = _Request(
             seq=seq,
             # Harmony (gpt-oss) marks its channels with special tokens; the chat layer parses them out.
@@ -190,6 +207,27 @@ class Engine:
         """Stop a request; its Finished(reason='abort') comes from the next step."""
         with self._lock:
             self._aborts.append(request_id)
+
+    def drop_conversation(self, conversation_id: str) -> int:
+        """Delete the conversation's cached pages on the device, in RAM and on disk (pages other
+        conversations used too only lose its tag); returns how many were deleted. Call it between
+        steps."""
+        check_conversation_id(conversation_id)
+        dropped = self.blocks.drop_conversation(conversation_id)
+        if self.prefix_tier is not None:
+            dropped += self.prefix_tier.store.drop(conversation_id)
+        return dropped
+
+    def close(self) -> int:
+        """Save the device's cached pages to disk, so a later engine on the same model and cache
+        folder starts with them; returns how many pages were written. Call it between steps."""
+        tier = self.prefix_tier
+        if tier is None or tier.store.folder is None:
+            return 0
+        pages = self.blocks.cached_blocks()
+        for start in range(0, len(pages), _PERSIST_BATCH):
+            tier.spill(pages[start:start + _PERSIST_BATCH])
+        return tier.store.flush()
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -391,11 +429,49 @@ class Engine:
             generated_tokens=self._generated,
             decode_tokens_per_s=rate,
             extra={**{f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
-                   **self.timer.summary()},
+                   **self.timer.summary(), **self.prefix_cache_stats()},
         )
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Cached prompt tokens served and what the RAM / disk tiers hold (conversations: those
+        with pages on the device, in RAM or on disk)."""
+        out = {"prefix_cache_hits_tokens": float(self.blocks.hit_tokens),
+               "prefix_cache_restored_tokens": float(self.blocks.restored_tokens)}
+        conversations = self.blocks.conversations()
+        if self.prefix_tier is not None:
+            store = self.prefix_tier.store
+            conversations |= store.conversations()
+            out.update(prefix_cache_host_bytes=float(store.host_bytes), prefix_cache_disk_bytes=float(store.disk_bytes),
+                       prefix_cache_files_rejected=float(store.counters.files_rejected))
+        out["prefix_cache_conversations"] = float(len(conversations))
+        return out
 
     def running_ids(self) -> list[str]:
         return [s.request_id for s in self.scheduler.running if s.status is Status.RUNNING]
+
+
+def check_conversation_id(conversation_id: str | None) -> None:
+    if conversation_id is not None and (not isinstance(conversation_id, str)
+                                        or not _CONVERSATION_ID.fullmatch(conversation_id)):
+        raise RequestError("conversation_id must be 1 to 128 letters, digits or . _ : -")
+
+
+def _prefix_tier(runner: ModelRunner, config: EngineConfig) -> PageTier | None:
+    """RAM and disk behind the device's prefix cache, as ``config`` asks (disk only for a model
+    loaded from a folder: the files are tied to it)."""
+    if not config.prefix_cache_offload:
+        return None
+    if config.prefix_cache_host_gib is not None:
+        host_bytes = int(config.prefix_cache_host_gib * _GIB)
+    else:
+        host_bytes = min(int(_AUTO_HOST_CACHE_GIB * _GIB), psutil.virtual_memory().total // 10)
+    folder = config.prefix_cache_dir if runner.checkpoint is not None else None
+    checkpoint = runner.checkpoint or ""
+    store = PrefixStore(
+        runner.cache.page_bytes, host_bytes, folder=folder, disk_bytes=int(config.prefix_cache_disk_gib * _GIB),
+        fingerprint_=fingerprint(checkpoint, runner.page_layout()) if folder else "",
+        key=model_key(checkpoint) if folder else "")
+    return PageTier(runner.cache, store)
 
 
 def generation_defaults(folder: Path) -> dict[str, Any]:

@@ -51,6 +51,44 @@ class PagedCache:
             for layer in range(config.num_hidden_layers)
         ]
 
+    # ---- whole pages, for the prefix cache's host / disk tiers (hearth.engine.prefix_store) ----
+
+    def _page_views(self) -> list[torch.Tensor]:
+        """Every per-layer tensor seen as ``[num_blocks, bytes of one page]`` uint8: a page is one
+        row of each (latents, or GQA keys then values; indexer keys in whichever layout they use)."""
+        tensors = [t for t in self.latent + self.index_keys if t is not None]
+        return [t.view(self.num_blocks, -1).view(torch.uint8) for t in tensors]
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(view.shape[1] for view in self._page_views())
+
+    def read_pages(self, block_ids: list[int], pin: bool) -> torch.Tensor:
+        """The pages ``block_ids`` of every layer as host bytes ``[len(block_ids), page_bytes]``.
+        On CUDA the copy is issued on the current stream into pinned memory (``pin``) without
+        waiting; the caller synchronises before it reads the bytes."""
+        views = self._page_views()
+        out = torch.empty(len(block_ids), sum(v.shape[1] for v in views), dtype=torch.uint8, pin_memory=pin)
+        index = torch.tensor(block_ids, dtype=torch.long, device=views[0].device)
+        offset = 0
+        for view in views:
+            width = view.shape[1]
+            out[:, offset:offset + width].copy_(view.index_select(0, index), non_blocking=pin)
+            offset += width
+        return out
+
+    def write_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Fill the pages ``block_ids`` of every layer from host bytes laid out as ``read_pages``
+        returns them (non-blocking from pinned memory: stream order puts it before the next step)."""
+        views = self._page_views()
+        index = torch.tensor(block_ids, dtype=torch.long, device=views[0].device)
+        offset = 0
+        for view in views:
+            width = view.shape[1]
+            rows = pages[:, offset:offset + width].to(view.device, non_blocking=pages.is_pinned())
+            view.index_copy_(0, index, rows)
+            offset += width
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.tensor([], dtype=dtype).element_size()

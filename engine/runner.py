@@ -120,6 +120,8 @@ class ModelRunner:
             raise HearthError(f"the model was built with {model.attention}, the runner needs {features.attention}")
         self.model = model
         self.model_config = model.config
+        self.config = config
+        self.checkpoint = checkpoint  # the model folder (None for a model built in memory)
         self.device = next(model.parameters()).device
         self.dtype = dtype
         self.features = features
@@ -188,6 +190,15 @@ class ModelRunner:
         """The features ``from_model`` will choose for a model of ``model_config`` on ``device``."""
         return RunnerFeatures.decide(config, model_config, config.block_size, device,
                                      resolve_dtype(config.dtype, device), offload)
+
+    def page_layout(self) -> dict[str, object]:
+        """What a cache page's bytes depend on besides the checkpoint (the prefix store's fingerprint):
+        its formats and the options that change the computed values."""
+        keep_fp8 = self.config.keep_fp8 if self.config.keep_fp8 is not None else self.device.type == "cuda"
+        return {"dtype": str(self.dtype), "block_size": self.block_size, "page_bytes": self.cache.page_bytes,
+                "index_fp8": self.cache.index_fp8, "kernels": self.use_kernels, "mli": self.features.attention.mli,
+                "faithful": self.config.faithful, "keep_fp8": keep_fp8, "device": self.device.type,
+                "indexer_types": self.model_config.indexer_types}
 
     def forget(self, seq_id: str) -> None:
         """Drop per-request state outside the paged cache (tiered indexer keys)."""

@@ -35,6 +35,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose cache entries are written
     num_cached_prefix: int = 0  # prompt tokens served from the prefix cache
+    conversation: str | None = None  # tags its cache pages (hearth.engine.prefix_store)
     status: Status = Status.WAITING
 
     @property
@@ -96,7 +97,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq.token_ids):
                 break
             self.waiting.popleft()
-            seq.num_cached_prefix = self.blocks.allocate(seq.request_id, seq.token_ids)
+            seq.num_cached_prefix = self.blocks.allocate(seq.request_id, seq.token_ids, seq.conversation)
             seq.num_computed = seq.num_cached_prefix
             seq.status = Status.RUNNING
             self.running.append(seq)

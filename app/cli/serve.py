@@ -18,6 +18,7 @@ from typing import Any
 
 from hearth.app.cli.common import DEMO_NAMES, api_key_of, print_json, resolve_model_path
 from hearth.app.client.local_engine import serve_record_path
+from hearth.app.paths import prefix_cache_dir
 from hearth.app.store.settings import Settings, load_settings
 from hearth.engine.api import HearthError, engine_options
 from hearth.engine.flags import add_engine_arguments, engine_flags
@@ -68,6 +69,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     given = {o.name: getattr(args, o.name) for o in engine_options()
              if hasattr(args, o.name) and (getattr(args, o.name) is not None or o.kind == "bool")}
     engine = dataclasses.replace(settings.engine, **given)  # the settings, with this command's flags on top
+    if engine.prefix_cache_dir is None:
+        engine = dataclasses.replace(engine, prefix_cache_dir=str(prefix_cache_dir()))
     argv = ["--model", str(path), "--host", args.host, "--port", str(args.port), "--log-level", "warning",
             "--max-body-mib", str(args.max_body_mib), *engine_flags(engine)]
     served_name = args.served_name or _installed_name(args.model or settings.default_model)
@@ -195,6 +198,11 @@ def format_stats(stats: dict[str, Any]) -> str:
     if "cache_blocks_total" in stats:
         lines.append(f"kv cache   {stats['cache_blocks_free']} of {stats['cache_blocks_total']} pages free, "
                      f"context {stats.get('max_model_len')} tokens")
+    if "prefix_cache_conversations" in stats:
+        lines.append(f"chat cache {int(stats['prefix_cache_conversations'])} chats, "
+                     f"{stats.get('prefix_cache_host_bytes', 0) / gib:.2f} GiB in RAM, "
+                     f"{stats.get('prefix_cache_disk_bytes', 0) / gib:.2f} GiB on disk, "
+                     f"{int(stats.get('prefix_cache_hits_tokens', 0))} prompt tokens reused")
     if memory:
         lines.append(f"memory     {memory.get('process_rss_bytes', 0) / gib:.2f} GiB resident, "
                      f"{memory.get('host_available_bytes', 0) / gib:.1f} GiB of host RAM free")

@@ -81,10 +81,15 @@ class ChatClient:
         data = self._json("GET", "/v1/models")
         return [str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
 
-    def stream_chat(self, model: str, messages: Sequence[dict[str, Any]], **sampling: Any) -> Iterator[ChatChunk]:
+    def stream_chat(self, model: str, messages: Sequence[dict[str, Any]], *, conversation_id: str | None = None,
+                    **sampling: Any) -> Iterator[ChatChunk]:
         """Stream an answer. ``sampling``: max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-        presence_penalty, frequency_penalty, ... (sent as given; None values are left out)."""
+        presence_penalty, frequency_penalty, ... (sent as given; None values are left out).
+        ``conversation_id`` (Hearth engine hosts only) names the chat, whose cache the host then
+        keeps for its next turn (``drop_conversation`` deletes it)."""
         body = _body(model, messages, sampling)
+        if conversation_id is not None:
+            body["hearth"] = {"conversation_id": conversation_id}
         body.update(stream=True, stream_options={"include_usage": True})
         return self._stream(body)
 
@@ -129,6 +134,11 @@ class ChatClient:
             raise
         count = data.get("prompt_tokens")
         return int(count) if isinstance(count, int) and not isinstance(count, bool) else None
+
+    def drop_conversation(self, conversation_id: str) -> int:
+        """Delete a chat's cached pages on the engine host (GPU, RAM, disk); returns how many."""
+        data = self._hearth_only("POST", "/hearth/cache/drop", {"conversation_id": conversation_id})
+        return int(data.get("dropped_pages") or 0)
 
     def load_model(self, path: str, served_name: str | None = None, max_model_len: int | None = None) -> dict[str, Any]:
         """Ask a Hearth engine host to load the model folder ``path`` (replacing its current one)."""

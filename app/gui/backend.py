@@ -20,7 +20,7 @@ from typing import Any
 
 from hearth.app.client.context_window import ContextFit, answer_reserve, estimate_tokens, fit_messages
 from hearth.app.demo_model import DEMO_LABEL
-from hearth.app.paths import data_dir
+from hearth.app.paths import data_dir, prefix_cache_dir
 from hearth.app.store.settings import Settings
 
 DEMO_ARCH = "deepseek_v32"
@@ -165,6 +165,8 @@ class Backend:
         """The engine host's options: every engine setting (None ones are left to the host's planner),
         with the context length capped by the model's."""
         engine = dataclasses.replace(self.settings.engine, max_model_len=effective_context(self.settings, choice))
+        if engine.prefix_cache_dir is None:
+            engine = dataclasses.replace(engine, prefix_cache_dir=str(prefix_cache_dir()))
         return {key: value for key, value in dataclasses.asdict(engine).items() if value is not None}
 
     def _server_name(self, choice: ModelChoice) -> str:
@@ -176,11 +178,22 @@ class Backend:
             return choice.label if choice.label in names or not names else names[0]
         return names[0] if names else (choice.path or choice.label)
 
-    def stream(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[Any]:
-        """``ChatChunk``s of one answer; closing the iterator aborts the request."""
+    def stream(self, messages: list[dict[str, str]], sampling: dict[str, Any],
+               conversation_id: int | None = None) -> Iterator[Any]:
+        """``ChatChunk``s of one answer; closing the iterator aborts the request. The local engine
+        host learns the chat (``conversation_id``), so it keeps the chat's cache for the next turn."""
         if self.connected is None or self._client is None:
             raise RuntimeError("No model is loaded")
-        return self._client.stream_chat(self.connected.server_name, messages, **sampling)
+        chat = cache_key(conversation_id) if conversation_id is not None and not self.is_remote else None
+        return self._client.stream_chat(self.connected.server_name, messages, conversation_id=chat, **sampling)
+
+    def drop_conversation(self, conversation_id: int) -> int:
+        """Delete a deleted chat's cache on the local engine host; 0 when none is connected (its
+        files then go when the cache's disk budget needs the room)."""
+        client = self._stats_client
+        if client is None or self.is_remote:
+            return 0
+        return client.drop_conversation(cache_key(conversation_id))
 
     def count_tokens(self, messages: list[dict[str, Any]]) -> tuple[int, bool]:
         """The prompt length of ``messages`` and whether it is exact (counted by the server with
@@ -244,6 +257,11 @@ class Backend:
             self._engine.stop()
             self._engine = None
         self.connected = None
+
+
+def cache_key(conversation_id: int) -> str:
+    """The engine host's name of a chat of the chat store."""
+    return f"chat-{conversation_id}"
 
 
 def _model_id(entry: Any) -> str:

@@ -245,7 +245,7 @@ class ChatPanel(QWidget):
         sent = [m for m in history if m.content or m.role == "user"]
         self._sent_ids = [m.id for m in sent]
         self.engine.request_generate.emit(self._request_id, self._messages(sent), self._request_options(),
-                                          self.context_policy)
+                                          self.context_policy, self.conversation_id)
         self._flush_timer.start()
         self._update_buttons()
         self.busy_changed.emit(True)

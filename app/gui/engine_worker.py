@@ -77,16 +77,16 @@ class EngineWorker(QObject):
         if result is not None:
             self.connected.emit(result)
 
-    @Slot(int, object, object, str)
+    @Slot(int, object, object, str, object)
     def generate(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any],
-                 context_policy: str) -> None:
+                 context_policy: str, conversation_id: int | None = None) -> None:
         self._stop.clear()
         started = time.monotonic()
         state = _Progress()
         try:
             fit = self.backend.fit_context(messages, sampling.get("max_tokens"), context_policy)
             self.context_fitted.emit(request_id, fit)
-            self._stream(request_id, fit.messages, sampling, state)
+            self._stream(request_id, fit.messages, sampling, state, conversation_id)
             reason = "abort" if self._stop.is_set() else (state.finish_reason or "stop")
             result = GenerationResult(request_id, state.text, reason, state.stats(started), reasoning=state.reasoning)
         except ContextFullError as exc:
@@ -102,8 +102,8 @@ class EngineWorker(QObject):
         self.generation_done.emit(result)
 
     def _stream(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any],
-                state: _Progress) -> None:
-        chunks = self.backend.stream(messages, sampling)
+                state: _Progress, conversation_id: int | None) -> None:
+        chunks = self.backend.stream(messages, sampling, conversation_id)
         try:
             for chunk in chunks:
                 if self._stop.is_set():
@@ -192,7 +192,8 @@ class EngineThread(QObject):
     """Owns the worker's QThread and the queued signals that drive it from the GUI thread."""
 
     request_connect = Signal(object)
-    request_generate = Signal(int, object, object, str)  # request id, messages, sampling, context policy
+    # request id, messages, sampling, context policy, conversation id (the engine keeps its cache)
+    request_generate = Signal(int, object, object, str, object)
     request_restart = Signal()
 
     def __init__(self, backend: Backend, parent: QObject | None = None) -> None:

@@ -166,6 +166,10 @@ class MainWindow(QMainWindow):
     def _on_deleted(self, conversation_id: int) -> None:
         if self.chat.conversation_id == conversation_id:
             self.chat.load_conversation(None)
+        # The engine host deletes the chat's cache too (it may hold the chat's words in RAM and on disk).
+        backend = self.backend
+        run_task(lambda: backend.drop_conversation(conversation_id),
+                 on_error=lambda exc: logger.warning("could not delete the chat's engine cache: %s", exc))
 
     # ---- models and engine ------------------------------------------------------------------
     def refresh_models(self, *, connect: bool) -> None:

@@ -1,4 +1,4 @@
-"""The status bar (engine state, GPU and RAM use, expert-cache hit rate, tok/s), its stats poller,
+"""The status bar (engine state, GPU and RAM use, expert-cache hit rate, cached chats, tok/s), its stats poller,
 and the banner that says the engine stopped, with a Restart button.
 
 Messages ("Could not load ...") go to their own stretching label on the left, clipped with the full
@@ -78,11 +78,13 @@ class EngineStatusBar(QStatusBar):
         self.engine_label = QLabel("Engine: not started", self)
         self.memory_label = QLabel("", self)
         self.cache_label = QLabel("", self)
+        self.chat_cache_label = QLabel("", self)
         self.speed_label = QLabel("", self)
         self.restart_button = QPushButton(icon("restart"), "Restart engine", self)
         self.restart_button.clicked.connect(self.restart_requested)
         self.restart_button.hide()
-        for widget in (self.engine_label, self.memory_label, self.cache_label, self.speed_label):
+        for widget in (self.engine_label, self.memory_label, self.cache_label, self.chat_cache_label,
+                       self.speed_label):
             self.addPermanentWidget(widget)
         self.addPermanentWidget(self.restart_button)
 
@@ -113,8 +115,19 @@ class EngineStatusBar(QStatusBar):
         experts = merged.get("expert_cache") if isinstance(merged.get("expert_cache"), dict) else {}
         hit = _first({**experts, **merged}, "expert_cache_hit_rate", "hit_rate")
         self.cache_label.setText(f"Expert cache hits {hit:.0%}" if hit is not None else "")
+        self.chat_cache_label.setText(chat_cache_text(merged))
         speed = _first(merged, "decode_tokens_per_s", "tokens_per_s")
         self.speed_label.setText(f"{speed:.1f} tok/s" if speed else "idle")
+
+
+def chat_cache_text(stats: dict[str, Any]) -> str:
+    """"Cached chats 3 · 1.2 GB": chats whose cache the engine keeps (GPU, RAM, disk) and the bytes
+    it holds in RAM and on disk; empty when the engine keeps none."""
+    chats = _first(stats, "prefix_cache_conversations")
+    if not chats:
+        return ""
+    held = (_first(stats, "prefix_cache_host_bytes") or 0) + (_first(stats, "prefix_cache_disk_bytes") or 0)
+    return f"Cached chats {int(chats)} · {format_bytes(int(held))}"
 
 
 def memory_text(stats: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -60,6 +60,10 @@ class LoadRequest(BaseModel):
     model: str
     served_name: str | None = None
     max_model_len: int | None = None
+
+
+class DropRequest(BaseModel):
+    conversation_id: str = Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class UnloadRequest(BaseModel):
@@ -242,6 +246,12 @@ def _add_hearth_routes(app: FastAPI, host: EngineHost, load_paths: LoadPaths) ->
         model = host.model
         return {"model": body.model, "prompt_tokens": count, "max_model_len": model.max_model_len if model else None}
 
+    @app.post("/hearth/cache/drop")
+    async def drop(body: DropRequest) -> dict[str, Any]:
+        """Delete a conversation's cached pages (GPU, RAM and disk)."""
+        dropped = await run_in_threadpool(host.drop_conversation, body.conversation_id)
+        return {"conversation_id": body.conversation_id, "dropped_pages": dropped}
+
     @app.post("/hearth/unload")
     async def unload(_: UnloadRequest) -> dict[str, Any]:
         return {"unloaded": await run_in_threadpool(host.unload)}
@@ -293,7 +303,8 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
                  prompt: dict[str, Any], *, chat: bool) -> Any:
     sampling = sampling_fields(body)
     stream = RequestStream()
-    submission = await run_in_threadpool(lambda: host.submit(stream.sink, sampling=sampling, **prompt))
+    submission = await run_in_threadpool(
+        lambda: host.submit(stream.sink, sampling=sampling, conversation_id=body.conversation_id, **prompt))
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
     model_type = host.model.model_type if host.model else ""
     parsed = isinstance(body, ChatCompletionRequest) and body.reasoning_format == "parsed"

@@ -4,7 +4,9 @@ HTTP handlers run on the asyncio loop; the engine runs on its own thread, ``hear
 alone calls ``Engine.step()``. A handler ``submit``s a request with a *sink* (a callable the engine
 thread calls with each of that request's events; the server's sink hops onto the loop with
 ``call_soon_threadsafe``) and may ``abort`` it. Loading and unloading swap the engine under a lock;
-requests still in flight on the old engine get ``Finished(reason="abort")``.
+requests still in flight on the old engine get ``Finished(reason="abort")``. Whatever must run
+between steps (dropping a conversation's cache, saving the cache when the engine goes) takes the
+step lock, which the engine thread holds while it steps.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from hearth.engine.api import (
     RequestStats,
 )
 from hearth.engine.config import ModelConfig
-from hearth.engine.engine import Engine
+from hearth.engine.engine import Engine, check_conversation_id
 from hearth.engine.loader import CheckpointFiles
+from hearth.engine.prefix_store import drop_from_folder
 from hearth.engine.text.reasoning import PROMPT_TAIL_TOKENS
 
 logger = logging.getLogger("hearth.engine.server")
@@ -81,6 +84,7 @@ class EngineHost:
         self._sinks: dict[str, Sink] = {}
         self._snapshot_at = 0.0
         self._lock = threading.Lock()
+        self._step_lock = threading.Lock()  # held by the engine thread while it steps
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
@@ -139,8 +143,13 @@ class EngineHost:
     def unload(self) -> str | None:
         """Drop the model (in-flight requests end with reason "abort"); returns its name."""
         with self._lock:
-            model, self._engine, self._model = self._model, None, None
+            engine, model, self._engine, self._model = self._engine, self._model, None, None
             sinks, self._sinks = self._sinks, {}
+        if engine is not None:
+            with self._step_lock:
+                saved = engine.close()  # the cached pages, for the next engine on this model
+            if saved:
+                logger.info("saved %d prefix cache pages", saved)
         for request_id, sink in sinks.items():
             sink(_failed(request_id, "abort", "the model was unloaded"))
         if model is not None:
@@ -156,10 +165,12 @@ class EngineHost:
 
     def submit(self, sink: Sink, *, sampling: dict[str, Any], messages: Sequence[dict[str, Any]] | None = None,
                prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-               chat_options: dict[str, Any] | None = None) -> Submission:
+               chat_options: dict[str, Any] | None = None, conversation_id: str | None = None) -> Submission:
         """Tokenize and queue a request whose events go to ``sink``. ``sampling`` holds what the
-        client gave (``Engine.add_request`` fills the rest and checks it)."""
+        client gave (``Engine.add_request`` fills the rest and checks it); ``conversation_id``
+        tags its cache pages (``drop_conversation``)."""
         request_id = uuid.uuid4().hex
+        check_conversation_id(conversation_id)
         with self._lock:
             engine = self._require_engine()
         # Tokenising happens outside the lock, so a long prompt holds up neither other requests
@@ -173,7 +184,8 @@ class EngineHost:
                 raise NoModelError("the model was replaced while this request was prepared; send it again")
             self._sinks[request_id] = sink
             try:
-                engine.add_request(prompt_token_ids=ids, sampling=sampling, request_id=request_id)
+                engine.add_request(prompt_token_ids=ids, sampling=sampling, request_id=request_id,
+                                   conversation_id=conversation_id)
             except BaseException:
                 self._sinks.pop(request_id, None)
                 raise
@@ -193,6 +205,20 @@ class EngineHost:
             if request_id in self._sinks and self._engine is not None:
                 self._engine.abort(request_id)
         self._wake.set()
+
+    def drop_conversation(self, conversation_id: str) -> int:
+        """Delete a conversation's cached pages (GPU, RAM, disk); returns how many. With no model
+        loaded, its files in the cache folder are deleted."""
+        check_conversation_id(conversation_id)
+        with self._lock:
+            engine = self._engine
+        if engine is not None:
+            with self._step_lock:
+                dropped = engine.drop_conversation(conversation_id)
+                self._take_snapshot(engine)  # stats show the chat gone at once
+            return dropped
+        folder = self.config.prefix_cache_dir
+        return drop_from_folder(folder, conversation_id) if folder else 0
 
     def require_model(self) -> LoadedModel:
         """The loaded model; raises StillLoadingError or NoModelError when there is none."""
@@ -222,7 +248,8 @@ class EngineHost:
                 self._wake.wait(_IDLE_WAIT_S)
                 continue
             try:
-                events = engine.step()
+                with self._step_lock:
+                    events = engine.step()
             except Exception:  # an engine bug must not kill the host: fail the requests, keep serving
                 logger.exception("engine step failed")
                 events = self._fail_running(engine)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                           cors_origins=tuple(args.cors_origin), max_body_bytes=int(args.max_body_mib * 2**20))
     load_paths = LoadPaths.of(args.allow_load_path, [args.model] if args.model else ())
     host.start()
+    # uvicorn stops gracefully on SIGTERM, then raises it again: as Ctrl-C, it then ends up in the
+    # ``finally`` below, which saves the chat cache, instead of killing the process.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve(create_app(host, api_key, policy, load_paths), args.host, args.port, args.port_file,
               label=host.model.name if host.model else "no model")
@@ -99,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         host.close()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _one_line(err: Exception) -> str:

@@ -56,8 +56,19 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class HearthFields(_Lenient):
+    """``"hearth": {...}`` in a completion request: Hearth's own options.
+
+    conversation_id: names the conversation the request continues; its cache pages are kept in
+    RAM and on disk under that name and deleted by ``POST /hearth/cache/drop``.
+    """
+
+    conversation_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+
+
 class _SamplingFields(_Lenient):
-    """Fields shared by chat and text completions (OpenAI names, plus vLLM's common extensions)."""
+    """Fields shared by chat and text completions (OpenAI names, plus vLLM's common extensions, plus
+    ``hearth``: Hearth's own options)."""
 
     model: str
     max_tokens: int | None = None
@@ -75,6 +86,11 @@ class _SamplingFields(_Lenient):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    hearth: HearthFields | None = None
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.hearth.conversation_id if self.hearth is not None else None
 
     @property
     def include_usage(self) -> bool:
@@ -203,9 +219,12 @@ def sampling_fields(req: _SamplingFields) -> dict[str, Any]:
 # ---- responses -----------------------------------------------------------------------------
 
 
-def usage(stats: RequestStats) -> dict[str, int]:
+def usage(stats: RequestStats) -> dict[str, Any]:
+    """OpenAI's usage block; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens whose
+    cache was reused (on the GPU or restored from RAM or disk) instead of computed."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
 
 def finish_error(finished: Finished) -> APIError | None:

@@ -190,6 +190,21 @@ def test_new_chat_and_rename_and_delete(qtbot, open_window):
     assert window.sidebar.list.count() == 0 and window.store.conversations() == []
 
 
+def test_chats_send_their_id_and_deleting_a_chat_drops_its_engine_cache(qtbot, open_window, backend):
+    window = open_window()
+    ask(qtbot, window, "Remember this chat for the next turn, please. " * 12)  # more than one 64-token page
+    wait_idle(qtbot, window)
+    conversation = window.chat.conversation_id
+    cached = backend.stats()["prefix_cache_conversations"]
+    assert cached >= 1  # the engine host keeps this chat's pages under its id
+    window.status.show_stats(backend.stats())
+    assert window.status.chat_cache_label.text().startswith(f"Cached chats {int(cached)}")
+    qtbot.keyClick(window, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
+    window.sidebar.select_id(conversation)
+    window.sidebar.delete_current(confirm=False)
+    qtbot.waitUntil(lambda: backend.stats()["prefix_cache_conversations"] == cached - 1, timeout=TIMEOUT_MS)
+
+
 def test_quitting_mid_answer_keeps_the_partial_answer(qtbot, open_window, windows, tmp_path: Path):
     window = open_window()
     window.chat.sampling_panel.temperature.setValue(0.0)

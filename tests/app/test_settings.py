@@ -93,7 +93,8 @@ def test_long_context_settings_reach_the_engine_options(tmp_path, monkeypatch):
                                   latent_hot_rows=512, gpu_memory_gib=10.0, cuda_graphs=False)
     options = Backend(settings)._engine_options(ModelChoice("m", str(tmp_path), False, 4096))
     changed = {"max_model_len": 4096, "gpu_memory_gib": 10.0, "scheduler": "runahead", "mli": True,
-               "index_topk_freq": 2, "index_key_hot_pages": 4, "latent_hot_rows": 512, "cuda_graphs": False}
+               "index_topk_freq": 2, "index_key_hot_pages": 4, "latent_hot_rows": 512, "cuda_graphs": False,
+               "prefix_cache_dir": str(paths.prefix_cache_dir())}  # unset: the app's own chat-cache folder
     assert {k: v for k, v in options.items() if v != DEFAULTS[k]} == changed
     assert None not in options.values() and set(options) <= set(DEFAULTS)
     with pytest.raises(SettingsError):

@@ -150,7 +150,8 @@ def test_writer_and_finish_errors():
     stats = RequestStats(3, 2, 0, 0.1, 0.2)
     body = ResponseWriter("r1", "m", chat=True).response(Finished("r1", "length", "hey", stats))
     assert body["choices"][0]["message"]["content"] == "hey"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert finish_error(Finished("r1", "stop", "", stats)) is None
     assert finish_error(Finished("r1", "error", "", stats, "GPU out of memory")).status == 500
 

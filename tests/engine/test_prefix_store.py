@@ -1,0 +1,241 @@
+"""A conversation's cache survives the GPU reusing its pages and the engine restarting: pages go to
+host RAM, then to checksummed files, and come back instead of being recomputed (tiny DeepSeek-V3.2
+with DSA and tiny Qwen3-MoE with GQA, on the CPU). The answers always equal a full recompute."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth.engine import Engine, EngineConfig, Finished, RequestError, SamplingParams, TokenDelta
+from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import PagedCache
+from hearth.engine.prefix_store import PrefixStore
+from hearth.engine.testing.tiny import write_tiny_model
+from tests.engine.conftest import TEST_DEVICE
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+BS = 16
+# 7 pages of 16 tokens: one 40 + 24 token turn, then another chat's 70 + 24 tokens evict it all.
+TIGHT = {"num_cache_blocks": 7, "max_num_seqs": 1}
+TO_DISK = {"prefix_cache_host_gib": 1e-9}  # no page fits in RAM: every spilled page goes to a file
+
+
+def _prompt(i: int, n: int = 40) -> list[int]:
+    return [(7 * i + 13 * j) % 480 + 10 for j in range(n)]
+
+
+def _engine(model: Path, **options) -> Engine:
+    return Engine.load(str(model), EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=BS, **options))
+
+
+def _run(engine: Engine, prompt: list[int], conversation: str | None = None) -> tuple[list[int], Finished]:
+    request_id = engine.add_request(prompt_token_ids=prompt, sampling=GREEDY, conversation_id=conversation)
+    tokens: list[int] = []
+    for _ in range(1000):
+        for event in engine.step():
+            if isinstance(event, TokenDelta) and event.request_id == request_id:
+                tokens += event.token_ids
+            if isinstance(event, Finished) and event.request_id == request_id:
+                return tokens, event
+    raise AssertionError("the request did not finish")
+
+
+def _first_turn_then_another_chat(engine: Engine, conversation: str = "chat-1") -> list[int]:
+    """Answer turn 1 of ``conversation``, then a long prompt of another chat that evicts its pages;
+    returns turn 2's prompt (turn 1, its answer and a new question)."""
+    answer, _ = _run(engine, _prompt(1), conversation)
+    _run(engine, _prompt(5, 70), "other-chat")
+    return _prompt(1) + answer + _prompt(2, 9)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("prefix_store")
+    return {arch: write_tiny_model(root / arch, arch, seed=1) for arch in ("deepseek_v32", "qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
+def recompute(models):
+    """Greedy tokens of a prompt on a fresh engine that keeps nothing between turns."""
+    engines = {arch: _engine(path, prefix_cache_offload=False) for arch, path in models.items()}
+
+    def tokens(arch: str, prompt: list[int]) -> list[int]:
+        return _run(engines[arch], prompt)[0]
+
+    return tokens
+
+
+# Turn 1 is 40 prompt + 24 answer tokens; 63 of them were fed through the model (the last answer
+# token never was), so 3 whole pages (48 tokens) are cached and only the rest is computed.
+CACHED = 48
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "qwen3_moe"])
+def test_follow_up_restored_from_ram_equals_recompute(models, recompute, arch):
+    engine = _engine(models[arch], **TIGHT)
+    second = _first_turn_then_another_chat(engine)
+    before = engine.stats().extra
+    assert before["prefix_cache_host_bytes"] > 0 and before["prefix_cache_disk_bytes"] == 0
+    tokens, finished = _run(engine, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == CACHED  # only the new tokens were computed
+    after = engine.stats().extra
+    assert after["prefix_cache_restored_tokens"] - before["prefix_cache_restored_tokens"] >= CACHED - BS
+    assert tokens == recompute(arch, second)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "qwen3_moe"])
+def test_follow_up_restored_from_disk_equals_recompute(models, recompute, tmp_path, arch):
+    engine = _engine(models[arch], **TIGHT, **TO_DISK, prefix_cache_dir=str(tmp_path / "cache"))
+    second = _first_turn_then_another_chat(engine)
+    assert engine.stats().extra["prefix_cache_disk_bytes"] > 0
+    restored_before = engine.stats().extra["prefix_cache_restored_tokens"]
+    tokens, finished = _run(engine, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == CACHED
+    assert engine.stats().extra["prefix_cache_restored_tokens"] > restored_before
+    assert tokens == recompute(arch, second)
+
+
+def _saved_first_turn(model: Path, folder: Path) -> list[int]:
+    """Turn 1 on an engine that then stops (saving its cache); returns turn 2's prompt."""
+    engine = _engine(model, prefix_cache_dir=str(folder))
+    answer, _ = _run(engine, _prompt(1), "chat-1")
+    assert engine.close() >= 3
+    return _prompt(1) + answer + _prompt(2, 9)
+
+
+def test_restart_serves_the_follow_up_from_disk_with_private_files(models, recompute, tmp_path):
+    folder = tmp_path / "cache"
+    second = _saved_first_turn(models["deepseek_v32"], folder)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = list(folder.iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    assert restarted.stats().extra["prefix_cache_conversations"] == 1
+    tokens, finished = _run(restarted, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == CACHED
+    assert restarted.stats().extra["prefix_cache_restored_tokens"] == CACHED
+    assert tokens == recompute("deepseek_v32", second)
+
+
+def test_a_corrupt_file_is_recomputed_and_deleted(models, recompute, tmp_path):
+    folder = tmp_path / "cache"
+    second = _saved_first_turn(models["deepseek_v32"], folder)
+    for path in folder.iterdir():  # flip one byte deep in every page's contents
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    tokens, finished = _run(restarted, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == 0  # the first page is unusable: nothing after it is
+    assert restarted.stats().extra["prefix_cache_files_rejected"] >= 1
+    assert tokens == recompute("deepseek_v32", second)
+    restarted.close()
+    for path in folder.iterdir():  # what is there now was written by the restarted engine
+        restarted_page = PrefixStore(restarted.runner.cache.page_bytes, 0, folder=folder, disk_bytes=1 << 30,
+                                     fingerprint_=restarted.prefix_tier.store.fingerprint,
+                                     key=restarted.prefix_tier.store.key)
+        assert path.name in restarted_page._disk
+
+
+def test_files_of_another_model_version_are_ignored_and_deleted(tmp_path):
+    model = write_tiny_model(tmp_path / "model", "deepseek_v32", seed=1)
+    folder = tmp_path / "cache"
+    second = _saved_first_turn(model, folder)
+    stale = {p.name for p in folder.iterdir()}
+    write_tiny_model(model, "deepseek_v32", seed=7)  # new weights in the same folder
+    engine = _engine(model, prefix_cache_dir=str(folder))
+    assert not stale & {p.name for p in folder.iterdir()}  # deleted, not used
+    tokens, finished = _run(engine, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == 0
+    assert tokens == _run(_engine(model, prefix_cache_offload=False), second)[0]
+
+
+def test_another_dtype_does_not_use_the_files(models, tmp_path):
+    folder = tmp_path / "cache"
+    second = _saved_first_turn(models["deepseek_v32"], folder)
+    engine = Engine.load(str(models["deepseek_v32"]), EngineConfig(device=TEST_DEVICE, dtype="bfloat16",
+                                                                   block_size=BS, prefix_cache_dir=str(folder)))
+    _, finished = _run(engine, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == 0
+
+
+def test_drop_deletes_a_conversations_pages_everywhere(models, recompute, tmp_path):
+    folder = tmp_path / "cache"
+    engine = _engine(models["deepseek_v32"], **TIGHT, **TO_DISK, prefix_cache_dir=str(folder))
+    second = _first_turn_then_another_chat(engine)
+    assert engine.stats().extra["prefix_cache_conversations"] == 2
+    files = len(list(folder.iterdir()))
+    assert engine.drop_conversation("chat-1") >= 3
+    assert len(list(folder.iterdir())) < files
+    assert engine.stats().extra["prefix_cache_conversations"] == 1
+    tokens, finished = _run(engine, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == 0  # nothing of it is left
+    assert tokens == recompute("deepseek_v32", second)
+    engine.drop_conversation("chat-1")
+    engine.drop_conversation("other-chat")
+    engine.close()
+    assert not list(folder.iterdir())
+
+
+def test_bad_conversation_ids_are_refused(models):
+    engine = _engine(models["deepseek_v32"])
+    for bad in ("", "a b", "x" * 129, "../etc"):
+        with pytest.raises(RequestError):
+            engine.add_request(prompt_token_ids=[1, 2, 3], sampling=GREEDY, conversation_id=bad)
+
+
+# ---- the store and the page copies ---------------------------------------------------------
+
+
+def _page(value: int, size: int = 1000) -> torch.Tensor:
+    return torch.full((size,), value, dtype=torch.uint8)
+
+
+def test_disk_budget_evicts_least_recently_used_files(tmp_path):
+    store = PrefixStore(1000, 0, folder=tmp_path, disk_bytes=3900, fingerprint_="f", key="k")
+    for h in range(3):
+        store.put(h, _page(h), {"c"})
+    assert all(h in store for h in range(3))
+    assert store.get(0)[0][0] == 0  # page 0 is now the most recently used
+    store.put(3, _page(3), {"c"})
+    assert 1 not in store and all(h in store for h in (0, 2, 3))
+    assert store.disk_bytes <= 3900 and len(list(tmp_path.iterdir())) == 3
+    reopened = PrefixStore(1000, 0, folder=tmp_path, disk_bytes=2600, fingerprint_="f", key="k")
+    assert 2 not in reopened and 0 in reopened and 3 in reopened  # file times keep the order
+    assert os.listdir(tmp_path) and reopened.get(3)[0][0] == 3
+
+
+def test_host_budget_moves_old_pages_to_disk_and_drop_keeps_shared_pages(tmp_path):
+    store = PrefixStore(1000, 2000, folder=tmp_path, disk_bytes=10_000, fingerprint_="f", key="k")
+    store.put(1, _page(1), {"a"})
+    store.put(2, _page(2), {"a", "b"})
+    store.put(3, _page(3), {"b"})
+    assert store.host_bytes == 2000 and store.disk_bytes > 0  # page 1 went to disk
+    assert store.conversations() == {"a", "b"}
+    assert store.drop("a") == 1  # page 1; page 2 keeps "b"
+    assert 1 not in store and 2 in store and store.conversations() == {"b"}
+    store.flush()
+    reopened = PrefixStore(1000, 2000, folder=tmp_path, disk_bytes=10_000, fingerprint_="f", key="k")
+    assert reopened.get(2)[1] == frozenset({"b"})
+    assert reopened.drop("b") == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("index_fp8", [False, True])
+def test_pages_copy_out_and_back_bit_exactly(models, index_fp8):
+    config = ModelConfig.from_file(models["deepseek_v32"])
+    cache = PagedCache(config, 6, BS, torch.float32, torch.device("cpu"), index_fp8=index_fp8)
+    for tensor in cache.latent + cache.index_keys:
+        if tensor is not None:
+            tensor.view(torch.uint8).copy_(torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8))
+    pages = cache.read_pages([1, 4], pin=False)
+    assert pages.shape == (2, cache.page_bytes)
+    cache.write_pages([0, 2], pages)
+    for tensor in cache.latent + cache.index_keys:
+        if tensor is not None:
+            rows = tensor.view(6, -1).view(torch.uint8)  # bytes: random bits include NaNs
+            assert torch.equal(rows[0], rows[1]) and torch.equal(rows[2], rows[4])
