@@ -62,9 +62,9 @@ def _record_requests(window: MainWindow) -> list[tuple[list[dict], dict]]:
     backend = window.engine.worker.backend
     real = backend.stream
 
-    def stream(messages, sampling):
+    def stream(messages, sampling, *rest):
         sent.append((messages, dict(sampling)))
-        return real(messages, sampling)
+        return real(messages, sampling, *rest)
 
     backend.stream = stream
     return sent
