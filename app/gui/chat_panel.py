@@ -154,6 +154,21 @@ class ChatPanel(QWidget):
         self.model_picker.setEnabled(not self.is_busy)
         self.view.set_busy(self.is_busy)
 
+    def conversation_deleted(self, conversation_id: int) -> None:
+        """The store no longer has this conversation: if it is the open one, drop it (an answer being
+        written to it is stopped and forgotten) and show a fresh chat."""
+        if conversation_id != self.conversation_id:
+            return
+        if self.is_busy:
+            self.engine.worker.stop()
+            self._answer = None  # its late chunks and its end are ignored (see _on_chunk / _on_done)
+            self._pending.clear()
+            self._pending_reasoning.clear()
+            self._flush_timer.stop()
+            self.busy_changed.emit(False)
+        self.conversation_id = None  # nothing of it is left to save
+        self.load_conversation(None)
+
     def load_conversation(self, conversation_id: int | None) -> None:
         """Show a conversation (None: a fresh, unsaved one)."""
         if self.is_busy:

@@ -164,8 +164,7 @@ class MainWindow(QMainWindow):
         self.sidebar.select_id(conversation_id)
 
     def _on_deleted(self, conversation_id: int) -> None:
-        if self.chat.conversation_id == conversation_id:
-            self.chat.load_conversation(None)
+        self.chat.conversation_deleted(conversation_id)
         # The engine host deletes the chat's cache too (it may hold the chat's words in RAM and on disk).
         backend = self.backend
         run_task(lambda: backend.drop_conversation(conversation_id),

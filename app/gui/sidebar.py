@@ -169,8 +169,8 @@ class Sidebar(QWidget):
             if answer != QMessageBox.StandardButton.Yes:
                 return
         self.store.delete_conversation(conv_id)
+        self.deleted.emit(conv_id)  # first: the open chat lets go of it before the list moves its selection
         self.refresh()
-        self.deleted.emit(conv_id)
 
     def export_current(self, path: str | None = None) -> Path | None:
         """Write the chat as Markdown (.md) or JSON (.json), chosen by the file name."""

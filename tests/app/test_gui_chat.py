@@ -199,10 +199,23 @@ def test_chats_send_their_id_and_deleting_a_chat_drops_its_engine_cache(qtbot, o
     assert cached >= 1  # the engine host keeps this chat's pages under its id
     window.status.show_stats(backend.stats())
     assert window.status.chat_cache_label.text().startswith(f"Cached chats {int(cached)}")
-    qtbot.keyClick(window, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
-    window.sidebar.select_id(conversation)
+    assert window.sidebar.current_id() == conversation  # the open chat is the one deleted
     window.sidebar.delete_current(confirm=False)
+    assert window.chat.conversation_id is None
     qtbot.waitUntil(lambda: backend.stats()["prefix_cache_conversations"] == cached - 1, timeout=TIMEOUT_MS)
+
+
+def test_deleting_the_chat_being_answered_stops_and_forgets_it(qtbot, open_window):
+    window = open_window()
+    ask(qtbot, window, "A long story, please", max_tokens=1800)
+    qtbot.waitUntil(lambda: len(window.chat.view.widgets) == 2 and bool(window.chat.view.widgets[1].text),
+                    timeout=TIMEOUT_MS)
+    window.sidebar.delete_current(confirm=False)
+    assert window.chat.conversation_id is None and not window.chat.is_busy
+    assert window.store.conversations() == [] and window.chat.view.widgets == []
+    ask(qtbot, window, "Hello again")  # the panel works on: a new chat answers
+    wait_idle(qtbot, window)
+    assert len(window.store.conversations()) == 1
 
 
 def test_quitting_mid_answer_keeps_the_partial_answer(qtbot, open_window, windows, tmp_path: Path):
