@@ -392,3 +392,11 @@ class EngineStats:
 
 
 Event = TokenDelta | Finished
+
+
+def usage(stats: RequestStats) -> dict[str, Any]:
+    """OpenAI's usage block of a finished request; ``prompt_tokens_details.cached_tokens`` counts the
+    prompt tokens whose cache was reused (on the GPU or restored from RAM or disk) instead of computed."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}

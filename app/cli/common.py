@@ -21,7 +21,7 @@ from typing import Any, TextIO
 from hearth.app.client.openai_client import ChatChunk
 from hearth.app.demo_model import DEMO_NAMES, bundled_demo_path
 from hearth.app.store.settings import Settings
-from hearth.engine.api import HearthError, decode_rate
+from hearth.engine.api import HearthError, decode_rate, usage
 
 API_KEY_ENV = "HEARTH_API_KEY"
 
@@ -267,10 +267,7 @@ def local_chunks(engine: Any, messages: list[dict[str, Any]], options: dict[str,
                 tail = parser.finish()
                 if tail.content or tail.reasoning:
                     yield ChatChunk(tail.content, reasoning=tail.reasoning)
-            stats = event.stats
-            usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-                     "total_tokens": stats.prompt_tokens + stats.completion_tokens}
-            yield ChatChunk("", event.reason, usage)
+            yield ChatChunk("", event.reason, usage(event.stats))
         elif event.text:
             split = parser.feed(event.text) if parser is not None else None
             if split is None:

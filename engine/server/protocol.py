@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hearth.engine.api import Finished, RequestStats
+from hearth.engine.api import Finished, RequestStats, usage
 
 # Names a chat template gets from the server (with the tokenizer's special tokens) and the other
 # arguments of Engine.encode: a request's chat_template_kwargs must not replace them.
@@ -217,14 +217,6 @@ def sampling_fields(req: _SamplingFields) -> dict[str, Any]:
 
 
 # ---- responses -----------------------------------------------------------------------------
-
-
-def usage(stats: RequestStats) -> dict[str, Any]:
-    """OpenAI's usage block; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens whose
-    cache was reused (on the GPU or restored from RAM or disk) instead of computed."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
 
 def finish_error(finished: Finished) -> APIError | None:
