@@ -115,8 +115,9 @@ def _option(default: Any, label: str, help: str, **text: Any) -> Any:
 SchedulerName = Literal["sync", "runahead", "prefetch"]
 
 # What ``scheduler="auto"`` runs while several requests are answered, set from bench/bench_e2e.py
-# measurements on the H200 (docs/benchmarks.md). One request always decodes with "sync": the others
-# only pay with several requests in flight.
+# measurements on the H200 (docs/benchmarks.md, 2026-12-01: DeepSeek-V3.2 widths, 64 of 256 experts
+# cached, 8 requests: sync 91 tok/s, runahead 78, prefetch 73; one request: 27.9 / 39.3 / 27.1 ms per
+# token). One request always decodes with "sync": the others only pay with several requests in flight.
 AUTO_SEVERAL_REQUESTS: SchedulerName = "sync"
 
 
