@@ -159,6 +159,8 @@ class Backend:
         engine = self._engine
         if not (engine is not None and engine.model == path and engine.options == options and engine.is_alive()):
             self._engine = EngineProcess.ensure_running(path, **options)
+            if engine is not None and engine.pid != self._engine.pid and engine.is_alive():
+                engine.stop()  # the host this window used before (another home's, say): not left behind
         return self._engine.base_url, self._engine.api_key
 
     def _engine_options(self, choice: ModelChoice) -> dict[str, Any]:

@@ -65,19 +65,25 @@ def windows_checked() -> Iterator[Windows]:
     assert_no_leaks()
 
 
+_shared_chat_cache: str | None = None  # the chat-cache folder of the shared host while one runs
+
+
 @contextmanager
 def shared_demo_backend(home: Path) -> Iterator[Backend]:
     """One engine host serving the demo model for a whole test module, started under ``home``."""
     old = os.environ.get(HOME_ENV)
     os.environ[HOME_ENV] = str(home)
     os.environ["HEARTH_NO_BUNDLED_DEMO"] = "1"  # the random tiny demo: fast, and its answers run long
-    backend = Backend(Settings())
+    global _shared_chat_cache
+    _shared_chat_cache = str(home / "chat-cache")
+    backend = Backend(Settings().replace(prefix_cache_dir=_shared_chat_cache))
     try:
         ensure_demo_model()
         backend.connect(ModelChoice(DEMO_LABEL, str(demo_model_dir()), True, 2048))
         yield backend
     finally:
         backend.close()
+        _shared_chat_cache = None
         os.environ.pop("HEARTH_NO_BUNDLED_DEMO", None)
         if old is None:
             os.environ.pop(HOME_ENV, None)
@@ -93,7 +99,11 @@ def link_demo_model(shared_home: Path) -> None:
 
 
 def isolated_settings(tmp_path: Path, **changes: object) -> Settings:
-    """Settings that keep the tests off the user's HF cache and the network."""
+    """Settings that keep the tests off the user's HF cache and the network. Inside
+    ``shared_demo_backend`` the chat-cache folder is the shared host's, so windows reuse that host
+    (a different folder is a different engine option, which would start a host per test)."""
+    if _shared_chat_cache is not None:
+        changes = {"prefix_cache_dir": _shared_chat_cache, **changes}
     return Settings(hf_cache_dir=str(tmp_path / "hf-cache"), offline=True).replace(**changes)
 
 
