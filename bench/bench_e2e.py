@@ -20,6 +20,11 @@ own process, timed from the official OpenAI client.
    (``ignore_eos`` so every stream decodes ``--decode-tokens`` tokens), and the engine's own split of a
    decode step (``decode_step_ms``: the whole engine step; ``decode_run_gpu_ms``: the model's GPU time).
    Offloaded configurations keep a quarter of each layer's routed experts on the GPU.
+   The ``chat-cache`` configuration measures a conversation's cache instead (``measure_chat_cache``): the
+   TTFT of a follow-up turn in a ``--chat-context``-token chat (64K by default) with its cache pages on the
+   device, after switching chats (restored from host RAM), after restarting the server (restored from
+   disk), and of a full re-prefill of the same turn, with ``usage.prompt_tokens_details.cached_tokens``
+   and the server's ``prefix_cache_*`` counters.
 3. Prints each row beside its floor: the bytes one decode step must read at 4.28 TB/s: the weights as the
    checkpoint stores them (FP8 one byte, bf16 two, MXFP4 4.25 bits), the distinct routed experts a batch
    of that size touches under uniform routing, and the attention cache: DSA's indexer keys and selected
@@ -36,6 +41,7 @@ channel's message: the same prompt tokens, prefill and decode steps, and one tex
 
     python bench/bench_e2e.py --dir /tmp/ckpt [--family deepseek_v32] [--moe-layers 2]
         [--configs resident offload-sync ...] [--concurrency 1 8 32] [--json FILE] [--runner]
+    python bench/bench_e2e.py --configs chat-cache [--chat-context 65536] [--chat-cache-blocks N] [--reps 2]
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import math
 import os
 import socket
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -122,7 +129,7 @@ FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM5, "glm4_moe": GLM45
             "tiny": TINY, "tiny-glm4": TINY_GLM4, "tiny-gpt-oss": TINY_GPT_OSS}
 
 CONFIG_NAMES = ("resident", "resident-eager", "offload-sync", "offload-runahead", "offload-prefetch", "mli",
-                "tiers64k")
+                "tiers64k", "chat-cache")
 
 
 def config_flags(name: str, n_experts: int) -> list[str]:
@@ -359,14 +366,18 @@ class Server:
 
         return httpx.get(self.url + "/hearth/stats", timeout=30).json()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60) -> float:
+        """End the server as a user's Ctrl-C does (it saves its chat cache on the way out); returns how
+        long that took."""
+        t0 = time.perf_counter()
         self.proc.terminate()
         try:
-            self.proc.wait(60)
+            self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        return time.perf_counter() - t0
 
 
 def find_number(stats: dict, key: str) -> float | None:
@@ -402,10 +413,6 @@ class Prompts:
         harmony = uses_harmony(ModelConfig.from_file(folder).model_type)
         self.template = (folder / "chat_template.jinja").read_text(encoding="utf-8") if harmony else None
 
-    @property
-    def completions(self) -> bool:
-        return self.template is not None
-
     def text(self, tokens: int) -> str:
         """Random lowercase words of about ``tokens`` tokens; each call is new (no prefix-cache hits)."""
         self.seed += 1
@@ -419,15 +426,22 @@ class Prompts:
         ids = self.tokenizer.encode(text).ids[:tokens]
         return self.tokenizer.decode(ids)
 
-    def prompt(self, tokens: int) -> str:
-        """What one request sends: ``tokens`` tokens of words as the user's message (chat), or the whole
-        harmony prompt around them (text completion)."""
+    def prompt(self, tokens: int) -> Request:
+        """What one request sends: ``tokens`` tokens of words as the user's message."""
+        return self.request([{"role": "user", "content": self.text(tokens)}])
+
+    def request(self, messages: list[dict[str, str]]) -> Request:
+        """What a request with these chat messages sends: the messages (chat), or the whole harmony
+        prompt rendered from them (text completion)."""
         from hearth.engine.text.chat_template import render_chat_template
 
-        words = self.text(tokens)
         if self.template is None:
-            return words
-        return render_chat_template(self.template, [{"role": "user", "content": words}]) + HARMONY_FINAL
+            return messages
+        return render_chat_template(self.template, messages) + HARMONY_FINAL
+
+
+# A chat request's messages, or a text completion's prompt (harmony models).
+Request = list[dict[str, str]] | str
 
 
 # After the prompt's <|start|>assistant: the answer's message header, so the completion is message text.
@@ -443,30 +457,40 @@ class Stream:
     start: float
     end: float
     arrivals: list[float]  # when each content chunk (one token, as the server streams) arrived
+    cached_tokens: int = 0  # usage.prompt_tokens_details: prompt tokens served from the prefix cache
+    text: str = ""
 
     @property
     def decode_tok_s(self) -> float:
         return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else math.nan
 
 
-async def one_stream(client, model: str, prompt: str, max_tokens: int, started: asyncio.Queue,
-                     completions: bool) -> Stream:
+async def one_stream(client, model: str, request: Request, max_tokens: int, started: asyncio.Queue,
+                     conversation: str | None = None) -> Stream:
+    """Stream one request (a text completion when ``request`` is a rendered prompt); ``conversation``
+    names its chat for the server's prefix cache."""
     start = time.perf_counter()
     first = None
     usage = None
     arrivals: list[float] = []
+    pieces: list[str] = []
+    extra: dict = {"ignore_eos": True}
+    if conversation is not None:
+        extra["hearth"] = {"conversation_id": conversation}
     sampling = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                    stream_options={"include_usage": True}, extra_body=extra)
+    completions = isinstance(request, str)
     if completions:
-        stream = await client.completions.create(prompt=prompt, **sampling)
+        stream = await client.completions.create(prompt=request, **sampling)
     else:
-        stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **sampling)
+        stream = await client.chat.completions.create(messages=request, **sampling)
     async for chunk in stream:
         now = time.perf_counter()
         choice = chunk.choices[0] if chunk.choices else None
         text = (choice.text if completions else choice.delta.content) if choice is not None else None
         if text:
             arrivals.append(now)
+            pieces.append(text)
         if first is None and choice is not None and (text or choice.finish_reason):
             first = now
             started.put_nowait(first)
@@ -475,7 +499,10 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int, started: 
     end = time.perf_counter()
     assert usage is not None, "the server sent no usage chunk"
     first = first or end
-    return Stream(first - start, end - first, usage.completion_tokens, usage.prompt_tokens, start, end, arrivals)
+    details = usage.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details is not None else 0
+    return Stream(first - start, end - first, usage.completion_tokens, usage.prompt_tokens, start, end, arrivals,
+                  cached, "".join(pieces))
 
 
 def decode_window(streams: list[Stream]) -> tuple[list[float], float]:
@@ -488,7 +515,7 @@ def decode_window(streams: list[Stream]) -> tuple[list[float], float]:
     return [sum(lo < t <= hi for t in s.arrivals) / (hi - lo) for s in streams], hi - lo
 
 
-async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int, completions: bool,
+async def run_streams(url: str, model: str, prompts: list[Request], max_tokens: int,
                       snapshots: list | None = None) -> list[Stream]:
     """Stream every prompt at once; with ``snapshots``, append (time, /hearth/stats) once every stream
     has its first token (prefill over, decode only from here) and again when all are done."""
@@ -506,7 +533,7 @@ async def run_streams(url: str, model: str, prompts: list[str], max_tokens: int,
 
     async with AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=1800, max_retries=0) as client:
         watcher = asyncio.create_task(snapshot_when_all_decode()) if snapshots is not None else None
-        requests = (one_stream(client, model, p, max_tokens, started, completions) for p in prompts)
+        requests = (one_stream(client, model, p, max_tokens, started) for p in prompts)
         streams = list(await asyncio.gather(*requests))
         if watcher is not None:
             await watcher
@@ -519,7 +546,7 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
             offloaded: bool) -> dict:
     def streams(lengths: list[int], max_tokens: int, snapshots: list | None = None) -> list[Stream]:
         return asyncio.run(run_streams(server.url, model, [prompts.prompt(n) for n in lengths], max_tokens,
-                                       prompts.completions, snapshots))
+                                       snapshots))
 
     res: dict = {"load_s": server.load_s}
     t0 = time.perf_counter()
@@ -570,6 +597,203 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
               f"model GPU {gpu:.2f} ms{extra}", flush=True)
     res["decode"] = rows
     return res
+
+
+# ---- a conversation's cache across turns, chat switches and restarts (chat-cache) -------------
+
+
+CHAT_CACHE = "chat-cache"
+CHAT_BLOCK_SIZE = 64  # tokens per cache page (the engine's default, passed explicitly for the sizing)
+CHAT_ANSWER_TOKENS = 32  # the first turn's answer
+CHAT_FOLLOW_UP_TOKENS = 64  # each follow-up's new user message
+CHAT_ROOM = 1024  # context beyond --chat-context the server allows: the answer and a follow-up
+CHAT_TARGET_S = 0.5  # issue 16: a follow-up's TTFT in a 64K-token chat after a chat switch and after a restart
+CHAT_TARGET_CONTEXT = 65536
+
+
+@dataclass
+class Chat:
+    """A conversation of one long user message and its answer; each follow-up adds a new message."""
+
+    conversation: str
+    first: str
+    answer: str = ""
+
+    def turn(self, message: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.first}, {"role": "assistant", "content": self.answer},
+                {"role": "user", "content": message}]
+
+
+def send(server: Server, model: str, request: Request, max_tokens: int, conversation: str) -> Stream:
+    """One streamed request, alone on the server."""
+    from openai import AsyncOpenAI
+
+    async def go() -> Stream:
+        async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=1800, max_retries=0) as client:
+            return await one_stream(client, model, request, max_tokens, asyncio.Queue(), conversation)
+
+    return asyncio.run(go())
+
+
+def prefix_stats(stats: dict) -> dict[str, float]:
+    return {k: v for k, v in stats.items() if k.startswith("prefix_cache_")}
+
+
+class ChatBench:
+    """The stages of the chat-cache measurement on one server at a time (``measure_chat_cache``)."""
+
+    def __init__(self, model: str, prompts: Prompts, context: int) -> None:
+        self.model = model
+        self.prompts = prompts
+        self.context = context
+        self.chats = 0
+
+    def new_chat(self) -> Chat:
+        self.chats += 1
+        return Chat(f"bench-chat-{self.chats}", self.prompts.text(self.context))
+
+    def variant(self, chat: Chat, index: int) -> Chat:
+        """The same chat as another conversation whose first letter differs (by ``index``), so no cached
+        page matches it: its follow-up is a full re-prefill of the same length."""
+        self.chats += 1
+        letters = [c for c in string.ascii_lowercase if c != chat.first[0]]
+        return Chat(f"bench-chat-{self.chats}", letters[index % len(letters)] + chat.first[1:], chat.answer)
+
+    def first_turn(self, server: Server, chat: Chat) -> Stream:
+        """The chat's first turn (its answer becomes part of the chat)."""
+        request = self.prompts.request([{"role": "user", "content": chat.first}])
+        first = send(server, self.model, request, CHAT_ANSWER_TOKENS, chat.conversation)
+        chat.answer = first.text
+        return first
+
+    def follow_up(self, server: Server, chat: Chat, label: str) -> dict:
+        """Time a new follow-up turn of ``chat`` (a new user message each time, as a user would send),
+        with the cache counters it moved."""
+        before = server.stats()
+        request = self.prompts.request(chat.turn(self.prompts.text(CHAT_FOLLOW_UP_TOKENS)))
+        turn = send(server, self.model, request, 2, chat.conversation)
+        after = server.stats()
+        restored = (after.get("prefix_cache_restored_tokens") or 0) - (before.get("prefix_cache_restored_tokens") or 0)
+        row = {"ttft_s": turn.ttft, "prompt_tokens": turn.prompt_tokens, "cached_tokens": turn.cached_tokens,
+               "restored_tokens": int(restored), "prefix_cache": prefix_stats(after)}
+        print(f"  {label}: TTFT {turn.ttft * 1e3:.0f} ms, {turn.prompt_tokens} prompt tokens, "
+              f"{turn.cached_tokens} cached ({row['restored_tokens']} restored from RAM or disk)", flush=True)
+        return row
+
+
+def drop_file_cache(folder: Path) -> bool:
+    """Write the page files out and drop them from the OS file cache, so a restart reads them from
+    the disk rather than from RAM (False where the OS offers no posix_fadvise)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace, device_flags: list[str]) -> dict:
+    """A follow-up turn of a ``--chat-context``-token chat, timed (TTFT) while its cache pages are on the
+    GPU, after switching chats (pages restored from host RAM), after restarting the server (from disk,
+    the files dropped from the OS file cache), and against a full re-prefill of the same turn (the
+    same words with a changed first letter: no page matches).
+
+    The server holds one request (``--max-num-seqs 1``) and a device cache of one chat
+    (``--num-cache-blocks``: its context in pages, unless ``--chat-cache-blocks`` says otherwise), so
+    switching chats takes only as many other long chats as fill the whole device cache (two) and
+    pushes every page of the first chat to the host. The page files go to a temporary folder of the
+    bench's own. Each server is warmed first by a whole chat of the same size (first turn and a
+    follow-up, untimed) so no measured turn includes compiles; its pages are then evicted like any
+    other chat's."""
+    max_len = max(args.max_model_len, args.chat_context + CHAT_ROOM)
+    pages = args.chat_cache_blocks or -(-max_len // CHAT_BLOCK_SIZE)
+    bench = ChatBench(folder.name, prompts, args.chat_context)
+    res: dict = {"chat_context": args.chat_context, "max_model_len": max_len, "num_cache_blocks": pages}
+    with tempfile.TemporaryDirectory(prefix="hearth-bench-chat-cache-") as store:
+        flags = [*config_flags("resident", 0), "--block-size", str(CHAT_BLOCK_SIZE), "--num-cache-blocks", str(pages),
+                 "--prefix-cache-offload", "true", "--prefix-cache-dir", store, *device_flags]
+        print(f"  server flags: {' '.join(flags)} --max-model-len {max_len} --max-num-seqs 1", flush=True)
+
+        def start(log: str) -> Server:
+            server = Server(folder, flags, max_len, 1, args.logs / log)
+            try:
+                server.wait()
+                warm = bench.new_chat()
+                bench.first_turn(server, warm)
+                bench.follow_up(server, warm, "warm-up chat (untimed)")
+            except BaseException:
+                server.stop()
+                raise
+            return server
+
+        server = start("server-chat-cache.log")
+        try:
+            res["load_s"] = server.load_s
+            chat = bench.new_chat()
+            first = bench.first_turn(server, chat)
+            res["first_turn"] = {"ttft_s": first.ttft, "prompt_tokens": first.prompt_tokens,
+                                 "cached_tokens": first.cached_tokens}
+            print(f"  first turn: TTFT {first.ttft:.2f} s, {first.prompt_tokens} prompt tokens", flush=True)
+            res["gpu"] = bench.follow_up(server, chat, "follow-up, pages in the device cache")
+            device_tokens = int(server.stats()["cache_blocks_total"]) * CHAT_BLOCK_SIZE
+            others = -(-device_tokens // args.chat_context)
+            for _ in range(others):  # other chats' long turns until the device cache was rewritten whole
+                bench.first_turn(server, bench.new_chat())
+            res["switched_chats"] = others
+            res["host"] = bench.follow_up(server, chat, f"follow-up after {others} other chats (from RAM)")
+        finally:
+            res["shutdown_s"] = server.stop(timeout=900)
+        res["files_uncached"] = drop_file_cache(Path(store))
+        print(f"  server stopped (saving its cache) in {res['shutdown_s']:.1f} s; page files "
+              f"{'dropped from' if res['files_uncached'] else 'left in'} the OS file cache", flush=True)
+        server = start("server-chat-cache-restart.log")
+        try:
+            res["restart_load_s"] = server.load_s
+            res["disk"] = bench.follow_up(server, chat, "follow-up after a restart (from disk)")
+            full = [bench.follow_up(server, bench.variant(chat, i), f"full re-prefill {i + 1}")
+                    for i in range(args.reps)]
+        finally:
+            server.stop(timeout=900)
+    res["full"] = {"ttft_s": statistics.median(r["ttft_s"] for r in full), "runs": full}
+    report_chat_cache(res)
+    return res
+
+
+def report_chat_cache(res: dict) -> None:
+    """Each follow-up against the full re-prefill, and the issue's target."""
+    full = res["full"]["ttft_s"]
+    print(f"  full re-prefill: TTFT {full:.3f} s (median of {len(res['full']['runs'])})", flush=True)
+    for stage, what in (("gpu", "in the device cache"), ("host", "after switching chats"), ("disk", "after a restart")):
+        row = res[stage]
+        row["x_full"] = row["ttft_s"] / full
+        target = ""
+        if stage != "gpu" and res["chat_context"] >= CHAT_TARGET_CONTEXT:
+            row["target_met"] = row["ttft_s"] <= CHAT_TARGET_S
+            target = f"; target <= {CHAT_TARGET_S} s {'met' if row['target_met'] else 'NOT met'}"
+        print(f"  {what}: TTFT {row['ttft_s']:.3f} s = {row['x_full']:.3f}x the full re-prefill "
+              f"({full / row['ttft_s']:.1f}x faster), {row['cached_tokens']} of {row['prompt_tokens']} "
+              f"tokens cached{target}", flush=True)
+    stats = res["disk"]["prefix_cache"]
+    print("  prefix cache after the restart: " + ", ".join(f"{k[len('prefix_cache_'):]} {v:.0f}"
+                                                          for k, v in stats.items()), flush=True)
+
+
+def serve_and_measure(name: str, folder: Path, prompts: Prompts, args: argparse.Namespace, floors: Floors,
+                      device_flags: list[str]) -> dict:
+    """Start the server with configuration ``name``'s flags and take ``measure``'s rows."""
+    flags = config_flags(name, floors.n_experts)
+    print(f"  server flags: {' '.join(flags)}", flush=True)
+    max_len = 65536 + 4096 if name == "tiers64k" else args.max_model_len
+    server = Server(folder, [*flags, *device_flags], max_len, max(args.concurrency), args.logs / f"server-{name}.log")
+    try:
+        server.wait()
+        return measure(server, folder.name, prompts, args, floors, "offload" in name)
+    finally:
+        server.stop()
 
 
 # ---- runner-level steps (same run) -----------------------------------------------------------
@@ -640,6 +864,10 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=20480)
+    parser.add_argument("--chat-context", type=int, default=65536,
+                        help="chat-cache: tokens of the chat's first message")
+    parser.add_argument("--chat-cache-blocks", type=int,
+                        help="chat-cache: device cache pages (default: one chat's context)")
     parser.add_argument("--runner", action="store_true", help="also time ModelRunner.run in-process")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path)
@@ -653,20 +881,17 @@ def main() -> None:
     results: dict = {"family": args.family, "moe_layers": args.moe_layers, "configs": {},
                      "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none"}
+    device_flags = ["--device", "cpu"] if device.type == "cpu" else []
     for name in args.configs:
-        flags = config_flags(name, floors.n_experts)
-        print(f"== {name}: {' '.join(flags)}", flush=True)
-        max_len = 65536 + 4096 if name == "tiers64k" else args.max_model_len
-        flags += ["--device", "cpu"] if device.type == "cpu" else []
-        server = Server(folder, flags, max_len, max(args.concurrency), args.logs / f"server-{name}.log")
+        print(f"== {name}", flush=True)
         try:
-            server.wait()
-            results["configs"][name] = measure(server, folder.name, prompts, args, floors, "offload" in name)
+            if name == CHAT_CACHE:
+                results["configs"][name] = measure_chat_cache(folder, prompts, args, device_flags)
+            else:
+                results["configs"][name] = serve_and_measure(name, folder, prompts, args, floors, device_flags)
         except Exception as exc:  # a failing configuration is a result too: report it and go on
             print(f"  FAILED: {type(exc).__name__}: {exc}", flush=True)
             results["configs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            server.stop()
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
     if args.runner:

@@ -6,6 +6,8 @@
 #   usage: bash scripts/gpu_e2e.sh [tests] [micro] [sweep] [e2e -- bench_e2e args...]
 #   e2e families: --family deepseek_v32 (default), glm_moe_dsa (GLM-5), glm4_moe (GLM-4.5-Air, bf16),
 #   gpt_oss (gpt-oss-120b, MXFP4 experts); see bench/bench_e2e.py and docs/benchmarks.md.
+#   chat cache (issue 16, C2: a 64K chat's follow-up TTFT on the GPU, after a chat switch, after a restart,
+#   against a full re-prefill): bash scripts/gpu_e2e.sh e2e -- --configs chat-cache --chat-context 65536 --reps 2
 set -o pipefail
 source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
