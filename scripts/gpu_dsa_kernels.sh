@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the H200: GPU-side kernel tests (all of tests/kernels, the small odd-size cases on CUDA plus the
 # `gpu`-marked real shapes), then the DSA benchmark. Logs and the result table go to $OUT.
-# Usage: bash scripts/gpu_dsa_kernels.sh [tests|bench|all] [bench args]
+# Usage: bash scripts/gpu_dsa_kernels.sh [tests|bench|all|topk] [bench args]
+# (topk: only bench/bench_topk.py, the single-pass decode top-k against radix select and torch.topk)
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -16,5 +17,8 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
     python3 bench/bench_dsa.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [[ $what == topk ]]; then
+    python3 bench/bench_topk.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench_topk.log" || rc=1
 fi
 exit $rc

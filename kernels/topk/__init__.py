@@ -1,5 +1,7 @@
-"""Exact row-wise top-k (indices only, unsorted, -1 padded) by multi-CTA radix select."""
+"""Exact row-wise top-k (indices only, unsorted, -1 padded): multi-CTA radix select for any rows, and a
+one-program-per-row single-pass variant for few long (decode) rows."""
 
 from hearth.kernels.topk.radix import topk_indices
+from hearth.kernels.topk.single_pass import topk_indices_single_pass
 
-__all__ = ["topk_indices"]
+__all__ = ["topk_indices", "topk_indices_single_pass"]

@@ -1,31 +1,45 @@
-"""Radix-select top-k vs a sort-based reference; any tie order is accepted (`check_topk`)."""
+"""Radix-select and single-pass top-k vs a sort-based reference; any tie order is accepted (`check_topk`)."""
+
+from functools import partial
 
 import pytest
 import torch
 
-from hearth.kernels.topk import topk_indices
+from hearth.kernels.topk import topk_indices, topk_indices_single_pass
 from hearth.kernels.topk.reference import check_topk, topk_ref
+from hearth.kernels.topk.single_pass import new_scratch, single_pass_topk_launch
 from tests.kernels.conftest import requires_cuda
 
 POISON = 0x5A5A5A5A
+# capacity=1 sends every row longer than k through the single-pass kernel's overflow fallback
+IMPLS = {
+    "radix": topk_indices,
+    "single_pass": topk_indices_single_pass,
+    "single_pass_overflow": partial(topk_indices_single_pass, capacity=1),
+}
 
 
-def _run(scores, lengths, k):
+@pytest.fixture(params=list(IMPLS))
+def impl(request):
+    return IMPLS[request.param]
+
+
+def _run(scores, lengths, k, impl=topk_indices):
     out = torch.full((scores.shape[0], k), POISON, dtype=torch.int32, device=scores.device)
-    idx = topk_indices(scores, lengths, k, out=out)
+    idx = impl(scores, lengths, k, out=out)
     assert idx.data_ptr() == out.data_ptr()
     check_topk(idx, scores, lengths, k)
     return idx
 
 
 @pytest.mark.parametrize("n,k", [(1, 4), (63, 16), (2049, 64), (2049, 2048), (100, 2048), (5000, 300)])
-def test_topk_random_rows(n, k, device):
+def test_topk_random_rows(n, k, device, impl):
     lengths = torch.tensor([n, max(n - 1, 0), n // 2, min(k, n), min(k + 1, n), 0], dtype=torch.int32)
     scores = torch.randn(6, n, device=device) * 10
-    _run(scores, lengths.to(device), k)
+    _run(scores, lengths.to(device), k, impl)
 
 
-def test_topk_ties_and_infinities(device):
+def test_topk_ties_and_infinities(device, impl):
     n, k = 3000, 100
     s = torch.randn(8, n, device=device)
     s[0] = torch.randint(0, 5, (n,), device=device).float()  # heavy ties across the threshold
@@ -37,13 +51,13 @@ def test_topk_ties_and_infinities(device):
     s[6, :50] = float("inf")
     s[7] = torch.randn(n, device=device).half().float() * 1e-30  # tiny values, close keys
     lengths = torch.tensor([n, n, n, 2 * k + 1, n - 7, n, 77, n], dtype=torch.int32, device=device)
-    _run(s, lengths, k)
+    _run(s, lengths, k, impl)
 
 
-def test_topk_strided_rows(device):
+def test_topk_strided_rows(device, impl):
     base = torch.randn(4, 700, device=device)
     scores = base[:, :600]  # row stride 700
-    _run(scores, torch.tensor([600, 599, 1, 300], dtype=torch.int32, device=device), 128)
+    _run(scores, torch.tensor([600, 599, 1, 300], dtype=torch.int32, device=device), 128, impl)
 
 
 def test_reference_is_a_valid_topk():
@@ -60,28 +74,102 @@ def test_check_rejects_a_wrong_set():
         check_topk(torch.tensor([[9, 8, 6]], dtype=torch.int32), s, lengths, 3)
 
 
-def test_layout_errors(device):
+def _order_key(x: torch.Tensor) -> torch.Tensor:
+    """Torch twin of `float_order_key`: int32 keys whose signed order is the float order."""
+    bits = x.float().contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def test_single_pass_index_sets_match_reference(device):
+    n, k = 1001, 37
+    s = torch.randperm(7 * n, device=device)[: 5 * n].float().view(5, n) - 2000.0  # distinct values
+    lengths = torch.tensor([n, n - 3, 38, 37, 5], dtype=torch.int32, device=device)
+    ref = topk_ref(s, lengths, k)
+    for impl in (topk_indices_single_pass, partial(topk_indices_single_pass, capacity=2)):
+        got = _run(s, lengths, k, impl)
+        assert torch.equal(got.sort(dim=1).values.cpu(), ref.sort(dim=1).values.cpu())
+
+
+def test_single_pass_compacts_the_cutoff_bin_or_falls_back(device):
+    """The scratch buffer holds exactly the cutoff bin's (key, index) pairs in row order when they fit,
+    and stays untouched when they overflow (the fallback reads the row instead); results are exact."""
+    n, k = 1500, 37
+    cap = 4 * k
+    s = torch.randn(6, n, device=device)
+    # a top-digit bin spans two binades: 60 keys planted in [8, 32) make the cutoff bin, compacted
+    s[0, torch.randperm(n, device=device)[:60]] = 8.0 + 24.0 * torch.rand(60, device=device)
+    s[1] = torch.relu(s[1] - 2.5)  # fewer than k positives: the k-th is 0, tied ~1490 times: overflow
+    s[2] = torch.randint(0, 4, (n,), device=device).float()  # duplicates, the cutoff bin [2, 4) overflows
+    s[3] = float("-inf")
+    s[3, :10] = torch.randn(10, device=device)  # the k-th is -inf, tied 110 times within the length: fits
+    lengths = torch.tensor([n, n - 1, n, 120, k + 1, k - 5], dtype=torch.int32, device=device)
+    out = torch.full((6, k), POISON, dtype=torch.int32, device=device)
+    scratch = new_scratch(6, k, device, capacity=cap).fill_(POISON)
+    single_pass_topk_launch(s, lengths, k, out, scratch)
+    check_topk(out, s, lengths, k)
+    outcomes = []
+    for r in range(6):
+        n_r = int(lengths[r])
+        row_scratch = scratch[r].cpu()
+        if n_r <= k:
+            assert bool((row_scratch == POISON).all()), f"row {r}: short rows need no scratch"
+            continue
+        key = _order_key(s[r, :n_r]).cpu()
+        cut = int(key.topk(k).values[-1]) >> 24
+        surv = torch.nonzero((key >> 24) == cut).flatten()
+        if surv.numel() <= cap:
+            outcomes.append("fits")
+            assert torch.equal(row_scratch[cap : cap + surv.numel()], surv.int()), f"row {r}: survivor indices"
+            assert torch.equal(row_scratch[: surv.numel()], key[surv]), f"row {r}: survivor keys"
+            assert bool((row_scratch[surv.numel() : cap] == POISON).all()), f"row {r}: wrote past the survivors"
+        else:
+            outcomes.append("overflow")
+            assert bool((row_scratch == POISON).all()), f"row {r}: an overflowing row must not compact"
+    assert outcomes == ["fits", "overflow", "overflow", "fits", "fits"], outcomes
+
+
+def test_layout_errors(device, impl):
     s = torch.randn(2, 10, device=device)
     lengths = torch.tensor([10, 10], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="scores"):
-        topk_indices(s.double(), lengths, 4)
+        impl(s.double(), lengths, 4)
     with pytest.raises(ValueError, match="lengths"):
-        topk_indices(s, lengths.long(), 4)
+        impl(s, lengths.long(), 4)
     with pytest.raises(ValueError, match="k must"):
-        topk_indices(s, lengths, 0)
+        impl(s, lengths, 0)
     with pytest.raises(ValueError, match="unit last stride"):
-        topk_indices(s.t(), torch.tensor([2] * 10, dtype=torch.int32, device=device), 1)
+        impl(s.t(), torch.tensor([2] * 10, dtype=torch.int32, device=device), 1)
+    with pytest.raises(ValueError, match="out"):
+        impl(s, lengths, 4, out=torch.empty(2, 5, dtype=torch.int32, device=device))
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("rows,n", [(64, 131072), (1, 1 << 20), (4096, 8192)])
-def test_topk_real_shapes_gpu(rows, n):
+@pytest.mark.parametrize("name", ["radix", "single_pass"])
+def test_topk_real_shapes_gpu(rows, n, name):
     s = torch.randn(rows, n, device="cuda")
     lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
     lengths[0] = n
-    idx = _run(s, lengths, 2048)
+    idx = _run(s, lengths, 2048, IMPLS[name])
     # cross-check a few rows against torch.topk's value set
     for r in range(min(rows, 4)):
         want = torch.topk(s[r, : lengths[r]], 2048).values.sort().values
         assert torch.equal(s[r, idx[r].long()].sort().values, want)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", ["relu_zeros", "duplicates", "narrow"])
+def test_single_pass_hard_rows_gpu(kind):
+    """64 x 128K decode rows whose cutoff bin is crowded: exact through the compaction or the fallback."""
+    rows, n, k = 64, 131072, 2048
+    s = torch.randn(rows, n, device="cuda")
+    if kind == "relu_zeros":
+        s = torch.relu(s - 3.0)  # ~180 positives per row: the k-th largest is a tied 0
+    elif kind == "duplicates":
+        s = torch.randint(0, 100, (rows, n), device="cuda").float()
+    else:
+        s = 1.0 + torch.rand(rows, n, device="cuda")  # every key in the top-digit bin [0.5, 2)
+    lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
+    _run(s, lengths, k, topk_indices_single_pass)
