@@ -5,14 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BLOCK = 128  # rows and columns per scale: the block of every DeepSeek / GLM FP8 release
+from hearth.kernels.moe.reference import dequant_block_fp8
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """W[n, k] = W8[n, k] * s[n // 128, k // 128], rounded to ``dtype``; edge blocks may be partial."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
-    return (weight.float() * scale).to(dtype)
+    return dequant_block_fp8(weight, scale_inv).to(dtype)
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

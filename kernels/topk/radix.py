@@ -220,6 +220,19 @@ def new_workspace(n_rows: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(n_rows, WS_STRIDE, dtype=torch.int32, device=device)
 
 
+def checked_output(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Check a top-k launcher's arguments (ValueError naming the bad one); returns ``out``, allocated
+    as int32 [R, k] when None."""
+    check_tensor("scores", scores, dtypes=(torch.float32,), ndim=2, contiguous=False)
+    require(scores.stride(1) == 1, f"scores must have unit last stride, got strides {scores.stride()}")
+    check_tensor("lengths", lengths, dtypes=(torch.int32,), shape=(scores.shape[0],), device=scores.device)
+    require(1 <= k <= MAX_K, f"k must be in [1, {MAX_K}], got {k}")
+    if out is None:
+        out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    check_tensor("out", out, dtypes=(torch.int32,), shape=(scores.shape[0], k), device=scores.device)
+    return out
+
+
 def topk_indices(
     scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -235,16 +248,9 @@ def topk_indices(
         int32 [R, k]: for rows with L > k, the indices of k largest entries among [0, L) in no particular
         order (ties broken arbitrarily); for rows with L <= k, 0..L-1 followed by -1.
     """
-    check_tensor("scores", scores, dtypes=(torch.float32,), ndim=2, contiguous=False)
-    require(scores.stride(1) == 1, f"scores must have unit last stride, got strides {scores.stride()}")
-    check_tensor("lengths", lengths, dtypes=(torch.int32,), shape=(scores.shape[0],), device=scores.device)
-    require(1 <= k <= MAX_K, f"k must be in [1, {MAX_K}], got {k}")
-    n_rows = scores.shape[0]
-    if out is None:
-        out = torch.empty(n_rows, k, dtype=torch.int32, device=scores.device)
-    check_tensor("out", out, dtypes=(torch.int32,), shape=(n_rows, k), device=scores.device)
-    if n_rows == 0:
+    out = checked_output(scores, lengths, k, out)
+    if out.shape[0] == 0:
         return out
-    ws = new_workspace(n_rows, scores.device)
+    ws = new_workspace(out.shape[0], scores.device)
     radix_topk_launch(scores, lengths, k, out, ws)
     return out

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.kernels._utils import check_tensor, float_order_key, require
-from hearth.kernels.topk.radix import MAX_K, NBINS, PASSES, RADIX_BITS, radix_digit
+from hearth.kernels._utils import float_order_key, require
+from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS, checked_output, radix_digit
 
 SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 
@@ -224,16 +224,9 @@ def topk_indices_single_pass(
     int32 lengths [R], 1 <= k <= 65536, optional int32 out [R, k]; ties broken arbitrarily; rows with
     L <= k give 0..L-1 then -1). capacity: survivors kept per row before the exact-but-slower
     fallback over the whole row (default 4 * k)."""
-    check_tensor("scores", scores, dtypes=(torch.float32,), ndim=2, contiguous=False)
-    require(scores.stride(1) == 1, f"scores must have unit last stride, got strides {scores.stride()}")
-    check_tensor("lengths", lengths, dtypes=(torch.int32,), shape=(scores.shape[0],), device=scores.device)
-    require(1 <= k <= MAX_K, f"k must be in [1, {MAX_K}], got {k}")
-    n_rows = scores.shape[0]
-    if out is None:
-        out = torch.empty(n_rows, k, dtype=torch.int32, device=scores.device)
-    check_tensor("out", out, dtypes=(torch.int32,), shape=(n_rows, k), device=scores.device)
-    if n_rows == 0:
+    out = checked_output(scores, lengths, k, out)
+    if out.shape[0] == 0:
         return out
-    scratch = new_scratch(n_rows, k, scores.device, capacity)
+    scratch = new_scratch(out.shape[0], k, scores.device, capacity)
     single_pass_topk_launch(scores, lengths, k, out, scratch)
     return out
