@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.config import RopeConfig
-from hearth.kernels.fp8_linear import fp8_linear
+from hearth.kernels.fp8_linear import check_weights, fp8_linear
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -85,6 +85,8 @@ class Fp8Linear(nn.Module):
         self.compute_dtype = compute_dtype
         self.out_features, self.in_features = weight.shape
         self._dense: torch.Tensor | None = None
+        if block == (128, 128):  # the kernels' layout: checked once here, not on every call
+            check_weights(self.weight, self.weight_scale_inv)
 
     def dense_weight(self) -> torch.Tensor:
         if self._dense is None:
@@ -93,7 +95,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.block == (128, 128):
-            return fp8_linear(x, self.weight, self.weight_scale_inv)
+            return fp8_linear(x, self.weight, self.weight_scale_inv, weights_checked=True)
         return F.linear(x, dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, x.dtype))
 
 

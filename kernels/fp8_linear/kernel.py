@@ -165,14 +165,19 @@ def skinny(m: int) -> GemmConfig:
                       num_warps=4, num_stages=4, min_programs=2 * 132)
 
 
+def check_weights(weight: torch.Tensor, scale_inv: torch.Tensor, device: torch.device | None = None) -> None:
+    """ValueError unless weight is a contiguous 2-D e4m3 tensor and scale_inv its fp32 block scales."""
+    check_tensor("weight", weight, dtypes=(torch.float8_e4m3fn,), ndim=2, device=device)
+    n, k = weight.shape
+    check_tensor("scale_inv", scale_inv, dtypes=(torch.float32,),
+                 shape=(triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)), device=weight.device)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
     check_tensor("x", x, dtypes=_ACT_DTYPES, ndim=2, contiguous=False)
     require(x.stride(-1) == 1, f"x must be contiguous along K (strides {x.stride()})")
-    n, k = weight.shape
-    check_tensor("weight", weight, dtypes=(torch.float8_e4m3fn,), ndim=2, device=x.device)
-    require(x.shape[1] == k, f"x has {x.shape[1]} features, weight expects {k}")
-    check_tensor("scale_inv", scale_inv, dtypes=(torch.float32,),
-                 shape=(triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)), device=x.device)
+    require(x.shape[1] == weight.shape[-1], f"x has {x.shape[1]} features, weight expects {weight.shape[-1]}")
+    check_weights(weight, scale_inv, x.device)
 
 
 def _split(k: int, block_k: int, tiles: int, min_programs: int) -> tuple[int, int]:
@@ -190,10 +195,12 @@ def _sum_splits(partial: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-             config: GemvConfig | None = None) -> torch.Tensor:
+             config: GemvConfig | None = None, *, checked: bool = False) -> torch.Tensor:
     """y = x W^T for few rows of x (one is where it pays); x (M, K), weight (N, K) e4m3, scale (N/128, K/128).
-    Default tile (H200 sweep, bench_fp8_linear --sweep): 8 rows for long rows (K >= 4096), else 16."""
-    _check(x, weight, scale_inv)
+    Default tile (H200 sweep, bench_fp8_linear --sweep): 8 rows for long rows (K >= 4096), else 16.
+    ``checked``: the caller has validated the arguments (skips about 10 us of host checks per call)."""
+    if not checked:
+        _check(x, weight, scale_inv)
     m, k = x.shape
     n = weight.shape[0]
     config = config or GemvConfig(block_n=8 if k >= 4096 else 16)
@@ -213,10 +220,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-             config: GemmConfig | None = None) -> torch.Tensor:
+             config: GemmConfig | None = None, *, checked: bool = False) -> torch.Tensor:
     """y = x W^T with tensor-core tiles; same arguments as :func:`fp8_gemv`. The default tile depends on
     the rows: :func:`skinny` up to SKINNY_ROWS (decode batches), ``PREFILL`` beyond."""
-    _check(x, weight, scale_inv)
+    if not checked:
+        _check(x, weight, scale_inv)
     m, k = x.shape
     n = weight.shape[0]
     config = config or (skinny(m) if m <= SKINNY_ROWS else PREFILL)
@@ -237,14 +245,23 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     return y
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, *,
+               weights_checked: bool = False) -> torch.Tensor:
     """y = x W^T for x (..., K): the GEMV kernel for one row, the tl.dot kernel (K split for few rows)
-    otherwise."""
+    otherwise. ``weights_checked``: :func:`check_weights` passed for these weights once (a layer's
+    weights do not change), so each call checks only x."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if weights_checked:
+        require(x2.dtype in _ACT_DTYPES and x2.shape[1] == weight.shape[1] and x2.device == weight.device,
+                f"x ({x2.dtype}, {x2.shape[1]} features, {x2.device}) does not fit the weight "
+                f"({weight.shape[1]} features, {weight.device})")
+    else:
+        _check(x2, weight, scale_inv)
     if x2.shape[0] == 0:
         return x.new_empty(*lead, weight.shape[0])
-    y = fp8_gemv(x2, weight, scale_inv) if x2.shape[0] == 1 else fp8_gemm(x2, weight, scale_inv)
+    gemm = fp8_gemv if x2.shape[0] == 1 else fp8_gemm
+    y = gemm(x2, weight, scale_inv, checked=True)
     return y.view(*lead, weight.shape[0])

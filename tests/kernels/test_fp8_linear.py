@@ -7,6 +7,7 @@ import torch
 from hearth.kernels.fp8_linear import (
     GemmConfig,
     GemvConfig,
+    check_weights,
     dequantize,
     fp8_gemm,
     fp8_gemv,
@@ -86,3 +87,14 @@ def test_bad_scale_shape_is_a_clear_error(device):
         fp8_gemv(x, w8, scale[:, :1].contiguous())
     with pytest.raises(ValueError, match="x has 299 features"):
         fp8_linear(torch.randn(1, 299, device=device).bfloat16(), w8, scale)
+
+
+def test_weights_checked_once_still_checks_x(device):
+    w8, scale = _weights(96, 256, device)
+    check_weights(w8, scale)
+    x = torch.randn(3, 256, device=device).bfloat16()
+    assert rel_err(fp8_linear(x, w8, scale, weights_checked=True), _exact(x, w8, scale)) < 5e-3
+    with pytest.raises(ValueError, match="does not fit the weight"):
+        fp8_linear(torch.randn(1, 255, device=device).bfloat16(), w8, scale, weights_checked=True)
+    with pytest.raises(ValueError, match="scale_inv must have shape"):
+        check_weights(w8, scale[:, :1].contiguous())
