@@ -26,6 +26,9 @@ class StepTimer:
     _decode: bool = False
     step_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
     run_gpu_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    # Two event pairs used in turn: a step records one while the other (the step before's) is read.
+    _pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    _turn: int = 0
 
     def begin(self, decode: bool) -> None:
         self._decode = decode
@@ -35,7 +38,11 @@ class StepTimer:
         """Two events to record before and after the runner (None off CUDA or outside decode)."""
         if not (self.enabled and self._decode):
             return None
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if not self._pairs:
+            self._pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                           for _ in range(2)]
+        self._turn ^= 1
+        return self._pairs[self._turn]
 
     def end(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
         if not self._decode:
