@@ -141,3 +141,21 @@ def make_manager(settings: Settings) -> Iterator[Callable[..., tuple[DownloadMan
     yield make
     for manager in managers:
         manager.close(timeout=5)
+
+
+# ---- GUI modules: one engine host serving the demo model per test module ---------------------
+
+
+@pytest.fixture(scope="module")
+def engine_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-home")
+
+
+@pytest.fixture(scope="module")
+def backend(engine_home: Path) -> Iterator[Any]:
+    """The GUI's Backend connected to a demo-model engine host started under ``engine_home`` (modules
+    with their own ``backend``, like test_cli's HTTP server, override it)."""
+    from tests.app.test_gui_helpers import shared_demo_backend  # imports Qt: only where used
+
+    with shared_demo_backend(engine_home) as shared:
+        yield shared

@@ -13,23 +13,11 @@ from tests.app.test_gui_helpers import (
     FAST_DOWNLOADS,
     isolated_settings,
     link_demo_model,
-    shared_demo_backend,
     windows_checked,
 )
 
 TIMEOUT_MS = 60_000
 CONTEXT = 2048  # the shared demo host's context
-
-
-@pytest.fixture(scope="module")
-def engine_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-home")
-
-
-@pytest.fixture(scope="module")
-def backend(engine_home: Path):
-    with shared_demo_backend(engine_home) as shared:
-        yield shared
 
 
 @pytest.fixture
