@@ -263,7 +263,8 @@ class Engine:
                 return events + self._fail_all([c.seq for c in chunks], _OOM_MESSAGE)
             self.scheduler.after_step(chunks)
             ready = [i for i, c in enumerate(chunks) if c.seq.num_computed == c.seq.num_tokens]
-            events += self._sample([chunks[i].seq for i in ready], logits[ready])
+            rows = logits if len(ready) == len(chunks) else logits[ready]  # (decode: every row, no gather)
+            events += self._sample([chunks[i].seq for i in ready], rows)
         if self.decoder is not None and len(self.decoder):
             events += self._runahead_step()
         self.timer.end(marks)
