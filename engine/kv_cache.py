@@ -73,9 +73,16 @@ class PagedCache:
         transfer; on CUDA it is issued on the current stream into pinned memory (``pin``) without
         waiting, and the caller synchronises before it reads the bytes."""
         views = self._page_views()
-        index = torch.tensor(block_ids, dtype=torch.long, device=views[0].device)
-        gathered = torch.cat([_wide(view)[0].index_select(0, index).view(torch.uint8) for view in views],
-                             dim=1)  # [n, page_bytes]
+        device = views[0].device
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        gathered = torch.empty(len(block_ids), sum(v.shape[1] for v in views), dtype=torch.uint8, device=device)
+        offset = 0
+        for view in views:
+            width = view.shape[1]
+            gathered[:, offset:offset + width] = _wide(view)[0].index_select(0, index).view(torch.uint8)
+            offset += width
+        if device.type == "cpu":
+            return gathered
         out = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=pin)
         out.copy_(gathered, non_blocking=pin)
         return out
