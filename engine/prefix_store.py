@@ -7,29 +7,41 @@ the page), so a hit is exact: same tokens, same position, same model, same conte
 
 ``PrefixStore`` holds page bytes keyed by that hash: an LRU of host entries bounded by
 ``host_bytes``; entries pushed out of RAM are written to ``folder`` (when there is one), an LRU of
-files bounded by ``disk_bytes``. ``PageTier`` connects it to the device cache for the
+segment files bounded by ``disk_bytes``. ``PageTier`` connects it to the device cache for the
 ``BlockManager``: pages are copied out when the manager evicts them (never inside a forward step) and
 copied into free pages when a new request's prefix is found here (at admission).
 
-Files. One file per page, named ``<model key>-<page hash>.page`` (the model key: a hash of the model
-folder's path), written atomically (a temporary file, then rename), mode 0600 in a 0700 folder::
+Speed. A 64K-token chat is about a thousand pages, so nothing is done per page that costs more than
+a few microseconds of Python: pages leave the device gathered into one contiguous buffer per chunk
+(one device-to-host copy), come back through one device staging buffer per chunk (a host-to-device
+copy per run of adjacent host pages, then one ``index_copy_`` per layer), and are read from disk as
+large sequential reads straight into (pinned) host memory by a small thread pool that also checks
+their CRC-32s (both release the GIL).
 
-    b"HRTHPG01" | sha256 of the rest (32 bytes) | header length (u32 LE) | header JSON | page bytes
+Files. Pages written together (those that leave RAM at once, or are saved when the engine stops)
+share a segment file, one per set of conversations, at most ``_SEGMENT_BYTES`` each, named
+``<model key>-<random>.pages`` (the model key: a hash of the model folder's path), written atomically
+(a temporary file, then rename), mode 0600 in a 0700 folder::
+
+    b"HRTHSG02" | header length (u32 LE) | CRC-32 of the header (u32 LE) | header JSON | pages
 
 The header names the model fingerprint (``fingerprint()``: config, weight file sizes and times,
-dtype, page size, cache formats), the page hash and the conversations that used the page. A file
-whose checksum, fingerprint, hash or size does not match is deleted and its page recomputed. The
-files of other model folders in the same folder count towards the disk budget and are evicted by
-the same LRU (least recently used first, by file time across restarts).
+dtype, page size, cache formats), the page size, and per page its hash, its conversations and the
+CRC-32 of its bytes. A segment whose header, size, fingerprint or any page's checksum does not match
+is deleted and its pages recomputed. Segments of other model folders in the same folder count towards
+the disk budget and are evicted by the same LRU (least recently used first, by file time across
+restarts). A page written again (with new conversations) leaves a dead copy in its old segment until
+that segment is evicted; the newest copy is the one read.
 
 Conversations. A request may name its conversation; its pages carry that tag, and
 ``drop(conversation)`` forgets the conversation's pages in RAM and on disk (a page that other
-conversations also used keeps their tags and stays).
+conversations also used keeps their tags and stays: its segment is rewritten without the tag).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -37,9 +49,12 @@ import os
 import struct
 import tempfile
 import time
+import uuid
+import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +66,17 @@ __all__ = ["FORMAT_VERSION", "PageTier", "PrefixStore", "fingerprint", "model_ke
 
 logger = logging.getLogger("hearth.engine.prefix_store")
 
-FORMAT_VERSION = 1
-_MAGIC = b"HRTHPG01"
-_DIGEST = 32
-_PREFIX = len(_MAGIC) + _DIGEST + 4
-_MAX_HEADER = 1 << 20
-_SUFFIX = ".page"
+FORMAT_VERSION = 2
+_MAGIC = b"HRTHSG02"
+_PREFIX = len(_MAGIC) + 8  # magic, header length, header CRC-32
+_MAX_HEADER = 64 << 20
+_SUFFIX = ".pages"
+_OLD_SUFFIX = ".page"  # format 1 (a file per page): deleted when seen
+_SEGMENT_BYTES = 256 << 20  # a segment's page bytes at most: LRU eviction and drop work on whole files
+_HEADER_BYTES_PER_PAGE = 256  # a page's share of a segment header (hash, conversations, checksum), roughly
+_READ_BYTES = 8 << 20  # one read task of the thread pool
+_IO_THREADS = 8
+_STAGE_PAGES = 64  # pages per device-side chunk of a spill or restore (bounds the GPU staging memory)
 _STALE_TEMP_S = 600.0  # a temporary file this old belongs to no writer still running
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -86,7 +106,7 @@ class _HostEntry:
     page: torch.Tensor  # uint8 [page_bytes] on the host (pinned on CUDA)
     conversations: set[str]
     ready: torch.cuda.Event | None = None  # the device-to-host copy; wait for it before reading
-    on_disk: bool = False  # a file holds these bytes and these conversations
+    on_disk: bool = False  # a segment holds these bytes and these conversations
 
     def data(self) -> torch.Tensor:
         if self.ready is not None:
@@ -95,33 +115,50 @@ class _HostEntry:
         return self.page
 
 
-@dataclass
-class _DiskEntry:
-    size: int
+@dataclass(frozen=True)
+class _SegmentPage:
+    index: int  # position in the segment's pages
+    crc: int  # CRC-32 of its bytes
     conversations: frozenset[str]
 
 
 @dataclass
-class _Header:
+class _Segment:
+    """A segment file's header (and its size on disk)."""
+
     fingerprint: str
     model_key: str
-    block_hash: int
-    conversations: frozenset[str]
-    payload_bytes: int
+    page_bytes: int
+    pages: dict[int, _SegmentPage]  # block hash -> page
+    size: int = 0
+
+    @property
+    def data_offset(self) -> int:
+        return self.size - len(self.pages) * self.page_bytes
+
+    def conversations(self) -> set[str]:
+        return {c for page in self.pages.values() for c in page.conversations}
 
     def to_json(self) -> bytes:
-        return json.dumps({"fingerprint": self.fingerprint, "model_key": self.model_key,
-                           "block_hash": f"{self.block_hash:032x}", "conversations": sorted(self.conversations),
-                           "payload_bytes": self.payload_bytes}).encode()
+        pages = sorted(self.pages.items(), key=lambda item: item[1].index)
+        return json.dumps({"fingerprint": self.fingerprint, "model_key": self.model_key, "page_bytes": self.page_bytes,
+                           "pages": [{"hash": f"{block_hash:032x}", "crc32": page.crc,
+                                      "conversations": sorted(page.conversations)} for block_hash, page in pages]
+                           }).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> _Header:
+    def from_json(cls, raw: bytes) -> _Segment:
         data = json.loads(raw)
-        conversations = data["conversations"]
-        if not isinstance(conversations, list) or not all(isinstance(c, str) for c in conversations):
-            raise ValueError("conversations must be a list of strings")
-        return cls(str(data["fingerprint"]), str(data["model_key"]), int(data["block_hash"], 16),
-                   frozenset(conversations), int(data["payload_bytes"]))
+        pages: dict[int, _SegmentPage] = {}
+        for index, page in enumerate(data["pages"]):
+            conversations = page["conversations"]
+            if not isinstance(conversations, list) or not all(isinstance(c, str) for c in conversations):
+                raise ValueError("conversations must be a list of strings")
+            pages[int(page["hash"], 16)] = _SegmentPage(index, int(page["crc32"]), frozenset(conversations))
+        page_bytes = int(data["page_bytes"])
+        if page_bytes < 1 or len(pages) != len(data["pages"]):
+            raise ValueError("bad page size or repeated pages")
+        return cls(str(data["fingerprint"]), str(data["model_key"]), page_bytes, pages)
 
 
 @dataclass
@@ -134,24 +171,38 @@ class StoreCounters:
     files_rejected: int = 0  # corrupt or stale files deleted instead of used
 
 
+@dataclass
+class _ReadTask:
+    """Pages ``[first, first + count)`` of a segment into ``out`` rows (the thread pool's unit)."""
+
+    path: Path
+    offset: int
+    out: torch.Tensor  # uint8 [count, page_bytes], contiguous
+    crcs: list[int] = field(default_factory=list)
+
+
 class PrefixStore:
-    """Page bytes by prefix hash: host RAM first, then files in ``folder`` (see the module doc).
+    """Page bytes by prefix hash: host RAM first, then segment files in ``folder`` (see the module doc).
 
     ``folder`` None keeps pages in RAM only (and forgets those pushed out). ``fingerprint_`` and
     ``key`` identify the model (``fingerprint()`` / ``model_key()``); ``page_bytes`` is the size
-    every page has. Not thread-safe: the engine's stepping thread owns it.
+    every page has; ``pin`` reads pages from disk into pinned memory (for CUDA copies). Not
+    thread-safe: the engine's stepping thread owns it.
     """
 
     def __init__(self, page_bytes: int, host_bytes: int, *, folder: str | Path | None = None, disk_bytes: int = 0,
-                 fingerprint_: str = "", key: str = "") -> None:
+                 fingerprint_: str = "", key: str = "", pin: bool = False) -> None:
         self.page_bytes = page_bytes
         self.host_budget = host_bytes
         self.disk_budget = disk_bytes if folder is not None else 0
         self.fingerprint = fingerprint_
         self.key = key
+        self.pin = pin
         self.counters = StoreCounters()
         self._host: OrderedDict[int, _HostEntry] = OrderedDict()  # oldest first
-        self._disk: OrderedDict[str, _DiskEntry] = OrderedDict()  # file name -> entry, oldest first
+        self._disk: OrderedDict[str, _Segment] = OrderedDict()  # file name -> segment, oldest first
+        self._index: dict[int, str] = {}  # block hash -> the newest segment of this model holding it
+        self._disk_total = 0
         self.folder = Path(folder) if folder is not None else None
         if self.folder is not None:
             _private_folder(self.folder)
@@ -160,7 +211,7 @@ class PrefixStore:
     # ---- questions -------------------------------------------------------------------------
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._host or self._name(block_hash) in self._disk
+        return block_hash in self._host or block_hash in self._index
 
     @property
     def host_bytes(self) -> int:
@@ -168,12 +219,12 @@ class PrefixStore:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(entry.size for entry in self._disk.values())
+        return self._disk_total
 
     def conversations(self) -> set[str]:
         """Every conversation with a page here (in RAM or on disk, any model's files)."""
         tags = {c for entry in self._host.values() for c in entry.conversations}
-        return tags.union(*(entry.conversations for entry in self._disk.values()))
+        return tags.union(*(segment.conversations() for segment in self._disk.values()))
 
     # ---- pages -----------------------------------------------------------------------------
 
@@ -181,172 +232,249 @@ class PrefixStore:
             ready: torch.cuda.Event | None = None) -> None:
         """Keep ``page`` (uint8 ``[page_bytes]``) under ``block_hash``, or, with ``page`` None, add
         ``conversations`` to the page already kept (the caller checked ``block_hash in self``)."""
-        entry = self._host.get(block_hash)
-        if entry is None and page is None:
-            page_and_tags = self._read(block_hash)
-            if page_and_tags is None:
-                return
-            page, tags = page_and_tags
-            entry = self._host_entry(block_hash, page, set(tags), on_disk=True)
-        if entry is None:
-            assert page is not None
-            if page.numel() != self.page_bytes:
-                raise ValueError(f"a page has {self.page_bytes} bytes, got {page.numel()}")
-            entry = self._host_entry(block_hash, page, set(), ready=ready)
-        new = set(conversations) - entry.conversations
-        if new:
-            entry.conversations |= new
-            entry.on_disk = False  # the file's header lacks the new tags: write it again when it leaves RAM
-        self._host.move_to_end(block_hash)
+        self.put_many([(block_hash, page, conversations)], ready)
+
+    def put_many(self, pages: Iterable[tuple[int, torch.Tensor | None, Iterable[str]]],
+                 ready: torch.cuda.Event | None = None) -> None:
+        """``put`` for many pages, then one trip to disk for those that no longer fit in RAM."""
+        for block_hash, page, conversations in pages:
+            entry = self._host.get(block_hash)
+            if entry is None and page is None:
+                entry = self._load([block_hash]).get(block_hash)
+                if entry is None:
+                    continue
+            if entry is None:
+                assert page is not None
+                if page.numel() != self.page_bytes:
+                    raise ValueError(f"a page has {self.page_bytes} bytes, got {page.numel()}")
+                entry = self._host[block_hash] = _HostEntry(page, set(), ready)
+            new = set(conversations) - entry.conversations
+            if new:
+                entry.conversations |= new
+                entry.on_disk = False  # its segment lacks the new tags: write it again when it leaves RAM
+            self._host.move_to_end(block_hash)
         self._fit_host()
 
     def get(self, block_hash: int) -> tuple[torch.Tensor, frozenset[str]] | None:
         """The page's bytes and conversations, or None when it is unknown here or its file was
         unusable (then deleted). A page read from disk stays in RAM too."""
-        entry = self._host.get(block_hash)
-        if entry is None:
-            page_and_tags = self._read(block_hash)
-            if page_and_tags is None:
-                return None
-            entry = self._host_entry(block_hash, page_and_tags[0], set(page_and_tags[1]), on_disk=True)
-            self._fit_host()
-        else:
-            self._host.move_to_end(block_hash)
-        return entry.data(), frozenset(entry.conversations)
+        found = self._take([block_hash])
+        return (found[0].data(), frozenset(found[0].conversations)) if found else None
+
+    def take(self, block_hashes: Sequence[int]) -> list[tuple[torch.Tensor, frozenset[str]]]:
+        """The bytes and conversations of the leading pages of ``block_hashes`` this store can give
+        (it stops at the first it cannot); those on disk are read together and stay in RAM too.
+        Bytes that left the device may still be arriving: only device copies on the same stream
+        (ordered after them) may read them without ``get``'s wait."""
+        return [(entry.page, frozenset(entry.conversations)) for entry in self._take(block_hashes)]
+
+    def _take(self, block_hashes: Sequence[int]) -> list[_HostEntry]:
+        known = []
+        for block_hash in block_hashes:
+            if block_hash not in self:
+                break
+            known.append(block_hash)
+        loaded = self._load([h for h in known if h not in self._host])
+        found = []
+        for block_hash in known:
+            entry = self._host.get(block_hash) or loaded.get(block_hash)
+            if entry is None:
+                break
+            if block_hash in self._host:
+                self._host.move_to_end(block_hash)
+            found.append(entry)
+        self._fit_host()
+        return found
 
     def drop(self, conversation: str) -> int:
-        """Forget ``conversation``'s pages (RAM and disk); returns how many pages or files were
-        deleted. Pages other conversations used too lose this tag only."""
-        dropped: set[str] = set()  # file names, of the pages in RAM too
+        """Forget ``conversation``'s pages (RAM and disk); returns how many pages were deleted.
+        Pages other conversations used too lose this tag only."""
+        dropped: set[int] = set()
         for block_hash, entry in list(self._host.items()):
             if conversation in entry.conversations:
                 entry.conversations.discard(conversation)
                 entry.on_disk = False
                 if not entry.conversations:
                     del self._host[block_hash]
-                    dropped.add(self._name(block_hash))
-        for name, disk in list(self._disk.items()):
-            if conversation not in disk.conversations:
+                    dropped.add(block_hash)
+        for name, segment in list(self._disk.items()):
+            if not any(conversation in page.conversations for page in segment.pages.values()):
                 continue
-            remaining = disk.conversations - {conversation}
-            if remaining and self._retag(name, remaining):
-                continue
-            self._delete(name)
-            dropped.add(name)
+            gone = [h for h, page in segment.pages.items() if page.conversations == {conversation}]
+            dropped.update(gone)
+            if len(gone) == len(segment.pages) or not self._retag(name, segment, conversation):
+                self._delete(name)
         return len(dropped)
 
     def flush(self) -> int:
         """Write every page held only in RAM to disk (the engine is stopping); returns how many."""
         if self.folder is None:
             return 0
-        written = 0
-        for block_hash, entry in list(self._host.items()):
-            if not entry.on_disk:
-                self._write(block_hash, entry)
-                written += 1
-        return written
+        pending = [(block_hash, entry) for block_hash, entry in self._host.items() if not entry.on_disk]
+        self._write(pending)
+        return len(pending)
 
     # ---- RAM -------------------------------------------------------------------------------
 
-    def _host_entry(self, block_hash: int, page: torch.Tensor, conversations: set[str], *,
-                    ready: torch.cuda.Event | None = None, on_disk: bool = False) -> _HostEntry:
-        entry = _HostEntry(page, conversations, ready, on_disk)
-        self._host[block_hash] = entry
-        return entry
-
     def _fit_host(self) -> None:
+        leaving = []
         while self._host and self.host_bytes > self.host_budget:
             block_hash, entry = self._host.popitem(last=False)
-            if self.folder is not None and not entry.on_disk:
-                self._write(block_hash, entry)
+            if not entry.on_disk:
+                leaving.append((block_hash, entry))
+        if leaving and self.folder is not None:
+            self._write(leaving)
 
-    # ---- disk ------------------------------------------------------------------------------
+    # ---- disk: writes ----------------------------------------------------------------------
 
-    def _name(self, block_hash: int) -> str:
-        return f"{self.key}-{block_hash:032x}{_SUFFIX}"
-
-    def _path(self, name: str) -> Path:
-        assert self.folder is not None
-        return self.folder / name
-
-    def _write(self, block_hash: int, entry: _HostEntry) -> None:
-        if self.folder is None or self.page_bytes > self.disk_budget:
+    def _write(self, entries: list[tuple[int, _HostEntry]]) -> None:
+        """Write ``entries`` as segments: one per set of conversations, split to fit the budgets."""
+        if self.folder is None or not entries or self.page_bytes + _HEADER_BYTES_PER_PAGE > self.disk_budget:
             return
-        header = _Header(self.fingerprint, self.key, block_hash, frozenset(entry.conversations), self.page_bytes)
-        name = self._name(block_hash)
-        try:
-            size = _write_file(self.folder, name, header, entry.data().numpy().tobytes())
-        except OSError as err:  # a full disk loses the page (it will be recomputed), not the engine
-            logger.warning("could not write a prefix cache page to %s: %s", self.folder, err)
-            return
-        entry.on_disk = True
-        self._disk.pop(name, None)
-        self._disk[name] = _DiskEntry(size, frozenset(entry.conversations))
-        self.counters.files_written += 1
+        groups: dict[frozenset[str], list[tuple[int, _HostEntry]]] = {}
+        for block_hash, entry in entries:
+            groups.setdefault(frozenset(entry.conversations), []).append((block_hash, entry))
+        per_segment = max(1, min(_SEGMENT_BYTES, self.disk_budget) // (self.page_bytes + _HEADER_BYTES_PER_PAGE))
+        for group in groups.values():
+            for start in range(0, len(group), per_segment):
+                self._write_segment(group[start:start + per_segment])
         self._fit_disk()
 
+    def _write_segment(self, entries: list[tuple[int, _HostEntry]]) -> None:
+        assert self.folder is not None
+        datas = [entry.data() for _, entry in entries]
+        crcs = list(_io_pool().map(_crc, datas))
+        pages = {block_hash: _SegmentPage(i, crc, frozenset(entry.conversations))
+                 for i, ((block_hash, entry), crc) in enumerate(zip(entries, crcs))}
+        segment = _Segment(self.fingerprint, self.key, self.page_bytes, pages)
+        name = f"{self.key}-{uuid.uuid4().hex}{_SUFFIX}"
+        try:
+            _write_file(self.folder / name, segment, [memoryview(d.numpy()) for d in datas])
+        except OSError as err:  # a full disk loses the pages (they will be recomputed), not the engine
+            logger.warning("could not write prefix cache pages to %s: %s", self.folder, err)
+            return
+        for _, entry in entries:
+            entry.on_disk = True
+        self._add_segment(name, segment)
+        self.counters.files_written += 1
+
+    def _add_segment(self, name: str, segment: _Segment) -> None:
+        self._disk[name] = segment
+        self._disk_total += segment.size
+        if segment.model_key == self.key and segment.fingerprint == self.fingerprint:
+            for block_hash in segment.pages:
+                self._index[block_hash] = name
+
     def _fit_disk(self) -> None:
-        total = self.disk_bytes
-        while self._disk and total > self.disk_budget:
-            name, entry = next(iter(self._disk.items()))
-            self._delete(name)
-            total -= entry.size
+        while self._disk and self._disk_total > self.disk_budget:
+            self._delete(next(iter(self._disk)))
 
-    def _read(self, block_hash: int) -> tuple[torch.Tensor, frozenset[str]] | None:
-        name = self._name(block_hash)
-        if name not in self._disk:
-            return None
-        path = self._path(name)
+    def _retag(self, name: str, segment: _Segment, conversation: str) -> bool:
+        """Rewrite a segment without ``conversation`` (and its pages no one else used); False when it
+        cannot be read (then the caller deletes it)."""
+        keep = {h: page for h, page in segment.pages.items() if page.conversations != {conversation}}
+        order = sorted(keep, key=lambda h: keep[h].index)
         try:
-            raw = path.read_bytes()
-            header, payload = _parse(raw)
-            problem = self._check(header, block_hash, len(payload))
-        except FileNotFoundError:  # another engine on the same folder deleted it
-            self._disk.pop(name, None)
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            problem = f"unreadable ({err})"
-        if problem is not None:
-            logger.warning("prefix cache file %s is %s; deleting it and recomputing its tokens", name, problem)
-            self.counters.files_rejected += 1
-            self._delete(name)
-            return None
-        self._disk.move_to_end(name)
-        _touch(path)
-        page = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return page, header.conversations
-
-    def _check(self, header: _Header, block_hash: int, payload_bytes: int) -> str | None:
-        if header.fingerprint != self.fingerprint:
-            return "from another model or engine setup"
-        if header.block_hash != block_hash or header.model_key != self.key:
-            return "not the page its name says"
-        if payload_bytes != self.page_bytes or header.payload_bytes != payload_bytes:
-            return f"{payload_bytes} bytes long, not {self.page_bytes}"
-        return None
-
-    def _retag(self, name: str, conversations: frozenset[str]) -> bool:
-        """Rewrite a file with fewer conversation tags; False when it cannot be read (delete it)."""
-        try:
-            header, payload = _parse(self._path(name).read_bytes())
-            header.conversations = conversations
-            size = _write_file(self._path(name).parent, name, header, payload)
-        except (OSError, ValueError, KeyError, TypeError):
+            out = torch.empty(len(order), segment.page_bytes, dtype=torch.uint8)
+            tasks = [_ReadTask(self._path(name), segment.data_offset + keep[h].index * segment.page_bytes,
+                               out[i:i + 1], [keep[h].crc]) for i, h in enumerate(order)]
+            if not all(_io_pool().map(_read_task, tasks)):
+                return False
+            pages = {h: _SegmentPage(i, keep[h].crc, keep[h].conversations - {conversation})
+                     for i, h in enumerate(order)}
+            rewritten = _Segment(segment.fingerprint, segment.model_key, segment.page_bytes, pages)
+            _write_file(self._path(name), rewritten, [memoryview(row.numpy()) for row in out])
+        except OSError:
             return False
-        self._disk[name] = _DiskEntry(size, conversations)
+        self._disk_total -= segment.size
+        self._disk[name] = rewritten
+        self._disk_total += rewritten.size
+        for block_hash in set(segment.pages) - set(pages):
+            if self._index.get(block_hash) == name:
+                del self._index[block_hash]
         return True
 
     def _delete(self, name: str) -> None:
-        self._disk.pop(name, None)
+        segment = self._disk.pop(name, None)
+        if segment is not None:
+            self._disk_total -= segment.size
+            for block_hash in segment.pages:
+                if self._index.get(block_hash) == name:
+                    del self._index[block_hash]
         try:
             self._path(name).unlink(missing_ok=True)
         except OSError as err:
             logger.warning("could not delete prefix cache file %s: %s", name, err)
 
-    def _scan(self) -> None:
-        """Index the folder's files, oldest first; delete unreadable ones and this model's stale ones."""
+    # ---- disk: reads -----------------------------------------------------------------------
+
+    def _path(self, name: str) -> Path:
         assert self.folder is not None
-        found: list[tuple[float, str, _DiskEntry]] = []
+        return self.folder / name
+
+    def _load(self, block_hashes: list[int]) -> dict[int, _HostEntry]:
+        """Read pages from their segments into RAM (one buffer, large reads in parallel, checksums
+        checked); a segment with any bad page is deleted and none of its pages returned."""
+        by_segment: dict[str, list[int]] = {}
+        for block_hash in block_hashes:
+            name = self._index.get(block_hash)
+            if name is not None:
+                by_segment.setdefault(name, []).append(block_hash)
+        if not by_segment:
+            return {}
+        total = sum(len(hashes) for hashes in by_segment.values())
+        buffer = torch.empty(total, self.page_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        row = 0
+        plans: list[tuple[str, list[int], list[_ReadTask]]] = []
+        for name, hashes in by_segment.items():
+            segment = self._disk[name]
+            hashes.sort(key=lambda h: segment.pages[h].index)
+            tasks = self._read_tasks(name, segment, hashes, buffer[row:row + len(hashes)])
+            plans.append((name, hashes, tasks))
+            row += len(hashes)
+        results = iter(_io_pool().map(_read_task, [task for _, _, tasks in plans for task in tasks]))
+        loaded: dict[int, _HostEntry] = {}
+        row = 0
+        for name, hashes, tasks in plans:
+            sound = [next(results) for _ in tasks]
+            if not all(sound):
+                self._reject(name, "corrupt or cut short" if all(s is not None for s in sound) else "unreadable")
+            else:
+                segment = self._disk[name]
+                self._disk.move_to_end(name)
+                _touch(self._path(name))
+                for i, block_hash in enumerate(hashes):
+                    conversations = set(segment.pages[block_hash].conversations)
+                    entry = _HostEntry(buffer[row + i], conversations, on_disk=True)
+                    loaded[block_hash] = self._host[block_hash] = entry
+            row += len(hashes)
+        return loaded
+
+    def _read_tasks(self, name: str, segment: _Segment, hashes: list[int], out: torch.Tensor) -> list[_ReadTask]:
+        """Read tasks for ``hashes`` (in file order) into ``out``: one per run of adjacent pages,
+        split at ``_READ_BYTES``."""
+        per_task = max(1, _READ_BYTES // segment.page_bytes)
+        tasks: list[_ReadTask] = []
+        start = 0
+        for i in range(1, len(hashes) + 1):
+            run_ends = i == len(hashes) or segment.pages[hashes[i]].index != segment.pages[hashes[i - 1]].index + 1
+            if run_ends or i - start == per_task:
+                first = segment.pages[hashes[start]].index
+                tasks.append(_ReadTask(self._path(name), segment.data_offset + first * segment.page_bytes,
+                                       out[start:i], [segment.pages[h].crc for h in hashes[start:i]]))
+                start = i
+        return tasks
+
+    def _reject(self, name: str, problem: str) -> None:
+        logger.warning("prefix cache file %s is %s; deleting it and recomputing its tokens", name, problem)
+        self.counters.files_rejected += 1
+        self._delete(name)
+
+    def _scan(self) -> None:
+        """Index the folder's segments, oldest first; delete unreadable ones, this model's stale ones
+        and files of the old one-page format."""
+        assert self.folder is not None
+        found: list[tuple[float, str, _Segment]] = []
         now = time.time()
         for path in self.folder.iterdir():
             try:
@@ -355,20 +483,20 @@ class PrefixStore:
                     if now - stat.st_mtime > _STALE_TEMP_S:
                         path.unlink(missing_ok=True)
                     continue
-                if not path.name.endswith(_SUFFIX) or not path.is_file():
+                if not path.is_file() or not path.name.endswith((_SUFFIX, _OLD_SUFFIX)):
                     continue
-                header = _read_header(path)
+                segment = _read_header(path, stat.st_size) if path.name.endswith(_SUFFIX) else None
             except FileNotFoundError:
                 continue
             except (OSError, ValueError, KeyError, TypeError):
-                header = None
-            if header is None or (header.model_key == self.key and header.fingerprint != self.fingerprint):
+                segment = None
+            if segment is None or (segment.model_key == self.key and segment.fingerprint != self.fingerprint):
                 self.counters.files_rejected += 1
                 path.unlink(missing_ok=True)
                 continue
-            found.append((stat.st_mtime, path.name, _DiskEntry(stat.st_size, header.conversations)))
-        for _, name, entry in sorted(found, key=lambda item: item[:2]):
-            self._disk[name] = entry
+            found.append((stat.st_mtime, path.name, segment))
+        for _, name, segment in sorted(found, key=lambda item: item[:2]):
+            self._add_segment(name, segment)
         self._fit_disk()
 
 
@@ -381,46 +509,71 @@ def drop_from_folder(folder: str | Path, conversation: str) -> int:
 # ---- the file format -------------------------------------------------------------------------
 
 
-def _write_file(folder: Path, name: str, header: _Header, payload: bytes) -> int:
-    header_json = header.to_json()
-    rest = struct.pack("<I", len(header_json)) + header_json
-    digest = hashlib.sha256(rest)
-    digest.update(payload)
-    fd, temp = tempfile.mkstemp(dir=folder, prefix=".tmp-")  # created 0600
+def _crc(page: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(page.numpy()))
+
+
+def _write_file(path: Path, segment: _Segment, pages: list[memoryview]) -> None:
+    """Write a segment atomically; sets ``segment.size``."""
+    header = segment.to_json()
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # created 0600
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(_MAGIC + digest.digest() + rest)
-            out.write(payload)
+            out.write(_MAGIC + struct.pack("<II", len(header), zlib.crc32(header)) + header)
+            for page in pages:
+                out.write(page)
         os.chmod(temp, FILE_MODE)
         _touch(Path(temp))
-        os.replace(temp, folder / name)
+        os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-    return _PREFIX + len(header_json) + len(payload)
+    segment.size = _PREFIX + len(header) + len(pages) * segment.page_bytes
 
 
-def _parse(raw: bytes) -> tuple[_Header, bytes]:
-    """Header and payload of a whole file, or ValueError when it is not a sound page file."""
-    if len(raw) < _PREFIX or raw[:len(_MAGIC)] != _MAGIC:
-        raise ValueError("not a Hearth page file")
-    if hashlib.sha256(raw[len(_MAGIC) + _DIGEST:]).digest() != raw[len(_MAGIC):len(_MAGIC) + _DIGEST]:
-        raise ValueError("checksum mismatch")
-    (header_len,) = struct.unpack_from("<I", raw, _PREFIX - 4)
-    header = _Header.from_json(raw[_PREFIX:_PREFIX + header_len])
-    return header, raw[_PREFIX + header_len:]
-
-
-def _read_header(path: Path) -> _Header:
-    """The header alone (the folder scan; the checksum is checked when the page is used)."""
+def _read_header(path: Path, size: int) -> _Segment:
+    """A segment's header (its pages' checksums are checked when they are read); ValueError when the
+    file is not a whole, sound segment."""
     with open(path, "rb") as file:
         prefix = file.read(_PREFIX)
         if len(prefix) < _PREFIX or prefix[:len(_MAGIC)] != _MAGIC:
-            raise ValueError("not a Hearth page file")
-        (header_len,) = struct.unpack_from("<I", prefix, _PREFIX - 4)
+            raise ValueError("not a Hearth segment file")
+        header_len, header_crc = struct.unpack_from("<II", prefix, len(_MAGIC))
         if header_len > _MAX_HEADER:
             raise ValueError("header too long")
-        return _Header.from_json(file.read(header_len))
+        header = file.read(header_len)
+    if len(header) != header_len or zlib.crc32(header) != header_crc:
+        raise ValueError("header checksum mismatch")
+    segment = _Segment.from_json(header)
+    segment.size = _PREFIX + header_len + len(segment.pages) * segment.page_bytes
+    if segment.size != size:
+        raise ValueError(f"{size} bytes long, not {segment.size}")
+    return segment
+
+
+def _read_task(task: _ReadTask) -> bool | None:
+    """Read and check one task's pages (in a pool thread): True when sound, False when cut short or
+    a checksum differs, None when the file could not be read."""
+    view = memoryview(task.out.numpy()).cast("B")
+    page_bytes = task.out.shape[1]
+    try:
+        with open(task.path, "rb", buffering=0) as file:
+            file.seek(task.offset)
+            done = 0
+            while done < len(view):
+                got = file.readinto(view[done:])
+                if not got:
+                    return False
+                done += got
+    except OSError:
+        return None
+    return all(zlib.crc32(view[i * page_bytes:(i + 1) * page_bytes]) == crc for i, crc in enumerate(task.crcs))
+
+
+@functools.cache
+def _io_pool() -> ThreadPoolExecutor:
+    """Threads for page reads and checksums (file reads and zlib release the GIL)."""
+    return ThreadPoolExecutor(max_workers=min(_IO_THREADS, os.cpu_count() or 1), thread_name_prefix="hearth-pages")
 
 
 def _private_folder(folder: Path) -> None:
@@ -444,49 +597,62 @@ class PageTier:
     """Moves whole pages between the device cache and a ``PrefixStore`` (the ``BlockManager``'s
     spill and restore hooks). On CUDA the copies are non-blocking through pinned memory: a spill
     is ordered before the step that reuses its page by the stream, a restore before the step that
-    reads it."""
+    reads it. Both move ``_STAGE_PAGES`` pages per chunk through a contiguous device buffer."""
 
     def __init__(self, cache: PagedCache, store: PrefixStore) -> None:
         self.cache = cache
         self.store = store
         self._cuda = cache.latent[0] is not None and cache.latent[0].is_cuda
+        store.pin = self._cuda
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.store
 
     def spill(self, pages: list[tuple[int, int, frozenset[str]]]) -> None:
         """Keep the pages ``(block id, hash, conversations)`` the device is about to reuse."""
-        fresh = []
-        for block_id, block_hash, conversations in pages:
-            if block_hash in self.store:
-                self.store.put(block_hash, None, conversations)
-            else:
-                fresh.append((block_id, block_hash, conversations))
-        if not fresh:
-            return
-        data = self.cache.read_pages([block_id for block_id, _, _ in fresh], pin=self._cuda)
-        ready = None
-        if self._cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        for row, (_, block_hash, conversations) in zip(data, fresh):
-            self.store.put(block_hash, row, conversations, ready)
+        known = [(block_hash, None, conversations) for _, block_hash, conversations in pages
+                 if block_hash in self.store]
+        fresh = [page for page in pages if page[1] not in self.store]
+        self.store.put_many(known)
+        for start in range(0, len(fresh), _STAGE_PAGES):
+            chunk = fresh[start:start + _STAGE_PAGES]
+            data = self.cache.read_pages([block_id for block_id, _, _ in chunk], pin=self._cuda)
+            ready = None
+            if self._cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            self.store.put_many(((block_hash, row, tags) for row, (_, block_hash, tags) in zip(data, chunk)), ready)
         self.store.counters.pages_spilled += len(fresh)
 
     def restore(self, pages: list[tuple[int, int]]) -> list[frozenset[str]]:
         """Copy the pages ``(hash, block id)`` into the device, in order, stopping at the first the
         store cannot give; returns the conversations of each page restored."""
-        rows, tags = [], []
-        for block_hash, _ in pages:
-            found = self.store.get(block_hash)
-            if found is None:
-                break
-            rows.append(found[0])
-            tags.append(found[1])
-        if rows:
-            data = torch.stack(rows)
-            if self._cuda:
-                data = data.pin_memory()
-            self.cache.write_pages([block_id for _, block_id in pages[:len(rows)]], data)
-            self.store.counters.pages_restored += len(rows)
-        return tags
+        found = self.store.take([block_hash for block_hash, _ in pages])
+        device = self.cache.page_device
+        for start in range(0, len(found), _STAGE_PAGES):
+            rows = [row for row, _ in found[start:start + _STAGE_PAGES]]
+            stage = torch.empty(len(rows), self.store.page_bytes, dtype=torch.uint8, device=device)
+            for first, run in _adjacent_runs(rows):
+                stage[first:first + run.shape[0]].copy_(run, non_blocking=self._cuda)
+            self.cache.write_pages([block_id for _, block_id in pages[start:start + len(rows)]], stage)
+        self.store.counters.pages_restored += len(found)
+        return [tags for _, tags in found]
+
+
+def _adjacent_runs(rows: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """``rows`` (1-D, equal sizes) as ``(first, [n, size] view)`` runs of rows that lie one after
+    another in the same storage, so each run is one copy."""
+    runs: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i < len(rows) and _follows(rows[i - 1], rows[i]):
+            continue
+        head = rows[start]
+        runs.append((start, head.as_strided((i - start, head.numel()), (head.numel(), 1))))
+        start = i
+    return runs
+
+
+def _follows(prev: torch.Tensor, row: torch.Tensor) -> bool:
+    return (row.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and row.storage_offset() == prev.storage_offset() + prev.numel())

@@ -14,7 +14,7 @@ import torch
 from hearth.engine import Engine, EngineConfig, Finished, RequestError, SamplingParams, TokenDelta
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import PagedCache
-from hearth.engine.prefix_store import PrefixStore
+from hearth.engine.prefix_store import PrefixStore, _adjacent_runs
 from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.conftest import TEST_DEVICE
 
@@ -239,3 +239,94 @@ def test_pages_copy_out_and_back_bit_exactly(models, index_fp8):
         if tensor is not None:
             rows = tensor.view(6, -1).view(torch.uint8)  # bytes: random bits include NaNs
             assert torch.equal(rows[0], rows[1]) and torch.equal(rows[2], rows[4])
+
+
+# ---- segment files ---------------------------------------------------------------------------
+
+
+def _segments(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.pages"))
+
+
+def _store(folder: Path, disk_bytes: int = 1 << 20, fingerprint: str = "f", host_bytes: int = 0) -> PrefixStore:
+    return PrefixStore(1000, host_bytes, folder=folder, disk_bytes=disk_bytes, fingerprint_=fingerprint, key="k")
+
+
+def _saved(folder: Path, pages: dict[int, set[str]]) -> None:
+    store = _store(folder, host_bytes=1 << 20)
+    for block_hash, conversations in pages.items():
+        store.put(block_hash, _page(block_hash), conversations)
+    store.flush()
+
+
+def test_pages_saved_together_share_a_segment_and_come_back_in_one_buffer(tmp_path):
+    _saved(tmp_path, {h: {"a"} for h in range(10)} | {10: {"b"}})
+    assert len(_segments(tmp_path)) == 2  # one per set of conversations
+    store = _store(tmp_path)
+    found = store.take([*range(10), 99, 10])
+    assert [int(row[0]) for row, _ in found] == list(range(10))  # stops at the first page it lacks
+    assert all(tags == {"a"} for _, tags in found)
+    runs = _adjacent_runs([row for row, _ in found])
+    assert len(runs) == 1 and runs[0][1].shape == (10, 1000)  # one buffer, read in file order
+
+
+def test_a_corrupt_page_rejects_its_whole_segment(tmp_path):
+    _saved(tmp_path, {h: {"a"} for h in range(4)} | {7: {"b"}})
+    victim = next(p for p in _segments(tmp_path) if p.stat().st_size > 3000)
+    data = bytearray(victim.read_bytes())
+    data[-1500] ^= 0x01  # one bit of page 2 of 4
+    victim.write_bytes(bytes(data))
+    store = _store(tmp_path)
+    assert store.take([0, 1, 2, 3]) == []  # nothing of a segment with a bad page is used
+    assert store.counters.files_rejected == 1 and not victim.exists()
+    assert 0 not in store and store.get(7)[0][0] == 7  # the other segment is untouched
+
+
+def test_a_cut_short_or_garbled_segment_is_deleted_at_start(tmp_path):
+    _saved(tmp_path, {1: {"a"}, 2: {"b"}, 3: {"c"}})
+    cut, garbled, sound = _segments(tmp_path)
+    cut.write_bytes(cut.read_bytes()[:-10])
+    data = bytearray(garbled.read_bytes())
+    data[20] ^= 0x20  # inside the header
+    garbled.write_bytes(bytes(data))
+    store = _store(tmp_path)
+    assert store.counters.files_rejected == 2 and _segments(tmp_path) == [sound]
+    assert sum(h in store for h in (1, 2, 3)) == 1
+
+
+def test_a_stale_fingerprint_deletes_this_models_segments_only(tmp_path):
+    _saved(tmp_path, {1: {"a"}})
+    other_model = PrefixStore(1000, 1 << 20, folder=tmp_path, disk_bytes=1 << 20, fingerprint_="g", key="other")
+    other_model.put(2, _page(2), {"a"})
+    other_model.flush()
+    store = _store(tmp_path, fingerprint="f2")  # this model changed
+    assert 1 not in store and store.counters.files_rejected == 1
+    assert len(_segments(tmp_path)) == 1 and store.conversations() == {"a"}  # the other model's stays
+
+
+def test_disk_lru_evicts_whole_segments_oldest_first(tmp_path):
+    store = _store(tmp_path, disk_bytes=12_000)
+    for group in range(3):  # three segments of three pages (~3.3 KB each)
+        store.put_many([(10 * group + i, _page(10 * group + i), {f"c{group}"}) for i in range(3)])
+    assert len(_segments(tmp_path)) == 3
+    assert store.get(0)[0][0] == 0  # segment 0 is now the most recently used
+    store.put_many([(30 + i, _page(30 + i), {"c3"}) for i in range(3)])
+    assert all(h in store for h in (0, 1, 2, 30, 31, 32, 20)) and not any(h in store for h in (10, 11, 12))
+    assert store.disk_bytes <= 12_000 and len(_segments(tmp_path)) == 3
+
+
+def test_drop_deletes_or_rewrites_segments(tmp_path):
+    _saved(tmp_path, {1: {"a"}, 2: {"a", "b"}, 3: {"b"}, 4: {"a"}})
+    store = _store(tmp_path)
+    assert store.drop("a") == 2  # pages 1 and 4; page 2 stays for b
+    assert len(_segments(tmp_path)) == 2
+    reopened = _store(tmp_path)
+    assert reopened.get(2) is not None and reopened.get(2)[1] == {"b"} and 1 not in reopened
+    assert reopened.conversations() == {"b"}
+    assert reopened.drop("b") == 2 and not list(tmp_path.iterdir())
+
+
+def test_old_one_page_files_are_deleted(tmp_path):
+    (tmp_path / "k-0123.page").write_bytes(b"HRTHPG01" + bytes(100))
+    store = _store(tmp_path)
+    assert store.counters.files_rejected == 1 and not list(tmp_path.iterdir())
