@@ -263,3 +263,12 @@ def test_decode_inputs_send_no_table_entries_in_steady_decoding(monkeypatch):
     tables[0].append(6)
     inputs.stage(tables, [8, 11], [5, 6], 2)
     assert sent == [([], [], []), ([0], [2], [6])]
+
+
+def test_token_slice_equals_slicing_the_whole_sequence():
+    from hearth.engine.scheduler import Sequence
+
+    seq = Sequence("r", [1, 2, 3, 4], GREEDY, output_ids=[5, 6, 7])
+    for start in range(8):
+        for stop in range(start, 9):
+            assert seq.token_slice(start, stop) == seq.token_ids[start:stop]
