@@ -139,6 +139,9 @@ class EngineConfig:
     cuda_graphs: one graph per batch-size bucket up to max_num_seqs, captured on first use, where
         the step allows: the DSA kernel path with every request decoding one token, routed experts
         resident on the GPU, no tiers, MLI off.
+    overlap_decode: a step where every request decodes one token leaves its sampled tokens on the
+        device as the next step's input and launches that step before reading them back
+        (hearth.engine.engine's module doc); tokens are the same as with it off.
     mli: on CUDA the layer's own indexer runs on a side stream, overlapping its attention; the
         selections shift by one indexer layer, which changes the math slightly.
     index_key_hot_pages: the cold pages sit behind a compact per-page summary (coarse-to-fine
@@ -201,6 +204,10 @@ class EngineConfig:
         True, "CUDA graphs",
         "Replay each decode step from a recorded CUDA graph, which saves the cost of starting each GPU "
         "kernel (GPU only; off is slower, for debugging).", section=BASIC)
+    overlap_decode: bool = _option(
+        True, "Overlapped decode",
+        "While the GPU computes the next token of every answer, the host reads back, detokenises and checks "
+        "the previous one; steps with prompt chunks, penalties or the runahead scheduler run one at a time.")
     offload: Literal["auto", "always", "never"] = _option(
         "auto", "Experts in RAM",
         "Keep the experts in RAM behind a GPU cache: auto when they do not fit on the GPU, always, or never.")

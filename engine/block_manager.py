@@ -113,6 +113,11 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).block_table)
 
+    def table_view(self, seq_id: str) -> Sequence[int]:
+        """The request's block table itself, not a copy (a step's inputs, read at once): it only
+        grows while the request lives, and a request allocated again gets a new one."""
+        return self._seq(seq_id).block_table
+
     def num_tokens(self, seq_id: str) -> int:
         return len(self._seq(seq_id).token_ids)
 
@@ -125,6 +130,11 @@ class BlockManager:
 
     def can_append(self, seq_id: str, num_new_tokens: int = 1) -> bool:
         return self._blocks_to_grow(self._seq(seq_id), num_new_tokens) <= self.num_free_blocks
+
+    def can_append_each(self, seq_ids: Sequence[str]) -> bool:
+        """Whether every one of ``seq_ids`` can grow by one token at the same time."""
+        needed = sum(self._blocks_to_grow(self._seq(seq_id), 1) for seq_id in seq_ids)
+        return needed <= self.num_free_blocks
 
     # ---- actions ---------------------------------------------------------------------------
 
@@ -187,6 +197,15 @@ class BlockManager:
         seq.token_ids.extend(new_token_ids)
         seq.block_table.extend(self._take_free() for _ in range(num_grow))
         self._flush_spills()
+
+    def set_token(self, seq_id: str, position: int, token_id: int) -> None:
+        """Give the token at ``position`` its value: it was appended as a placeholder because the
+        step that sampled it had not been read back yet (overlapped decode). Its block must not be
+        registered yet: callers mark tokens computed only once their values are set."""
+        seq = self._seq(seq_id)
+        if position // self.block_size < len(seq.block_hashes):
+            raise RuntimeError(f"token {position} of {seq_id!r} is in a registered block")
+        seq.token_ids[position] = token_id
 
     def mark_computed(self, seq_id: str, num_computed_tokens: int) -> None:
         """Register for reuse every full block within the first ``num_computed_tokens`` tokens,

@@ -14,9 +14,18 @@ request owns. Block tables are as wide as ``max_model_len`` needs, so any contex
 What can be captured is what the kernel path runs when every request decodes one token
 (``ForwardContext.decode``): no per-request Python, no host synchronisation, experts resident on the
 GPU through the fused MoE kernel. Other steps (prefill chunks, mixed steps) run eagerly.
+
+Staging a step's inputs (``DecodeInputs``) is on the host's critical path, so it is one pinned
+buffer filled through NumPy and one upload: ids, positions, slots and context lengths of every row,
+then only the block-table entries that changed since the row was last written, scattered on the
+device. A request's table only grows while it lives, so in steady decoding that part is empty
+except when a table grows a page. The ids may instead come from the device (overlapped decode:
+the previous step's sampled tokens, never read back to the host first).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +39,101 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [b for b in _BUCKETS if b < max_batch] + [max_batch]
 
 
+class DecodeInputs:
+    """The static input buffers every decode graph reads, and their staging from the host (see the
+    module doc). Works on any device: off CUDA nothing is pinned and every copy is synchronous."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, scratch_block: int,
+                 device: torch.device) -> None:
+        self.device, self.block_size, self.scratch_block = device, block_size, scratch_block
+        b = max_batch
+        self._meta = torch.zeros(3, b, dtype=torch.long, device=device)  # ids, positions, slots
+        self.ids, self.positions, self.slots = self._meta[0], self._meta[1], self._meta[2]
+        self.lens = torch.ones(b, dtype=torch.int32, device=device)
+        self.tables = torch.full((b, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self._cuda = device.type == "cuda"
+        # Two host buffers used in turn: one is filled while the other's upload may still read it.
+        self._host = [self._buffer(4 * b + 3 * max_blocks) for _ in range(2)]
+        self._uploads: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._pad: list[int] = [scratch_block]  # a padding row's table
+        # What row i of ``tables`` holds: the first ``length`` entries of ``table`` (a list that
+        # may have grown since; the rest of the row is stale but valid pages).
+        self._rows: list[tuple[Sequence[int], int]] = [((), 0)] * b
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        return torch.zeros(size, dtype=torch.long, pin_memory=self._cuda)
+
+    def stage(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int],
+              token_ids: Sequence[int] | torch.Tensor, b: int) -> None:
+        """Fill rows [0, b): request i decodes ``token_ids[i]`` (a host list or a device tensor) at
+        ``positions[i]``; rows from ``len(positions)`` on are padding that reads and writes only
+        the scratch page."""
+        n, bs = len(positions), self.block_size
+        rows, cols, pages = self._table_changes(block_tables, b)
+        k = len(rows)
+        self._turn ^= 1
+        upload = self._uploads[self._turn]
+        if upload is not None:
+            upload.synchronize()  # the upload from this buffer two steps ago (long done in practice)
+        if self._host[self._turn].numel() < 4 * b + 3 * k:
+            self._host[self._turn] = self._buffer(2 * (4 * b + 3 * k))
+        host = self._host[self._turn][:4 * b + 3 * k]
+        values = host.numpy()
+        head = values[:4 * b].reshape(4, b)
+        if not isinstance(token_ids, torch.Tensor):
+            head[0, :n] = token_ids
+        head[0, n:] = 0
+        head[1, :n] = positions
+        head[1, n:] = 0
+        head[2, :n] = [table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables, positions)]
+        head[2, n:] = self.scratch_block * bs
+        head[3, :n] = head[1, :n] + 1
+        head[3, n:] = 1
+        if k:
+            values[4 * b:].reshape(3, k)[:] = (rows, cols, pages)
+        staged = host.to(self.device, non_blocking=True)
+        if self._cuda:
+            event = self._uploads[self._turn] = self._uploads[self._turn] or torch.cuda.Event()
+            event.record()
+        staged_head = staged[:4 * b].view(4, b)
+        self._meta[:, :b].copy_(staged_head[:3])
+        if isinstance(token_ids, torch.Tensor):
+            self.ids[:n].copy_(token_ids)
+        self.lens[:b].copy_(staged_head[3])
+        if k:
+            triples = staged[4 * b:].view(3, k)
+            self.tables.index_put_((triples[0], triples[1]), triples[2].to(torch.int32))
+
+    def _table_changes(self, block_tables: Sequence[Sequence[int]],
+                       b: int) -> tuple[list[int], list[int], list[int]]:
+        """(row, column, page) of every table entry rows [0, b) need that the device lacks."""
+        rows: list[int] = []
+        cols: list[int] = []
+        pages: list[int] = []
+        for i in range(b):
+            table = block_tables[i] if i < len(block_tables) else self._pad
+            old, length = self._rows[i]
+            if old is table and len(table) >= length:
+                start = length  # the same list, grown (or not) since
+            elif len(table) >= length and table[:length] == old[:length]:
+                start = length
+            else:
+                start = 0
+            if start < len(table):
+                rows.extend([i] * (len(table) - start))
+                cols.extend(range(start, len(table)))
+                pages.extend(table[start:])
+            self._rows[i] = (table, len(table))
+        return rows, cols, pages
+
+    def context(self, model_cache: PagedCache, b: int, max_context: int) -> ForwardContext:
+        """The forward context of a step over rows [0, b) (what the graphs capture)."""
+        seqs = [SeqSlice(start=i, q_len=1, context_len=1, slots=self.slots[i:i + 1]) for i in range(b)]
+        return ForwardContext(positions=self.positions[:b], slot_mapping=self.slots[:b], seqs=seqs,
+                              cache=model_cache, decode=DecodeMeta(self.tables[:b], self.lens[:b], max_context))
+
+
 class DecodeGraphs:
     """Captures and replays decode steps of ``model`` over ``cache`` (see the module doc)."""
 
@@ -39,34 +143,27 @@ class DecodeGraphs:
         self.block_size = cache.block_size
         self.max_context = max_model_len
         self.max_blocks = -(-max_model_len // self.block_size)
-        self.scratch_block = scratch_block
         self.sizes = batch_buckets(max_batch)
         self.max_batch = self.sizes[-1]
-        b = self.max_batch
-        self.ids = torch.zeros(b, dtype=torch.long, device=device)
-        self.positions = torch.zeros(b, dtype=torch.long, device=device)
-        self.slots = torch.zeros(b, dtype=torch.long, device=device)
-        self.tables = torch.zeros(b, self.max_blocks, dtype=torch.int32, device=device)
-        self.lens = torch.ones(b, dtype=torch.int32, device=device)
-        # Host staging of one step's inputs: [ids, positions, slots, lens, tables...] per row.
-        self._host = torch.zeros(b, 4 + self.max_blocks, dtype=torch.long, pin_memory=True)
-        self._staged: torch.cuda.Event | None = None  # the last upload from _host (reused next step)
+        self.inputs = DecodeInputs(self.max_batch, self.max_blocks, self.block_size, scratch_block, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.replays = 0
 
-    def fits(self, num_requests: int, block_tables: list[list[int]]) -> bool:
+    def fits(self, num_requests: int, block_tables: Sequence[Sequence[int]]) -> bool:
         return num_requests <= self.max_batch and all(len(t) <= self.max_blocks for t in block_tables)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def run(self, block_tables: list[list[int]], positions: list[int], token_ids: list[int]) -> torch.Tensor:
-        """One decode step: request i has token ``token_ids[i]`` at ``positions[i]``. Returns fp32
-        logits (n, vocab), a view into the graph's output (valid until the next step)."""
-        n = len(token_ids)
+    def run(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int],
+            token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """One decode step: request i has token ``token_ids[i]`` (host list or device tensor) at
+        ``positions[i]``. Returns fp32 logits (n, vocab), a view into the graph's output (valid
+        until the next step)."""
+        n = len(positions)
         b = self.bucket(n)
-        self._stage(block_tables, positions, token_ids, b)
+        self.inputs.stage(block_tables, positions, token_ids, b)
         entry = self.graphs.get(b)
         if entry is None:
             entry = self.graphs[b] = self._capture(b)
@@ -74,34 +171,8 @@ class DecodeGraphs:
         self.replays += 1
         return entry[1][:n]
 
-    def _stage(self, block_tables: list[list[int]], positions: list[int], token_ids: list[int], b: int) -> None:
-        bs, scratch = self.block_size, self.scratch_block
-        if self._staged is not None:  # the previous step's non-blocking upload must have read _host
-            self._staged.synchronize()
-        host = self._host[:b]
-        host[:, 0] = 0  # padding rows: token 0 at position 0 in the scratch page
-        host[:, 1] = 0
-        host[:, 2] = scratch * bs
-        host[:, 3] = 1
-        host[:, 4:] = scratch
-        for i, (table, pos, tok) in enumerate(zip(block_tables, positions, token_ids)):
-            row = host[i]
-            row[0], row[1], row[2], row[3] = tok, pos, table[pos // bs] * bs + pos % bs, pos + 1
-            row[4:4 + len(table)] = torch.tensor(table, dtype=torch.long)
-        staged = host.to(self.device, non_blocking=True)
-        self._staged = torch.cuda.Event()
-        self._staged.record()
-        self.ids[:b].copy_(staged[:, 0])
-        self.positions[:b].copy_(staged[:, 1])
-        self.slots[:b].copy_(staged[:, 2])
-        self.lens[:b].copy_(staged[:, 3])
-        self.tables[:b].copy_(staged[:, 4:])
-
     def _forward(self, b: int) -> torch.Tensor:
-        seqs = [SeqSlice(start=i, q_len=1, context_len=1, slots=self.slots[i:i + 1]) for i in range(b)]
-        ctx = ForwardContext(positions=self.positions[:b], slot_mapping=self.slots[:b], seqs=seqs, cache=self.cache,
-                             decode=DecodeMeta(self.tables[:b], self.lens[:b], self.max_context))
-        return self.model(self.ids[:b], ctx)
+        return self.model(self.inputs.ids[:b], self.inputs.context(self.cache, b, self.max_context))
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up on a side stream first (Triton compiles, cuBLAS picks algorithms): nothing that

@@ -10,6 +10,34 @@ or ``for event in engine.generate(messages=..., sampling=...)`` for a single req
 ``add_request`` and ``abort`` may be called from other threads; ``step`` runs on one thread, and
 ``drop_conversation`` / ``close`` run on it or between its steps.
 
+Overlapped decode (``EngineConfig.overlap_decode``, on by default). A step whose every request
+decodes one token samples on the device and leaves its tokens there (a ``Flight``,
+``hearth.engine.overlap``). The next ``step`` launches step N+1 with those tokens as its input ids
+(a device-side copy: positions, cache slots and block tables are known without the token values;
+the block manager holds a placeholder for the token until it lands), and only then reads step N's
+tokens back (a non-blocking copy into pinned memory and an event) and detokenises, checks stops and
+builds events while the GPU runs step N+1. So each ``step`` call launches one step and lands the one
+before; a request's tokens arrive one call later than without overlap, the same tokens.
+
+- A request that finishes when its step-N token lands (EOS, stop token or string, abort) has a row
+  in step N+1: that row's token is dropped unread and never counted. Requests whose step-N token is
+  certainly their last (``max_tokens``, the context limit) get no row in step N+1.
+- Its cache pages are freed at once. That is safe against the step still running: every later use of
+  a page (another request's prefill or decode, a prefix-cache restore or spill) is queued on the same
+  CUDA stream after that step, and the dropped row writes only the cache slot of its own newest
+  token, in a page no other request shares (shared pages are whole, registered prefixes).
+- Seeded requests draw from their own generator in the same order as without overlap, so they (and
+  greedy requests) give the same tokens; a finished request's dropped draw uses only its own
+  generator. Unseeded random requests share the default generator and are not reproducible anyway.
+- A step falls back to running synchronously (land the flight, then schedule as usual) when a prompt
+  may join (waiting requests and a free seat), a running request is not in the flight (a prompt
+  being read), a request's cache must grow and no page is free without preempting, the runahead
+  decoder is in use (or ``scheduler=auto`` would switch), or a request uses repetition, presence or
+  frequency penalties: those read the token history on the host, so such steps never fly.
+- ``stats()``' ``decode_step_ms`` is the wall time of a decode ``step`` call (with overlap: launching
+  step N+1 and landing step N, waiting for it included) and ``decode_run_gpu_ms`` the GPU time of
+  ``ModelRunner.run`` alone; in steady decoding the first is the time per token.
+
 A request may name its conversation (``conversation_id``): its cache pages are tagged with it, kept
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
 ``drop_conversation``.
@@ -44,6 +72,7 @@ from hearth.engine.api import (
     auto_scheduler,
 )
 from hearth.engine.block_manager import BlockManager
+from hearth.engine.overlap import Flight, TokenReadback, device_index
 from hearth.engine.prefix_store import PageTier, PrefixStore, fingerprint, model_key
 from hearth.engine.runahead import RunaheadDecoder
 from hearth.engine.runner import ModelRunner, StepInput
@@ -76,6 +105,7 @@ _CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _GIB = 1 << 30
 _AUTO_HOST_CACHE_GIB = 4.0
 _PERSIST_BATCH = 64  # pages copied to the host at once when the engine stops
+_IN_FLIGHT = (-1,)  # a token sampled on the device and not read back yet (a StepInput's placeholder)
 
 
 class Engine:
@@ -114,6 +144,9 @@ class Engine:
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device)
             self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
         self.scheduler.on_preempt.append(lambda seq: self._forget(seq.request_id))
+        self._auto_choice = auto_scheduler(1)
+        self._flight: Flight | None = None  # overlapped decode: the step launched and not yet landed
+        self._readback = TokenReadback(device, config.max_num_seqs) if device is not None else None
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
@@ -238,6 +271,12 @@ class Engine:
     def step(self) -> list[Event]:
         """Run one scheduling step; returns the events it produced, in order."""
         events = self._take_intake()
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            rows = self._next_rows(flight)
+            if rows:
+                return events + self._overlapped_step(flight, rows)
+            events += self._land(flight)
         if self._auto:
             self._choose_scheduler()
         # Tokens in flight in the decoder finish there (after auto switched away from runahead).
@@ -252,8 +291,8 @@ class Engine:
                 if marks is not None:
                     marks[0].record()
                 logits = self.runner.run([
-                    StepInput(self.blocks.block_table(c.seq.request_id), c.seq.num_computed,
-                              c.seq.token_ids[c.seq.num_computed:c.seq.num_computed + c.num_tokens],
+                    StepInput(self.blocks.table_view(c.seq.request_id), c.seq.num_computed,
+                              c.seq.token_slice(c.seq.num_computed, c.seq.num_computed + c.num_tokens),
                               c.seq.request_id)
                     for c in chunks
                 ])
@@ -264,10 +303,99 @@ class Engine:
             self.scheduler.after_step(chunks)
             ready = [i for i, c in enumerate(chunks) if c.seq.num_computed == c.seq.num_tokens]
             rows = logits if len(ready) == len(chunks) else logits[ready]  # (decode: every row, no gather)
-            events += self._sample([chunks[i].seq for i in ready], rows)
+            requests = [self._requests[chunks[i].seq.request_id] for i in ready]
+            if len(ready) == len(chunks) and self._may_fly(requests, chunks):
+                self._flight = self._fly(requests, rows)
+            else:
+                events += self._sample(requests, rows)
         if self.decoder is not None and len(self.decoder):
             events += self._runahead_step()
         self.timer.end(marks)
+        return events
+
+    # ---- overlapped decode (the module doc) ------------------------------------------------
+
+    def _may_fly(self, requests: list[_Request], chunks: list) -> bool:
+        """Whether this step's tokens may stay on the device as the next step's input."""
+        return (self.config.overlap_decode and self._readback is not None and not self._runahead
+                and (self.decoder is None or not len(self.decoder))
+                and all(c.num_tokens == 1 for c in chunks)
+                and not any(_reads_history(r.seq.params) for r in requests))
+
+    def _fly(self, requests: list[_Request], logits: torch.Tensor) -> Flight:
+        tokens = self._sample_on_device(requests, logits)
+        return Flight(requests, tokens, self._readback.start(tokens))
+
+    def _next_rows(self, flight: Flight) -> list[int]:
+        """The flight's rows that decode again in a step launched before the flight lands; [] when
+        the next step must run synchronously (the module doc lists when)."""
+        scheduler = self.scheduler
+        if self._runahead or (self.decoder is not None and len(self.decoder)):
+            return []
+        if scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs:
+            return []
+        live = [i for i, r in enumerate(flight.requests) if r.seq.status is Status.RUNNING]
+        if len(live) != len(scheduler.running):
+            return []
+        if self._auto and auto_scheduler(len(live)) != self._auto_choice:
+            return []
+        rows = [i for i in live if not self._ends_by_length(flight.requests[i].seq)]
+        if not rows or len(rows) > self.config.max_num_batched_tokens:
+            return []
+        if not self.blocks.can_append_each([flight.requests[i].seq.request_id for i in rows]):
+            return []
+        return rows
+
+    def _ends_by_length(self, seq: Seq) -> bool:
+        """Whether the token in flight is certainly the request's last (max_tokens or the context)."""
+        return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _overlapped_step(self, flight: Flight, rows: list[int]) -> list[Event]:
+        """Launch the next decode step of ``rows`` from the flight's tokens on the device, then land
+        the flight while that step runs."""
+        self.timer.begin(True)
+        marks = self.timer.around_run()
+        requests = [flight.requests[i] for i in rows]
+        inputs = []
+        for request in requests:
+            seq = request.seq
+            self.blocks.append(seq.request_id, _IN_FLIGHT)  # the token's value comes when it lands
+            inputs.append(StepInput(self.blocks.table_view(seq.request_id), seq.num_tokens, _IN_FLIGHT,
+                                    seq.request_id))
+            seq.num_computed += 1  # (its pages are registered once the token lands: _land)
+        ids = flight.tokens if len(rows) == len(flight.requests) else \
+            flight.tokens.index_select(0, device_index(rows, flight.tokens.device))
+        try:
+            if marks is not None:
+                marks[0].record()
+            logits = self.runner.run(inputs, input_ids=ids)
+            if marks is not None:
+                marks[1].record()
+            launched: Flight | None = self._fly(requests, logits)
+        except torch.OutOfMemoryError:
+            launched = None
+        events = self._land(flight)
+        if launched is None:
+            return events + self._fail_all([r.seq for r in requests if r.seq.status is Status.RUNNING],
+                                           _OOM_MESSAGE)
+        if any(r.seq.status is Status.RUNNING for r in launched.requests):
+            self._flight = launched  # (else every row finished: nothing will read it)
+        self.timer.end(marks)
+        return events
+
+    def _land(self, flight: Flight) -> list[Event]:
+        """Read the flight's tokens and deliver those of requests still running; the others'
+        (finished or aborted meanwhile) are dropped uncounted."""
+        tokens = flight.pending.tolist()
+        live = [(r, t) for r, t in zip(flight.requests, tokens) if r.seq.status is Status.RUNNING]
+        for request, token in live:
+            seq = request.seq
+            if self.blocks.num_tokens(seq.request_id) > seq.num_tokens:  # the next step was launched
+                self.blocks.set_token(seq.request_id, seq.num_tokens, token)
+        events = self._deliver([r for r, _ in live], [t for _, t in live])
+        for request, _ in live:
+            if request.seq.status is Status.RUNNING:
+                self.blocks.mark_computed(request.seq.request_id, request.seq.num_computed)
         return events
 
     def _choose_scheduler(self) -> None:
@@ -275,7 +403,7 @@ class Engine:
         request's next token in flight; switching away lets the tokens in flight finish in the decoder
         while the others decode synchronously."""
         answering = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
-        choice = auto_scheduler(answering)
+        choice = self._auto_choice = auto_scheduler(answering)
         starting = choice == "runahead" and not self._runahead
         self._runahead = choice == "runahead"
         for seq in list(self.scheduler.running) if starting else []:
@@ -298,7 +426,7 @@ class Engine:
             seq.num_computed += 1
             self.blocks.mark_computed(request_id, seq.num_computed)
             seqs.append(seq)
-        return self._sample(seqs, torch.stack([row for _, row in done]))
+        return self._sample([self._requests[s.request_id] for s in seqs], torch.stack([row for _, row in done]))
 
     def _launch(self, seq: Seq) -> None:
         """Runahead: put the request's newest token in flight (after growing its cache pages)."""
@@ -326,15 +454,24 @@ class Engine:
                 events.append(self._finish(request, "abort"))
         return events
 
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[Event]:
-        """Sample the next token of each seq from its logits row; emit events."""
-        if not seqs:
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> list[Event]:
+        """Sample the next token of each request from its logits row; emit events."""
+        if not requests:
             return []
-        requests = [self._requests[s.request_id] for s in seqs]
-        tokens = self.sampler(
+        return self._deliver(requests, self._sample_on_device(requests, logits).tolist())
+
+    def _sample_on_device(self, requests: list[_Request], logits: torch.Tensor) -> torch.Tensor:
+        # Only rows with a repetition penalty read the whole prompt + output (built per call).
+        return self.sampler(
             logits, [r.seq.params for r in requests], [r.generator for r in requests],
-            [r.seq.token_ids for r in requests], [r.seq.output_ids for r in requests],
-        ).tolist()
+            [r.seq.token_ids if r.seq.params.repetition_penalty != 1.0 else () for r in requests],
+            [r.seq.output_ids for r in requests],
+        )
+
+    def _deliver(self, requests: list[_Request], tokens: list[int]) -> list[Event]:
+        """Accept each request's new token (stop checks, detokenising); the events, in order."""
+        if not requests:
+            return []
         now = time.perf_counter()
         self._recent.append((now, len(tokens)))
         while now - self._recent[0][0] >= _RATE_WINDOW_S:
@@ -449,6 +586,11 @@ class Engine:
 
     def running_ids(self) -> list[str]:
         return [s.request_id for s in self.scheduler.running if s.status is Status.RUNNING]
+
+
+def _reads_history(params: SamplingParams) -> bool:
+    """Whether sampling reads the request's earlier tokens on the host (penalties)."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
 def check_conversation_id(conversation_id: str | None) -> None:

@@ -13,6 +13,7 @@ conversation's reused prefix) and any subset of requests may run a layer togethe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -173,14 +174,14 @@ class ForwardContext:
         return torch.tensor(idx, dtype=torch.long, device=self.positions.device)
 
 
-def slots_for(block_table: list[int], num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:
+def slots_for(block_table: Sequence[int], num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:
     """Physical slots of logical positions 0..num_tokens-1 given a block table."""
     pos = torch.arange(num_tokens, dtype=torch.long)
     blocks = torch.tensor(block_table, dtype=torch.long)[pos // block_size]
     return (blocks * block_size + pos % block_size).to(device)
 
 
-def build_context(cache: PagedCache, requests: list[tuple[list[int], int, int]],
+def build_context(cache: PagedCache, requests: list[tuple[Sequence[int], int, int]],
                   device: torch.device, seq_ids: list[str | None] | None = None) -> ForwardContext:
     """Build the context for requests given as (block_table, first_position, q_len)."""
     seqs, positions, slot_mapping = [], [], []

@@ -3,6 +3,7 @@ batch (token ids, positions, slots) for the model. Knows nothing about schedulin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +29,9 @@ DEFAULT_MAX_MODEL_LEN = 8192
 class StepInput:
     """One request's share of a step: the tokens at positions [first_position, +len(token_ids))."""
 
-    block_table: list[int]
+    block_table: Sequence[int]
     first_position: int
-    token_ids: list[int]
+    token_ids: Sequence[int]  # (with ``run(input_ids=...)`` only their count matters)
     seq_id: str | None = None
 
 
@@ -211,16 +212,21 @@ class ModelRunner:
         return self.expert_cache.stats()["total"] if self.expert_cache is not None else {}
 
     @torch.inference_mode()
-    def run(self, inputs: list[StepInput], all_logits: bool = False, use_graphs: bool = True) -> torch.Tensor:
+    def run(self, inputs: list[StepInput], all_logits: bool = False, use_graphs: bool = True,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward the step; returns fp32 logits of each request's last token (B, vocab), or of
         every token (N, vocab) with all_logits. A decode step replays a CUDA graph where the runner
-        has them, unless ``use_graphs`` is False (benchmarks compare both paths)."""
+        has them, unless ``use_graphs`` is False (benchmarks compare both paths). ``input_ids``: the
+        step's token ids already on the device (N,), in place of the inputs' ``token_ids`` values
+        (overlapped decode feeds the previous step's samples without reading them back)."""
         graphs = self.graphs if use_graphs else None
         if graphs is not None and not all_logits and all(len(s.token_ids) == 1 for s in inputs):
             tables = [s.block_table for s in inputs]
             if graphs.fits(len(inputs), tables):
-                return graphs.run(tables, [s.first_position for s in inputs], [s.token_ids[0] for s in inputs])
+                ids = input_ids if input_ids is not None else [s.token_ids[0] for s in inputs]
+                return graphs.run(tables, [s.first_position for s in inputs], ids)
         ctx = build_context(self.cache, [(s.block_table, s.first_position, len(s.token_ids)) for s in inputs],
                             self.device, [s.seq_id for s in inputs])
-        ids = torch.tensor([t for s in inputs for t in s.token_ids], dtype=torch.long, device=self.device)
-        return self.model(ids, ctx, all_logits=all_logits)
+        if input_ids is None:
+            input_ids = torch.tensor([t for s in inputs for t in s.token_ids], dtype=torch.long, device=self.device)
+        return self.model(input_ids, ctx, all_logits=all_logits)

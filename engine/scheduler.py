@@ -42,6 +42,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``token_ids[start:stop]`` without building the whole prompt + output list (a decode step
+        needs one token of a prompt that may be thousands long)."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt:stop - prompt]
+        if stop <= prompt:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[:stop - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -109,7 +119,7 @@ class Scheduler:
     def make_room(self, seq: Sequence) -> bool:
         """Ensure seq's block table covers its newest token, preempting later requests if needed."""
         while self.blocks.num_tokens(seq.request_id) < seq.num_tokens:
-            missing = seq.token_ids[self.blocks.num_tokens(seq.request_id):]
+            missing = seq.token_slice(self.blocks.num_tokens(seq.request_id), seq.num_tokens)
             if self.blocks.can_append(seq.request_id, len(missing)):
                 self.blocks.append(seq.request_id, missing)
                 return True

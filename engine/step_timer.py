@@ -5,6 +5,13 @@ engine step (scheduling, the runner, sampling, detokenising, events) and the GPU
 events recorded around ``ModelRunner.run`` (read one step later, so timing adds no synchronisation).
 The difference is what the engine adds around the model; the server's HTTP/SSE work shows up as the
 client's time per token minus the engine step.
+
+With overlapped decode (``EngineConfig.overlap_decode``) a decode step call launches step N+1 and then
+lands step N, so its wall time includes waiting for step N's tokens and, in steady decoding, is the
+time per token; the GPU time is still that of ``ModelRunner.run`` alone (step N+1's). Host work hidden
+behind the GPU no longer shows in the difference: what remains there is the host work the GPU waits
+for (launching the step, staging its inputs) and the sampling kernels. The step that starts a run of
+overlapped steps reads nothing back and is short; the numbers are medians of the last 256 steps.
 """
 
 from __future__ import annotations

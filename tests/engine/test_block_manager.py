@@ -326,3 +326,24 @@ def test_random_operations_keep_every_invariant(seed, enable_prefix_caching):
     for seq_id in list(sim.tokens):
         sim.bm.free(seq_id)
     assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def test_placeholder_token_gets_its_value_before_its_block_is_registered():
+    """Overlapped decode appends a token before its value is known and sets it when it lands."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate("a", [1, 2, 3])
+    view = bm.table_view("a")
+    assert bm.can_append_each(["a"])
+    bm.append("a", [-1])  # fills the first block
+    bm.set_token("a", 3, 9)
+    bm.append("a", [-1])  # registers the first block: its tokens are all known now
+    assert view == bm.block_table("a") and len(view) == 2  # the view grew with the table
+    bm.allocate("b", [1, 2, 3, 9, 5])
+    assert bm.hit_tokens == 4  # the block holds 9, not the placeholder
+    with pytest.raises(RuntimeError, match="registered"):
+        bm.set_token("a", 2, 7)
+    assert bm.num_free_blocks == 1 and bm.can_append_each(["a", "b"])  # room in their second blocks
+    bm.append("a", [6, 7, 8])
+    bm.append("b", [6, 7, 8])
+    assert bm.can_append("a") and bm.can_append("b")
+    assert not bm.can_append_each(["a", "b"])  # both need a new block and one is free

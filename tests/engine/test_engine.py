@@ -192,11 +192,11 @@ def test_gpu_out_of_memory_fails_the_step_not_the_engine(model_dir, monkeypatch)
     real_run = engine.runner.run
     calls = {"n": 0}
 
-    def flaky_run(inputs, all_logits=False):
+    def flaky_run(inputs, all_logits=False, **options):
         calls["n"] += 1
         if calls["n"] == 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_run(inputs, all_logits)
+        return real_run(inputs, all_logits, **options)
 
     monkeypatch.setattr(engine.runner, "run", flaky_run)
     done = _run_all_after_adding(engine, [_prompt(7), _prompt(8)])
