@@ -192,6 +192,39 @@ class PiecewiseDecode:
             routed = routed + self.shared[:n]
         self.hidden[:n] += routed
 
+    # ---- the runahead decoder's micro-steps --------------------------------------------------
+
+    def attend_rows(self, layer: int, rows: list[Row], hidden: torch.Tensor,
+                    selections: list[torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor] | None]:
+        """The ``attn`` piece of ``layer`` for any requests: ``rows`` with their residual rows ``hidden``
+        (n, D) and, where the layer reads one, the top-k each request's last indexer layer chose. Returns
+        this step's rows (own tensors: ``hidden``, and for an offloaded MoE layer ``normed``, ``ids``,
+        ``weights`` and ``shared`` when it has shared experts) and each request's top-k after the layer."""
+        n = len(rows)
+        b = self.bucket(n) if self.static else n  # eager pieces gain nothing from padding rows
+        self.stage(rows, b)
+        self.hidden[:n].copy_(hidden)
+        reads = self.reads_selection(layer)
+        if self.static and reads and selections is not None:
+            self.selection[:n].copy_(torch.stack([s.view(1, -1) for s in selections]))
+            self.selection[n:b] = -1  # padding rows select nothing but their own token
+            self.selection[n:b, :, 0] = 0
+        if not self.static:
+            self._ctx.selections = dict(enumerate(selections)) if selections is not None else {}
+        self.piece("attn", layer, b)()
+        out = {"hidden": self.hidden[:n].clone()}
+        if layer in self.offloaded:
+            out.update(normed=self.normed[:n].clone(), ids=self.expert_ids[:n].clone(),
+                       weights=self.expert_weights[:n].clone())
+            if self.model.layers[layer].mlp.shared_experts is not None:
+                out["shared"] = self.shared[:n].clone()
+        if not self.static:
+            chosen = self._ctx.selections
+            return out, [chosen[i] for i in range(n)] if len(chosen) >= n else selections
+        if getattr(self.model.layers[layer].self_attn, "indexer", None) is not None:
+            return out, list(self.selection[:n].clone().unbind(0))
+        return out, selections
+
     # ---- staging ----------------------------------------------------------------------------
 
     def stage(self, rows: list[Row], b: int) -> None:
