@@ -137,8 +137,9 @@ class EngineConfig:
     max_model_len: None is the model's limit, capped at 8192 until the user asks for more.
     keep_fp8: FP8 weights keep their 128x128 block scales and are dequantised on the fly.
     cuda_graphs: one graph per batch-size bucket up to max_num_seqs, captured on first use, where
-        the step allows: the DSA kernel path with every request decoding one token, routed experts
-        resident on the GPU, no tiers, MLI off.
+        the step allows: the DSA kernel path with every request decoding one token, no tiers. With
+        offloaded experts or MLI the step runs as per-layer pieces, each captured per bucket, the
+        routed experts between them (hearth.engine.piecewise); every scheduler replays them.
     mli: on CUDA the layer's own indexer runs on a side stream, overlapping its attention; the
         selections shift by one indexer layer, which changes the math slightly.
     index_key_hot_pages: the cold pages sit behind a compact per-page summary (coarse-to-fine

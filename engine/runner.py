@@ -217,8 +217,14 @@ class ModelRunner:
                 tiers.drop(seq_id)
 
     def expert_stats(self) -> dict[str, float]:
-        """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded."""
-        return self.expert_cache.stats()["total"] if self.expert_cache is not None else {}
+        """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded; with
+        piecewise decode also its pieces: graph replays, pieces run eagerly (captures included) and MoE
+        layer-steps that streamed through the backend because the pool had no room for them at once."""
+        stats = dict(self.expert_cache.stats()["total"]) if self.expert_cache is not None else {}
+        if self.pieces is not None and self.expert_cache is not None:
+            stats.update(piece_replays=self.pieces.replays, eager_pieces=self.pieces.eager_pieces,
+                         streamed_layer_steps=self.pieces.fallbacks)
+        return stats
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], all_logits: bool = False, use_graphs: bool = True) -> torch.Tensor:
