@@ -299,6 +299,33 @@ def deepseek_v3_dict(small: bool, vocab: int, max_positions: int) -> dict:
                 **(tiny if small else real))
 
 
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy")
+
+
+def launch_profile(step, steps: int, device: torch.device) -> dict:
+    """Per call of ``step``: launches the host issued (kernels + CUDA-graph replays, from the
+    profiler's runtime-API events), graph replays among them, and host time (the call's wall time
+    less the time the host sat blocked in synchronising calls, e.g. reading the router's ids back)."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = time.perf_counter() - t0
+        sync(device)
+    events = prof.events()
+    launches = sum(e.name in _LAUNCHES for e in events)
+    graphs = sum(e.name == "cudaGraphLaunch" for e in events)
+    blocked_us = sum(e.cpu_time_total for e in events if e.name in _WAITS)
+    return {"launches_per_step": launches / steps, "graph_replays_per_step": graphs / steps,
+            "host_ms_per_step": (wall * 1e6 - blocked_us) / steps / 1e3}
+
+
 def part_model(args, device: torch.device) -> dict:
     """Hearth: prefill ``--context`` tokens, then time greedy decode steps through the model runner."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -353,6 +380,15 @@ def part_model(args, device: torch.device) -> dict:
               "prefill_tok_s": args.context / prefill_ms * 1e3, "hit_rate": st["hit_rate"],
               "link_floor_ms_per_token": floor, "copy_busy": st["copy_ms"] / sum(timed),
               "steps_ms": step_ms, "experts_dtype": "float8_e4m3fn", "cache_fraction": slots / shapes.num_experts}
+    pos = args.context + args.model_tokens + 1
+    for name, graphs in (("pieces", True), ("whole-model eager", False)):
+        probe = launch_profile(lambda graphs=graphs: runner.run([StepInput(table, pos, [tokens[-1]])],
+                                                                use_graphs=graphs), 3, device)
+        result[f"launches_{name}"] = probe
+        if probe:
+            print(f"hearth model, {name} decode step: {probe['launches_per_step']:.0f} launches "
+                  f"({probe['graph_replays_per_step']:.0f} graph replays), host {probe['host_ms_per_step']:.2f} ms "
+                  f"per step", flush=True)
     print(f"hearth model: prefill {args.context} tokens {prefill_ms:.0f} ms ({result['prefill_tok_s']:.0f} tok/s); "
           f"decode {ms:.2f} ms/token over {len(timed)} tokens (link floor {floor:.2f} ms, hit {st['hit_rate']:.3f}, "
           f"copy busy {100 * result['copy_busy']:.0f}%)", flush=True)

@@ -189,6 +189,11 @@ class PrefetchingExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = self.backend(layer, x, ids, weights)
+        self.predict(layer, x)
+        return out
+
+    def predict(self, layer: int, x: torch.Tensor) -> None:
+        """Fetch the experts the next MoE layer's router picks for ``x``, ``layer``'s MoE input."""
         nxt = self._next.get(layer)
         if nxt is not None and self.active:
             guess = list(dict.fromkeys(self._gates[nxt](x)[0].flatten().tolist()))
@@ -196,7 +201,6 @@ class PrefetchingExperts:
             if guess:
                 self.cache.release(self.cache.acquire(nxt, guess))  # copies run on; slots stay evictable
                 self.predicted += len(guess)
-        return out
 
 
 def _host_store(path: Path, config: ModelConfig, layers: list[int], dtype: torch.dtype) -> ExpertStore:

@@ -53,6 +53,7 @@ Cache cooperation:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,6 +61,11 @@ import torch
 
 from hearth.engine.kv_cache import ForwardContext, PagedCache, SeqSlice, slots_for
 from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.piecewise import PiecewiseDecode, Row
+from hearth.engine.runner import StepInput
+
+# A decode step of the layer-synchronous scheduler: (requests, one token each) -> logits (n, vocab) fp32.
+SyncStep = Callable[[list[StepInput]], torch.Tensor]
 
 NEEDED, PREDICTED = 2, 1  # eviction-plan tiers (0: nobody expects the expert)
 
@@ -103,8 +109,9 @@ class Flight:
     request_id: str
     position: int
     block_table: list[int]
-    hidden: torch.Tensor  # (1, D) residual stream
+    token: int  # the token in flight (embedded by its first attention micro-step)
     round: int  # the decoder's token round of this token (comparable across requests)
+    hidden: torch.Tensor | None = None  # (1, D) residual stream, from the first attention micro-step
     layer: int = 0
     phase: str = "attn"  # "attn": waits to start the layer; "moe": routed, waits for its experts
     normed: torch.Tensor | None = None  # (1, D) MoE input
@@ -129,12 +136,18 @@ class RunaheadDecoder:
 
     ``max_lead``: how many layers a request may be ahead of the most lagging one when it starts a
     layer (None: one token, ``num_hidden_layers``). ``fetch_depth``: copies kept queued on the link
-    (None: the residency's choice).
+    (None: the residency's choice). ``pieces``: the runner's piecewise decode (its per-layer pieces,
+    CUDA graphs where captured, run the attention micro-steps). ``sync_step``: the layer-synchronous
+    decode step; a request alone in the decoder runs its whole token through it (nothing to run
+    ahead of: the same graphs and fetch plan as the sync scheduler, so one request costs what sync costs).
     """
 
     def __init__(self, model: DeepseekForCausalLM, cache: PagedCache, residency: Residency | None,
-                 device: torch.device, max_lead: int | None = None, fetch_depth: int | None = None) -> None:
+                 device: torch.device, max_lead: int | None = None, fetch_depth: int | None = None,
+                 pieces: PiecewiseDecode | None = None, sync_step: SyncStep | None = None) -> None:
         self.model = model
+        self.pieces = pieces
+        self.sync_step = sync_step
         self.cache = cache
         self.residency = residency
         self.device = device
@@ -144,7 +157,7 @@ class RunaheadDecoder:
         if self.max_lead < 1:
             raise ValueError(f"max_lead must be at least 1 layer, got {max_lead}")
         self.fetch_depth = fetch_depth
-        self.micro_steps = self.expert_steps = self.waits = self.deferred = 0
+        self.micro_steps = self.expert_steps = self.waits = self.deferred = self.sync_steps = 0
         self._unfetched = 0  # experts waiting pairs need that are neither held nor queued
         self.max_lead_seen = 0  # the largest lead (in layers) a request started a layer with
         self._next_round: dict[str, int] = {}  # request -> round of its next token
@@ -158,10 +171,9 @@ class RunaheadDecoder:
         """Put a request's next token in flight at layer 0. A request new to the decoder joins at the
         round of the most lagging flight (``tokens_done`` is informational: rounds order the work)."""
         del tokens_done
-        ids = torch.tensor([token_id], dtype=torch.long, device=self.device)
         joined = min((f.round for f in self.flights.values()), default=0)
         round_ = self._next_round.pop(request_id, joined)
-        self.flights[request_id] = Flight(request_id, position, block_table, self.model.embed(ids), round_)
+        self.flights[request_id] = Flight(request_id, position, block_table, token_id, round_)
 
     def drop(self, request_id: str) -> None:
         """Forget a request (finished, aborted or preempted), releasing experts only it was waiting for."""
@@ -194,6 +206,9 @@ class RunaheadDecoder:
     @torch.inference_mode()
     def step(self) -> list[tuple[str, torch.Tensor]]:
         """One micro-step; returns (request_id, logits (vocab,)) of requests that finished a token."""
+        alone = self._alone()
+        if alone is not None:
+            return self._run_sync(alone)
         self._hold_and_fetch()
         kind, layer, group = self._pick()
         if kind is None:
@@ -206,6 +221,23 @@ class RunaheadDecoder:
             return self._finish_tokens(group)
         self.expert_steps += 1
         return self._finish_tokens(self._run_experts(layer))
+
+    def _alone(self) -> Flight | None:
+        """The one flight, when it is alone and about to start its token (the sync step can run it)."""
+        if self.sync_step is None or len(self.flights) != 1:
+            return None
+        flight = next(iter(self.flights.values()))
+        return flight if flight.layer == 0 and flight.phase == "attn" else None
+
+    def _run_sync(self, flight: Flight) -> list[tuple[str, torch.Tensor]]:
+        self.release_holds()  # (none of its own: it has not routed yet) the sync step may need every slot
+        self.micro_steps += 1
+        self.sync_steps += 1
+        logits = self.sync_step([StepInput(flight.block_table, flight.position, [flight.token], flight.request_id)])
+        del self.flights[flight.request_id]
+        self._next_round[flight.request_id] = flight.round + 1
+        self._used.pop(flight.request_id, None)  # its experts were not recorded: predict nothing from them
+        return [(flight.request_id, logits[0])]
 
     # ---- choosing ---------------------------------------------------------------------------
 
@@ -381,22 +413,51 @@ class RunaheadDecoder:
             ctx.selections = {i: f.selection for i, f in enumerate(group)}
         return ctx
 
-    def _run_attention(self, group: list[Flight]) -> None:
-        layer = self.model.layers[group[0].layer]
+    def _hidden(self, group: list[Flight]) -> torch.Tensor:
+        """(T, D) residual rows of ``group``, embedding the tokens of flights at their first layer."""
+        fresh = [f for f in group if f.hidden is None]
+        if fresh:
+            ids = _to_device([[f.token for f in fresh]], self.device)[0]
+            embedded = self.model.embed(ids)
+            for i, flight in enumerate(fresh):
+                flight.hidden = embedded[i:i + 1]
+        return torch.cat([f.hidden for f in group])
+
+    def _attend(self, group: list[Flight]) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None,
+                                                    torch.Tensor | None]:
+        """Attention of ``group`` at its layer: (hidden, normed, routing, shared); routing None when the
+        layer is done (a dense layer, or experts computed in place)."""
+        index = group[0].layer
+        layer = self.model.layers[index]
+        pieces = self.pieces
+        if pieces is not None and pieces.fits(len(group), [f.block_table for f in group]):
+            selections = [f.selection for f in group] if all(f.selection is not None for f in group) else None
+            out, chosen = pieces.attend_rows(index, [Row(f.block_table, f.position) for f in group],
+                                             self._hidden(group), selections)
+            for i, flight in enumerate(group):
+                flight.selection = chosen[i] if chosen is not None else flight.selection
+            if "ids" not in out:
+                return out["hidden"], None, None, None
+            return out["hidden"], out["normed"], (out["ids"], out["weights"]), out.get("shared")
         ctx = self._context(group)
-        hidden = layer.attend(torch.cat([f.hidden for f in group]), ctx)  # (T, D)
+        hidden = layer.attend(self._hidden(group), ctx)  # (T, D)
         normed = layer.ffn_input(hidden)
         routing = layer.route(normed)
-        if routing is None or self.residency is None:  # dense layer, or every expert resident
-            hidden = layer.ffn(hidden, normed, routing)
         for i, flight in enumerate(group):
             flight.selection = ctx.selections.get(i, flight.selection)
+        if routing is None or self.residency is None:  # dense layer, or every expert resident
+            return layer.ffn(hidden, normed, routing), None, None, None
+        shared = layer.mlp.shared_experts(normed) if layer.mlp.shared_experts is not None else None
+        return hidden, normed, routing, shared
+
+    def _run_attention(self, group: list[Flight]) -> None:
+        hidden, normed, routing, shared = self._attend(group)
+        for i, flight in enumerate(group):
             flight.hidden = hidden[i:i + 1]
-        if routing is None or self.residency is None:
+        if routing is None:
             for flight in group:
                 self._advance(flight)
             return
-        shared = layer.mlp.shared_experts(normed) if layer.mlp.shared_experts is not None else None
         # NOTE: the one host sync of the layer: which experts to fetch is a scheduling decision.
         chosen = routing[0].tolist()
         k = len(chosen[0])

@@ -17,6 +17,7 @@ from hearth.engine.models import dsa_kernels, fused_experts
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.offload_setup import CacheResidency, Placement, PrefetchingExperts, attach_offload, plan_placement
+from hearth.engine.piecewise import PiecewiseDecode, Row
 from hearth.engine.tiers import KeyTiers, LatentTiers
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertStore
@@ -79,8 +80,11 @@ class RunnerFeatures:
         the plain-PyTorch path). offload: routed experts in host RAM behind a GPU cache.
     key_tiers / latent_tiers: long-context tiers (``index_key_hot_pages`` / ``latent_hot_rows``).
     fused_experts: resident experts on CUDA run as one grouped kernel.
-    cuda_graphs: decode steps replayed from CUDA graphs; only for the kernel path with resident
-        experts, MLI off and the synchronous scheduler ("auto" is synchronous with resident experts).
+    piecewise: decode steps run as pieces between the routed-expert calls (hearth.engine.piecewise):
+        with offloaded experts, or MLI on the kernel path; not with tiers (per-request state).
+    cuda_graphs: decode steps replayed from CUDA graphs (the kernel path): the whole step in one
+        graph (hearth.engine.cuda_graphs), or each piece in its own graph when ``piecewise``; with
+        every scheduler (the runahead decoder replays the same pieces).
     """
 
     attention: AttentionPaths
@@ -88,6 +92,7 @@ class RunnerFeatures:
     key_tiers: bool
     latent_tiers: bool
     fused_experts: bool
+    piecewise: bool
     cuda_graphs: bool
 
     @classmethod
@@ -100,10 +105,10 @@ class RunnerFeatures:
         use_kernels = (config.use_kernels == "auto" and not key_tiers and not latent_tiers
                        and dsa_kernels.kernels_apply(model_config, block_size, device, dtype))
         fused = not offload and device.type == "cuda" and config.use_kernels == "auto"
-        graphs = (config.cuda_graphs and use_kernels and not offload and not config.mli
-                  and config.scheduler in ("sync", "auto"))
+        piecewise = (offload or (config.mli and use_kernels)) and not key_tiers and not latent_tiers
+        graphs = config.cuda_graphs and use_kernels
         return cls(AttentionPaths(use_kernels=use_kernels, mli=config.mli), offload, key_tiers, latent_tiers,
-                   fused, graphs)
+                   fused, piecewise, graphs)
 
 
 class ModelRunner:
@@ -150,7 +155,12 @@ class ModelRunner:
         elif features.fused_experts:
             fused_experts.enable(model)  # resident experts: one grouped kernel, no host sync
         self.graphs: DecodeGraphs | None = None
-        if features.cuda_graphs:
+        self.pieces: PiecewiseDecode | None = None
+        if features.piecewise:
+            self.pieces = PiecewiseDecode(model, self.cache, config.max_num_seqs, self.max_model_len,
+                                          scratch_block=self.num_blocks, device=self.device,
+                                          capture=features.cuda_graphs)
+        elif features.cuda_graphs:
             self.graphs = DecodeGraphs(model, self.cache, config.max_num_seqs, self.max_model_len,
                                        scratch_block=self.num_blocks, device=self.device)
 
@@ -208,23 +218,32 @@ class ModelRunner:
                 tiers.drop(seq_id)
 
     def expert_stats(self) -> dict[str, float]:
-        """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded."""
-        return self.expert_cache.stats()["total"] if self.expert_cache is not None else {}
+        """Expert-cache counters (hits, misses, bytes fetched, copy time), empty when not offloaded; with
+        piecewise decode also its pieces: graph replays, pieces run eagerly (captures included) and MoE
+        layer-steps that streamed through the backend because the pool had no room for them at once."""
+        stats = dict(self.expert_cache.stats()["total"]) if self.expert_cache is not None else {}
+        if self.pieces is not None and self.expert_cache is not None:
+            stats.update(piece_replays=self.pieces.replays, eager_pieces=self.pieces.eager_pieces,
+                         streamed_layer_steps=self.pieces.fallbacks)
+        return stats
 
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], all_logits: bool = False, use_graphs: bool = True,
             input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward the step; returns fp32 logits of each request's last token (B, vocab), or of
         every token (N, vocab) with all_logits. A decode step replays a CUDA graph where the runner
-        has them, unless ``use_graphs`` is False (benchmarks compare both paths). ``input_ids``: the
-        step's token ids already on the device (N,), in place of the inputs' ``token_ids`` values
-        (overlapped decode feeds the previous step's samples without reading them back)."""
-        graphs = self.graphs if use_graphs else None
-        if graphs is not None and not all_logits and all(len(s.token_ids) == 1 for s in inputs):
-            tables = [s.block_table for s in inputs]
-            if graphs.fits(len(inputs), tables):
-                ids = input_ids if input_ids is not None else [s.token_ids[0] for s in inputs]
-                return graphs.run(tables, [s.first_position for s in inputs], ids)
+        has them (or runs it in pieces, see hearth.engine.piecewise), unless ``use_graphs`` is False
+        (benchmarks compare both paths). ``input_ids``: the step's token ids already on the device (N,),
+        in place of the inputs' ``token_ids`` values (overlapped decode feeds the previous step's samples
+        without reading them back)."""
+        decode = use_graphs and not all_logits and all(len(s.token_ids) == 1 for s in inputs)
+        tables = [s.block_table for s in inputs]
+        if decode and self.pieces is not None and self.pieces.fits(len(inputs), tables):
+            rows = [Row(s.block_table, s.first_position, s.token_ids[0]) for s in inputs]
+            return self.pieces.run(rows, input_ids)
+        if decode and self.graphs is not None and self.graphs.fits(len(inputs), tables):
+            ids = input_ids if input_ids is not None else [s.token_ids[0] for s in inputs]
+            return self.graphs.run(tables, [s.first_position for s in inputs], ids)
         ctx = build_context(self.cache, [(s.block_table, s.first_position, len(s.token_ids)) for s in inputs],
                             self.device, [s.seq_id for s in inputs])
         if input_ids is None:

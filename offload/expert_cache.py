@@ -258,6 +258,11 @@ class ExpertCache:
                 stats.hits, stats.merged = counted
                 raise
             self._fetch(lease, [(i, s) for i, s in zip(missing, free)], stats)
+        # NOTE: the experts of one call are used together. Touching them in expert order, not in the
+        # caller's order (resident before in flight before missing), keeps the eviction order, and so
+        # the bytes fetched, independent of which copies had landed when the call was planned.
+        for expert in sorted(experts):
+            pool.policy.touch((layer, expert))
         stats.requests += len(experts)
         return lease
 
@@ -276,7 +281,6 @@ class ExpertCache:
         lease.slots[i] = slot
         pool.held += self._refs[slot] == 0
         self._refs[slot] += 1
-        pool.policy.touch((lease.layer, lease.experts[i]))
 
     def _take_slots(self, pool: _Pool, layer: int, n: int) -> list[int]:
         need = n - len(pool.free)
@@ -335,7 +339,6 @@ class ExpertCache:
         pool.held += self._refs[slot] == 0
         self._refs[slot] += 1
         lease.slots[i] = slot
-        pool.policy.touch(key)
 
     def release(self, lease: ExpertLease, record: bool = True) -> None:
         """Drop the lease's references; on CUDA, later copies into its slots wait for the work queued

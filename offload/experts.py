@@ -35,7 +35,7 @@ import torch
 
 from hearth.kernels.moe import fused_moe, moe_reference
 from hearth.offload.cpu_experts import HOST_POLICIES, HostSpeeds, choose_host_experts, host_expert, measure_host_speeds
-from hearth.offload.expert_cache import ExpertCache, ExpertLease
+from hearth.offload.expert_cache import CacheFullError, ExpertCache, ExpertLease
 from hearth.offload.expert_store import ExpertStore, ExpertWeights
 from hearth.offload.fetch_plan import (
     IN_FLIGHT,
@@ -231,6 +231,34 @@ class OffloadedExperts:
             for lease in held:
                 self.cache.release(lease)
         return pairs.unsorted().view(t, k, -1).sum(1).to(x.dtype)  # (TK, D) -> (T, K, D) -> (T, D)
+
+    @property
+    def capturable(self) -> bool:
+        """Can :meth:`compute_slots` run inside a CUDA graph (the fused kernel: no host sync)?"""
+        return self.cache.is_cuda and self.use_kernel and self.cache.weights.plain_swiglu
+
+    def acquire_all(self, layer: int, ids: list[int]) -> ExpertLease | None:
+        """One lease on every expert of the flattened routing ``ids`` (copies of missing ones queued,
+        largest first), for computing them all in one launch through their slots; None when the pool
+        has no room for all of them at once or the host-experts policy computes some on the host (then
+        the call goes through ``__call__``, which streams them)."""
+        counts = dict(sorted(Counter(ids).items()))
+        if counts and (min(counts) < 0 or max(counts) >= self.num_experts):
+            raise ValueError(f"expert ids must be in [0, {self.num_experts}), got {min(counts)}..{max(counts)}")
+        needed = list(counts)
+        state_list = self.cache.lookup(layer, needed)
+        states = dict(zip(needed, state_list))
+        if self._host_choice(needed, states, counts):
+            return None
+        order = [needed[i] for i in serving_order([counts[e] for e in needed], state_list)]
+        try:
+            return self.cache.acquire(layer, order)
+        except CacheFullError:
+            return None
+
+    def compute_slots(self, out: torch.Tensor, x: torch.Tensor, slot_ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """out [T, D] fp32 += the experts at cache slots ``slot_ids`` [T, K] (-1 = skip) of x [T, D]."""
+        _experts_into(out, x, slot_ids, weights, self.cache.weights, self.use_kernel)
 
     def _read_routing(self, topk_ids: torch.Tensor) -> tuple[list[int] | None, dict[int, int]]:
         """(the flattened routing when read back whole, else None; pairs per needed expert, by expert id).

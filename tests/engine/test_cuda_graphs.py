@@ -47,3 +47,36 @@ def test_graph_decode_equals_eager(kernel_model):
     alone = _generate(graphed, prompts[1:2], 40)
     assert 1 in graphs.graphs
     assert alone[0] == want[1]
+
+
+def _offloaded(path, **options) -> Engine:
+    return Engine.load(str(path), EngineConfig(device="cuda", dtype="bfloat16", offload="always",
+                                               expert_cache_slots=4, **options))
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "runahead", "prefetch"])
+def test_piecewise_graphs_with_offloaded_experts_equal_eager_pieces(kernel_model, scheduler):
+    """Offloaded experts: every piece captured per bucket and replayed gives the tokens of the same
+    pieces run eagerly (the eager pieces equal the resident run: tests/engine/test_piecewise.py)."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 500, (40 + 23 * i,), generator=gen).tolist() for i in range(3)]
+    eager = _offloaded(kernel_model, cuda_graphs=False, scheduler=scheduler)
+    assert eager.runner.pieces is not None and not eager.runner.pieces.capture
+    graphed = _offloaded(kernel_model, scheduler=scheduler)
+    pieces = graphed.runner.pieces
+    assert pieces is not None and pieces.capture and graphed.runner.graphs is None
+    assert _generate(graphed, prompts, 40) == _generate(eager, prompts, 40)
+    assert pieces.replays > 0
+    assert any(kind == "experts" and piece.graph is not None for (kind, _, _), piece in pieces._pieces.items())
+
+
+def test_piecewise_graphs_with_mli_equal_eager(kernel_model):
+    """MLI on the kernel path (selections cross layers through the static selection buffer)."""
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 500, (40 + 23 * i,), generator=gen).tolist() for i in range(3)]
+    config = dict(device="cuda", dtype="bfloat16", mli=True)
+    eager = Engine.load(str(kernel_model), EngineConfig(cuda_graphs=False, **config))
+    graphed = Engine.load(str(kernel_model), EngineConfig(**config))
+    assert graphed.runner.pieces is not None and graphed.runner.pieces.capture
+    assert _generate(graphed, prompts, 40) == _generate(eager, prompts, 40)
+    assert graphed.runner.pieces.replays > 0

@@ -252,10 +252,11 @@ def _runahead_bytes(model_dir, link: str, cooperate: bool, max_lead: int | None 
 def test_bytes_fetched_match_sync(model_dir, sync_tokens, sync_offloaded, link):
     """Same routing (same greedy tokens), real expert cache, a serial link with slow experts, a pool
     that holds about one layer-step (6 of 8 experts; 5 requests x top-2). Measured in fetches (sync 42):
-    runahead 45 / 45 / 42 (slow_0_3 / slow_even / uniform); with a lead bound of one layer (experts
+    runahead 44 / 43 / 42 (slow_0_3 / slow_even / uniform); with a lead bound of one layer (experts
     computed one by one as they land, but no request starts a layer ahead of the others) 42 / 42 / 42.
     The extra fetches of running ahead are experts a request one token ahead evicted before a lagging
-    one routed to them."""
+    one routed to them. The counts are the same on a CUDA cache, where copies land asynchronously: the
+    cache's recency order does not depend on which copies had landed when a call was planned."""
     tokens, fetched, engine = _runahead_bytes(model_dir, link, cooperate=True)
     assert tokens == sync_tokens == sync_offloaded[0]
     assert engine.decoder.max_lead_seen < engine.decoder.max_lead

@@ -36,18 +36,19 @@ def test_kernels_and_graphs_by_default_on_a_gpu():
     assert features.cuda_graphs and features.fused_experts and not features.offload
 
 
-@pytest.mark.parametrize(("offload", "changes", "kernels", "graphs"), [
-    (False, {"index_key_hot_pages": 4}, False, False),  # tiered keys run on the plain-PyTorch path
-    (False, {"latent_hot_rows": 4096}, False, False),
-    (False, {"use_kernels": "never"}, False, False),
-    (False, {"cuda_graphs": False}, True, False),
-    (False, {"mli": True}, True, False),
-    (False, {"scheduler": "runahead"}, True, False),
-    (True, {}, True, False),  # offloaded experts: no graphs, no fused resident experts
+@pytest.mark.parametrize(("offload", "changes", "kernels", "graphs", "pieces"), [
+    (False, {"index_key_hot_pages": 4}, False, False, False),  # tiered keys run on the plain-PyTorch path
+    (False, {"latent_hot_rows": 4096}, False, False, False),
+    (False, {"use_kernels": "never"}, False, False, False),
+    (False, {"cuda_graphs": False}, True, False, False),
+    (False, {"mli": True}, True, True, True),  # MLI: graphs per piece
+    (False, {"scheduler": "runahead"}, True, True, False),
+    (True, {}, True, True, True),  # offloaded experts: graphs per piece, no fused resident experts
+    (True, {"cuda_graphs": False}, True, False, True),  # the same pieces, eager
 ])
-def test_each_switch_turns_off_what_it_must(offload, changes, kernels, graphs):
+def test_each_switch_turns_off_what_it_must(offload, changes, kernels, graphs, pieces):
     features = _decide(offload, **changes)
-    assert (features.attention.use_kernels, features.cuda_graphs) == (kernels, graphs)
+    assert (features.attention.use_kernels, features.cuda_graphs, features.piecewise) == (kernels, graphs, pieces)
     assert features.fused_experts == (not offload and changes.get("use_kernels") != "never")
     assert features.attention.mli == bool(changes.get("mli"))
 
@@ -55,7 +56,7 @@ def test_each_switch_turns_off_what_it_must(offload, changes, kernels, graphs):
 def test_the_cpu_never_runs_the_kernels():
     config = EngineConfig()
     features = RunnerFeatures.decide(config, _kernel_shaped(), 64, torch.device("cpu"), torch.float32, False)
-    assert features == RunnerFeatures(AttentionPaths(), False, False, False, False, False)
+    assert features == RunnerFeatures(AttentionPaths(), False, False, False, False, False, False)
 
 
 def test_latent_tiers_need_a_dsa_model():
