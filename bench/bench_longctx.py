@@ -27,6 +27,13 @@ Sections, each printed as it finishes (the row format of docs/benchmarks.md) and
      MLI at the same retentions (an F layer attends the previous F layer's selection while its own
      indexer runs on a side stream, joined after its attention). Timed as CUDA-graph replays (eager
      timing too), tok/s = 1 / step.
+  1p. (--planned) the kernel path of tiered keys + latents (hearth.offload.planned_tiers: coarse page
+     scores, candidate pages, page / row residency and fetches from mapped pinned host memory, fine
+     indexer, sparse MLA; no host sync): its read side (select + latent rows + attention at the
+     context, this step's key and latent written) timed eagerly and as CUDA-graph replays against (a)
+     graphed; recall against the full-cache selection; key bytes on the device. Replays repeat one
+     step, so after the first its candidates are all cache hits: the eager steps over fresh queries
+     (the first 24 of --steps) report the miss rate and recall.
   3. capacity: max concurrent 128K requests in --budget-gb of GPU memory for caches, COMPUTED as
      floor(budget / device bytes per request) from section 1 and 2's byte counts (not run).
   4. targets: key memory ratio, tiered slowdown, recall, MLI vs IndexCache at 1/2, capacity ratio.
@@ -53,6 +60,7 @@ import torch
 from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.kernels.sparse_mla.reference import quantize_latent_fp8
 from hearth.offload.coarse_index import PagePool, TopkMerger, exact_scores
+from hearth.offload.planned_tiers import PlannedKeyConfig, PlannedKeys, PlannedLatentConfig, PlannedLatents
 from hearth.offload.tiered_keys import KeyTierConfig, TieredKeys
 from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
 
@@ -393,6 +401,74 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], a
     return res
 
 
+def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], args, device: torch.device,
+                base: dict) -> None:
+    """Section 1p at one context (CUDA): planned tiers against all on the GPU (base = run_layer's result)."""
+    from hearth.kernels.sparse_mla import sparse_mla_decode
+
+    ps, k, heads = args.page_size, args.topk, args.heads
+    steps = min(args.steps, 24)
+    n = ctx + steps
+    k8, ks = act_quant_ue8m0(clustered_keys(n, device, seed=ctx))
+    latents = fp8_latents(n, device, seed=ctx)
+    q, w = queries(heads, steps, device, seed=ctx)
+    q8, qs = act_quant_ue8m0(q)  # the engine's FP8 queries, scale folded into the head weights
+    q_attn = (torch.randn(1, ATTN_HEADS, 576, device=device) / 8).to(torch.bfloat16)
+    pool = key_pool(k8, ks, ps)
+    table = torch.arange(pool.num_pages, device=device, dtype=torch.int32)[None]
+    shape = f"ctx{ctx // 1024}K H{heads} k{k} p{ps}"
+    t_base = base["all_graph"] or base["all_eager"]
+    for cand, hot_rows, cache, _, _ in budgets:
+        if over_time(args, f"planned c{cand} ctx {ctx}"):
+            break
+        kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=cand, cache_pages=cache or cand, topk=k)
+        keys = PlannedKeys(kcfg, device, initial_pages=math.ceil(n / ps))
+        buf = keys.history(ctx)
+        view = PagePool(buf.shape[0], ps, 128, "fp8", device)
+        view.buf = buf
+        idx = torch.arange(ctx, device=device)
+        view.write(idx // ps, idx % ps, k8[:ctx], ks[:ctx])
+        keys.commit_chunk(buf, ctx)
+        del buf, view
+        lcfg = PlannedLatentConfig.from_hot_rows(hot_rows, k, ps, width=LAT_B, dtype=torch.uint8)
+        lat = PlannedLatents(lcfg, device, initial_rows=n)
+        lat.append(latents[:ctx])
+        state = {}
+
+        def read_side(s: int, keys=keys, lat=lat, state=state) -> tuple[torch.Tensor, torch.Tensor]:
+            sel = keys.select(q8[s], (w * qs[s]).float(), state["n"])
+            slots = lat.slots(sel[0], state["n"])
+            return sparse_mla_decode(q_attn, lat.paged(), slots[None], lat.table, lat.lens, SM_SCALE)[0], sel
+
+        recalls, misses, times = [], [], []
+        for s in range(steps):
+            p = ctx + s
+            slot = keys.ring_slot(p)
+            keys.dev.write(torch.tensor([slot // ps], device=device), torch.tensor([slot % ps], device=device),
+                           k8[p:p + 1], ks[p:p + 1])
+            keys.commit()
+            lat.append(latents[p:p + 1])
+            state["n"] = torch.tensor([p + 1], device=device, dtype=torch.int32)
+            (_, sel), dt = timed(lambda s=s: read_side(s), device)
+            times.append(dt)
+            misses.append(int(keys.plan.n_miss))
+            ref = Ops(device, ps, k).indexer(q[s], w, pool.buf, table, state["n"])[0].long()
+            recalls.append(float(torch.isin(sel[0].long(), ref[ref >= 0]).float().sum() / (ref >= 0).sum()))
+        t_eager = statistics.median(times[len(times) // 4:])
+        t_graph = graph_time(lambda: read_side(steps - 1)[0], reps=50)
+        t = t_graph or t_eager
+        key_b = keys.device_bytes()
+        emit("layer", f"(p) planned c{cand} cache{kcfg.cache_pages} hot{lcfg.ring_rows + lcfg.cache_rows}", shape,
+             t, t_base, kcfg.page_bytes * (cand + kcfg.hot_pages) + k * LAT_B, eager_us=t_eager * 1e6,
+             graph_us=t_graph * 1e6 if t_graph else None, vs_all_graph=t / t_base, recall=min(recalls),
+             recall_mean=sum(recalls) / len(recalls), key_mb=key_b / 2**20,
+             key_ratio=base["all_key_bytes"] / key_b, page_misses_per_step=sum(misses[1:]) / max(1, steps - 1))
+        per_step = sum(misses[1:]) / max(1, steps - 1)
+        log(f"    planned: x{t / t_base:.2f} of all-on-GPU {'graph' if base['all_graph'] else 'eager'} "
+            f"(target <= 1.15); recall min {min(recalls):.4f} (>= 0.99); keys {key_b / 2**20:.2f} MB/layer, "
+            f"{base['all_key_bytes'] / key_b:.2f}x less (>= 4); page misses/step {per_step:.1f}")
+
+
 # ---- 2. 61-layer stack ----------------------------------------------------------------------------
 def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:
     """Section 2 at one context: step time of IndexCache and MLI at retentions 1, 1/2, 1/4."""
@@ -563,6 +639,8 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, default=64.0, help="GPU memory for caches in section 3")
     ap.add_argument("--time-limit", type=float, default=330.0, help="seconds; later configurations are skipped")
     ap.add_argument("--skip-stack", action="store_true")
+    ap.add_argument("--planned", action="store_true",
+                    help="also time the kernel path of tiered keys + latents (section 1p, CUDA only)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     if args.small:
@@ -594,6 +672,10 @@ def main() -> None:
             log(f"\n## 1. One layer at {ctx // 1024}K: indexer + top-k + sparse MLA decode (tiered wall time per "
                 "step; base = all on GPU, eager)")
             layers_by_ctx[ctx] = run_layer(ctx, budgets, args, device, ops)
+            if args.planned and ops.cuda:
+                log(f"\n## 1p. One layer at {ctx // 1024}K, tiered keys + latents on the kernel path (base = all on "
+                    "GPU, CUDA graph)")
+                run_planned(ctx, budgets, args, device, layers_by_ctx[ctx])
         else:
             log(f"\n## 2. {args.layers}-layer decode stack at {ctx // 1024}K: IndexCache vs MLI (tok/s; base = "
                 "retention 1, the unmodified model)")

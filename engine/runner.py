@@ -76,8 +76,10 @@ class RunnerFeatures:
     """The execution paths a runner composes, decided once from the config, the model and the machine.
 
     attention: how the model's attention layers are built (Triton DSA kernels, MLI). The kernels
-        need CUDA, bf16 and their shapes, and step aside for tiered keys or latents (those run on
-        the plain-PyTorch path). offload: routed experts in host RAM behind a GPU cache.
+        need CUDA, bf16 and their shapes; tiered keys and latents run on them (decode planned on the
+        device, ``hearth.offload.planned_tiers``) except the plain path's exact / lagged key
+        selection (``index_key_exact``, ``index_key_lagged_fetch``), which turns them off.
+        offload: routed experts in host RAM behind a GPU cache.
     key_tiers / latent_tiers: long-context tiers (``index_key_hot_pages`` / ``latent_hot_rows``).
     fused_experts: resident experts on CUDA run as one grouped kernel.
     piecewise: decode steps run as pieces between the routed-expert calls (hearth.engine.piecewise):
@@ -102,11 +104,14 @@ class RunnerFeatures:
         latent_tiers = config.latent_hot_rows is not None
         if latent_tiers and not model_config.has_indexer:
             raise HearthError("latent_hot_rows needs a sparse-attention (DSA) model: dense MLA reads every latent")
-        use_kernels = (config.use_kernels == "auto" and not key_tiers and not latent_tiers
+        plain_only_tiers = key_tiers and (config.index_key_exact or config.index_key_lagged_fetch)
+        use_kernels = (config.use_kernels == "auto" and not plain_only_tiers
                        and dsa_kernels.kernels_apply(model_config, block_size, device, dtype))
         fused = not offload and device.type == "cuda" and config.use_kernels == "auto"
         piecewise = (offload or (config.mli and use_kernels)) and not key_tiers and not latent_tiers
-        graphs = config.cuda_graphs and use_kernels
+        # NOTE: tier state is per request (its own buffers), which the captured decode graphs cannot
+        # address yet: tiered steps run eagerly (each step is capturable on its own, see bench_longctx)
+        graphs = config.cuda_graphs and use_kernels and not key_tiers and not latent_tiers
         return cls(AttentionPaths(use_kernels=use_kernels, mli=config.mli), offload, key_tiers, latent_tiers,
                    fused, piecewise, graphs)
 
@@ -135,9 +140,10 @@ class ModelRunner:
         self.max_model_len, self.block_size, self.num_blocks = caches.max_model_len, caches.block_size, \
             caches.num_blocks
         self.use_kernels = features.attention.use_kernels
-        self.key_tiers = KeyTiers(self.model_config, config, self.block_size, dtype, self.device) \
-            if features.key_tiers else None
-        self.latent_tiers = LatentTiers(self.model_config, config.latent_hot_rows, dtype, self.device) \
+        self.key_tiers = KeyTiers(self.model_config, config, self.block_size, dtype, self.device,
+                                  planned=self.use_kernels) if features.key_tiers else None
+        self.latent_tiers = LatentTiers(self.model_config, config.latent_hot_rows, dtype, self.device,
+                                        block_size=self.block_size if self.use_kernels else None) \
             if features.latent_tiers and config.latent_hot_rows is not None else None
         # One page more than the block manager hands out: the scratch page of CUDA-graph padding rows.
         self.cache = PagedCache(self.model_config, self.num_blocks + 1, self.block_size, dtype, self.device,

@@ -12,6 +12,10 @@ Latents (``LatentTiers``, HiSparse-style): every MLA latent row of a request liv
 device keeps a hot buffer of rows; a decode step gathers only the rows its top-k selected (hits reused
 across steps, misses copied from the host). Prefill chunks read the history back.
 Prefix caching is off in these modes (a reused page would have nothing in the request's tiers).
+
+On the DSA kernel path (``planned=True``) the tiers are ``hearth.offload.planned_tiers``'s: the same
+layout, but a decode step's coarse stage, candidate selection, page and row residency, fetches from
+pinned host memory, fine indexer and sparse MLA all run as kernels, with no host synchronisation.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 
 from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
-from hearth.offload.tiered_keys import KeyTierConfig, TieredKeys
+from hearth.offload.planned_tiers import PlannedKeyConfig, PlannedKeys, PlannedLatentConfig, PlannedLatents
+from hearth.offload.tiered_keys import CANDIDATE_FACTOR, KeyTierConfig, TieredKeys
 from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
 
 
@@ -65,8 +70,18 @@ class KeyTiers(_PerRequestTiers):
     what = "tiered indexer keys"
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, planned: bool = False) -> None:
         super().__init__(device)
+        self.planned = planned
+        if planned:  # the kernel path: FP8 keys, decode planned on the device
+            cand = config.index_key_candidate_pages or CANDIDATE_FACTOR * -(-model_config.index_topk // block_size)
+            cache = config.index_key_cache_pages or cand
+            if cache < cand:
+                raise HearthError(f"index_key_cache_pages ({cache}) must be >= index_key_candidate_pages ({cand}) "
+                                  "on the kernel path")
+            self.config = PlannedKeyConfig(page_size=block_size, hot_pages=max(1, config.index_key_hot_pages),
+                                           candidate_pages=cand, cache_pages=cache, topk=model_config.index_topk)
+            return
         # None budgets take KeyTierConfig's defaults: 8 x index_topk / block_size candidate pages, a
         # page cache of as many, e4m3 page summaries (see hearth.offload.tiered_keys)
         self.config = KeyTierConfig(
@@ -77,7 +92,9 @@ class KeyTiers(_PerRequestTiers):
             bounds=config.index_key_exact, exact=config.index_key_exact,
             lagged_fetch=config.index_key_lagged_fetch)
 
-    def _new(self) -> TieredKeys:
+    def _new(self) -> TieredKeys | PlannedKeys:
+        if self.planned:
+            return PlannedKeys(self.config, self.device, initial_pages=8)
         return TieredKeys(self.config, self.device, initial_pages=8)
 
     def device_bytes(self) -> int:
@@ -86,6 +103,8 @@ class KeyTiers(_PerRequestTiers):
     def prefetch(self) -> None:
         """Start every request's lagged fetch (index_key_lagged_fetch) now, e.g. at the start of a
         decode step, so layer l's copy overlaps layers 0..l-1 (each layer's append does it anyway)."""
+        if self.planned:
+            return
         for tiers in self.tiers.values():
             tiers.prefetch()
 
@@ -95,12 +114,22 @@ class LatentTiers(_PerRequestTiers):
 
     what = "tiered latents"
 
-    def __init__(self, model_config: ModelConfig, hot_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_config: ModelConfig, hot_rows: int, dtype: torch.dtype, device: torch.device,
+                 block_size: int | None = None) -> None:
+        """block_size: the kernel path (planned tiers read as pages of block_size rows); None: plain path."""
         if hot_rows <= model_config.index_topk:
             raise HearthError(f"latent_hot_rows ({hot_rows}) must exceed index_topk ({model_config.index_topk}): "
                               "one decode step's selection has to fit in the hot buffer")
         super().__init__(device)
+        self.planned = block_size is not None
+        if block_size is not None:  # one block of recent rows + the cache, whole blocks
+            self.config = PlannedLatentConfig.from_hot_rows(max(hot_rows, model_config.index_topk + block_size),
+                                                            model_config.index_topk, block_size,
+                                                            width=model_config.latent_dim, dtype=dtype)
+            return
         self.config = LatentTierConfig(width=model_config.latent_dim, dtype=dtype, hot_rows=hot_rows)
 
-    def _new(self) -> TieredLatents:
+    def _new(self) -> TieredLatents | PlannedLatents:
+        if self.planned:
+            return PlannedLatents(self.config, self.device, initial_rows=256)
         return TieredLatents(self.config, self.device, initial_rows=256)

@@ -7,20 +7,27 @@ dim 128, 576-wide latents, a power-of-two number of indexer heads >= 16, power-o
 - decode requests are scored together (paged lightning indexer + radix top-k, no host sync);
   prefill chunks request by request;
 - attention runs the sparse MLA kernels in the absorbed form over the bf16 latent cache.
+With tiered keys / latents (``hearth.offload.planned_tiers``) each request's keys are written into its
+device ring and a decode step selects coarse-to-fine, and attention reads the request's latent ring +
+cache, misses copied from pinned host memory, all by kernels without a host sync; prefill chunks run
+the prefill kernels over the request's history read back from host memory.
 The plain-PyTorch path in mla.py stays the reference; both select with the same semantics (ties
 may resolve differently).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from hearth.engine.config import ModelConfig
-from hearth.engine.kv_cache import ForwardContext
+from hearth.engine.kv_cache import ForwardContext, SeqSlice
 from hearth.engine.models.layers import hadamard_matrix
 from hearth.kernels.indexer import indexer_decode_topk, indexer_k_cache_write, indexer_prefill_topk
 from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.kernels.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from hearth.offload.planned_tiers import PlannedKeys
 
 INDEX_BYTES_PER_TOKEN = 132  # 128 e4m3 + one fp32 scale
 
@@ -70,13 +77,18 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.T
     k_raw = indexer.k_norm(indexer.wk(x)).contiguous()  # (N, 128), rope applied inside the kernel
     needed = ctx.decode.max_context if ctx.decode is not None else int(ctx.positions.max()) + 1
     table_cos, table_sin = rope_table.get(needed, x.device)
-    indexer_k_cache_write(k_raw, ctx.slot_mapping, cache, bs, positions=ctx.positions, cos=table_cos,
-                          sin=table_sin, rope_interleaved=indexer.interleaved, hadamard=indexer.faithful)
+    write = partial(indexer_k_cache_write, cos=table_cos, sin=table_sin, rope_interleaved=indexer.interleaved,
+                    hadamard=indexer.faithful)
+    if ctx.cache.key_tiers is None:  # tiered keys are written per request, into the request's tiers
+        write(k_raw, ctx.slot_mapping, cache, bs, positions=ctx.positions)
     q = indexer._rope(indexer.wq_b(q_resid).view(n, indexer.n_heads, indexer.head_dim), cos, sin)
     if indexer.faithful:  # the reference's Hadamard rotation (keys get it inside the write kernel)
         q = (q.float() @ hadamard_matrix(indexer.head_dim, q.device)).to(q.dtype)
     q8, q_scale = act_quant_ue8m0(q)  # (N, H, 128) e4m3, (N, H)
     w = (indexer.weights_proj(x.float()).float() * indexer.scale * q_scale).contiguous()  # (N, H)
+    if ctx.cache.key_tiers is not None:
+        return [_select_tiered(indexer.topk, k_raw, q8, w, ctx, seq, ctx.cache.key_tiers.get(seq.seq_id, layer), write)
+                for seq in ctx.seqs]
     if ctx.decode is not None:  # all single-token decodes, token i = request i: no per-request work
         meta = ctx.decode
         picked = indexer_decode_topk(q8.unsqueeze(1), w.unsqueeze(1), cache, meta.block_tables, meta.context_lens,
@@ -100,12 +112,61 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.T
     return out
 
 
+def _context_len(seq: SeqSlice, device: torch.device) -> torch.Tensor:
+    """(1,) int32 context length on the device (a fill kernel: no host-to-device copy)."""
+    return torch.full((1,), seq.context_len, dtype=torch.int32, device=device)
+
+
+def _select_tiered(topk: int, k_raw: torch.Tensor, q8: torch.Tensor, w: torch.Tensor, ctx: ForwardContext,
+                   seq: SeqSlice, tiers: PlannedKeys, write) -> torch.Tensor:
+    """One request's keys into its tiers and its selection: a decode token goes to the device ring
+    and selects coarse-to-fine (launches only); a prefill chunk scores the history read back."""
+    if tiers.num_tokens != seq.first_position:
+        raise RuntimeError(f"tiered keys of request {seq.seq_id} hold {tiers.num_tokens} tokens, "
+                           f"the step starts at position {seq.first_position}")
+    rows = slice(seq.start, seq.start + seq.q_len)
+    positions, bs, dev = ctx.positions[rows], ctx.cache.block_size, q8.device
+    if seq.q_len == 1:
+        slot = torch.full((1,), tiers.ring_slot(seq.first_position), dtype=torch.int64, device=dev)
+        write(k_raw[rows], slot, tiers.dev.buf, bs, positions=positions)
+        tiers.commit()
+        return tiers.select(q8[seq.start], w[seq.start], _context_len(seq, dev))
+    history = tiers.history(seq.q_len)
+    write(k_raw[rows], positions, history, bs, positions=positions)
+    table = torch.arange(history.shape[0], dtype=torch.int32, device=dev)
+    picked = indexer_prefill_topk(q8[rows].contiguous(), w[rows].contiguous(), history, table, seq.context_len, bs,
+                                  topk)
+    tiers.commit_chunk(history, seq.q_len)
+    return picked.long()
+
+
+def _attend_tiered(attn, q: torch.Tensor, ctx: ForwardContext, selections: list[torch.Tensor]) -> torch.Tensor:
+    """Absorbed sparse MLA per request over its tiered latents: (N, H, 512) latent outputs."""
+    out_lat = torch.empty(q.shape[0], q.shape[1], attn.kv_lora, dtype=torch.bfloat16, device=q.device)
+    for seq, selection in zip(ctx.seqs, selections):
+        tiers = ctx.cache.latent_tiers.get(seq.seq_id, attn.layer)
+        rows = slice(seq.start, seq.start + seq.q_len)
+        if seq.q_len == 1:
+            slots = tiers.slots(selection.view(-1), _context_len(seq, q.device))
+            out_lat[rows], _ = sparse_mla_decode(q[rows], tiers.paged(), slots[None], tiers.table, tiers.lens,
+                                                 attn.scale)
+            continue
+        history = tiers.history()
+        table = torch.arange(history.shape[0], dtype=torch.int32, device=q.device)
+        out_lat[rows], _ = sparse_mla_prefill(q[rows], history, selection.to(torch.int32).contiguous(), table,
+                                              ctx.positions[rows].to(torch.int32), attn.scale)
+    return out_lat
+
+
 def sparse_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
                      selections: list[torch.Tensor]) -> torch.Tensor:
     """Absorbed sparse MLA for every request of the step: (N, H, v_head_dim)."""
     w = attn._kv_b()  # (H, nope + v, kv_lora)
     q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w[:, : attn.nope])  # (N, H, 512)
     q = torch.cat((q_abs, q_pe), dim=-1).to(torch.bfloat16).contiguous()  # (N, H, 576)
+    if ctx.cache.latent_tiers is not None:
+        out_lat = _attend_tiered(attn, q, ctx, selections)
+        return torch.einsum("nhc,hdc->nhd", out_lat.to(w.dtype), w[:, attn.nope:])
     latents = ctx.cache.latent[attn.layer].view(ctx.cache.num_blocks, ctx.cache.block_size, -1)
     if ctx.decode is not None:  # all single-token decodes: one launch, selections stacked as they are
         meta = ctx.decode

@@ -1,0 +1,7 @@
+"""Device-planned residency for tiered caches: which of a step's candidate rows of a host pool
+already sit in a device cache, which slots the others take, and their copy from host memory, with
+no host synchronisation (so the step can be captured in a CUDA graph)."""
+
+from hearth.kernels.tiered.residency import ResidencyPlan, gather_misses, plan_residency
+
+__all__ = ["ResidencyPlan", "gather_misses", "plan_residency"]

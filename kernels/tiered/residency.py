@@ -1,0 +1,210 @@
+"""Residency of a host pool's rows in a device cache, planned on the device.
+
+A "row" is a fixed-size record of a pool in host memory (a page of indexer keys, 64 x 132 bytes; a
+latent row, 576 bf16). The device holds a combined buffer: ``ring`` rows (the most recent ids, at
+slot ``id % ring``, managed by the caller) followed by ``slots`` cache rows. One decode step names
+up to C distinct candidate ids (-1 = none); ``plan_residency`` (one program) maps each to a slot of
+the combined buffer:
+
+- an id >= ``ring_start`` is in the ring: slot ``id % ring``;
+- an id whose row is cached (``slot_of[id] >= 0``) is a hit: ``ring + slot_of[id]``;
+- a miss takes a cache slot that holds no hit of this step, in clock order from a moving hand (a
+  FIFO that never evicts what the step reads; rows read every step stay), and is listed for
+  ``gather_misses``, which copies it from the host pool into its slot.
+
+Reading host memory from a kernel: the host pool is pinned (``cudaHostAlloc`` through torch's
+``pin_memory``), which under unified virtual addressing is mapped into the device's address space
+at the same address. Triton's launcher turns a tensor argument into a pointer by calling its
+``data_ptr()`` and then ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)``, which
+succeeds for mapped pinned memory (it rejects only pageable memory: "cannot be accessed from Triton
+(cpu tensor?)"), so the pinned CPU tensor is passed as it is and the gather kernel's loads go over
+the link (zero-copy). Under ``TRITON_INTERPRET=1`` every tensor is a CPU tensor and the same
+kernels run.
+
+State (all int32 on the device, owned by the caller, created by ``ResidencyPlan.new``): ``slot_of``
+[capacity] (cache slot of each id, -1), ``owner`` [slots] (id in each slot, -1), ``hit_stamp``
+[slots] (step stamp of the last hit, protects slots within a step), ``victims`` [slots] (scratch),
+``clock`` [2] (hand, step stamp). Outputs per step: ``slot`` [C] (combined-buffer slot, -1 for no
+id), ``miss_src`` / ``miss_dst`` [C] (host row, combined-buffer row; the first ``n_miss`` valid),
+``n_miss`` [1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hearth.kernels._utils import check_tensor, require
+
+
+@triton.jit
+def _plan_kernel(
+    cand_ptr,
+    ring_start_ptr,
+    slot_of_ptr,
+    owner_ptr,
+    stamp_ptr,
+    victims_ptr,
+    clock_ptr,
+    slot_ptr,
+    miss_src_ptr,
+    miss_dst_ptr,
+    n_miss_ptr,
+    C,
+    SLOTS,
+    RING,
+    C_P2: tl.constexpr,
+    S_P2: tl.constexpr,
+):
+    o_c = tl.arange(0, C_P2)
+    m_c = o_c < C
+    b_id = tl.load(cand_ptr + o_c, mask=m_c, other=-1)
+    ring_start = tl.load(ring_start_ptr)
+    m_valid = m_c & (b_id >= 0)
+    m_ring = m_valid & (b_id >= ring_start)
+    m_cold = m_valid & (b_id < ring_start)
+    b_old_slot = tl.load(slot_of_ptr + b_id, mask=m_cold, other=-1)
+    m_hit = m_cold & (b_old_slot >= 0)
+    m_miss = m_cold & (b_old_slot < 0)
+    hand = tl.load(clock_ptr)
+    stamp = tl.load(clock_ptr + 1) + 1
+    # 1. protect the slots this step hits
+    tl.store(stamp_ptr + b_old_slot, tl.zeros([C_P2], dtype=tl.int32) + stamp, mask=m_hit)
+    tl.debug_barrier()
+    # 2. free slots in clock order from the hand: victims[r] = r-th free slot
+    o_s = tl.arange(0, S_P2)
+    m_s = o_s < SLOTS
+    o_rot = (hand + o_s) % SLOTS
+    m_free = m_s & (tl.load(stamp_ptr + o_rot, mask=m_s, other=0) != stamp)
+    b_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
+    tl.store(victims_ptr + b_rank, o_rot, mask=m_free)
+    tl.debug_barrier()
+    # 3. the r-th miss takes the r-th free slot; its previous row is forgotten
+    b_miss_rank = tl.cumsum(m_miss.to(tl.int32), 0) - 1
+    n_miss = tl.sum(m_miss.to(tl.int32), 0)
+    b_new = tl.load(victims_ptr + b_miss_rank, mask=m_miss, other=0)
+    b_evicted = tl.load(owner_ptr + b_new, mask=m_miss, other=-1)
+    tl.store(slot_of_ptr + b_evicted, tl.full([C_P2], -1, dtype=tl.int32), mask=m_miss & (b_evicted >= 0))
+    tl.debug_barrier()
+    tl.store(slot_of_ptr + b_id, b_new, mask=m_miss)
+    tl.store(owner_ptr + b_new, b_id, mask=m_miss)
+    b_last = tl.load(victims_ptr + tl.maximum(n_miss - 1, 0))
+    tl.store(clock_ptr, tl.where(n_miss > 0, (b_last + 1) % SLOTS, hand))
+    tl.store(clock_ptr + 1, stamp)
+    # 4. outputs
+    b_slot = tl.where(m_ring, b_id % RING, tl.where(m_hit, b_old_slot + RING, tl.where(m_miss, b_new + RING, -1)))
+    tl.store(slot_ptr + o_c, b_slot, mask=m_c)
+    tl.store(miss_src_ptr + b_miss_rank, b_id, mask=m_miss)
+    tl.store(miss_dst_ptr + b_miss_rank, b_new + RING, mask=m_miss)
+    tl.store(n_miss_ptr, n_miss)
+
+
+@triton.jit
+def _gather_kernel(
+    host_ptr,
+    dev_ptr,
+    miss_src_ptr,
+    miss_dst_ptr,
+    n_miss_ptr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (i, j) copies words [j * BLOCK, (j + 1) * BLOCK) of the i-th miss's row from the host
+    pool (mapped pinned memory on CUDA: loads over the link) into its device row."""
+    i_m = tl.program_id(0)
+    i_j = tl.program_id(1)
+    if i_m < tl.load(n_miss_ptr):
+        src = tl.load(miss_src_ptr + i_m).to(tl.int64)
+        dst = tl.load(miss_dst_ptr + i_m).to(tl.int64)
+        o_w = i_j * BLOCK + tl.arange(0, BLOCK)
+        m_w = o_w < ROW
+        b_w = tl.load(host_ptr + src * ROW + o_w, mask=m_w)
+        tl.store(dev_ptr + dst * ROW + o_w, b_w, mask=m_w)
+
+
+@dataclass
+class ResidencyPlan:
+    """Residency state of one host pool behind one device cache (see the module doc), and the
+    per-step outputs (reused every step: fixed addresses for CUDA graphs)."""
+
+    slot_of: torch.Tensor  # [capacity] int32
+    owner: torch.Tensor  # [slots] int32
+    hit_stamp: torch.Tensor  # [slots] int32
+    victims: torch.Tensor  # [slots] int32 scratch
+    clock: torch.Tensor  # [2] int32: hand, step stamp
+    slot: torch.Tensor  # [C] int32 output
+    miss_src: torch.Tensor  # [C] int32 output
+    miss_dst: torch.Tensor  # [C] int32 output
+    n_miss: torch.Tensor  # [1] int32 output
+    ring: int
+
+    @classmethod
+    def new(cls, capacity: int, slots: int, candidates: int, ring: int, device: torch.device) -> ResidencyPlan:
+        require(slots >= candidates >= 1, f"need slots ({slots}) >= candidates ({candidates}) >= 1")
+        require(ring >= 1, f"ring must be >= 1, got {ring}")
+
+        def full(n: int, value: int) -> torch.Tensor:
+            return torch.full((n,), value, dtype=torch.int32, device=device)
+
+        return cls(full(capacity, -1), full(slots, -1), full(slots, 0), full(slots, 0), full(2, 0),
+                   full(candidates, -1), full(candidates, 0), full(candidates, 0), full(1, 0), ring)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.owner.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.slot_of.shape[0])
+
+    def grow(self, capacity: int) -> None:
+        """Room for ids below capacity (a new tensor: call outside a captured step)."""
+        if capacity > self.capacity:
+            new = torch.full((capacity,), -1, dtype=torch.int32, device=self.slot_of.device)
+            new[: self.capacity] = self.slot_of
+            self.slot_of = new
+
+    def device_bytes(self) -> int:
+        return sum(t.numel() * 4 for t in (self.slot_of, self.owner, self.hit_stamp, self.victims, self.clock,
+                                            self.slot, self.miss_src, self.miss_dst, self.n_miss))
+
+
+def plan_residency(plan: ResidencyPlan, candidates: torch.Tensor, ring_start: torch.Tensor) -> torch.Tensor:
+    """Map a step's candidate ids to combined-buffer slots and list the misses (module doc).
+
+    candidates: [C] int32, distinct ids < plan.capacity or -1 (C = plan.slot.shape[0]); ring_start:
+    [1] int32, the first id held in the ring. Returns plan.slot ([C] int32). No host sync."""
+    dev = plan.slot.device
+    n_cand = plan.slot.shape[0]
+    check_tensor("candidates", candidates, dtypes=(torch.int32,), shape=(n_cand,), device=dev)
+    check_tensor("ring_start", ring_start, dtypes=(torch.int32,), shape=(1,), device=dev)
+    _plan_kernel[(1,)](
+        candidates, ring_start, plan.slot_of, plan.owner, plan.hit_stamp, plan.victims, plan.clock,
+        plan.slot, plan.miss_src, plan.miss_dst, plan.n_miss, n_cand, plan.num_slots, plan.ring,
+        C_P2=triton.next_power_of_2(n_cand), S_P2=triton.next_power_of_2(plan.num_slots), num_warps=8,
+    )
+    return plan.slot
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D row buffer as [rows, words]: int32 words when a row's bytes allow, else bytes."""
+    raw = t.view(t.shape[0], -1).view(torch.uint8)
+    return raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
+
+
+def gather_misses(plan: ResidencyPlan, host: torch.Tensor, dev: torch.Tensor) -> None:
+    """Copy the planned misses' rows: host [capacity, ...] (pinned CPU tensor on CUDA, read in place by
+    the kernel; any CPU tensor under the interpreter) -> dev [ring + slots, ...] (same row layout).
+    One launch of a fixed grid (programs past n_miss return at once). No host sync."""
+    require(host.dtype == dev.dtype and host.shape[1:] == dev.shape[1:], "host and device rows must match")
+    require(host.is_contiguous() and dev.is_contiguous(), "host and device row buffers must be contiguous")
+    if dev.is_cuda:
+        require(host.device.type == "cpu" and host.is_pinned(), "the host pool must be pinned CPU memory")
+    src, dst = _words(host), _words(dev)
+    row = src.shape[1]
+    block = min(1024, triton.next_power_of_2(row))
+    grid = (plan.miss_src.shape[0], triton.cdiv(row, block))
+    _gather_kernel[grid](src, dst, plan.miss_src, plan.miss_dst, plan.n_miss, ROW=row, BLOCK=block, num_warps=4)

@@ -1,0 +1,330 @@
+"""Tiered indexer keys and MLA latents of one request and layer for the DSA kernel path, with every
+decision of a decode step made on the device (no host synchronisation: the step can be captured in
+a CUDA graph).
+
+Keys (``PlannedKeys``, LeanSparse-style coarse-to-fine): the ``hot_pages`` most recent pages live in
+a device ring (the partial tail page always); every page is written through to pinned host memory
+when it fills, and its compact summary (the mean key of every 16 tokens, e4m3 with an fp32 scale) is
+stored on the device in the indexer-cache layout, so the lightning indexer kernel scores summaries as
+it scores keys. A decode step (``select``):
+
+1. coarse: the indexer kernel over the summaries of the cold pages, the best mean per page;
+2. the ``candidate_pages`` best cold pages by that score (single-pass top-k kernel);
+3. residency (``hearth.kernels.tiered``): candidates already in the device page cache are hits,
+   misses take cache slots no hit of this step holds and are copied from the mapped host pool by a
+   gather kernel;
+4. fine: the indexer kernel + radix top-k over a page table of [candidates | hot pages], the
+   logical positions mapped back to token positions.
+
+Every cold page is a candidate when ``candidate_pages`` covers the cold pages (then the selection
+equals the full-cache one up to ties); beyond that a page whose best mean ranks outside the
+candidates is never scored (recall < 1 by design).
+
+Latents (``PlannedLatents``, HiSparse-style): every row is written through to pinned host memory;
+the device holds a ring of the ``ring_rows`` most recent rows and ``cache_rows`` cached rows. A decode
+step maps its selection to device rows with the same residency plan (rows of the ring need nothing;
+misses are gathered from host memory), and sparse MLA reads the device buffer through them.
+
+Prefill chunks read the request's whole history back into a temporary device buffer (keys: the host
+pages plus the partial ring page; latents: the host rows) and run the prefill kernels on it.
+Appends launch copies only (the host knows every position); growing a host pool waits for the
+write-through copies in flight (once per doubling).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode
+from hearth.kernels.tiered import ResidencyPlan, gather_misses, plan_residency
+from hearth.kernels.topk.single_pass import new_scratch, single_pass_topk_launch
+from hearth.offload.coarse_index import PagePool, quantize_means
+
+MEAN_GROUP = 16  # tokens per summary mean; also the block size of the summary pool (kernel layout)
+HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class PlannedKeyConfig:
+    """Per (request, indexer layer) tiering of FP8 indexer keys on the kernel path."""
+
+    page_size: int = 64
+    hot_pages: int = 4  # device ring of the most recent pages (>= 1: holds the partial page)
+    candidate_pages: int = 256  # cold pages scored exactly per decode step
+    cache_pages: int = 256  # device cache of fetched cold pages (>= candidate_pages)
+    topk: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.page_size < MEAN_GROUP or self.page_size % MEAN_GROUP or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= {MEAN_GROUP}, got {self.page_size}")
+        for name in ("hot_pages", "candidate_pages", "topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_pages < self.candidate_pages:
+            raise ValueError(f"cache_pages ({self.cache_pages}) must be >= candidate_pages ({self.candidate_pages})")
+
+    @property
+    def page_bytes(self) -> int:
+        return PagePool.bytes_per_page(self.page_size, HEAD_DIM, "fp8")
+
+    @property
+    def groups(self) -> int:
+        return self.page_size // MEAN_GROUP
+
+    def device_bytes(self, num_tokens: int) -> int:
+        """Device bytes at a context of num_tokens: pools, summaries (whole 16-mean blocks), residency."""
+        pages = math.ceil(num_tokens / self.page_size)
+        mean_blocks = math.ceil(pages * self.groups / MEAN_GROUP)
+        plan = 4 * (pages + 3 * self.cache_pages + 3 * self.candidate_pages + 3)
+        return ((self.hot_pages + self.cache_pages) * self.page_bytes
+                + mean_blocks * MEAN_GROUP * (HEAD_DIM + 4) + plan)
+
+
+def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
+    return torch.div(x + d - 1, d, rounding_mode="floor")
+
+
+class PlannedKeys:
+    """FP8 indexer keys of one request and layer across a device ring, a device page cache and a
+    pinned host pool (see the module doc)."""
+
+    def __init__(self, config: PlannedKeyConfig, device: torch.device, initial_pages: int = 64) -> None:
+        c = self.config = config
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        pages = max(1, initial_pages)
+        self.host = PagePool(pages, c.page_size, HEAD_DIM, "fp8", torch.device("cpu"), pin=self._cuda)
+        self.dev = PagePool(c.hot_pages + c.cache_pages, c.page_size, HEAD_DIM, "fp8", self.device)
+        self.means = PagePool(self._mean_blocks(pages), MEAN_GROUP, HEAD_DIM, "fp8", self.device)
+        self.plan = ResidencyPlan.new(pages, c.cache_pages, c.candidate_pages, c.hot_pages, self.device)
+        self._mean_table = torch.arange(self.means.num_pages, dtype=torch.int32, device=self.device)[None]
+        self._topk_scratch = new_scratch(1, c.candidate_pages, self.device)
+        self._candidates = torch.full((1, c.candidate_pages), -1, dtype=torch.int32, device=self.device)
+        self._entries = torch.arange(c.candidate_pages + c.hot_pages, dtype=torch.int32, device=self.device)
+        self.num_tokens = 0
+
+    def _mean_blocks(self, pages: int) -> int:
+        return math.ceil(pages * self.config.groups / MEAN_GROUP)
+
+    @property
+    def num_pages(self) -> int:
+        return math.ceil(self.num_tokens / self.config.page_size)
+
+    def device_bytes(self) -> int:
+        held = [self.dev.buf, self.means.buf, self._mean_table, self._topk_scratch, self._candidates, self._entries]
+        return sum(t.numel() * t.element_size() for t in held) + self.plan.device_bytes()
+
+    def _grow(self, pages: int) -> None:
+        """Room for pages pages (host pool, summaries, residency table): doubling; the host pool's
+        copy waits for the write-through copies in flight."""
+        if pages <= self.host.num_pages:
+            return
+        cap = max(pages, 2 * self.host.num_pages)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.host.grow(cap)
+        self.means.grow(self._mean_blocks(cap))
+        self._mean_table = torch.arange(self.means.num_pages, dtype=torch.int32, device=self.device)[None]
+        self.plan.grow(cap)
+
+    # ---- writes -------------------------------------------------------------------------------
+    def ring_slot(self, position: int) -> int:
+        """Slot of the device pool (block * page_size + offset) where the key of position goes in a
+        decode step (the caller's cache-write kernel writes it there, then calls ``commit``)."""
+        ps = self.config.page_size
+        return (position // ps) % self.config.hot_pages * ps + position % ps
+
+    def commit(self) -> None:
+        """One token was written at ring_slot(num_tokens): count it; a page it fills goes to host
+        memory and gets its summary."""
+        ps = self.config.page_size
+        page = self.num_tokens // ps
+        self._grow(page + 1)
+        self.num_tokens += 1
+        if self.num_tokens % ps == 0:
+            row = self.dev.buf[page % self.config.hot_pages: page % self.config.hot_pages + 1]
+            self._store_full(row, page)
+
+    def history(self, n_new: int) -> torch.Tensor:
+        """A device buffer of every page of the request once n_new more tokens are written (pages
+        below the first new token's page from host memory, that page's written part from the ring):
+        [pages, page_size * 132] uint8 in the indexer-cache layout, page p at row p. The caller writes
+        the new keys at slot = position, scores, then calls ``commit_chunk``."""
+        ps, first = self.config.page_size, self.num_tokens
+        total = math.ceil((first + n_new) / ps)
+        buf = torch.empty(total, self.dev.buf.shape[1], dtype=torch.uint8, device=self.device)
+        p0 = first // ps
+        if p0:
+            buf[:p0].copy_(self.host.buf[:p0], non_blocking=True)  # stream-ordered after the write-through
+        if first % ps:
+            buf[p0] = self.dev.buf[p0 % self.config.hot_pages]
+        return buf
+
+    def commit_chunk(self, buf: torch.Tensor, n_new: int) -> None:
+        """n_new tokens were written into history(n_new)'s buffer: full pages to host memory with
+        their summaries, the most recent pages into the ring."""
+        c, first = self.config, self.num_tokens
+        last = first + n_new
+        self._grow(math.ceil(last / c.page_size))
+        p0, p_full, p_end = first // c.page_size, last // c.page_size, math.ceil(last / c.page_size)
+        if p_full > p0:
+            self._store_full(buf[p0:p_full], p0)
+        for page in range(max(p0, p_end - c.hot_pages), p_end):
+            self.dev.buf[page % c.hot_pages] = buf[page]
+        self.num_tokens = last
+
+    def _store_full(self, rows: torch.Tensor, first_page: int) -> None:
+        """Full pages rows [n, page_bytes] (device) of pages first_page.. -> host pool + summaries."""
+        n, c = rows.shape[0], self.config
+        self.host.buf[first_page:first_page + n].copy_(rows, non_blocking=True)
+        pool = PagePool(n, c.page_size, HEAD_DIM, "fp8", self.device)
+        pool.buf = rows
+        keys = pool.dequantized(torch.arange(n, device=self.device))  # (n, ps, D) fp32
+        means, scales = quantize_means(keys.view(n, c.groups, MEAN_GROUP, HEAD_DIM).mean(dim=2))
+        idx = torch.arange(first_page * c.groups, (first_page + n) * c.groups, device=self.device)
+        self.means.write(idx // MEAN_GROUP, idx % MEAN_GROUP, means.reshape(-1, HEAD_DIM), scales.reshape(-1))
+
+    # ---- decode selection -------------------------------------------------------------------------
+    def select(self, q: torch.Tensor, w: torch.Tensor, context_len: torch.Tensor) -> torch.Tensor:
+        """Top-k token positions of one decode query: q (H, 128) e4m3 or bf16, w (H,) fp32 (q scale
+        and softmax scales folded in), context_len (1,) int32 on the device (= num_tokens, this
+        step's key written). Returns (1, topk) int32, -1 padded. Launches only: no host sync."""
+        c, ps = self.config, self.config.page_size
+        qb, wb = q[None, None].contiguous(), w.float()[None, None].contiguous()
+        n_pages = _ceil_div(context_len, ps)
+        n_cold = (n_pages - c.hot_pages).clamp(min=0).to(torch.int32)
+        # 1-2. coarse page scores over the summaries, the best candidate_pages cold pages
+        mean_logits, _ = lightning_indexer_decode(qb, wb, self.means.buf, self._mean_table,
+                                                  (n_cold * c.groups).to(torch.int32), MEAN_GROUP)
+        page_scores = mean_logits.view(1, -1, c.groups).amax(dim=2)
+        single_pass_topk_launch(page_scores, n_cold, c.candidate_pages, self._candidates, self._topk_scratch)
+        cand = self._candidates[0]
+        # 3. residency: hits in the page cache, misses copied from the host pool
+        slots = plan_residency(self.plan, cand, n_cold)
+        gather_misses(self.plan, self.host.buf, self.dev.buf)
+        # 4. fine: [valid candidates | hot pages], logical positions back to token positions
+        n_valid = torch.minimum(n_cold, torch.full_like(n_cold, c.candidate_pages))
+        j = self._entries
+        is_cand = j < n_valid
+        hot_page = n_cold + j - n_valid
+        table_slots = torch.where(is_cand, slots[j.clamp(max=c.candidate_pages - 1)], hot_page % c.hot_pages)
+        table_pages = torch.where(is_cand, cand[j.clamp(max=c.candidate_pages - 1)], hot_page)
+        fine_len = (n_valid * ps + context_len - n_cold * ps).to(torch.int32)
+        logical = indexer_decode_topk(qb, wb, self.dev.buf, table_slots.to(torch.int32)[None], fine_len, ps,
+                                      c.topk).view(1, c.topk)
+        page = table_pages[(logical // ps).clamp(min=0).long()]
+        return torch.where(logical >= 0, page * ps + logical % ps, torch.full_like(logical, -1))
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every written key (tests): ((num_tokens, 128) e4m3, (num_tokens,) fp32) on the device."""
+        buf = self.history(0)
+        pool = PagePool(buf.shape[0], self.config.page_size, HEAD_DIM, "fp8", self.device)
+        pool.buf = buf
+        keys, scales = pool.tokens(torch.arange(buf.shape[0], device=self.device))
+        return keys[: self.num_tokens], scales[: self.num_tokens]
+
+
+@dataclass(frozen=True)
+class PlannedLatentConfig:
+    """Per (request, layer) tiering of MLA latent rows on the kernel path."""
+
+    width: int = 576
+    dtype: torch.dtype = torch.bfloat16
+    ring_rows: int = 64  # most recent rows, always on the device
+    cache_rows: int = 4096  # device cache of fetched rows (>= topk)
+    topk: int = 2048
+    block: int = 64  # the device buffer is read as pages of block rows (ring + cache a multiple of it)
+
+    def __post_init__(self) -> None:
+        if self.ring_rows < 1 or self.cache_rows < self.topk:
+            raise ValueError(f"need ring_rows >= 1 and cache_rows ({self.cache_rows}) >= topk ({self.topk})")
+        if (self.ring_rows + self.cache_rows) % self.block:
+            raise ValueError(f"ring_rows + cache_rows must be a multiple of block ({self.block})")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.dtype.itemsize
+
+    @property
+    def device_bytes(self) -> int:
+        return (self.ring_rows + self.cache_rows) * self.row_bytes
+
+    @classmethod
+    def from_hot_rows(cls, hot_rows: int, topk: int, block: int, **kwargs) -> PlannedLatentConfig:
+        """Split a device budget of hot_rows rows (rounded up to whole blocks) into a one-block ring
+        and the cache."""
+        total = math.ceil(hot_rows / block) * block
+        return cls(ring_rows=block, cache_rows=total - block, topk=topk, block=block, **kwargs)
+
+
+class PlannedLatents:
+    """Latent rows of one request and layer across a device ring + cache and a pinned host pool."""
+
+    def __init__(self, config: PlannedLatentConfig, device: torch.device, initial_rows: int = 4096) -> None:
+        c = self.config = config
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        rows = max(1, initial_rows)
+        self.host = torch.zeros(rows, c.width, dtype=c.dtype, pin_memory=self._cuda)
+        self.dev = torch.zeros(c.ring_rows + c.cache_rows, c.width, dtype=c.dtype, device=self.device)
+        self.plan = ResidencyPlan.new(rows, c.cache_rows, c.topk, c.ring_rows, self.device)
+        n_blocks = self.dev.shape[0] // c.block
+        self.table = torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None]
+        self.lens = torch.full((1,), self.dev.shape[0], dtype=torch.int32, device=self.device)
+        self.num_tokens = 0
+
+    def device_bytes(self) -> int:
+        return self.config.device_bytes + self.plan.device_bytes()
+
+    def _grow(self, rows: int) -> None:
+        if rows <= self.host.shape[0]:
+            return
+        cap = max(rows, 2 * self.host.shape[0])
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        host = torch.zeros(cap, self.config.width, dtype=self.config.dtype, pin_memory=self._cuda)
+        host[: self.num_tokens] = self.host[: self.num_tokens]
+        self.host = host
+        self.plan.grow(cap)
+
+    def append(self, rows: torch.Tensor) -> None:
+        """The next n rows (n, width) on the device: to host memory, the last ones into the ring."""
+        n, c, first = rows.shape[0], self.config, self.num_tokens
+        if n == 0:
+            return
+        self._grow(first + n)
+        rows = rows.to(c.dtype)
+        self.host[first:first + n].copy_(rows, non_blocking=True)
+        pos = first + n - min(n, c.ring_rows)
+        while pos < first + n:  # at most two runs: the ring wraps once
+            row = pos % c.ring_rows
+            run = min(first + n - pos, c.ring_rows - row)
+            self.dev[row:row + run] = rows[pos - first:pos - first + run]
+            pos += run
+        self.num_tokens = first + n
+
+    def slots(self, selection: torch.Tensor, context_len: torch.Tensor) -> torch.Tensor:
+        """Device rows of one decode step's selection: selection (topk,) int32 positions (-1 = none),
+        context_len (1,) int32 on the device (= num_tokens). Misses are copied from host memory.
+        Returns (topk,) int32 rows of ``dev`` (-1 where -1), read through ``table``/``lens``. No host sync."""
+        ring_start = (context_len - self.config.ring_rows).to(torch.int32)
+        slots = plan_residency(self.plan, selection.to(torch.int32).contiguous(), ring_start)
+        gather_misses(self.plan, self.host, self.dev)
+        return slots
+
+    def paged(self) -> torch.Tensor:
+        """The device buffer as a paged latent cache [blocks, block, width] (rows through ``table``)."""
+        return self.dev.view(-1, self.config.block, self.config.width)
+
+    def history(self) -> torch.Tensor:
+        """Every written row as a paged cache [blocks, block, width] on the device (prefill), position
+        p at row p; stream-ordered after the write-through copies."""
+        c = self.config
+        blocks = math.ceil(self.num_tokens / c.block)
+        buf = torch.zeros(blocks * c.block, c.width, dtype=c.dtype, device=self.device)
+        buf[: self.num_tokens].copy_(self.host[: self.num_tokens], non_blocking=True)
+        return buf.view(blocks, c.block, c.width)
+
