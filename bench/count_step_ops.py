@@ -50,7 +50,7 @@ _NO_KERNEL = {
     "split", "split_with_sizes", "squeeze", "unsqueeze", "t", "transpose", "unbind", "detach", "empty",
     "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view_as", "unflatten", "flatten",
     "_reshape_alias", "lift_fresh", "chunk", "narrow", "expand_as", "view_as_real", "is_same_size",
-    "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size",
+    "_local_scalar_dense", "promote_types", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size",
 }
 # Width of the real DeepSeek-V3.2 (attention and indexer only; experts stay few so the CPU copes).
 _REAL_WIDTH = {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
@@ -101,9 +101,11 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self.paused and name.rstrip("_") not in _NO_KERNEL and name not in _NO_KERNEL:
+        out = func(*args, **(kwargs or {}))
+        copies = name not in ("to", "contiguous") or out is not args[0]  # (a no-op conversion returns self)
+        if not self.paused and name not in _NO_KERNEL and copies:
             self.counts[self.stack.current][f"aten.{name}"] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def count_triton_launches(counter: OpCounter) -> None:
