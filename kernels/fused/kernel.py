@@ -60,8 +60,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(m,)](x, residual if residual is not None else x, h if h is not None else y, weight, y, d,
                                x.stride(0), residual.stride(0) if residual is not None else 0,
                                h.stride(0) if h is not None else 0, y.stride(0), eps,
-                               RESIDUAL=residual is not None, ROUND_OUT=y.dtype == torch.bfloat16, BLOCK_D=triton.next_power_of_2(d),
-                               num_warps=8 if d >= 2048 else 4)
+                               RESIDUAL=residual is not None, ROUND_OUT=y.dtype == torch.bfloat16,
+                               BLOCK_D=triton.next_power_of_2(d), num_warps=8 if d >= 2048 else 4)
     return y, h
 
 
@@ -112,7 +112,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     require(x.stride(2) == 1, f"x must have a unit last stride, got strides {x.stride()}")
     require(rope_dim % 2 == 0 and rope_dim >= 2 and (rope_dim // 2) & (rope_dim // 2 - 1) == 0,
             f"rope_dim must be twice a power of two, got {rope_dim}")
-    require(0 <= offset and offset + rope_dim <= width, f"dims [{offset}, {offset + rope_dim}) exceed {width}")
+    require(offset >= 0 and offset + rope_dim <= width, f"dims [{offset}, {offset + rope_dim}) exceed {width}")
     check_tensor("positions", positions, dtypes=(torch.int64, torch.int32), shape=(n,), device=x.device)
     _check_tables(cos, sin, rope_dim, x.device)
     block_h = min(16, triton.next_power_of_2(heads))
