@@ -197,5 +197,18 @@ def build_context(cache: PagedCache, requests: list[tuple[Sequence[int], int, in
         slot_mapping.append(slots[first:context_len])
         start += q_len
     return ForwardContext(
-        positions=torch.cat(positions), slot_mapping=torch.cat(slot_mapping), seqs=seqs, cache=cache
+        positions=torch.cat(positions), slot_mapping=torch.cat(slot_mapping), seqs=seqs, cache=cache,
+        decode=_decode_meta(requests, device),
     )
+
+
+def _decode_meta(requests: list[tuple[list[int], int, int]], device: torch.device) -> DecodeMeta | None:
+    """The DecodeMeta of a step whose every request decodes one token, else None: the kernel path
+    then scores and attends for all requests in one launch each, as in a CUDA graph, instead of
+    copying per-layer row lists to the device."""
+    if not requests or any(q_len != 1 for _, _, q_len in requests):
+        return None
+    width = max(len(table) for table, _, _ in requests)
+    tables = torch.tensor([table + [0] * (width - len(table)) for table, _, _ in requests], dtype=torch.int32)
+    lens = [first + 1 for _, first, _ in requests]
+    return DecodeMeta(tables.to(device), torch.tensor(lens, dtype=torch.int32).to(device), max(lens))

@@ -127,6 +127,11 @@ class MoE(nn.Module):
         return y
 
 
+def fused_norms(config: ModelConfig, attention: AttentionPaths) -> bool:
+    """Whether the RMSNorms run as fused Triton kernels: on the DSA kernel path (CUDA, bf16)."""
+    return attention.use_kernels and config.has_indexer
+
+
 def _moe(config: ModelConfig, layer: int) -> nn.Module:
     return GptOssMoE(config, layer) if config.model_type == "gpt_oss" else MoE(config, layer)
 
@@ -135,10 +140,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, faithful: bool, attention: AttentionPaths) -> None:
         super().__init__()
         self.layer = layer
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        fused = fused_norms(config, attention)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = MLAttention(config, layer, faithful, attention) if config.is_mla \
             else GQAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.is_moe = config.is_moe_layer(layer)
         # NOTE: registered under the checkpoint's module name (Mixtral: block_sparse_moe); `mlp` reads it.
         self._mlp_name = config.moe_module if self.is_moe else "mlp"
@@ -166,8 +172,9 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(normed, *routing)
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.attend(hidden, ctx)
-        normed = self.ffn_input(hidden)
+        # attend + ffn_input, with the residual add and the norm in one kernel on the kernel path
+        normed, hidden = self.post_attention_layernorm.add_norm(self.self_attn(self.input_layernorm(hidden), ctx),
+                                                                hidden)
         return self.ffn(hidden, normed, self.route(normed))
 
 
@@ -179,7 +186,7 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(config, i, faithful, attention)
                                      for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_norms(config, attention))
 
 
 class DeepseekForCausalLM(nn.Module):

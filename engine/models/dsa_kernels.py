@@ -24,6 +24,7 @@ import torch
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import ForwardContext, SeqSlice
 from hearth.engine.models.layers import hadamard_matrix
+from hearth.kernels.fused import rope_
 from hearth.kernels.indexer import indexer_decode_topk, indexer_k_cache_write, indexer_prefill_topk
 from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.kernels.sparse_mla import sparse_mla_decode, sparse_mla_prefill
@@ -67,21 +68,28 @@ class RopeTable:
         return self.cos, self.sin
 
 
-def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   ctx: ForwardContext, layer: int, rope_table: RopeTable) -> list[torch.Tensor]:
+def rope_rows(ctx: ForwardContext) -> int:
+    """Rows the step's rope tables need (largest position + 1), known on the host (no sync)."""
+    if ctx.decode is not None:
+        return ctx.decode.max_context
+    return max(s.context_len for s in ctx.seqs)
+
+
+def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: ForwardContext, layer: int,
+                   rope_table: RopeTable) -> list[torch.Tensor]:
     """Kernel version of Indexer.forward: write keys, score, select. Returns per request (q_len, k)
     int64 logical positions, -1 padded."""
     n = x.shape[0]
     cache = ctx.cache.index_keys[layer]
     bs = ctx.cache.block_size
     k_raw = indexer.k_norm(indexer.wk(x)).contiguous()  # (N, 128), rope applied inside the kernel
-    needed = ctx.decode.max_context if ctx.decode is not None else int(ctx.positions.max()) + 1
-    table_cos, table_sin = rope_table.get(needed, x.device)
+    table_cos, table_sin = rope_table.get(rope_rows(ctx), x.device)
     write = partial(indexer_k_cache_write, cos=table_cos, sin=table_sin, rope_interleaved=indexer.interleaved,
                     hadamard=indexer.faithful)
     if ctx.cache.key_tiers is None:  # tiered keys are written per request, into the request's tiers
         write(k_raw, ctx.slot_mapping, cache, bs, positions=ctx.positions)
-    q = indexer._rope(indexer.wq_b(q_resid).view(n, indexer.n_heads, indexer.head_dim), cos, sin)
+    q = rope_(indexer.wq_b(q_resid).view(n, indexer.n_heads, indexer.head_dim), ctx.positions, table_cos, table_sin,
+              0, indexer.rope_dim, indexer.interleaved)
     if indexer.faithful:  # the reference's Hadamard rotation (keys get it inside the write kernel)
         q = (q.float() @ hadamard_matrix(indexer.head_dim, q.device)).to(q.dtype)
     q8, q_scale = act_quant_ue8m0(q)  # (N, H, 128) e4m3, (N, H)

@@ -13,22 +13,37 @@ from torch import nn
 
 from hearth.engine.config import RopeConfig
 from hearth.kernels.fp8_linear import check_weights, fp8_linear
+from hearth.kernels.fused import rms_norm
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back before the weight (as HF does)."""
+    """Root-mean-square norm, computed in fp32 and cast back before the weight (as HF does).
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    use_kernel (the DSA kernel path): bf16 rows go through one fused Triton kernel
+    (``hearth.kernels.fused.rms_norm``) instead of six PyTorch kernels; same arithmetic."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, use_kernel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.use_kernel = use_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and x.dtype == torch.bfloat16:
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): one kernel on the kernel path."""
+        if self.use_kernel and x.dtype == residual.dtype == torch.bfloat16 and x.dim() == 2:
+            normed, total = rms_norm(x, self.weight, self.eps, residual=residual)
+            return normed, total
+        total = residual + x
+        return self(total), total
 
 
 class LayerNorm(nn.Module):

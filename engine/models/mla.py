@@ -22,6 +22,7 @@ from torch import nn
 
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import ForwardContext, SeqSlice
+from hearth.engine.models.dsa_kernels import RopeTable, rope_rows
 from hearth.engine.models.layers import (
     LayerNorm,
     RMSNorm,
@@ -31,6 +32,7 @@ from hearth.engine.models.layers import (
     fp8_round_trip,
     hadamard_matrix,
 )
+from hearth.kernels.fused import mla_latent_write, rope_
 
 _SCORE_BUDGET = 1 << 26  # fp32 elements of [queries, heads, keys] scored at once
 
@@ -52,7 +54,7 @@ PLAIN_ATTENTION = AttentionPaths()  # the plain-PyTorch path, every layer its ow
 class Indexer(nn.Module):
     """The DSA lightning indexer of one layer (HF names: wq_b, wk, k_norm, weights_proj)."""
 
-    def __init__(self, config: ModelConfig, faithful: bool, kernel_rotary: Rotary | None = None) -> None:
+    def __init__(self, config: ModelConfig, faithful: bool, kernel_rope: RopeTable | None = None) -> None:
         super().__init__()
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
@@ -65,11 +67,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)  # kept in fp32
         self.scale = self.head_dim**-0.5 * self.n_heads**-0.5
-        self.kernel_rope = None  # the kernels' rope table, when the Triton kernels run this layer
-        if kernel_rotary is not None:
-            from hearth.engine.models.dsa_kernels import RopeTable  # lazy: imports Triton
-
-            self.kernel_rope = RopeTable(kernel_rotary)
+        self.kernel_rope = kernel_rope  # the kernels' rope table, when the Triton kernels run this layer
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # The indexer's rope dims come first in its head (MLA puts them last).
@@ -90,7 +88,7 @@ class Indexer(nn.Module):
         if self.kernel_rope is not None:
             from hearth.engine.models.dsa_kernels import indexer_select
 
-            return indexer_select(self, x, q_resid, cos, sin, ctx, layer, self.kernel_rope)
+            return indexer_select(self, x, q_resid, ctx, layer, self.kernel_rope)
         n = x.shape[0]
         q = self.wq_b(q_resid).view(n, self.n_heads, self.head_dim)  # (N, H, D)
         q = self._faithful(self._rope(q, cos, sin))
@@ -179,7 +177,7 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(config.hidden_size, self.n_heads * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6, use_kernel=paths.use_kernels and self.uses_dsa)
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, eps=1e-6)
@@ -188,8 +186,9 @@ class MLAttention(nn.Module):
         self.rotary = Rotary(config.rope, self.rope_dim)
         self.use_kernels = paths.use_kernels and self.uses_dsa
         self.mli = paths.mli
-        kernel_rotary = self.rotary if self.use_kernels else None
-        self.indexer = Indexer(config, faithful, kernel_rotary) if config.runs_indexer(layer) else None
+        # The kernels' cos/sin tables (indexer and MLA rope); None on the plain path
+        self.rope_table = RopeTable(self.rotary) if self.use_kernels else None
+        self.indexer = Indexer(config, faithful, self.rope_table) if config.runs_indexer(layer) else None
         # Force a form for tests: None = absorbed for single-token queries, expanded otherwise.
         self.force_absorbed: bool | None = None
         # MLI on CUDA: the side stream this layer's indexer runs on, joined before the output projection.
@@ -198,7 +197,11 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
         n = x.shape[0]
-        cos, sin = self.rotary.cos_sin(ctx.positions)
+        tables, cos, sin = None, None, None
+        if self.rope_table is not None:  # the kernels read cos/sin rows by position
+            tables = self.rope_table.get(rope_rows(ctx), x.device)
+        else:
+            cos, sin = self.rotary.cos_sin(ctx.positions)
         if hasattr(self, "q_proj"):
             q_resid = None
             q = self.q_proj(x)
@@ -206,14 +209,25 @@ class MLAttention(nn.Module):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid)
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleave)
-        kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
-        kv = self.kv_a_layernorm(kv)
-        if self.faithful:
-            kv = fp8_round_trip(kv, block=min(128, self.kv_lora))
-        k_pe = apply_rotary(k_pe, cos, sin, self.rope_interleave)
-        self._write_latents(torch.cat((kv, k_pe), dim=-1), ctx)
+        if tables is not None:  # kernel path: q_pe roped in place
+            q = rope_(q, ctx.positions, *tables, self.nope, self.rope_dim, self.rope_interleave)
+            q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        else:
+            q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+            q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleave)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        if tables is not None and not self.faithful:  # norm + rope + cache write in one kernel
+            mla_latent_write(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.positions, *tables,
+                             self.rope_interleave, ctx.slot_mapping, ctx.cache.latent[self.layer])
+        else:
+            if tables is not None:
+                cos, sin = (t[ctx.positions] for t in tables)
+            kv, k_pe = kv_a.split([self.kv_lora, self.rope_dim], dim=-1)
+            kv = self.kv_a_layernorm(kv)
+            if self.faithful:
+                kv = fp8_round_trip(kv, block=min(128, self.kv_lora))
+            k_pe = apply_rotary(k_pe, cos, sin, self.rope_interleave)
+            self._write_latents(torch.cat((kv, k_pe), dim=-1), ctx)
 
         selections = self._selections(x, q_resid, cos, sin, ctx)
         side = self._pending_side

@@ -62,6 +62,23 @@ def test_decode_matches_reference(fp8, block_size, splits, device):
     assert float((lse - rl).abs().max()) < LSE_TOL
 
 
+def test_decode_merges_many_splits_with_empty_ones(device):
+    """More splits than one combine tile holds (38 > 32), whole splits with no valid index and a
+    head count that is not a power of two: the split merge against the reference."""
+    heads, topk, context = 12, 600, 700
+    ctx = torch.tensor([context], dtype=torch.int32, device=device)
+    cache = _cache(48, 16, False, device)
+    table = paged_table(1, 45, 48, device)
+    q = torch.randn(1, heads, 576, device=device).to(torch.bfloat16)
+    idx = _selection(1, topk, ctx - 1, device)
+    idx[:, 64:160] = -1  # splits 4..9 of 16 indices select nothing
+    out, lse = _poisoned((1, heads, 512), (1, heads), device)
+    sparse_mla_decode(q, cache, idx, table, ctx, 0.1352, out=out, lse=lse, config={"splits": 40, "block_n": 16})
+    ro, rl = sparse_mla_decode_ref(q, cache, idx, table, ctx, 0.1352)
+    assert rel_err(out.float(), ro) < OUT_TOL
+    assert float((lse - rl).abs().max()) < LSE_TOL
+
+
 def test_decode_empty_selection_gives_zero_and_neg_inf(device):
     cache = _cache(4, 16, False, device)
     table = torch.arange(4, dtype=torch.int32, device=device)[None]

@@ -1,0 +1,39 @@
+"""Plain-torch references of the fused decode-step kernels: the same arithmetic as the model's
+plain-PyTorch layers (hearth.engine.models.layers), written here because kernels import only torch."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)) with the norm in fp32, cast to x.dtype before the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x [N, ..., d] with cos/sin [N, d/2], in fp32, returned in x.dtype:
+    pairs (x[2i], x[2i+1]) when interleaved, else (x[i], x[i + d/2])."""
+    xf = x.float()
+    extra = xf.dim() - 2
+    c = cos.view(cos.shape[0], *([1] * extra), cos.shape[-1])
+    s = sin.view(sin.shape[0], *([1] * extra), sin.shape[-1])
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return out.to(x.dtype)
+
+
+def mla_latent_write_ref(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                         interleaved: bool, slots: torch.Tensor, cache: torch.Tensor) -> None:
+    """cache[slots] = [rms_norm(kv[:, :C]), rope(kv[:, C:])] for kv [N, C + R] (C = cache width - R)."""
+    rope = kv.shape[1] - weight.shape[0]
+    c_kv, k_pe = kv.split([weight.shape[0], rope], dim=-1)
+    rows = torch.cat((rms_norm_ref(c_kv, weight, eps), rotate_ref(k_pe, cos, sin, interleaved)), dim=-1)
+    cache[slots] = rows.to(cache.dtype)
