@@ -20,6 +20,7 @@ from hearth.engine.sampling import (
     apply_penalties,
     apply_top_k_top_p,
     make_generator,
+    row_argmax,
 )
 
 CHI2_BOUND = 40.0
@@ -268,3 +269,20 @@ def test_cuda_sampling_has_no_host_syncs_and_is_seeded():
     seeded = [1, 2, 4]
     assert torch.equal(first[seeded], second[seeded])
     assert int(first[0]) == int(logits[0].float().argmax())
+
+
+@pytest.mark.parametrize("cols", [2048, 5000, 129_280])
+def test_split_argmax_equals_argmax_with_ties_and_infinities(cols):
+    """The chunked argmax (CUDA's path for few long rows) picks torch.argmax's index: the first of the
+    row's largest values, whether the tie is inside one chunk, across chunks or in the short last chunk."""
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(6, cols, generator=g)
+    x[1, 10] = x[1, 700] = x[1, cols - 1] = 9.0  # a tie inside the first chunk and one in the last
+    x[2, 3000 % cols] = x[2, cols - 3] = 9.0  # a tie across chunks
+    x[3, :] = -math.inf
+    x[3, cols - 2] = 0.0  # the maximum alone in the short last chunk
+    x[4, :] = 1.0  # everything tied: index 0
+    x[5, cols // 2] = math.inf
+    got = row_argmax(x, chunk=1024, force_split=True)
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert got.tolist()[:2] == [x[0].argmax().item(), 10]
