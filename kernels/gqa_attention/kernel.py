@@ -86,8 +86,11 @@ def _gqa_decode_kernel(
     o_h = i_kv * GROUP + o_g  # the query heads of this KV head
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
-    b_q = tl.load(q_ptr + i_b64 * stride_q_b + o_h[:, None] * stride_q_h + o_d[None, :],
-                  mask=m_g[:, None] & m_d[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    b_q = tl.load(
+        q_ptr + i_b64 * stride_q_b + o_h[:, None] * stride_q_h + o_d[None, :],
+        mask=m_g[:, None] & m_d[None, :],
+        other=0.0,
+    )  # (BLOCK_G, BLOCK_D)
 
     ctx_len = tl.load(lens_ptr + i_b)
     lo = 0
@@ -167,8 +170,9 @@ def _gqa_combine_kernel(
     b_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for i_s in range(S):
         b_wt = tl.exp2(tl.load(plse_ptr + (i_b * S + i_s) * H + o_h, mask=m_h, other=float("-inf")) - b_use)
-        b_o = tl.load(po_ptr + ((i_b * S + i_s) * H + o_h)[:, None] * BLOCK_D + o_d[None, :], mask=m_h[:, None],
-                      other=0.0)
+        b_o = tl.load(
+            po_ptr + ((i_b * S + i_s) * H + o_h)[:, None] * BLOCK_D + o_d[None, :], mask=m_h[:, None], other=0.0
+        )
         b_sum += b_wt
         b_acc += b_wt[:, None] * b_o
     if HAS_SINKS:
@@ -227,8 +231,10 @@ def gqa_decode(
     kv_heads = width // (2 * head_dim)
     require(heads % kv_heads == 0, f"{heads} query heads cannot share {kv_heads} KV heads evenly")
     check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, contiguous=False, device=q.device)
-    require(block_tables.shape[0] == batch and block_tables.stride(1) == 1,
-            f"block_tables must be [{batch}, max_blocks] with unit last stride, got {tuple(block_tables.shape)}")
+    require(
+        block_tables.shape[0] == batch and block_tables.stride(1) == 1,
+        f"block_tables must be [{batch}, max_blocks] with unit last stride, got {tuple(block_tables.shape)}",
+    )
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(batch,), device=q.device)
     require(window is None or window >= 1, f"window must be >= 1, got {window}")
     require(max_context >= 1, f"max_context must be >= 1, got {max_context}")

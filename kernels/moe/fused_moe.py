@@ -111,10 +111,16 @@ def default_launch(num_pairs: int, num_slots: int, fp8: bool) -> MoeLaunch:
 def _check_extras(extras: ExpertExtras, w13: torch.Tensor, w2: torch.Tensor, fp8: bool) -> None:
     s, two_i, d = w13.shape
     for name, bias, width in (("b13", extras.b13, two_i), ("b2", extras.b2, d)):
-        if bias is not None and (bias.shape != (s, width) or bias.dtype not in _FLOAT_WEIGHTS or bias.stride(1) != 1
-                                 or bias.device != w13.device):
-            raise ValueError(f"{name} must be a float [S={s}, {width}] tensor with unit last stride on "
-                             f"{w13.device}, got {bias.dtype} {tuple(bias.shape)}")
+        if bias is not None and (
+            bias.shape != (s, width)
+            or bias.dtype not in _FLOAT_WEIGHTS
+            or bias.stride(1) != 1
+            or bias.device != w13.device
+        ):
+            raise ValueError(
+                f"{name} must be a float [S={s}, {width}] tensor with unit last stride on "
+                f"{w13.device}, got {bias.dtype} {tuple(bias.shape)}"
+            )
     if fp8 and extras.interleaved:
         raise ValueError("interleaved gate/up rows are supported for float weights only")
 

@@ -182,7 +182,7 @@ def down_gemv_kernel(
         if HAS_SCALE:
             b_h = b_h * tl.load(p_s + o_k // 128, mask=m_k, other=0.0)[None, :]
         acc += tl.sum(b_h[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
-    if HAS_BIAS:
+    if HAS_BIAS:  # noqa: SIM102 - a compile-time test, then a run-time one (Triton keeps them apart)
         if i_s == 0:  # the bias once, with the first split
             acc += tl.load(b_ptr + slot * stride_bs + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)
