@@ -25,18 +25,21 @@ from hearth.engine.text.tokenizer import Tokenizer
 from tests.engine.conftest import run_to_completion
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-KERNEL_PATH = RunnerFeatures(AttentionPaths(use_kernels=True), offload=False, key_tiers=False, latent_tiers=False,
-                             fused_experts=True, cuda_graphs=DEVICE.type == "cuda")
 CONFIG = EngineConfig(device=DEVICE.type, dtype="float32", block_size=16, max_num_seqs=4)
 PLAIN = dataclasses.replace(CONFIG, use_kernels="never")
 
 
 def _kernel_runner(path: Path, config: EngineConfig = CONFIG) -> ModelRunner:
-    """What ModelRunner.load builds on a GPU (kernel attention, fused resident experts), on any device."""
+    """What ModelRunner.load builds on a GPU (kernel attention, fused resident experts), on any device:
+    the features decided for CUDA (the decision reads only the device's type), graphs only on a GPU."""
     model_config = ModelConfig.from_file(path)
-    model = load_checkpoint(path, DEVICE, torch.float32, attention=KERNEL_PATH.attention)
+    features = RunnerFeatures.decide(config, model_config, config.block_size, torch.device("cuda"), torch.float32,
+                                     offload=False)
+    assert features.attention == AttentionPaths(use_kernels=True) and features.cuda_graphs
+    features = dataclasses.replace(features, cuda_graphs=DEVICE.type == "cuda")
+    model = load_checkpoint(path, DEVICE, torch.float32, attention=features.attention)
     assert fused_experts.enable(model, require_cuda=False) == sum(layer.is_moe for layer in model.layers)
-    return ModelRunner(model, config, KERNEL_PATH, CachePlan.of(model_config, config, torch.float32),
+    return ModelRunner(model, config, features, CachePlan.of(model_config, config, torch.float32),
                        Placement(False, None, "resident"), dtype=torch.float32, checkpoint=str(path))
 
 
