@@ -13,7 +13,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.cuda_graphs import DecodeGraphs
 from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.loader import load_checkpoint
-from hearth.engine.models import dsa_kernels, fused_experts
+from hearth.engine.models import dsa_kernels, fused_experts, gqa_kernels
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.offload_setup import CacheResidency, Placement, PrefetchingExperts, attach_offload, plan_placement
@@ -71,14 +71,23 @@ class CachePlan:
         return cls(max_model_len, config.block_size, num_blocks, kv_bytes)
 
 
+def decode_kernels_apply(model_config: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Triton kernels can run this model's attention (and so its decode steps in a CUDA graph):
+    the DSA kernels for MLA models, the paged GQA decode kernel for the grouped-query families."""
+    if model_config.is_mla:
+        return dsa_kernels.kernels_apply(model_config, block_size, device, dtype)
+    return gqa_kernels.kernels_apply(model_config, device, dtype)
+
+
 @dataclass(frozen=True)
 class RunnerFeatures:
     """The execution paths a runner composes, decided once from the config, the model and the machine.
 
-    attention: how the model's attention layers are built (Triton DSA kernels, MLI). The kernels
+    attention: how the model's attention layers are built (Triton kernels, MLI). The DSA kernels
         need CUDA, bf16 and their shapes; tiered keys and latents run on them (decode planned on the
         device, ``hearth.offload.planned_tiers``) except the plain path's exact / lagged key
-        selection (``index_key_exact``, ``index_key_lagged_fetch``), which turns them off.
+        selection (``index_key_exact``, ``index_key_lagged_fetch``), which turns them off. The GQA
+        decode kernel needs CUDA (see ``decode_kernels_apply``).
         offload: routed experts in host RAM behind a GPU cache.
     key_tiers / latent_tiers: long-context tiers (``index_key_hot_pages`` / ``latent_hot_rows``).
     fused_experts: resident experts on CUDA run as one grouped kernel.
@@ -106,7 +115,7 @@ class RunnerFeatures:
             raise HearthError("latent_hot_rows needs a sparse-attention (DSA) model: dense MLA reads every latent")
         plain_only_tiers = key_tiers and (config.index_key_exact or config.index_key_lagged_fetch)
         use_kernels = (config.use_kernels == "auto" and not plain_only_tiers
-                       and dsa_kernels.kernels_apply(model_config, block_size, device, dtype))
+                       and decode_kernels_apply(model_config, block_size, device, dtype))
         fused = not offload and device.type == "cuda" and config.use_kernels == "auto"
         piecewise = (offload or (config.mli and use_kernels)) and not key_tiers and not latent_tiers
         # NOTE: tier state is per request (its own buffers), which the captured decode graphs cannot

@@ -143,7 +143,7 @@ class DecoderLayer(nn.Module):
         fused = fused_norms(config, attention)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = MLAttention(config, layer, faithful, attention) if config.is_mla \
-            else GQAttention(config, layer)
+            else GQAttention(config, layer, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.is_moe = config.is_moe_layer(layer)
         # NOTE: registered under the checkpoint's module name (Mixtral: block_sparse_moe); `mlp` reads it.

@@ -6,6 +6,11 @@ expert modules' parameters become views into those tensors, so there is no secon
 one grouped kernel launch pair with no host synchronisation (the router's choice never goes back to
 the host), which also lets a decode step run inside a CUDA graph. ``MoE.local_experts``, a Python
 loop over the experts in use, stays the CPU path and the reference.
+
+gpt-oss's experts are stacked already (``gate_up_proj`` [E, D, 2I] with gate and up columns
+interleaved, ``down_proj`` [E, I, D]): they are transposed once into the kernel's row-major
+``w13`` [E, 2I, D] (rows still interleaved) and ``w2`` [E, D, I], the parameters become transposed
+views of those, and the kernel adds the biases and the clamped SwiGLU (``ExpertExtras``).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hearth.engine.models.gpt_oss import GptOssExperts
 from hearth.engine.models.layers import Fp8Linear
-from hearth.kernels.moe import fused_moe
+from hearth.kernels.moe import ExpertExtras, fused_moe
 
 _SCALE_BLOCK = (128, 128)
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -23,11 +29,14 @@ _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 class FusedExperts:
     """The ``MoE.backend`` of one layer: ``(layer, x [T, D], ids [T, K], weights [T, K] fp32) -> [T, D]``."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None, s2: torch.Tensor | None):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None, s2: torch.Tensor | None,
+                 extras: ExpertExtras | None = None):
         self.w13, self.w2, self.s13, self.s2 = w13, w2, s13, s2
+        self.extras = extras or ExpertExtras()
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x.contiguous(), ids, weights.float(), self.w13, self.w2, self.s13, self.s2).to(x.dtype)
+        out = fused_moe(x.contiguous(), ids, weights.float(), self.w13, self.w2, self.s13, self.s2, extras=self.extras)
+        return out.to(x.dtype)
 
 
 def _projections(moe) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
@@ -86,17 +95,35 @@ def stack_layer(moe, require_cuda: bool = True) -> FusedExperts | None:
     return FusedExperts(w13, w2, s13, s2)
 
 
+def stack_gpt_oss(experts: GptOssExperts, require_cuda: bool = True) -> FusedExperts | None:
+    """gpt-oss's experts of one layer in the kernel's layout (see the module doc); None when not on
+    CUDA (with require_cuda) or not float."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if (require_cuda and not gate_up.is_cuda) or gate_up.dtype not in _FLOAT or down.dtype != gate_up.dtype:
+        return None
+    w13 = gate_up.transpose(1, 2).contiguous()  # [E, 2I, D]: row 2j gate j, row 2j + 1 up j
+    w2 = down.transpose(1, 2).contiguous()  # [E, D, I]
+    _repoint(experts, "gate_up_proj", w13.transpose(1, 2))
+    _repoint(experts, "down_proj", w2.transpose(1, 2))
+    extras = ExpertExtras(b13=experts.gate_up_proj_bias, b2=experts.down_proj_bias, swiglu_limit=experts.limit,
+                          swiglu_alpha=experts.alpha, interleaved=True)
+    return FusedExperts(w13, w2, None, None, extras)
+
+
 def enable(model, require_cuda: bool = True) -> int:
     """Give every MoE layer of ``model`` whose experts sit on CUDA (and have no other backend) the
     fused backend. Returns how many layers got it."""
     done = 0
     for layer in model.layers:
         moe = layer.mlp
-        if not layer.is_moe or moe.backend is not None or not isinstance(moe.experts, nn.ModuleList):
-            continue  # (gpt-oss's stacked experts have biases and a clamped SwiGLU: not this kernel's)
-        if not len(moe.experts):
+        if not layer.is_moe or moe.backend is not None:
             continue
-        backend = stack_layer(moe, require_cuda)
+        if isinstance(moe.experts, GptOssExperts):
+            backend = stack_gpt_oss(moe.experts, require_cuda)
+        elif len(moe.experts):
+            backend = stack_layer(moe, require_cuda)
+        else:
+            continue
         if backend is not None:
             moe.backend = backend
             done += 1

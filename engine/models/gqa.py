@@ -7,6 +7,9 @@ partial rotary); Qwen3 and GLM-4.5 (``use_qk_norm``) RMS-normalise each q / k he
 Attention is fp32, causal, with an optional sliding window (a key is visible iff q_pos - k_pos < window;
 gpt-oss chooses it per layer). gpt-oss also learns one sink logit per head: it joins each softmax row as
 an extra key with no value, so a head can put part of its attention nowhere.
+
+With ``AttentionPaths.use_kernels`` decode requests attend through the Triton paged decode kernel
+(models/gqa_kernels.py) instead; prefill chunks always take the plain path below.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from torch import nn
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import ForwardContext, SeqSlice
 from hearth.engine.models.layers import RMSNorm, Rotary, apply_rotary
+from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths
 
 
 class GQAttention(nn.Module):
     """Checkpoint names: q_proj, k_proj, v_proj, o_proj (+ q_norm, k_norm for Qwen3 / GLM-4.5)."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, paths: AttentionPaths = PLAIN_ATTENTION) -> None:
         super().__init__()
         self.layer = layer
         self.n_heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, \
@@ -41,6 +45,11 @@ class GQAttention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
         self.rotary_dim = config.rotary_dim
         self.rotary = Rotary(config.rope, self.rotary_dim)
+        self._kernels = None  # models/gqa_kernels (imports Triton) when the kernel path runs decode
+        if paths.use_kernels:
+            from hearth.engine.models import gqa_kernels
+
+            self._kernels = gqa_kernels
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: (N, hidden) normalised hidden states of the step's flat batch -> (N, hidden)."""
@@ -54,10 +63,12 @@ class GQAttention(nn.Module):
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         cache = ctx.cache.latent[self.layer]
         cache[ctx.slot_mapping] = torch.cat((k.flatten(1), v.flatten(1)), dim=-1).to(cache.dtype)
+        if self._kernels is not None:
+            return self.o_proj(self._kernels.attend(self, q, ctx).flatten(1))
         out = torch.empty(n, self.n_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for seq in ctx.seqs:
             rows = slice(seq.start, seq.start + seq.q_len)
-            out[rows] = self._attend(q[rows], cache[seq.slots], seq).to(x.dtype)
+            out[rows] = self.attend_request(q[rows], cache[seq.slots], seq).to(x.dtype)
         return self.o_proj(out.flatten(1))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,8 +78,8 @@ class GQAttention(nn.Module):
         turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
         return torch.cat((apply_rotary(turned, cos, sin, interleaved=False), kept), dim=-1)
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
-        """q (q_len, H, D), kv (T, 2 * kv_heads * D) -> (q_len, H, D)."""
+    def attend_request(self, q: torch.Tensor, kv: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
+        """One request's queries q (q_len, H, D) over its cache rows kv (T, 2 * kv_heads * D) -> (q_len, H, D) fp32."""
         k, v = kv.float().view(-1, 2, self.kv_heads, self.head_dim).unbind(1)  # (T, kvh, D) each
         group = self.n_heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, H, D)

@@ -216,7 +216,8 @@ class MLAttention(nn.Module):
             q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
             q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleave)
         kv_a = self.kv_a_proj_with_mqa(x)
-        if tables is not None and not self.faithful:  # norm + rope + cache write in one kernel
+        if tables is not None and not self.faithful and ctx.cache.latent_tiers is None:
+            # norm + rope + paged-cache write in one kernel (tiered latents go to each request's tiers)
             mla_latent_write(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.positions, *tables,
                              self.rope_interleave, ctx.slot_mapping, ctx.cache.latent[self.layer])
         else:

@@ -5,6 +5,9 @@ bandwidth-bound, one weight read per block of BLOCK_M <= 8 pairs. More pairs per
 grouped tl.dot kernels of ``mma.py`` over blocks of 16..64 pairs. Either way gate/up + SwiGLU writes
 ``h`` in the activation dtype, down writes one fp32 row per pair (and K split), and a last small
 kernel adds those rows over k into ``out`` in a fixed order: deterministic, no atomics.
+
+gpt-oss's experts (:class:`ExpertExtras`): per-expert biases on the three projections, the clamped
+SwiGLU, and gate/up rows interleaved as its ``gate_up_proj`` stores them; same kernels, other constexprs.
 """
 
 from __future__ import annotations
@@ -19,12 +22,32 @@ import triton.language as tl
 from hearth.kernels.moe.align import group_by_slot
 from hearth.kernels.moe.gemv import down_gemv_kernel, gate_up_gemv_kernel, sum_pairs_kernel
 from hearth.kernels.moe.mma import down_mma_kernel, gate_up_mma_kernel
+from hearth.kernels.moe.reference import SWIGLU_ALPHA
 
 SCALE_BLOCK = 128
 _FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
 # Estimated pairs per distinct slot up to which the GEMV path runs (else the tl.dot path).
 GEMV_MAX_PAIRS_PER_SLOT = 1.1  # measured on the H200 (bench_moe --sweep): tl.dot wins from T=4 x top-8 on
 _SUM_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertExtras:
+    """What gpt-oss's experts add to plain SwiGLU experts.
+
+    b13: [S, 2I] gate/up biases (in w13's row order), b2: [S, D] down biases, either may be None.
+    swiglu_limit: the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, g = min(gate, l)
+    (None = plain SwiGLU). interleaved: w13's rows alternate gate, up (row 2j gate j, row 2j + 1 up j)
+    instead of all gate rows then all up rows."""
+
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = SWIGLU_ALPHA
+    interleaved: bool = False
+
+
+_PLAIN = ExpertExtras()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +108,23 @@ def default_launch(num_pairs: int, num_slots: int, fp8: bool) -> MoeLaunch:
     return MoeLaunch(gemv=False, block_m=block_m, gate_up=tile, down=tile)
 
 
+def _check_extras(extras: ExpertExtras, w13: torch.Tensor, w2: torch.Tensor, fp8: bool) -> None:
+    s, two_i, d = w13.shape
+    for name, bias, width in (("b13", extras.b13, two_i), ("b2", extras.b2, d)):
+        if bias is not None and (
+            bias.shape != (s, width)
+            or bias.dtype not in _FLOAT_WEIGHTS
+            or bias.stride(1) != 1
+            or bias.device != w13.device
+        ):
+            raise ValueError(
+                f"{name} must be a float [S={s}, {width}] tensor with unit last stride on "
+                f"{w13.device}, got {bias.dtype} {tuple(bias.shape)}"
+            )
+    if fp8 and extras.interleaved:
+        raise ValueError("interleaved gate/up rows are supported for float weights only")
+
+
 def _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out) -> None:
     t, d = x.shape
     s, two_i, d_w = w13.shape
@@ -126,6 +166,7 @@ def fused_moe(
     s13: torch.Tensor | None = None,
     s2: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    extras: ExpertExtras = _PLAIN,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: ``out[t] += sum_k weights[t, k] * expert_{slot_ids[t, k]}(x[t])``.
 
@@ -135,9 +176,10 @@ def fused_moe(
     then up scale rows) and s2: [S, ceil(D/128), ceil(I/128)] fp32 (``W = W8 * s[i//128, j//128]``).
     The slot dimension may have any stride (slots are views into one byte buffer).
     out: optional [T, D] fp32 accumulator. Returns it (or a new one), [T, D] fp32.
+    extras: biases, clamped SwiGLU, interleaved rows (gpt-oss; see :class:`ExpertExtras`).
     """
     launch = default_launch(slot_ids.numel(), w13.shape[0], s13 is not None)
-    return fused_moe_launch(x, slot_ids, weights, w13, w2, s13, s2, out, launch=launch)
+    return fused_moe_launch(x, slot_ids, weights, w13, w2, s13, s2, out, launch=launch, extras=extras)
 
 
 def fused_moe_launch(
@@ -150,9 +192,11 @@ def fused_moe_launch(
     s2: torch.Tensor | None,
     out: torch.Tensor | None,
     launch: MoeLaunch,
+    extras: ExpertExtras = _PLAIN,
 ) -> torch.Tensor:
     """:func:`fused_moe` with an explicit :class:`MoeLaunch` (tests and the benchmark's sweep)."""
     _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out)
+    _check_extras(extras, w13, w2, s13 is not None)
     t, d = x.shape
     num_slots, inter = w13.shape[0], w13.shape[1] // 2
     if out is None:
@@ -175,21 +219,27 @@ def fused_moe_launch(
     y = torch.empty((split, num_pairs, d), dtype=torch.float32, device=x.device)  # (SPLIT, T*K, D)
     rw = weights.reshape(-1).contiguous()  # (T*K,)
     s13_, s2_ = (s13, s2) if has_scale else (w13, w2)  # unused pointers when HAS_SCALE is off
+    b13_, b2_ = (w13 if b is None else b for b in (extras.b13, extras.b2))  # likewise without HAS_BIAS
+    limit = extras.swiglu_limit
+    act = dict(CLAMPED=limit is not None, INTERLEAVED=extras.interleaved, HAS_BIAS=extras.b13 is not None)
+    activation = (limit or 0.0, extras.swiglu_alpha)
+    down_bias = extras.b2 is not None
     gu, dn = launch.gate_up, launch.down
     common = (num_pairs, d, inter)
     if launch.gemv:
         gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter, gu.block_n))](
-            x, w13, s13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1], triton.cdiv(inter, SCALE_BLOCK),
-            x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), h.stride(0),
+            x, w13, s13_, b13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1],
+            triton.cdiv(inter, SCALE_BLOCK), *activation,
+            x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), b13_.stride(0), h.stride(0),
             HAS_SCALE=has_scale, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-            num_warps=gu.num_warps, num_stages=gu.num_stages,
+            num_warps=gu.num_warps, num_stages=gu.num_stages, **act,
         )  # fmt: skip
         k_per_split = triton.cdiv(triton.cdiv(inter, split), dn.block_k) * dn.block_k
         down_gemv_kernel[(num_blocks, triton.cdiv(d, dn.block_n), split)](
-            h, w2, s2_, y, rw, sorted_pairs, block_slot, *common, k_per_split,
-            h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), y.stride(0), y.stride(1),
-            HAS_SCALE=has_scale, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
-            num_warps=dn.num_warps, num_stages=dn.num_stages,
+            h, w2, s2_, b2_, y, rw, sorted_pairs, block_slot, *common, k_per_split,
+            h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), b2_.stride(0), y.stride(0),
+            y.stride(1), HAS_SCALE=has_scale, HAS_BIAS=down_bias, IDENTITY=identity, BLOCK_M=block_m,
+            BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
         )  # fmt: skip
     else:
         if has_scale and (gu.block_k > SCALE_BLOCK or dn.block_k > SCALE_BLOCK):
@@ -203,14 +253,16 @@ def fused_moe_launch(
         precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit operands
         meta = dict(HAS_SCALE=has_scale, DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m)
         gate_up_mma_kernel[(num_blocks, triton.cdiv(inter, gu.block_n))](
-            x, w13, s13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1], triton.cdiv(inter, SCALE_BLOCK),
-            x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), h.stride(0),
-            BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **meta,
+            x, w13, s13_, b13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1],
+            triton.cdiv(inter, SCALE_BLOCK), *activation,
+            x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), b13_.stride(0), h.stride(0),
+            BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **act, **meta,
         )  # fmt: skip
         down_mma_kernel[(num_blocks, triton.cdiv(d, dn.block_n))](
-            h, w2, s2_, y, rw, sorted_pairs, block_slot, *common,
-            h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), y.stride(1),
-            BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages, **meta,
+            h, w2, s2_, b2_, y, rw, sorted_pairs, block_slot, *common,
+            h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), b2_.stride(0), y.stride(1),
+            HAS_BIAS=down_bias, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps,
+            num_stages=dn.num_stages, **meta,
         )  # fmt: skip
     target = out if out.stride(1) == 1 else torch.zeros((t, d), dtype=torch.float32, device=x.device)
     sum_pairs_kernel[(t, triton.cdiv(d, _SUM_BLOCK))](

@@ -5,7 +5,8 @@ Each program owns BLOCK_N output rows of one slot and streams those weight rows 
 product and a sum over K: no tl.dot, so no 16-row padding. FP8 block scales are folded into the few
 activation values (a gather of ``k // 128`` on a [BLOCK_M, BLOCK_K] tile) rather than into the weight
 tile, so the weights cost one widening and one FMA per element. BLOCK_N divides 128, so one tile
-lies in one scale row.
+lies in one scale row. gpt-oss's experts add per-expert biases, clamp the SwiGLU and interleave the
+gate and up rows (HAS_BIAS, CLAMPED, INTERLEAVED; float weights only).
 
 The down kernel may split K; each split writes its own fp32 rows of ``y`` [SPLIT, P, D] and
 :func:`sum_pairs_kernel` adds them, with the top-k, into ``out`` in a fixed order (deterministic).
@@ -18,10 +19,37 @@ import triton.language as tl
 
 
 @triton.jit
+def gate_up_rows(o_n, I, INTERLEAVED: tl.constexpr):
+    """Rows of w13 (and entries of its bias) holding gate and up output ``o_n``: rows j and I + j, or
+    2j and 2j + 1 with INTERLEAVED (gpt-oss's gate_up_proj, transposed as it is)."""
+    if INTERLEAVED:
+        r_g = 2 * o_n
+        r_u = r_g + 1
+    else:
+        r_g = o_n
+        r_u = o_n + I
+    return r_g, r_u
+
+
+@triton.jit
+def swiglu(g, u, LIMIT, ALPHA, CLAMPED: tl.constexpr):
+    """fp32 SwiGLU ``silu(g) * u``, or with CLAMPED gpt-oss's ``(clamp(u, -l, l) + 1) * g' * sigmoid(a * g')``
+    with ``g' = min(g, l)``."""
+    if CLAMPED:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        out = (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
+    else:
+        out = g / (1.0 + tl.exp(-g)) * u
+    return out
+
+
+@triton.jit
 def gate_up_gemv_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
+    b_ptr,
     h_ptr,
     pairs_ptr,
     block_slot_ptr,
@@ -30,19 +58,26 @@ def gate_up_gemv_kernel(
     I,
     TOPK,
     NUM_SCALE_ROWS,
+    LIMIT,
+    ALPHA,
     stride_xt,
     stride_ws,
     stride_wn,
     stride_ss,
     stride_sn,
+    stride_bs,
     stride_hp,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     IDENTITY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """h[row] = silu(x[tok] Wg^T) * (x[tok] Wu^T) for the BLOCK_M rows of block ``i_m``, BLOCK_N columns."""
+    """h[row] = act(x[tok] Wg^T + bg, x[tok] Wu^T + bu) for the BLOCK_M rows of block ``i_m``, BLOCK_N
+    columns (see :func:`swiglu` and :func:`gate_up_rows`)."""
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     slot = tl.load(block_slot_ptr + i_m).to(tl.int64)
@@ -57,8 +92,9 @@ def gate_up_gemv_kernel(
     b_tok = (b_pair // TOPK).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
-    p_g = w_ptr + slot * stride_ws + o_n[:, None].to(tl.int64) * stride_wn  # (BN, 1)
-    p_u = p_g + I * stride_wn
+    r_g, r_u = gate_up_rows(o_n, I, INTERLEAVED)
+    p_g = w_ptr + slot * stride_ws + r_g[:, None].to(tl.int64) * stride_wn  # (BN, 1)
+    p_u = w_ptr + slot * stride_ws + r_u[:, None].to(tl.int64) * stride_wn
     p_s = s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -79,7 +115,10 @@ def gate_up_gemv_kernel(
             b_xu = b_x
         acc_g += tl.sum(b_xg[:, None, :] * b_g.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
         acc_u += tl.sum(b_xu[:, None, :] * b_u.to(tl.float32)[None, :, :], axis=2)
-    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + slot * stride_bs + r_g, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + slot * stride_bs + r_u, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    b_h = swiglu(acc_g, acc_u, LIMIT, ALPHA, CLAMPED)
     p_h = h_ptr + o_m[:, None].to(tl.int64) * stride_hp + o_n[None, :]
     tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
@@ -89,6 +128,7 @@ def down_gemv_kernel(
     h_ptr,
     w_ptr,
     s_ptr,
+    b_ptr,
     y_ptr,
     rw_ptr,
     pairs_ptr,
@@ -102,15 +142,18 @@ def down_gemv_kernel(
     stride_wn,
     stride_ss,
     stride_sn,
+    stride_bs,
     stride_ys,
     stride_yp,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     IDENTITY: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """y[split, pair] = rw[pair] * h[row, k-range] Wd[:, k-range]^T for one block, BLOCK_N columns of D."""
+    """y[split, pair] = rw[pair] * (h[row, k-range] Wd[:, k-range]^T (+ bd in split 0)) for one block,
+    BLOCK_N columns of D."""
     i_m = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -139,6 +182,9 @@ def down_gemv_kernel(
         if HAS_SCALE:
             b_h = b_h * tl.load(p_s + o_k // 128, mask=m_k, other=0.0)[None, :]
         acc += tl.sum(b_h[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)  # (BM, BN)
+    if HAS_BIAS:  # noqa: SIM102 - a compile-time test, then a run-time one (Triton keeps them apart)
+        if i_s == 0:  # the bias once, with the first split
+            acc += tl.load(b_ptr + slot * stride_bs + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)
     acc = acc * b_rw[:, None]
     p_y = y_ptr + i_s * stride_ys + b_pair[:, None].to(tl.int64) * stride_yp + o_n[None, :]

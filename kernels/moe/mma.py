@@ -4,6 +4,7 @@
 (2) down GEMM, scaled by the routing weight, into one fp32 row per pair of ``y`` [P, D], summed over
 k afterwards. Weights are bf16/fp16/fp32 or FP8 e4m3 with 128x128 block scales; FP8 tiles are widened
 in registers and each tile's dot product is multiplied by its one scale (BLOCK_N, BLOCK_K divide 128).
+Biases, the clamped SwiGLU and interleaved gate/up rows (gpt-oss) as in ``gemv.py``.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hearth.kernels.moe.gemv import gate_up_rows, swiglu
+
 
 @triton.jit
 def gate_up_mma_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
+    b_ptr,
     h_ptr,
     pairs_ptr,
     block_slot_ptr,
@@ -25,13 +29,19 @@ def gate_up_mma_kernel(
     I,
     TOPK,
     NUM_SCALE_ROWS,
+    LIMIT,
+    ALPHA,
     stride_xt,
     stride_ws,
     stride_wn,
     stride_ss,
     stride_sn,
+    stride_bs,
     stride_hp,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -49,6 +59,7 @@ def gate_up_mma_kernel(
     b_tok = (b_pair // TOPK).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I
+    r_g, r_u = gate_up_rows(o_n, I, INTERLEAVED)
     p_w = w_ptr + slot * stride_ws
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -59,8 +70,8 @@ def gate_up_mma_kernel(
         b_x = tl.load(
             x_ptr + b_tok[:, None] * stride_xt + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
         )  # (BM, BK)
-        b_g = tl.load(p_w + o_n[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
-        b_u = tl.load(p_w + (I + o_n)[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)
+        b_g = tl.load(p_w + r_g[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
+        b_u = tl.load(p_w + r_u[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)
         b_x = b_x.to(DOT_DTYPE)
         d_g = tl.dot(b_x, tl.trans(b_g.to(DOT_DTYPE)), input_precision=PRECISION)
         d_u = tl.dot(b_x, tl.trans(b_u.to(DOT_DTYPE)), input_precision=PRECISION)
@@ -71,7 +82,10 @@ def gate_up_mma_kernel(
             d_u = d_u * tl.load(p_s + NUM_SCALE_ROWS * stride_sn)
         acc_g += d_g
         acc_u += d_u
-    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + slot * stride_bs + r_g, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + slot * stride_bs + r_u, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    b_h = swiglu(acc_g, acc_u, LIMIT, ALPHA, CLAMPED)
     p_h = h_ptr + o_m[:, None].to(tl.int64) * stride_hp + o_n[None, :]
     tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
@@ -81,6 +95,7 @@ def down_mma_kernel(
     h_ptr,
     w_ptr,
     s_ptr,
+    b_ptr,
     y_ptr,
     rw_ptr,
     pairs_ptr,
@@ -93,8 +108,10 @@ def down_mma_kernel(
     stride_wn,
     stride_ss,
     stride_sn,
+    stride_bs,
     stride_yp,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -126,6 +143,8 @@ def down_mma_kernel(
         if HAS_SCALE:
             d = d * tl.load(s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn + k0 // 128)
         acc += d
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + slot * stride_bs + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)
     acc = acc * b_rw[:, None]
     p_y = y_ptr + b_pair[:, None].to(tl.int64) * stride_yp + o_n[None, :]

@@ -4,8 +4,8 @@ Same contract as :func:`hearth.kernels.moe.fused_moe`: SwiGLU experts read from 
 ``h = silu(x Wg^T) * (x Wu^T)`` in fp32 cast to the activation dtype, ``y = h Wd^T``, and the
 weighted sum over the top-k accumulated in fp32. Slow (a Python loop over slots) and simple on purpose.
 
-gpt-oss's experts add biases to the three projections and clamp the SwiGLU (``swiglu_limit``); only
-this reference computes those (the Triton kernel is plain SwiGLU without bias).
+gpt-oss's experts add biases to the three projections, clamp the SwiGLU (``swiglu_limit``) and
+interleave the gate and up rows of w13 (``interleaved``), as the kernel's ``ExpertExtras`` does.
 """
 
 from __future__ import annotations
@@ -34,10 +34,14 @@ def slot_weights(
     s2: torch.Tensor | None,
     slot: int,
     dtype: torch.dtype,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One slot's (gate [I, D], up [I, D], down [D, I]) weights, dequantised and cast to ``dtype``."""
+    """One slot's (gate [I, D], up [I, D], down [D, I]) weights, dequantised and cast to ``dtype``.
+    ``interleaved``: w13's rows alternate gate, up (float weights)."""
     inter = w13.shape[1] // 2
-    if s13 is None:
+    if interleaved:
+        w_gate, w_up, w_down = w13[slot, 0::2], w13[slot, 1::2], w2[slot]
+    elif s13 is None:
         w_gate, w_up, w_down = w13[slot, :inter], w13[slot, inter:], w2[slot]
     else:
         rows = s13.shape[1] // 2  # scale rows of the gate half (== ceil(I / 128))
@@ -78,19 +82,22 @@ def moe_reference(
     b2: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     swiglu_alpha: float = SWIGLU_ALPHA,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """Reference of ``fused_moe``: x [T, D], slot_ids [T, K] (-1 = skip), weights [T, K] fp32,
     w13 [S, 2I, D], w2 [S, D, I], optional FP8 scales s13 [S, 2*ceil(I/128), ceil(D/128)] and
     s2 [S, ceil(D/128), ceil(I/128)]; gpt-oss: biases b13 [S, 2I] and b2 [S, D] and the clamped
-    SwiGLU. Returns [T, D] fp32."""
+    SwiGLU, with w13's gate and up rows (and b13's entries) alternating when ``interleaved``.
+    Returns [T, D] fp32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for slot in sorted(set(slot_ids.flatten().tolist()) - {-1}):
         rows, ks = torch.nonzero(slot_ids == slot, as_tuple=True)
-        w_gate, w_up, w_down = slot_weights(w13, w2, s13, s2, slot, x.dtype)
+        w_gate, w_up, w_down = slot_weights(w13, w2, s13, s2, slot, x.dtype, interleaved)
         biases = None
         if b13 is not None:
             inter = w_gate.shape[0]
-            biases = (b13[slot, :inter].to(x.dtype), b13[slot, inter:].to(x.dtype), b2[slot].to(x.dtype))
+            b_gate, b_up = (b13[slot, 0::2], b13[slot, 1::2]) if interleaved else (b13[slot, :inter], b13[slot, inter:])
+            biases = (b_gate.to(x.dtype), b_up.to(x.dtype), b2[slot].to(x.dtype))
         y = swiglu_expert(x[rows], w_gate, w_up, w_down, biases, swiglu_limit, swiglu_alpha)  # (n, D)
         out.index_add_(0, rows, y * weights[rows, ks].float()[:, None])
     return out

@@ -33,3 +33,28 @@ def test_fused_backend_matches_expert_loop(tmp_path, arch, fp8):
     got = model.logits(ids)
     assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for moe in moe_layers:  # the loop still reads the (now transposed) views
+        moe.backend = None
+    assert (model.logits(ids) - want).abs().max() <= 1e-5
+
+
+def test_gpt_oss_experts_through_the_fused_kernel(tmp_path):
+    """gpt-oss's stacked experts (interleaved gate/up, biases, clamped SwiGLU with the tiny config's
+    low limit) through the kernel: the logits of the per-expert loop, parameters turned into views."""
+    path = write_tiny_model(tmp_path / "gpt_oss", "gpt_oss", seed=5)
+    ids = torch.randint(3, 400, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    model = load_model(str(path), device=TEST_DEVICE, dtype="float32", use_kernels="never")
+    want = model.logits(ids)
+    net = model.runner.model
+    moe_layers = [layer.mlp for layer in net.layers if layer.is_moe]
+    assert fused_experts.enable(net, require_cuda=False) == len(moe_layers) > 0
+    backend, experts = moe_layers[0].backend, moe_layers[0].experts
+    assert backend.extras.interleaved and backend.extras.swiglu_limit == 1.5
+    assert experts.gate_up_proj.data_ptr() == backend.w13.data_ptr()  # a view into the kernel's layout
+    assert torch.equal(experts.gate_up_proj[2, :, 1], backend.w13[2, 1])  # column 1 (up 0) is row 1
+    got = model.logits(ids)
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for moe in moe_layers:  # the loop still reads the (now transposed) views
+        moe.backend = None
+    assert (model.logits(ids) - want).abs().max() <= 1e-5

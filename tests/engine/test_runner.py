@@ -59,6 +59,24 @@ def test_each_switch_turns_off_what_it_must(offload, changes, kernels, graphs, p
     assert features.attention.mli == bool(changes.get("mli"))
 
 
+@pytest.mark.parametrize("arch", ["glm4_moe", "gpt_oss", "qwen3_moe", "mixtral"])
+def test_gqa_families_decode_through_the_kernel_in_cuda_graphs(arch):
+    model_config = ModelConfig.from_dict(tiny_config(arch))
+    config = EngineConfig()
+    features = RunnerFeatures.decide(config, model_config, config.block_size, CUDA, torch.bfloat16, False)
+    assert features.attention.use_kernels and features.cuda_graphs and features.fused_experts
+    offloaded = RunnerFeatures.decide(config, model_config, config.block_size, CUDA, torch.bfloat16, True)
+    assert offloaded.attention.use_kernels and not offloaded.fused_experts
+    on_cpu = RunnerFeatures.decide(config, model_config, config.block_size, torch.device("cpu"), torch.float32, False)
+    assert not on_cpu.attention.use_kernels and not on_cpu.cuda_graphs
+
+
+def test_dense_mla_has_no_decode_kernels():
+    model_config = ModelConfig.from_dict(tiny_config("deepseek_v3"))
+    features = RunnerFeatures.decide(EngineConfig(), model_config, 64, CUDA, torch.bfloat16, False)
+    assert not features.attention.use_kernels and not features.cuda_graphs
+
+
 def test_the_cpu_never_runs_the_kernels():
     config = EngineConfig()
     features = RunnerFeatures.decide(config, _kernel_shaped(), 64, torch.device("cpu"), torch.float32, False)

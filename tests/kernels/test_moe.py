@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hearth.kernels.moe import fused_moe, group_by_slot, max_blocks, moe_reference
+from hearth.kernels.moe import ExpertExtras, fused_moe, group_by_slot, max_blocks, moe_reference
 from hearth.kernels.moe.fused_moe import MoeLaunch, TileConfig, default_launch, fused_moe_launch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -111,6 +111,39 @@ def test_repeated_and_skipped_slots(launch, wdtype):
     # a slot twice in one token, a slot shared by all tokens, a whole token skipped
     ids = torch.tensor([[2, 2, 0, -1], [2, 1, -1, 0], [-1, -1, -1, -1]])
     _check(3, 4, 130, 96, 3, wdtype, DEVICE, launch=launch, ids=ids)
+
+
+# gpt-oss's experts: biases on the three projections, the clamped SwiGLU (a limit low enough to clamp
+# on these inputs) and gate/up rows interleaved as in its gate_up_proj; both paths, split K.
+@needs_triton
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "t,launch", [(1, _gemv(1, split_k=3)), (3, _gemv(2, block_k=32)), (9, _mma())],
+    ids=lambda v: v.describe() if isinstance(v, MoeLaunch) else None,
+)
+def test_biases_and_clamped_swiglu(t, launch, wdtype, interleaved):
+    x, ids, w, w13, w2, _, _ = _inputs(t, 4, 130, 72, 5, wdtype, seed=3)
+    x = x.to(wdtype) * 8  # large enough activations that the clamp (limit 0.05) acts
+    g = torch.Generator().manual_seed(4)
+    b13, b2 = 0.1 * torch.randn(5, 2 * 72, generator=g), 0.1 * torch.randn(5, 130, generator=g)
+    extras = ExpertExtras(b13=b13.to(DEVICE), b2=b2.to(DEVICE), swiglu_limit=0.05, interleaved=interleaved)
+    want = moe_reference(x, ids, w, w13, w2, b13=b13, b2=b2, swiglu_limit=0.05, interleaved=interleaved)
+    plain = moe_reference(x, ids, w, w13, w2, interleaved=interleaved)
+    assert _rel_err(plain, want) > 0.1  # the extras matter on these inputs
+    dev = [a.to(DEVICE) for a in (x, ids, w, w13, w2)]
+    got = fused_moe_launch(*dev, None, None, None, launch=launch, extras=extras).cpu()
+    assert _rel_err(got, want) < (2e-2 if wdtype == torch.bfloat16 else 1e-5)
+
+
+@needs_triton
+def test_extras_layout_errors():
+    x, ids, w, w13, w2, s13, s2 = _inputs(2, 2, 64, 32, 4, torch.float8_e4m3fn, skip=False)
+    with pytest.raises(ValueError, match="interleaved"):
+        fused_moe(x, ids, w, w13, w2, s13, s2, extras=ExpertExtras(interleaved=True))
+    x, ids, w, w13, w2, _, _ = _inputs(2, 2, 64, 32, 4, torch.bfloat16, skip=False)
+    with pytest.raises(ValueError, match="b2"):
+        fused_moe(x, ids, w, w13, w2, extras=ExpertExtras(b2=torch.zeros(4, 63)))
 
 
 @needs_triton
