@@ -1,5 +1,6 @@
 """The DSA kernel path's fused small kernels (RMSNorm + residual, rotary from tables, the MLA latent
-write) inside the model, on the CPU under Triton's interpreter: the same cache rows and close logits
+write) inside the model (on the CPU under Triton's interpreter; on the GPU machine with
+HEARTH_TEST_DEVICE=cuda, on CUDA): the same cache rows and close logits
 as the plain-PyTorch path, for prefill, graph-style decode (``DecodeMeta``) and eager decode.
 Contexts stay below index_topk, so both paths attend over every key (the FP8 indexer cannot flip a
 selection)."""
@@ -14,6 +15,7 @@ from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSl
 from hearth.engine.loader import load_checkpoint
 from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
+from tests.engine.conftest import TEST_DEVICE
 
 BLOCK = 16
 TABLE = [5, 2, 7, 0, 3]  # shuffled pages: 80 positions
@@ -27,24 +29,25 @@ def folder(request, tmp_path_factory):
 
 def _run(folder, use_kernels: bool) -> tuple[list[torch.Tensor], PagedCache, object]:
     config = ModelConfig.from_file(folder)
-    model = load_checkpoint(folder, torch.device("cpu"), torch.bfloat16,
+    dev = torch.device(TEST_DEVICE)
+    model = load_checkpoint(folder, dev, torch.bfloat16,
                             attention=AttentionPaths(use_kernels=use_kernels)).eval()
-    cache = PagedCache(config, 8, BLOCK, torch.bfloat16, torch.device("cpu"), index_fp8=use_kernels)
-    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(1))
+    cache = PagedCache(config, 8, BLOCK, torch.bfloat16, dev, index_fp8=use_kernels)
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(1)).to(dev)
     out = []
     with torch.inference_mode():
-        out.append(model(ids[:38], build_context(cache, [(TABLE, 0, 38)], torch.device("cpu"))))
+        out.append(model(ids[:38], build_context(cache, [(TABLE, 0, 38)], dev)))
         # a decode at position 38 (the kernel path as a CUDA graph runs it: device tensors only; the
         # plain path needs the per-request context), then an eager decode at 39
-        pos = torch.tensor([38])
-        slots = torch.tensor([TABLE[38 // BLOCK] * BLOCK + 38 % BLOCK])
-        meta = DecodeMeta(torch.tensor([TABLE], dtype=torch.int32), (pos + 1).to(torch.int32), 80)
+        pos = torch.tensor([38], device=dev)
+        slots = torch.tensor([TABLE[38 // BLOCK] * BLOCK + 38 % BLOCK], device=dev)
+        meta = DecodeMeta(torch.tensor([TABLE], dtype=torch.int32, device=dev), (pos + 1).to(torch.int32), 80)
         ctx = ForwardContext(positions=pos, slot_mapping=slots, cache=cache, decode=meta,
                              seqs=[SeqSlice(start=0, q_len=1, context_len=1, slots=slots)])
         if not use_kernels:
-            ctx = build_context(cache, [(TABLE, 38, 1)], torch.device("cpu"))
+            ctx = build_context(cache, [(TABLE, 38, 1)], dev)
         out.append(model(ids[38:39], ctx))
-        out.append(model(ids[39:40], build_context(cache, [(TABLE, 39, 1)], torch.device("cpu"))))
+        out.append(model(ids[39:40], build_context(cache, [(TABLE, 39, 1)], dev)))
     return out, cache, model
 
 
