@@ -252,7 +252,7 @@ def sampled_plan(n_cols: int, k: int, *, sample: int | None = None, capacity: in
     The sample expects >= 64 keys above the true cutoff where it can (2048..8192 keys); the cutoff is
     the j-th largest sampled key with j = 2 x that expectation + 16, so about 2k + 16 L / sample keys
     of a row of length L land above it; the capacity holds 1.5x that. For k = 2048 at 128K: 4096
-    sampled keys, 64 expected above the true cutoff against j = 144 (fallback when >= 144 are: ~9 sigma),
+    sampled keys, 64 expected above the true cutoff against j = 144 (fallback when >= 144 are: ~10 sigma),
     ~4.6k expected candidates against 8192 slots (fallback when fewer than 144 sampled keys are above
     the 8192nd largest, 256 expected: ~7 sigma)."""
     require(1 <= k <= MAX_K, f"k must be in [1, {MAX_K}] for the sampled top-k, got {k}")
@@ -318,7 +318,7 @@ def sampled_topk_launch(
         HEADER=HEADER,
         CAP=plan.capacity,
         SAMPLE=plan.sample,
-        CHUNK=min(SAMPLE_CHUNK, plan.sample),
+        CHUNK=SAMPLE_CHUNK,
         SLACK=SAMPLE_SLACK,
         BITS=DIGIT_BITS,
         SAMPLE_PASSES=SAMPLE_BITS // DIGIT_BITS,
