@@ -34,6 +34,7 @@ from hearth.kernels.sparse_mla import quantize_latent_fp8, sparse_mla_decode, sp
 from hearth.kernels.sparse_mla.reference import sparse_mla_ref
 from hearth.kernels.topk import topk_indices
 from hearth.kernels.topk.reference import check_topk
+from hearth.kernels.topk.sampled import new_sampled_workspace, sampled_plan, sampled_topk_launch
 
 BW = 4.28e12
 TFLOPS = 790e12
@@ -138,10 +139,26 @@ def decode_indexer(batch: int, ctx_len: int, heads: int = 64, sweep: bool = Fals
     emit("decode indexer+topk (fused hist)", shape, t_full, t_base, nbytes=n_bytes_keys)
     t_nf = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, fuse_hist=False, config=cfg), graph=True)
     emit("decode indexer+topk (unfused)", shape, t_nf, t_base, nbytes=n_bytes_keys)
+    # the sampled top-k keeps its workspace across calls (zeroed once, as a graph-captured caller would)
+    ws = new_sampled_workspace(batch, sampled_plan(ctx_len, K), q.device)
+    t_sa = bench(
+        lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, config=cfg, topk="sampled", topk_workspace=ws),
+        graph=True,
+    )
+    check_topk(
+        indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="sampled", topk_workspace=ws)[:, 0],
+        *lightning_indexer_decode(q, w, cache, table, ctx, BS),
+        K,
+    )
+    emit("decode indexer+topk (sampled)", shape, t_sa, t_base, nbytes=n_bytes_keys)
     logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx, BS, config=cfg)
     t_tk = bench(lambda: topk_indices(logits, lengths, K), graph=True)
     t_tt = bench(lambda: torch.topk(logits, K, dim=-1))
     emit("decode topk only (radix)", f"{batch}x{ctx_len}", t_tk, t_tt, nbytes=batch * ctx_len * 4)
+    out = torch.empty(batch, K, dtype=torch.int32, device=q.device)
+    plan = sampled_plan(logits.shape[1], K)
+    t_ts = bench(lambda: sampled_topk_launch(logits, lengths, out, ws, plan), graph=True)
+    emit("decode topk only (sampled)", f"{batch}x{ctx_len}", t_ts, t_tt, nbytes=batch * ctx_len * 4)
 
 
 def random_latent(num_blocks: int, fp8: bool) -> torch.Tensor:

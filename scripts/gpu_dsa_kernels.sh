@@ -2,7 +2,7 @@
 # On the H200: GPU-side kernel tests (all of tests/kernels, the small odd-size cases on CUDA plus the
 # `gpu`-marked real shapes), then the DSA benchmark. Logs and the result table go to $OUT.
 # Usage: bash scripts/gpu_dsa_kernels.sh [tests|bench|all|topk] [bench args]
-# (topk: only bench/bench_topk.py, the single-pass decode top-k against radix select and torch.topk)
+# (topk: only bench/bench_topk.py, the sampled and single-pass decode top-k against radix select and torch.topk)
 set -o pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh

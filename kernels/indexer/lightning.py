@@ -15,6 +15,8 @@ Cache layout: see `hearth.kernels.indexer.cache_write`.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,7 @@ from hearth.kernels._utils import (
     require,
 )
 from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, new_workspace, radix_digit, radix_topk_launch
+from hearth.kernels.topk.sampled import new_sampled_workspace, sampled_plan, sampled_topk_launch
 
 INDEX_DIM = 128
 MAX_NEXT_N = 4
@@ -299,15 +302,23 @@ def indexer_decode_topk(
     *,
     fuse_hist: bool = False,
     config: dict | None = None,
+    topk: Literal["radix", "sampled"] = "radix",
+    topk_workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode indexer + exact top-k: int32 [B, next_n, k] logical token positions, -1 padded.
 
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
-    fuse_hist=True adds the first radix histogram inside the indexer kernel instead of a separate pass
-    (measured slower on the H200 with Triton 3.6's tl.histogram, so off by default)."""
+    topk picks the selection: "radix" (default; the radix select, whose workspace is zeroed per call)
+    or "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
+    `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
+    across calls, else one is zeroed here).
+    fuse_hist=True (radix only) adds the first radix histogram inside the indexer kernel instead of a
+    separate pass (measured slower on the H200 with Triton 3.6's tl.histogram, so off by default)."""
+    require(topk in ("radix", "sampled"), f"topk must be 'radix' or 'sampled', got {topk!r}")
+    require(topk == "radix" or not fuse_hist, "fuse_hist applies to the radix select only")
     n_req, next_n = q.shape[0], q.shape[1]
-    ws = new_workspace(n_req * next_n, q.device)
+    ws = new_workspace(n_req * next_n, q.device) if topk == "radix" else None
     logits, lengths = lightning_indexer_decode(
         q,
         weights,
@@ -319,7 +330,13 @@ def indexer_decode_topk(
         config=config,
     )
     out = torch.empty(n_req * next_n, k, dtype=torch.int32, device=q.device)
-    radix_topk_launch(logits, lengths, k, out, ws, first_pass_done=fuse_hist)
+    if ws is not None:
+        radix_topk_launch(logits, lengths, k, out, ws, first_pass_done=fuse_hist)
+    else:
+        plan = sampled_plan(logits.shape[1], k)
+        if topk_workspace is None:
+            topk_workspace = new_sampled_workspace(n_req * next_n, plan, q.device)
+        sampled_topk_launch(logits, lengths, out, topk_workspace, plan)
     return out.view(n_req, next_n, k)
 
 

@@ -30,7 +30,7 @@ SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 
 
 @triton.jit
-def _pick(b_hist, k_rem, NBINS: tl.constexpr):
+def pick_bin(b_hist, k_rem, NBINS: tl.constexpr):
     """Bin holding the k_rem-th largest element of a register histogram; returns (bin, rank left in it)."""
     o_b = tl.arange(0, NBINS)
     b_ge = tl.sum(b_hist, 0) - tl.cumsum(b_hist, 0) + b_hist  # elements in bins >= b
@@ -82,7 +82,7 @@ def _finish(
             b_hist += tl.histogram(tl.where(m_hit, radix_digit(b_key, p, NBINS, BITS), 0), NBINS)
             n_skip += tl.sum((~m_hit).to(tl.int32), 0)
         b_hist -= tl.where(o_b == 0, n_skip, 0)
-        i_sel, k_rem = _pick(b_hist, k_rem, NBINS)
+        i_sel, k_rem = pick_bin(b_hist, k_rem, NBINS)
         prefix = prefix * NBINS + i_sel
     # prefix is now the full threshold key; K - k_rem keys in total lie above it
     n_gt = n_done
@@ -104,6 +104,60 @@ def _finish(
         o_rank = n_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
         tl.store(p_out + n_above + o_rank, b_idx, mask=m_eq & (o_rank < k_rem))
         n_eq += tl.sum(m_eq.to(tl.int32), 0)
+
+
+@triton.jit
+def select_row(
+    p_x,
+    n_len,
+    p_out,
+    p_keys,
+    p_idx,
+    K,
+    CAP,
+    NBINS: tl.constexpr,
+    BITS: tl.constexpr,
+    PASSES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Write the indices of the K largest of the row's n_len > K keys to p_out[0:K], with the CAP-entry
+    scratch buffers p_keys / p_idx (also the sampled kernel's exact fallback for a row)."""
+    o_b = tl.arange(0, NBINS)
+    # 1. histogram of the top digit over the whole row
+    b_hist = tl.zeros([NBINS], dtype=tl.int32)
+    n_pad = 0
+    for i0 in range(0, n_len, BLOCK):
+        o_t = i0 + tl.arange(0, BLOCK)
+        m_t = o_t < n_len
+        b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+        b_hist += tl.histogram(tl.where(m_t, radix_digit(b_key, 0, NBINS, BITS), 0), NBINS)
+        n_pad += tl.sum((~m_t).to(tl.int32), 0)
+    b_hist -= tl.where(o_b == 0, n_pad, 0)
+    i_cut, k_rem = pick_bin(b_hist, K, NBINS)
+    n_surv = tl.sum(tl.where(o_b == i_cut, b_hist, 0), 0)
+    prefix = i_cut - NBINS // 2  # the cutoff bin as a signed top byte
+    n_room = tl.where(n_surv <= CAP, CAP, 0)  # on overflow nothing is compacted
+    # 2. keys above the cutoff bin go straight to the output; the cutoff bin is compacted
+    n_gt = 0
+    n_kept = 0
+    for i0 in range(0, n_len, BLOCK):
+        o_t = i0 + tl.arange(0, BLOCK)
+        m_t = o_t < n_len
+        b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+        b_top = b_key >> (32 - BITS)
+        m_gt = m_t & (b_top > prefix)
+        tl.store(p_out + n_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1, o_t, mask=m_gt)
+        n_gt += tl.sum(m_gt.to(tl.int32), 0)
+        m_eq = m_t & (b_top == prefix)
+        o_dst = n_kept + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+        tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < n_room))
+        tl.store(p_idx + o_dst, o_t, mask=m_eq & (o_dst < n_room))
+        n_kept += tl.sum(m_eq.to(tl.int32), 0)
+    # 3. exact finish inside the cutoff bin
+    if n_surv <= CAP:
+        _finish(p_x, p_keys, p_idx, p_out, n_surv, prefix, k_rem, n_gt, K, False, NBINS, BITS, PASSES, BLOCK)
+    else:
+        _finish(p_x, p_keys, p_idx, p_out, n_len, prefix, k_rem, n_gt, K, True, NBINS, BITS, PASSES, BLOCK)
 
 
 @triton.jit
@@ -131,45 +185,10 @@ def _topk_single_pass_kernel(
             o_t = i0 + tl.arange(0, BLOCK)
             tl.store(p_out + o_t, tl.where(o_t < n_len, o_t, -1), mask=o_t < K)
     else:
-        p_x = x_ptr + i_r.to(tl.int64) * stride_x
         p_keys = scratch_ptr + i_r.to(tl.int64) * stride_scratch
-        p_idx = p_keys + CAP
-        o_b = tl.arange(0, NBINS)
-        # 1. histogram of the top digit over the whole row
-        b_hist = tl.zeros([NBINS], dtype=tl.int32)
-        n_pad = 0
-        for i0 in range(0, n_len, BLOCK):
-            o_t = i0 + tl.arange(0, BLOCK)
-            m_t = o_t < n_len
-            b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
-            b_hist += tl.histogram(tl.where(m_t, radix_digit(b_key, 0, NBINS, BITS), 0), NBINS)
-            n_pad += tl.sum((~m_t).to(tl.int32), 0)
-        b_hist -= tl.where(o_b == 0, n_pad, 0)
-        i_cut, k_rem = _pick(b_hist, K, NBINS)
-        n_surv = tl.sum(tl.where(o_b == i_cut, b_hist, 0), 0)
-        prefix = i_cut - NBINS // 2  # the cutoff bin as a signed top byte
-        n_room = tl.where(n_surv <= CAP, CAP, 0)  # on overflow nothing is compacted
-        # 2. keys above the cutoff bin go straight to the output; the cutoff bin is compacted
-        n_gt = 0
-        n_kept = 0
-        for i0 in range(0, n_len, BLOCK):
-            o_t = i0 + tl.arange(0, BLOCK)
-            m_t = o_t < n_len
-            b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
-            b_top = b_key >> (32 - BITS)
-            m_gt = m_t & (b_top > prefix)
-            tl.store(p_out + n_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1, o_t, mask=m_gt)
-            n_gt += tl.sum(m_gt.to(tl.int32), 0)
-            m_eq = m_t & (b_top == prefix)
-            o_dst = n_kept + tl.cumsum(m_eq.to(tl.int32), 0) - 1
-            tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < n_room))
-            tl.store(p_idx + o_dst, o_t, mask=m_eq & (o_dst < n_room))
-            n_kept += tl.sum(m_eq.to(tl.int32), 0)
-        # 3. exact finish inside the cutoff bin
-        if n_surv <= CAP:
-            _finish(p_x, p_keys, p_idx, p_out, n_surv, prefix, k_rem, n_gt, K, False, NBINS, BITS, PASSES, BLOCK)
-        else:
-            _finish(p_x, p_keys, p_idx, p_out, n_len, prefix, k_rem, n_gt, K, True, NBINS, BITS, PASSES, BLOCK)
+        select_row(
+            x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_keys, p_keys + CAP, K, CAP, NBINS, BITS, PASSES, BLOCK
+        )
 
 
 def new_scratch(n_rows: int, k: int, device: torch.device, capacity: int | None = None) -> torch.Tensor:
