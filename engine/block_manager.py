@@ -38,7 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BlockManager", "SpillTier", "hash_block"]
+__all__ = ["BlockManager", "PageHashes", "SpillTier", "hash_block"]
+
+_RECENT_PROMPTS = 16  # prompts whose page hashes PageHashes keeps (~0.5 MB each at 64K tokens)
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -47,6 +49,59 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     digest.update(b"root" if parent_hash is None else parent_hash.to_bytes(16, "little"))
     digest.update(array("q", token_ids).tobytes())
     return int.from_bytes(digest.digest(), "little")
+
+
+class PageHashes:
+    """Chained hashes of a prompt's full pages (``hash_block``'s values), remembering the last few
+    prompts by their first page: a follow-up turn of a chat shares the previous turn's pages, whose
+    hashes are reused (after one list comparison in C) instead of recomputed. New pages go to bytes
+    together, and each costs one hash of a slice of them."""
+
+    def __init__(self, block_size: int, capacity: int = _RECENT_PROMPTS) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._recent: OrderedDict[tuple[int, ...], tuple[list[int], list[int]]] = OrderedDict()  # first page ->
+
+    def __call__(self, token_ids: Sequence[int], count: int) -> list[int]:
+        """The hashes of the first ``count`` full pages of ``token_ids``."""
+        if count <= 0:
+            return []
+        size = self.block_size
+        tokens = list(token_ids[:count * size])
+        key = tuple(tokens[:size])
+        known, known_hashes = self._recent.get(key, ([], []))
+        same = _common_pages(known, tokens, size)
+        hashes = known_hashes[:same]
+        parent = hashes[-1] if hashes else None
+        values = array("q", tokens[same * size:])
+        data = memoryview(values).cast("B")
+        page = size * values.itemsize
+        for index in range(count - same):
+            digest = hashlib.blake2b(digest_size=16)
+            digest.update(b"root" if parent is None else parent.to_bytes(16, "little"))
+            digest.update(data[index * page:(index + 1) * page])
+            parent = int.from_bytes(digest.digest(), "little")
+            hashes.append(parent)
+        self._recent[key] = (tokens, hashes)
+        self._recent.move_to_end(key)
+        while len(self._recent) > self.capacity:
+            self._recent.popitem(last=False)
+        return list(hashes)
+
+
+def _common_pages(a: list[int], b: list[int], size: int) -> int:
+    """How many leading whole pages of ``size`` tokens ``a`` and ``b`` share."""
+    limit = min(len(a), len(b)) // size
+    if a[:limit * size] == b[:limit * size]:
+        return limit
+    lo, hi = 0, limit - 1  # binary search on the page count (the whole run differs somewhere)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid * size] == b[:mid * size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class SpillTier(Protocol):
@@ -76,6 +131,7 @@ class _Sequence:
     block_table: list[int]
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the computed full blocks
     conversation: str | None = None
+    prompt_hashes: list[int] = field(default_factory=list)  # of the prompt's full pages, known at allocate
 
 
 class BlockManager:
@@ -100,6 +156,7 @@ class BlockManager:
         self._seqs: dict[str, _Sequence] = {}
         self.tier = tier if enable_prefix_caching else None
         self._spills: list[tuple[int, int, frozenset[str]]] = []  # evicted, not yet handed to the tier
+        self.page_hashes = PageHashes(block_size)
         self.hit_tokens = 0  # prompt tokens served from cached blocks, device and lower tiers
         self.restored_tokens = 0  # of those, from the lower tiers
 
@@ -123,8 +180,11 @@ class BlockManager:
 
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         """Whether ``allocate`` would find enough blocks for this prompt right now."""
-        hits, _ = self._prefix_hits(token_ids)
-        num_new = self._blocks_for(len(token_ids)) - len(hits)
+        hits, _, _ = self._prefix_hits(token_ids)
+        return self._fits(len(token_ids), hits)
+
+    def _fits(self, num_tokens: int, hits: list[tuple[int, int]]) -> bool:
+        num_new = self._blocks_for(num_tokens) - len(hits)
         num_hits_unused = sum(1 for _, block_id in hits if self._blocks[block_id].ref_count == 0)
         return num_new <= self.num_free_blocks - num_hits_unused
 
@@ -146,14 +206,14 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
-        if not self.can_allocate(token_ids):
+        hits, lower, hashes = self._prefix_hits(token_ids)
+        if not self._fits(len(token_ids), hits):
             raise RuntimeError(f"out of cache blocks for {seq_id!r} (call can_allocate first)")
-        hits, lower = self._prefix_hits(token_ids)
         for _, block_id in hits:
             self._take_cached(block_id)
         new_blocks = [self._take_free() for _ in range(self._blocks_for(len(token_ids)) - len(hits))]
         seq = _Sequence(list(token_ids), [block_id for _, block_id in hits] + new_blocks,
-                        [block_hash for block_hash, _ in hits], conversation)
+                        [block_hash for block_hash, _ in hits], conversation, hashes)
         self._seqs[seq_id] = seq
         self._flush_spills()  # before restoring: the blocks restored into may be the ones evicted
         restored = self._restore(seq, list(zip(lower, new_blocks)))
@@ -215,9 +275,12 @@ class BlockManager:
             return
         num_full = min(num_computed_tokens, len(seq.token_ids)) // self.block_size
         for index in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            start = index * self.block_size
-            block_hash = hash_block(parent, seq.token_ids[start : start + self.block_size])
+            if index < len(seq.prompt_hashes):
+                block_hash = seq.prompt_hashes[index]
+            else:
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                start = index * self.block_size
+                block_hash = hash_block(parent, seq.token_ids[start : start + self.block_size])
             seq.block_hashes.append(block_hash)
             self._register(seq.block_table[index], block_hash, seq.conversation)
 
@@ -251,26 +314,24 @@ class BlockManager:
     def _blocks_to_grow(self, seq: _Sequence, num_new_tokens: int) -> int:
         return self._blocks_for(len(seq.token_ids) + num_new_tokens) - len(seq.block_table)
 
-    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[int], list[int]]:
         """(hash, block id) of the device's cached blocks that serve the prompt's leading full
         blocks, then the hashes of the blocks after them that the lower tier holds, leaving at
-        least the prompt's last token to compute."""
+        least the prompt's last token to compute; and the hashes of all those full blocks."""
         hits: list[tuple[int, int]] = []
         lower: list[int] = []
         if not self.enable_prefix_caching:
-            return hits, lower
-        parent: int | None = None
-        for index in range((len(token_ids) - 1) // self.block_size):
-            start = index * self.block_size
-            parent = hash_block(parent, token_ids[start : start + self.block_size])
-            block_id = self._cached.get(parent)
+            return hits, lower, []
+        hashes = self.page_hashes(token_ids, (len(token_ids) - 1) // self.block_size)
+        for block_hash in hashes:
+            block_id = self._cached.get(block_hash)
             if block_id is not None and not lower:
-                hits.append((parent, block_id))
-            elif block_id is None and self.tier is not None and parent in self.tier:
-                lower.append(parent)
+                hits.append((block_hash, block_id))
+            elif block_id is None and self.tier is not None and block_hash in self.tier:
+                lower.append(block_hash)
             else:
                 break  # (a device block after lower-tier ones ends the match: restores stay a contiguous run)
-        return hits, lower
+        return hits, lower, hashes
 
     def _restore(self, seq: _Sequence, pages: list[tuple[int, int]]) -> int:
         """Fill ``seq``'s new blocks from the lower tier where its prefix continues there; returns

@@ -50,6 +50,7 @@ import re
 import threading
 import time
 import uuid
+from array import array
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class Engine:
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=not tiered,
                                    tier=self.prefix_tier)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self._prompt_tokens = tokenizer.prompt_tokens()
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self._intake: list[_Request] = []
@@ -161,24 +163,34 @@ class Engine:
 
     def encode(self, messages: Sequence[dict[str, Any]] | None = None, prompt: str | None = None,
                prompt_token_ids: Sequence[int] | None = None, *, max_tokens: int | None = None,
-               **chat_options: Any) -> list[int]:
+               conversation_id: str | None = None, **chat_options: Any) -> list[int]:
         """Prompt token ids from exactly one of: chat messages, raw text, token ids. With
-        ``max_tokens``, text that certainly encodes to more tokens is refused before tokenising."""
+        ``max_tokens``, text that certainly encodes to more tokens is refused before tokenising.
+        A chat's ``conversation_id`` lets a follow-up turn tokenise only what its last prompt lacked
+        (``hearth.engine.text.prompt_tokens``: the same ids)."""
         given = [x is not None for x in (messages, prompt, prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("give exactly one of messages, prompt or prompt_token_ids")
         if prompt_token_ids is not None:
-            return [int(t) for t in prompt_token_ids]
-        if messages is not None:
-            text = self.tokenizer.chat_prompt(list(messages), add_generation_prompt=True, **chat_options)
-        else:
-            text = prompt
-        fewest = self.tokenizer.fewest_tokens(text) if max_tokens is not None else 0
-        if max_tokens is not None and fewest > max_tokens:
-            raise RequestError(f"the prompt has at least {fewest} tokens but the context holds {self.max_model_len} "
-                               "(prompt + answer); shorten it or raise the context length")
+            return token_list(prompt_token_ids)
+
+        def refuse(fewest: int) -> None:
+            if max_tokens is not None and fewest > max_tokens:
+                raise RequestError(f"the prompt has at least {fewest} tokens but the context holds "
+                                   f"{self.max_model_len} (prompt + answer); shorten it or raise the context length")
+
+        if messages is None:
+            assert prompt is not None
+            if max_tokens is not None:
+                refuse(self.tokenizer.fewest_tokens(prompt))
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        text = self.tokenizer.chat_prompt(list(messages), add_generation_prompt=True, **chat_options)
+        if conversation_id is not None:
+            return self._prompt_tokens.encode(text, conversation_id, refuse)
+        if max_tokens is not None:
+            refuse(self.tokenizer.fewest_tokens(text))
         # NOTE: a chat prompt's text already holds BOS, so special tokens are added to raw text only.
-        return self.tokenizer.encode(text, add_special_tokens=messages is None)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def add_request(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
@@ -193,9 +205,9 @@ class Engine:
         generation_config.json fills temperature / top_p / top_k, and ``max_tokens`` defaults to
         the rest of the context and is capped there.
         """
-        ids = self.encode(messages, prompt, prompt_token_ids, **chat_options)
-        self._validate(ids)
         check_conversation_id(conversation_id)
+        ids = self.encode(messages, prompt, prompt_token_ids, conversation_id=conversation_id, **chat_options)
+        self._validate(ids)
         params = sampling if isinstance(sampling, SamplingParams) else self.sampling_params(sampling or {}, len(ids))
         request_id = request_id or uuid.uuid4().hex
         seq = Seq(request_id=request_id, prompt_ids=ids, params=params, conversation=conversation_id)
@@ -229,8 +241,8 @@ class Engine:
             raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                                "(prompt + answer); shorten it or raise the context length")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:  # (min and max in C: prompts are tens of thousands of ids)
+            bad = next(t for t in ids if not 0 <= t < vocab)
             raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         blocks_needed = -(-(len(ids) + 1) // self.runner.block_size)
         if blocks_needed > self.blocks.num_blocks:
@@ -247,6 +259,7 @@ class Engine:
         conversations used too only lose its tag); returns how many were deleted. Call it between
         steps."""
         check_conversation_id(conversation_id)
+        self._prompt_tokens.forget(conversation_id)
         dropped = self.blocks.drop_conversation(conversation_id)
         if self.prefix_tier is not None:
             dropped += self.prefix_tier.store.drop(conversation_id)
@@ -592,6 +605,14 @@ class Engine:
 def _reads_history(params: SamplingParams) -> bool:
     """Whether sampling reads the request's earlier tokens on the host (penalties)."""
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
+def token_list(ids: Sequence[int]) -> list[int]:
+    """``ids`` as a list of Python ints (one conversion in C, not a Python loop over a long prompt)."""
+    try:
+        return array("q", ids).tolist()
+    except (TypeError, OverflowError):
+        raise RequestError("prompt token ids must be integers") from None
 
 
 def check_conversation_id(conversation_id: str | None) -> None:

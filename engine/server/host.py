@@ -176,7 +176,7 @@ class EngineHost:
         # Tokenising happens outside the lock, so a long prompt holds up neither other requests
         # nor the engine thread.
         ids = engine.encode(messages, prompt, prompt_token_ids, max_tokens=engine.max_model_len - 1,
-                            **(chat_options or {}))
+                            conversation_id=conversation_id, **(chat_options or {}))
         with self._lock:
             if engine is not self._engine:  # unloaded or replaced while the prompt was tokenised
                 if self._engine is None:

@@ -21,7 +21,7 @@ from hearth.engine.api import Finished, RequestStats, usage
 # arguments of Engine.encode: a request's chat_template_kwargs must not replace them.
 TEMPLATE_OWN_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "raise_exception",
                                     "strftime_now", "bos_token", "eos_token", "pad_token", "unk_token",
-                                    "prompt", "prompt_token_ids", "max_tokens"})
+                                    "prompt", "prompt_token_ids", "max_tokens", "conversation_id"})
 
 
 class APIError(Exception):

@@ -39,7 +39,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:]) if prompt_ids else []
         # ids[_prefix:_read] is context already emitted; ids[_read:] is pending text, of which
         # _held_chars characters were emitted already.
         self._prefix = 0

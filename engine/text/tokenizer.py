@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 from hearth.engine.api import CheckpointError, HearthError, RequestError
 from hearth.engine.text import dsv32_encoding
 from hearth.engine.text.chat_template import render_chat_template
+from hearth.engine.text.prompt_tokens import PromptTokens
 from hearth.engine.text.reasoning import THINK_END, THINK_START
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -164,6 +165,11 @@ class Tokenizer:
             if self._add_eos and eos is not None:
                 ids = [*ids, eos]
         return ids
+
+    def prompt_tokens(self) -> PromptTokens:
+        """A cache of chat prompts' ids per conversation: a follow-up turn tokenises only its new
+        text (``hearth.engine.text.prompt_tokens``; the ids ``encode(text)`` gives)."""
+        return PromptTokens(self._backend, self.fewest_tokens)
 
     @cached_property
     def max_token_chars(self) -> int:
