@@ -2,7 +2,7 @@
 
 The engine alone (``Engine.step`` in a loop, no server) and then ``python -m hearth.engine.server``
 in its own process on the same tiny DeepSeek-V3.2 checkpoint, driven by ``--concurrency`` streaming
-clients (chat completions, greedy, ``ignore_eos``, ``include_usage``) on their own threads in this
+clients (``/v1/completions`` with token-id prompts, greedy, ``ignore_eos``, ``include_usage``) on their own threads in this
 process. The server runs with probes installed (``--probe``: this script starts the server's
 ``main`` after wrapping a few functions; the server's code is unchanged) that time, for every
 engine step: its wall time and the gap before the next one, the events it produced, the host's
@@ -142,7 +142,7 @@ class Stream:
     completion_tokens: int = 0
 
 
-def stream_one(port: int, prompt: list[int], max_tokens: int, out: Stream, started: threading.Barrier | None) -> None:
+def stream_one(port: int, prompt: list[int], max_tokens: int, out: Stream) -> None:
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -167,7 +167,7 @@ def stream_one(port: int, prompt: list[int], max_tokens: int, out: Stream, start
 
 def run_streams(port: int, prompts: list[list[int]], max_tokens: int) -> list[Stream]:
     streams = [Stream(time.perf_counter()) for _ in prompts]
-    threads = [threading.Thread(target=stream_one, args=(port, p, max_tokens, s, None))
+    threads = [threading.Thread(target=stream_one, args=(port, p, max_tokens, s))
                for p, s in zip(prompts, streams)]
     for t in threads:
         t.start()
@@ -260,7 +260,7 @@ def through_server(model: Path, args: argparse.Namespace, prompts: list[list[int
             stats_before.update(httpx.get(url + "/hearth/stats", timeout=30).json())
 
         streams = [Stream(time.perf_counter()) for _ in prompts]
-        threads = [threading.Thread(target=stream_one, args=(port, p, args.decode_tokens, s, None))
+        threads = [threading.Thread(target=stream_one, args=(port, p, args.decode_tokens, s))
                    for p, s in zip(prompts, streams)]
         watcher = threading.Thread(target=at_window_start)
         for t in [*threads, watcher]:
