@@ -2,8 +2,8 @@
 
 The engine alone (``Engine.step`` in a loop, no server) and then ``python -m hearth.engine.server``
 in its own process on the same tiny DeepSeek-V3.2 checkpoint, driven by ``--concurrency`` streaming
-clients (``/v1/completions`` with token-id prompts, greedy, ``ignore_eos``, ``include_usage``) on their own threads in this
-process. The server runs with probes installed (``--probe``: this script starts the server's
+clients (``/v1/completions`` with token-id prompts, greedy, ``ignore_eos``, ``include_usage``) on their
+own threads in this process. The server runs with probes installed (``--probe``: this script starts the server's
 ``main`` after wrapping a few functions; the server's code is unchanged) that time, for every
 engine step: its wall time and the gap before the next one, the events it produced, the host's
 hand-over of those events to the HTTP loop (``EngineHost._dispatch``, the sinks'
