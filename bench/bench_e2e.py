@@ -380,6 +380,26 @@ class Server:
         return time.perf_counter() - t0
 
 
+def window_step_means(before: dict, after: dict) -> dict:
+    """Means over the decode steps between two /hearth/stats snapshots (the engine's running totals):
+    step wall time, the gap before the next step, model GPU time, generated tok/s, and the steps by
+    how they ran (overlapped, or synchronous and why). Empty when the server has no totals."""
+    def delta(key: str) -> float:
+        return (find_number(after, key) or 0.0) - (find_number(before, key) or 0.0)
+
+    steps = delta("decode_steps")
+    if steps <= 0:
+        return {}
+    out = {"window_step_ms": delta("decode_step_ms_sum") / steps,
+           "window_gap_ms": delta("decode_gap_ms_sum") / max(delta("decode_gaps"), 1.0),
+           "window_engine_tok_s": delta("generated_tokens") / max(after["uptime_s"] - before["uptime_s"], 1e-9),
+           "window_steps_by_kind": {k.removeprefix("decode_steps_"): after[k] - before.get(k, 0.0)
+                                    for k in sorted(after) if k.startswith("decode_steps_")}}
+    if delta("decode_run_gpu_steps") > 0:
+        out["window_run_gpu_ms"] = delta("decode_run_gpu_ms_sum") / delta("decode_run_gpu_steps")
+    return out
+
+
 def find_number(stats: dict, key: str) -> float | None:
     """The first value named ``key`` anywhere in the stats JSON."""
     stack = [stats]
@@ -587,14 +607,22 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
             row["link_floor_ms"] = fetched / steps / LINK * 1e3
             row["link_busy_pct"] = 100 * fetched / LINK / (t_b - t_a)
             row["x_link_floor"] = ms_per_token / row["link_floor_ms"] if row["link_floor_ms"] else math.nan
+        row.update(window_step_means(before, after))
         if row["engine_step_ms"] and row["run_gpu_ms"]:
             row["outside_run_pct"] = 100 * (ms_per_token - row["run_gpu_ms"]) / ms_per_token
+        if row.get("window_run_gpu_ms"):  # the same, from this window's steps only
+            row["window_outside_run_pct"] = 100 * (ms_per_token - row["window_run_gpu_ms"]) / ms_per_token
         rows.append(row)
         extra = f"; link floor {row['link_floor_ms']:.2f} ms ({row['x_link_floor']:.2f}x)" if offloaded else ""
         step, gpu = row["engine_step_ms"] or math.nan, row["run_gpu_ms"] or math.nan
         print(f"  c={c}: {per_req:.1f} tok/s per request ({ms_per_token:.2f} ms/token), aggregate {agg:.0f} tok/s; "
               f"HBM floor {floor_ms:.2f} ms ({row['pct_of_hbm_floor']:.0f}% of it); engine step {step:.2f} ms, "
               f"model GPU {gpu:.2f} ms{extra}", flush=True)
+        if "window_step_ms" in row:
+            print(f"    this window only: engine step {row['window_step_ms']:.3f} ms + gap "
+                  f"{row['window_gap_ms']:.3f} ms, "
+                  f"model GPU {row.get('window_run_gpu_ms', math.nan):.3f} ms, engine {row['window_engine_tok_s']:.0f} "
+                  f"tok/s; steps {row['window_steps_by_kind']}", flush=True)
     res["decode"] = rows
     return res
 

@@ -36,7 +36,13 @@ before; a request's tokens arrive one call later than without overlap, the same 
   frequency penalties: those read the token history on the host, so such steps never fly.
 - ``stats()``' ``decode_step_ms`` is the wall time of a decode ``step`` call (with overlap: launching
   step N+1 and landing step N, waiting for it included) and ``decode_run_gpu_ms`` the GPU time of
-  ``ModelRunner.run`` alone; in steady decoding the first is the time per token.
+  ``ModelRunner.run`` alone; in steady decoding the first is the time per token. ``decode_steps_*``
+  count steps by how they ran: ``overlapped``, ``sync_<reason>`` after a flight that could not launch
+  the next step (``prompt_may_join``, ``request_not_in_flight``, ``no_free_page``, ...), and
+  ``sync_previous_step_not_in_flight``. A cache page that fills does not stop the overlap: the token
+  in flight takes a free page (``BlockManager.append`` with a placeholder) when the step launches.
+- ``step(launched=...)`` calls back once the step's model work is launched, before the host waits
+  for its tokens; the server's host hands the previous step's events to the HTTP loop then.
 
 A request may name its conversation (``conversation_id``): its cache pages are tagged with it, kept
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
@@ -51,8 +57,8 @@ import threading
 import time
 import uuid
 from array import array
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,6 +155,10 @@ class Engine:
         self.scheduler.on_preempt.append(lambda seq: self._forget(seq.request_id))
         self._auto_choice = auto_scheduler(1)
         self._flight: Flight | None = None  # overlapped decode: the step launched and not yet landed
+        # Steps by how they ran: "overlapped"; "sync_<why>" for a step after a flight that could not
+        # launch from it (it may read a prompt too); "sync_previous_step_not_in_flight" for a decode
+        # step with no flight before it (after prompts, penalties, overlap off).
+        self.decode_steps: Counter[str] = Counter()
         self._readback = TokenReadback(device, config.max_num_seqs) if device is not None else None
 
     @classmethod
@@ -282,21 +292,28 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[Event]:
-        """Run one scheduling step; returns the events it produced, in order."""
+    def step(self, launched: Callable[[], None] | None = None) -> list[Event]:
+        """Run one scheduling step; returns the events it produced, in order. ``launched`` (if
+        given) is called once the step's model work is launched and before the host waits for its
+        tokens: work handed to other threads then runs while this one waits on the device."""
         events = self._take_intake()
         flight, self._flight = self._flight, None
         if flight is not None:
-            rows = self._next_rows(flight)
+            rows, fallback = self._next_rows(flight)
             if rows:
-                return events + self._overlapped_step(flight, rows)
+                self.decode_steps["overlapped"] += 1
+                return events + self._overlapped_step(flight, rows, launched)
+            self.decode_steps[f"sync_{fallback}"] += 1
             events += self._land(flight)
         if self._auto:
             self._choose_scheduler()
         # Tokens in flight in the decoder finish there (after auto switched away from runahead).
         in_flight = self.decoder.flights if self.decoder is not None else {}
         chunks = self.scheduler.schedule(include_decodes=not self._runahead, busy=in_flight)
-        self.timer.begin(bool(chunks) and all(c.num_tokens == 1 for c in chunks))
+        decoding = bool(chunks) and all(c.num_tokens == 1 for c in chunks)
+        if decoding and flight is None:
+            self.decode_steps["sync_previous_step_not_in_flight"] += 1
+        self.timer.begin(decoding)
         marks = self.timer.around_run()
         if chunks:
             if self.decoder is not None:
@@ -314,6 +331,8 @@ class Engine:
                     marks[1].record()
             except torch.OutOfMemoryError:
                 return events + self._fail_all([c.seq for c in chunks], _OOM_MESSAGE)
+            if launched is not None:
+                launched()
             self.scheduler.after_step(chunks)
             ready = [i for i, c in enumerate(chunks) if c.seq.num_computed == c.seq.num_tokens]
             rows = logits if len(ready) == len(chunks) else logits[ready]  # (decode: every row, no gather)
@@ -340,31 +359,33 @@ class Engine:
         tokens = self._sample_on_device(requests, logits)
         return Flight(requests, tokens, self._readback.start(tokens))
 
-    def _next_rows(self, flight: Flight) -> list[int]:
-        """The flight's rows that decode again in a step launched before the flight lands; [] when
-        the next step must run synchronously (the module doc lists when)."""
+    def _next_rows(self, flight: Flight) -> tuple[list[int], str]:
+        """The flight's rows that decode again in a step launched before the flight lands, or []
+        and why the next step must run synchronously (the module doc lists when)."""
         scheduler = self.scheduler
         if self._runahead or (self.decoder is not None and len(self.decoder)):
-            return []
+            return [], "runahead"
         if scheduler.waiting and len(scheduler.running) < self.config.max_num_seqs:
-            return []
+            return [], "prompt_may_join"
         live = [i for i, r in enumerate(flight.requests) if r.seq.status is Status.RUNNING]
         if len(live) != len(scheduler.running):
-            return []
+            return [], "request_not_in_flight"
         if self._auto and auto_scheduler(len(live)) != self._auto_choice:
-            return []
+            return [], "scheduler_change"
         rows = [i for i in live if not self._ends_by_length(flight.requests[i].seq)]
-        if not rows or len(rows) > self.config.max_num_batched_tokens:
-            return []
+        if not rows:
+            return [], "every_token_is_last"
+        if len(rows) > self.config.max_num_batched_tokens:
+            return [], "token_budget"
         if not self.blocks.can_append_each([flight.requests[i].seq.request_id for i in rows]):
-            return []
-        return rows
+            return [], "no_free_page"
+        return rows, ""
 
     def _ends_by_length(self, seq: Seq) -> bool:
         """Whether the token in flight is certainly the request's last (max_tokens or the context)."""
         return len(seq.output_ids) + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
 
-    def _overlapped_step(self, flight: Flight, rows: list[int]) -> list[Event]:
+    def _overlapped_step(self, flight: Flight, rows: list[int], launched: Callable[[], None] | None) -> list[Event]:
         """Launch the next decode step of ``rows`` from the flight's tokens on the device, then land
         the flight while that step runs."""
         self.timer.begin(True)
@@ -385,15 +406,18 @@ class Engine:
             logits = self.runner.run(inputs, input_ids=ids)
             if marks is not None:
                 marks[1].record()
-            launched: Flight | None = self._fly(requests, logits)
+            flown: Flight | None = self._fly(requests, logits)
         except torch.OutOfMemoryError:
-            launched = None
+            flown = None
+        else:
+            if launched is not None:
+                launched()
         events = self._land(flight)
-        if launched is None:
+        if flown is None:
             return events + self._fail_all([r.seq for r in requests if r.seq.status is Status.RUNNING],
                                            _OOM_MESSAGE)
-        if any(r.seq.status is Status.RUNNING for r in launched.requests):
-            self._flight = launched  # (else every row finished: nothing will read it)
+        if any(r.seq.status is Status.RUNNING for r in flown.requests):
+            self._flight = flown  # (else every row finished: nothing will read it)
         self.timer.end(marks)
         return events
 
@@ -581,7 +605,8 @@ class Engine:
             generated_tokens=self._generated,
             decode_tokens_per_s=rate,
             extra={**{f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
-                   **self.timer.summary(), **self.prefix_cache_stats()},
+                   **self.timer.summary(), **{f"decode_steps_{k}": float(v) for k, v in self.decode_steps.items()},
+                   **self.prefix_cache_stats()},
         )
 
     def prefix_cache_stats(self) -> dict[str, float]:

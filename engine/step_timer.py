@@ -12,6 +12,11 @@ time per token; the GPU time is still that of ``ModelRunner.run`` alone (step N+
 behind the GPU no longer shows in the difference: what remains there is the host work the GPU waits
 for (launching the step, staging its inputs) and the sampling kernels. The step that starts a run of
 overlapped steps reads nothing back and is short; the numbers are medians of the last 256 steps.
+
+Beside the medians, running totals let a client average any window it chooses (the change between
+two ``/hearth/stats`` snapshots): decode steps, their wall time, the GPU time of those read, and the
+gap between consecutive decode steps (the engine thread's time outside ``Engine.step``: handing the
+events to the server, stats snapshots, waiting for the GIL).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 _WINDOW = 256  # recent decode steps averaged
+_TOTALS = ("decode_steps", "decode_step_ms_sum", "decode_gaps", "decode_gap_ms_sum", "decode_run_gpu_steps",
+           "decode_run_gpu_ms_sum")
 
 
 @dataclass
@@ -36,10 +43,16 @@ class StepTimer:
     # Two event pairs used in turn: a step records one while the other (the step before's) is read.
     _pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     _turn: int = 0
+    _last_end: float | None = None  # when the last decode step ended (None: the step after was not one)
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TOTALS, 0.0))
 
     def begin(self, decode: bool) -> None:
         self._decode = decode
         self._start = time.perf_counter()
+        if decode and self._last_end is not None:
+            self.totals["decode_gaps"] += 1
+            self.totals["decode_gap_ms_sum"] += 1e3 * (self._start - self._last_end)
+        self._last_end = None
 
     def around_run(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """Two events to record before and after the runner (None off CUDA or outside decode)."""
@@ -54,13 +67,18 @@ class StepTimer:
     def end(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
         if not self._decode:
             return
-        self.step_s.append(time.perf_counter() - self._start)
+        self._last_end = time.perf_counter()
+        self.step_s.append(self._last_end - self._start)
+        self.totals["decode_steps"] += 1
+        self.totals["decode_step_ms_sum"] += 1e3 * self.step_s[-1]
         if self._pending is not None and self._pending[1].query():
             self.run_gpu_s.append(self._pending[0].elapsed_time(self._pending[1]) / 1e3)
+            self.totals["decode_run_gpu_steps"] += 1
+            self.totals["decode_run_gpu_ms_sum"] += 1e3 * self.run_gpu_s[-1]
         self._pending = events
 
     def summary(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        out = dict(self.totals)
         if self.step_s:
             out["decode_step_ms"] = 1e3 * sorted(self.step_s)[len(self.step_s) // 2]
         if self.run_gpu_s:

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hearth.engine.api import Event, Finished, HearthError, TokenDelta
-from hearth.engine.server.host import BusyError, EngineHost, NoModelError, StillLoadingError
+from hearth.engine.server.host import BusyError, EngineHost, EventRelay, NoModelError, StillLoadingError
 from hearth.engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -75,16 +75,12 @@ class ClientGone(Exception):
 
 
 class RequestStream:
-    """Carries one request's engine events from the engine thread onto the asyncio loop."""
+    """Carries one request's engine events from the engine thread onto the asyncio loop (through
+    the host's ``EventRelay``: a step's events arrive together)."""
 
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, relay: EventRelay) -> None:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-
-    def sink(self, event: Event) -> None:
-        # RuntimeError: the loop is closed because the server is shutting down.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        self.sink = relay.sink(asyncio.get_running_loop(), self._queue.put_nowait)
 
     async def events(self, request: Request) -> AsyncIterator[Event]:
         """Events until ``Finished``, one at a time (see :meth:`batches`)."""
@@ -302,7 +298,7 @@ def _check_model(host: EngineHost, name: str) -> None:
 async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest | CompletionRequest,
                  prompt: dict[str, Any], *, chat: bool) -> Any:
     sampling = sampling_fields(body)
-    stream = RequestStream()
+    stream = RequestStream(host.relay)
     submission = await run_in_threadpool(
         lambda: host.submit(stream.sink, sampling=sampling, conversation_id=body.conversation_id, **prompt))
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
@@ -361,8 +357,10 @@ async def _stream_chunks(stream: RequestStream, request: Request, writer: Respon
                 split += parser.finish()
             if tools_model_type is not None:
                 split.content = ""
-            if split.reasoning or split.content:
+            if split.reasoning:
                 yield sse(writer.chunk(split.content or None, reasoning=split.reasoning))
+            elif split.content:
+                yield writer.content_event(split.content)
             if event is None:
                 continue
             error = finish_error(event)

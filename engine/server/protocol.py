@@ -228,6 +228,10 @@ def finish_error(finished: Finished) -> APIError | None:
     return APIError(500, finished.error or "the engine failed on this request", "server_error")
 
 
+# JSON-encoded with its quotes, the marker cannot occur inside another encoded string (an id, a model name).
+_MARKER = "\x00text\x00"
+
+
 class ResponseWriter:
     """Builds the response objects of one request (ids, timestamps and object names in one place)."""
 
@@ -236,6 +240,14 @@ class ResponseWriter:
         self.model = model
         self.chat = chat
         self.created = int(time.time())
+        # A text chunk is the same bytes each time but for its text: encoded once, around a marker.
+        marker = json.dumps(_MARKER)
+        self._text_event = sse(self.chunk(_MARKER)).decode().split(marker)
+
+    def content_event(self, text: str) -> bytes:
+        """``sse(self.chunk(text))``, without building and encoding the whole chunk per token."""
+        head, tail = self._text_event
+        return (head + json.dumps(text, ensure_ascii=False) + tail).encode()
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

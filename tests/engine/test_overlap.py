@@ -272,3 +272,54 @@ def test_token_slice_equals_slicing_the_whole_sequence():
     for start in range(8):
         for stop in range(start, 9):
             assert seq.token_slice(start, stop) == seq.token_ids[start:stop]
+
+
+def test_page_growth_stays_overlapped_and_steps_are_counted_by_kind(model_dir):
+    """Requests crossing into new 16-token pages mid-answer keep decoding overlapped (a free page is
+    taken for the token in flight); only the first decode step after the prompts is synchronous."""
+    engine = _engine(model_dir, True)
+    counts = _count_overlapped(engine)
+    sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(prompt_token_ids=_prompt(20 + i, 20), sampling=sampling) for i in range(4)]
+    pages_at_start = None
+    while engine.has_unfinished():
+        engine.step()
+        if pages_at_start is None and all(len(engine.blocks.block_table(i)) for i in ids):
+            pages_at_start = {i: len(engine.blocks.block_table(i)) for i in ids}
+    steps = engine.decode_steps
+    assert pages_at_start is not None and all(n == 2 for n in pages_at_start.values())  # 20 + 40 tokens: 4 pages
+    assert steps["overlapped"] == counts["overlapped"] >= 35
+    assert steps["sync_no_free_page"] == 0 and steps["sync_previous_step_not_in_flight"] == 1
+    assert steps["sync_every_token_is_last"] == 1  # the last flight lands with nothing left to launch
+    stats = engine.stats().extra
+    assert stats["decode_steps_overlapped"] == steps["overlapped"]
+    assert stats["decode_steps"] == steps["overlapped"] + 1  # the step timer saw every decode step
+    assert stats["decode_gaps"] == stats["decode_steps"] - 1 and stats["decode_step_ms_sum"] > 0
+
+
+def test_a_joining_prompt_makes_the_next_step_synchronous_and_says_why(model_dir):
+    engine = _engine(model_dir, True, max_num_seqs=2)
+    counts = _count_overlapped(engine)
+    engine.add_request(prompt_token_ids=_prompt(30), sampling=GREEDY)
+    while counts["overlapped"] < 2:
+        engine.step()
+    engine.add_request(prompt_token_ids=_prompt(31), sampling=GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.decode_steps["sync_prompt_may_join"] == 1
+
+
+def test_the_launched_callback_runs_before_the_step_lands(model_dir):
+    """``Engine.step(launched=...)`` is called once per step that ran the model, after the launch and
+    before the landed tokens are delivered (the host hands the last step's events over then)."""
+    engine = _engine(model_dir, True)
+    counts = _count_overlapped(engine)
+    rid = engine.add_request(prompt_token_ids=_prompt(32), sampling=GREEDY)
+    seen: list[tuple[int, int]] = []  # (overlapped steps launched, tokens of the request so far) per call
+    while engine.has_unfinished():
+        engine.step(launched=lambda: seen.append((counts["overlapped"], len(engine._requests[rid].seq.output_ids))))
+    # every step that ran the model: the prompt's, the first decode step, the overlapped ones
+    assert len(seen) == 2 + counts["overlapped"]
+    # in an overlapped step the callback comes after the launch and before its flight's token lands
+    overlapped = [(n, tokens) for n, tokens in seen if n > 0]
+    assert overlapped and all(tokens == n for n, tokens in overlapped)

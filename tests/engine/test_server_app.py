@@ -33,11 +33,11 @@ def _break_next_step(host: EngineHost, monkeypatch: pytest.MonkeyPatch) -> None:
     real_step = engine.step
     calls = {"n": 0}
 
-    def step():
+    def step(launched=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated kernel failure")
-        return real_step()
+        return real_step(launched)
 
     monkeypatch.setattr(engine, "step", step)
 
@@ -104,16 +104,19 @@ def test_a_lagging_stream_reads_its_queued_events_in_one_batch():
 
     from hearth.engine.api import Finished, RequestStats, TokenDelta
     from hearth.engine.server.app import RequestStream
+    from hearth.engine.server.host import EventRelay
 
     class Connected:
         async def is_disconnected(self) -> bool:
             return False
 
     async def run() -> list[list[str]]:
-        stream = RequestStream()
+        relay = EventRelay()  # the engine thread's hand-over: events reach the loop at each flush
+        stream = RequestStream(relay)
         stats = RequestStats(prompt_tokens=1, completion_tokens=3, cached_prompt_tokens=0,
                              time_to_first_token_s=0.0, total_time_s=0.0)
         stream.sink(TokenDelta("r", (1,), "a"))
+        relay.flush()
         got = []
         async for batch in stream.batches(Connected()):
             got.append([type(e).__name__ for e in batch])
@@ -121,6 +124,7 @@ def test_a_lagging_stream_reads_its_queued_events_in_one_batch():
                 for event in (TokenDelta("r", (2,), "b"), TokenDelta("r", (3,), "c"),
                               Finished("r", "length", "abc", stats), TokenDelta("r", (4,), "late")):
                     stream.sink(event)
+                relay.flush()
                 await asyncio.sleep(0.01)
         return got
 

@@ -22,6 +22,7 @@ from hearth.engine.server.protocol import (
     ResponseWriter,
     finish_error,
     sampling_fields,
+    sse,
 )
 
 T = TypeVar("T")
@@ -179,3 +180,49 @@ def serving_client(engine_host):
 
     with TestClient(create_app(engine_host), base_url=LOCAL_URL, raise_server_exceptions=False) as client:
         yield client
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("text", ["hi", ' "quoted" \\ back\nslash', "ünïcödé 🙂", "\x00text\x00", ""])
+def test_a_text_chunk_encodes_as_the_whole_chunk_would(chat, text):
+    writer = ResponseWriter("r\"1", 'model "x"', chat)
+    assert writer.content_event(text) == sse(writer.chunk(text))
+
+
+def test_the_event_relay_wakes_each_loop_once_per_flush_and_keeps_order():
+    import asyncio
+    import threading
+
+    from hearth.engine.api import TokenDelta
+    from hearth.engine.server.host import EventRelay
+
+    relay = EventRelay()
+    loop = asyncio.new_event_loop()
+    wakes = {"n": 0}
+    real = loop.call_soon_threadsafe
+
+    def counted(*args):
+        wakes["n"] += 1
+        return real(*args)
+
+    loop.call_soon_threadsafe = counted
+    got: dict[str, list[str]] = {"a": [], "b": []}
+    sinks = {rid: relay.sink(loop, lambda e, rid=rid: got[rid].append(e.text)) for rid in got}
+
+    def engine_thread() -> None:  # three steps of two requests' tokens, flushed once per step
+        for step in range(3):
+            for rid in got:
+                sinks[rid](TokenDelta(rid, (step,), f"{rid}{step}"))
+            relay.flush()
+        relay.flush()  # nothing queued: no wake-up
+        loop.call_soon_threadsafe(loop.stop)
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    loop.run_forever()
+    thread.join()
+    loop.close()
+    assert got == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"]}
+    assert wakes["n"] == 3 + 1  # one per step with events, and the stop
+    relay.sink(loop, got["a"].append)(TokenDelta("a", (9,), "late"))
+    relay.flush()  # the loop is closed (a server shutting down): dropped without an error
