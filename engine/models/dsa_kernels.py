@@ -180,7 +180,7 @@ def sparse_attention(attn, q_nope: torch.Tensor, q: torch.Tensor, ctx: ForwardCo
     latents = ctx.cache.latent[attn.layer].view(ctx.cache.num_blocks, ctx.cache.block_size, -1)
     if ctx.decode is not None:  # all single-token decodes: one launch, selections stacked as they are
         meta = ctx.decode
-        idx = _stacked(selections).to(torch.int32)  # (B, k)
+        idx = stacked_selections(selections).to(torch.int32)  # (B, k)
         out_lat, _ = sparse_mla_decode(q, latents, idx, meta.block_tables, meta.context_lens, attn.scale)
         return torch.einsum("nhc,hdc->nhd", out_lat.to(w.dtype), w[:, attn.nope:])
     out_lat = torch.empty(q.shape[0], q.shape[1], attn.kv_lora, dtype=torch.bfloat16, device=q.device)
@@ -210,7 +210,7 @@ def _pad_indices(rows: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _stacked(selections: list[torch.Tensor]) -> torch.Tensor:
+def stacked_selections(selections: list[torch.Tensor]) -> torch.Tensor:
     """The decode selections (each k contiguous values) as one (B, k) tensor: a view when they are
     evenly spaced rows of one buffer (the indexer's output, the piecewise selection buffer), else a copy."""
     first = selections[0]
