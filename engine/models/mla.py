@@ -210,6 +210,7 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(q_resid)
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
         if tables is not None:  # kernel path: q_pe roped straight into the tail of the absorbed query
+            # (q_pe names the whole (N, H, 576) buffer here: sparse_attention fills its head with q_nope W_uk)
             q_nope = q[..., :self.nope]
             q_pe = torch.empty(n, self.n_heads, self.kv_lora + self.rope_dim, dtype=q.dtype, device=q.device)
             rope_(q, ctx.positions, *tables, self.nope, self.rope_dim, self.rope_interleave,
