@@ -41,6 +41,7 @@ import torch
 from hearth.engine.cuda_graphs import batch_buckets
 from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice, build_context
 from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.models.dsa_kernels import stacked_selections
 from hearth.offload.experts import OffloadedExperts
 
 
@@ -295,7 +296,7 @@ class PiecewiseDecode:
         hidden = block.attend(self.hidden[:b], ctx)
         normed = block.ffn_input(hidden)
         if self.static and getattr(block.self_attn, "indexer", None) is not None:
-            self.selection[:b].copy_(torch.stack([s.view(1, -1) for s in ctx.selections.values()]))
+            self.selection[:b].copy_(stacked_selections(list(ctx.selections.values())).view(b, 1, -1))
         routing = block.route(normed)
         if layer not in self.offloaded:
             self.hidden[:b].copy_(block.ffn(hidden, normed, routing))

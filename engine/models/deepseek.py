@@ -26,6 +26,7 @@ from hearth.engine.models.gpt_oss import GptOssMoE
 from hearth.engine.models.gqa import GQAttention
 from hearth.engine.models.layers import RMSNorm
 from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths, MLAttention
+from hearth.kernels.fused import moe_route
 
 # backend(layer, x (T, D), topk_ids (T, K) int64, topk_weights (T, K) fp32) -> (T, D)
 ExpertsBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,11 +51,15 @@ class MLP(nn.Module):
 
 
 class Gate(nn.Module):
-    """The router: scores in fp32, optional group limit, top-k, weight normalisation, scaling."""
+    """The router: scores in fp32, optional group limit, top-k, weight normalisation, scaling.
 
-    def __init__(self, config: ModelConfig) -> None:
+    use_kernel (the DSA kernel path): everything after the gate matmul in one Triton kernel
+    (``hearth.kernels.fused.moe_route``), the same experts in the same order."""
+
+    def __init__(self, config: ModelConfig, use_kernel: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.use_kernel = use_kernel
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size), requires_grad=False)
         if config.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
@@ -63,6 +68,8 @@ class Gate(nn.Module):
         """x (T, D) -> (topk_ids (T, K) int64, topk_weights (T, K) fp32)."""
         c = self.config
         logits = F.linear(x.float(), self.weight.float())
+        if self.use_kernel:
+            return self._route_kernel(logits)
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores
         if c.topk_method == "noaux_tc":
@@ -78,20 +85,33 @@ class Gate(nn.Module):
             choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
         ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
-        # NOTE: only DeepSeek-V2's reference skips the normalisation for top-1 routing.
-        if c.norm_topk_prob and (c.num_experts_per_tok > 1 or c.model_type != "deepseek_v2"):
+        if self._normalises():
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * c.routed_scaling_factor
+
+    def _normalises(self) -> bool:
+        c = self.config
+        # NOTE: only DeepSeek-V2's reference skips the normalisation for top-1 routing.
+        return c.norm_topk_prob and (c.num_experts_per_tok > 1 or c.model_type != "deepseek_v2")
+
+    def _route_kernel(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        grouped = c.topk_method != "greedy" and c.n_group > 1
+        bias = self.e_score_correction_bias.float() if c.topk_method == "noaux_tc" else None
+        return moe_route(logits, bias, c.num_experts_per_tok, sigmoid=c.scoring_func == "sigmoid",
+                         n_group=c.n_group if grouped else 1, topk_group=c.topk_group if grouped else 1,
+                         group_top2=c.topk_method == "noaux_tc", normalise=self._normalises(),
+                         scale=c.routed_scaling_factor)
 
 
 class MoE(nn.Module):
     """Routed experts (+ shared experts). Experts run through a pluggable backend so they can
     live in host RAM behind a GPU cache (hearth.offload) without the model knowing."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, kernel_router: bool = False) -> None:
         super().__init__()
         self.layer = layer
-        self.gate = Gate(config)
+        self.gate = Gate(config, kernel_router)
         self.experts = nn.ModuleList(
             [MLP(config.hidden_size, config.moe_intermediate_size, config.expert_proj_names)
              for _ in range(config.n_routed_experts)]
@@ -132,8 +152,8 @@ def fused_norms(config: ModelConfig, attention: AttentionPaths) -> bool:
     return attention.use_kernels and config.has_indexer
 
 
-def _moe(config: ModelConfig, layer: int) -> nn.Module:
-    return GptOssMoE(config, layer) if config.model_type == "gpt_oss" else MoE(config, layer)
+def _moe(config: ModelConfig, layer: int, fused: bool) -> nn.Module:
+    return GptOssMoE(config, layer) if config.model_type == "gpt_oss" else MoE(config, layer, fused)
 
 
 class DecoderLayer(nn.Module):
@@ -148,7 +168,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer)
         # NOTE: registered under the checkpoint's module name (Mixtral: block_sparse_moe); `mlp` reads it.
         self._mlp_name = config.moe_module if self.is_moe else "mlp"
-        ffn = _moe(config, layer) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        ffn = _moe(config, layer, fused) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
         setattr(self, self._mlp_name, ffn)
 
     @property
@@ -167,15 +187,23 @@ class DecoderLayer(nn.Module):
 
     def ffn(self, hidden: torch.Tensor, normed: torch.Tensor,
             routing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        if routing is None:
-            return hidden + self.mlp(normed)
-        return hidden + self.mlp(normed, *routing)
+        return hidden + self.ffn_output(normed, routing)
 
-    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # attend + ffn_input, with the residual add and the norm in one kernel on the kernel path
-        normed, hidden = self.post_attention_layernorm.add_norm(self.self_attn(self.input_layernorm(hidden), ctx),
-                                                                hidden)
-        return self.ffn(hidden, normed, self.route(normed))
+    def ffn_output(self, normed: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The MLP's (or MoE's) output, before the residual add."""
+        return self.mlp(normed) if routing is None else self.mlp(normed, *routing)
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream ``hidden + pending`` (pending: the previous layer's MLP
+        output, not yet added). Returns (residual after attention, this layer's MLP output): their sum
+        leaves the layer, added by the next norm (on the kernel path each add + norm is one kernel)."""
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, hidden = self.input_layernorm.add_norm(pending, hidden)
+        normed, hidden = self.post_attention_layernorm.add_norm(self.self_attn(normed, ctx), hidden)
+        return hidden, self.ffn_output(normed, self.route(normed))
 
 
 class DeepseekModel(nn.Module):
@@ -207,9 +235,11 @@ class DeepseekForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head with fp32 accumulation and output: (N, D) -> (N, vocab)."""
-        normed, weight = self.model.norm(hidden), self.lm_head.weight
+    def logits(self, hidden: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm (of hidden + pending, the last layer's MLP output) + lm_head with fp32
+        accumulation and output: (N, D) -> (N, vocab)."""
+        normed = self.model.norm(hidden) if pending is None else self.model.norm.add_norm(pending, hidden)[0]
+        weight = self.lm_head.weight
         if normed.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
             # fp32 out of the 16-bit GEMM: the same products as upcasting first, without an fp32 copy
             # of the vocabulary matrix every step
@@ -222,9 +252,10 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, all_logits: bool = False) -> torch.Tensor:
         """All requests through all layers; logits of each request's last token (B, vocab), or of
         every token (N, vocab) with all_logits."""
-        hidden = self.embed(input_ids)
+        hidden, pending = self.embed(input_ids), None
         for layer in self.model.layers:
-            hidden = layer(hidden, ctx)
+            hidden, pending = layer(hidden, ctx, pending)
         if not all_logits and ctx.decode is None:  # (a decode step's tokens are its requests' last tokens)
-            hidden = hidden[ctx.last_token_indices()]
-        return self.logits(hidden)
+            last = ctx.last_token_indices()
+            hidden, pending = hidden[last], pending[last]
+        return self.logits(hidden, pending)

@@ -24,9 +24,8 @@ import torch
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import ForwardContext, SeqSlice
 from hearth.engine.models.layers import hadamard_matrix
-from hearth.kernels.fused import rope_
+from hearth.kernels.fused import indexer_q_fp8, rope_
 from hearth.kernels.indexer import indexer_decode_topk, indexer_k_cache_write, indexer_prefill_topk
-from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.kernels.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 from hearth.offload.planned_tiers import PlannedKeys
 
@@ -88,12 +87,14 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: Forward
                     hadamard=indexer.faithful)
     if ctx.cache.key_tiers is None:  # tiered keys are written per request, into the request's tiers
         write(k_raw, ctx.slot_mapping, cache, bs, positions=ctx.positions)
-    q = rope_(indexer.wq_b(q_resid).view(n, indexer.n_heads, indexer.head_dim), ctx.positions, table_cos, table_sin,
-              0, indexer.rope_dim, indexer.interleaved)
-    if indexer.faithful:  # the reference's Hadamard rotation (keys get it inside the write kernel)
+    q = indexer.wq_b(q_resid).view(n, indexer.n_heads, indexer.head_dim)
+    raw_w = indexer.weights_proj(x.float())  # (N, H) fp32
+    if indexer.faithful:  # rope, then the reference's Hadamard rotation (keys get it inside the write kernel)
+        q = rope_(q, ctx.positions, table_cos, table_sin, 0, indexer.rope_dim, indexer.interleaved)
         q = (q.float() @ hadamard_matrix(indexer.head_dim, q.device)).to(q.dtype)
-    q8, q_scale = act_quant_ue8m0(q)  # (N, H, 128) e4m3, (N, H)
-    w = (indexer.weights_proj(x.float()).float() * indexer.scale * q_scale).contiguous()  # (N, H)
+        q8, w = indexer_q_fp8(q, raw_w, indexer.scale)
+    else:  # rope + FP8 quantisation + the weights fold in one kernel
+        q8, w = indexer_q_fp8(q, raw_w, indexer.scale, ctx.positions, table_cos, table_sin, indexer.interleaved)
     if ctx.cache.key_tiers is not None:
         return [_select_tiered(indexer.topk, k_raw, q8, w, ctx, seq, ctx.cache.key_tiers.get(seq.seq_id, layer), write)
                 for seq in ctx.seqs]
@@ -166,19 +167,20 @@ def _attend_tiered(attn, q: torch.Tensor, ctx: ForwardContext, selections: list[
     return out_lat
 
 
-def sparse_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
+def sparse_attention(attn, q_nope: torch.Tensor, q: torch.Tensor, ctx: ForwardContext,
                      selections: list[torch.Tensor]) -> torch.Tensor:
-    """Absorbed sparse MLA for every request of the step: (N, H, v_head_dim)."""
+    """Absorbed sparse MLA for every request of the step: (N, H, v_head_dim). q (N, H, 576) bf16
+    holds the roped q_pe in its last dims; q_nope (N, H, nope) absorbed through W_uk fills the rest."""
     w = attn._kv_b()  # (H, nope + v, kv_lora)
-    q_abs = torch.einsum("nhd,hdc->nhc", q_nope, w[:, : attn.nope])  # (N, H, 512)
-    q = torch.cat((q_abs, q_pe), dim=-1).to(torch.bfloat16).contiguous()  # (N, H, 576)
+    # q_abs = q_nope W_uk written into q's head (no concatenation): (H, N, nope) @ (H, nope, 512)
+    torch.bmm(q_nope.transpose(0, 1), w[:, : attn.nope], out=q[..., : attn.kv_lora].transpose(0, 1))
     if ctx.cache.latent_tiers is not None:
         out_lat = _attend_tiered(attn, q, ctx, selections)
         return torch.einsum("nhc,hdc->nhd", out_lat.to(w.dtype), w[:, attn.nope:])
     latents = ctx.cache.latent[attn.layer].view(ctx.cache.num_blocks, ctx.cache.block_size, -1)
     if ctx.decode is not None:  # all single-token decodes: one launch, selections stacked as they are
         meta = ctx.decode
-        idx = torch.stack([s.view(-1) for s in selections]).to(torch.int32)  # (B, k)
+        idx = stacked_selections(selections).to(torch.int32)  # (B, k)
         out_lat, _ = sparse_mla_decode(q, latents, idx, meta.block_tables, meta.context_lens, attn.scale)
         return torch.einsum("nhc,hdc->nhd", out_lat.to(w.dtype), w[:, attn.nope:])
     out_lat = torch.empty(q.shape[0], q.shape[1], attn.kv_lora, dtype=torch.bfloat16, device=q.device)
@@ -206,3 +208,18 @@ def _pad_indices(rows: list[torch.Tensor]) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : r.shape[0]] = r
     return out
+
+
+def stacked_selections(selections: list[torch.Tensor]) -> torch.Tensor:
+    """The decode selections (each k contiguous values) as one (B, k) tensor: a view when they are
+    evenly spaced rows of one buffer (the indexer's output, the piecewise selection buffer), else a copy."""
+    first = selections[0]
+    k = first.numel()
+    step = selections[1].storage_offset() - first.storage_offset() if len(selections) > 1 else k
+    rows = step >= k and all(
+        s.numel() == k and s.is_contiguous() and s.dtype == first.dtype
+        and s.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and s.storage_offset() == first.storage_offset() + i * step for i, s in enumerate(selections))
+    if rows:
+        return first.as_strided((len(selections), k), (step, 1), first.storage_offset())
+    return torch.stack([s.view(-1) for s in selections])

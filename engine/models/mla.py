@@ -209,9 +209,12 @@ class MLAttention(nn.Module):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid)
         q = q.view(n, self.n_heads, self.nope + self.rope_dim)
-        if tables is not None:  # kernel path: q_pe roped in place
-            q = rope_(q, ctx.positions, *tables, self.nope, self.rope_dim, self.rope_interleave)
-            q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        if tables is not None:  # kernel path: q_pe roped straight into the tail of the absorbed query
+            # (q_pe names the whole (N, H, 576) buffer here: sparse_attention fills its head with q_nope W_uk)
+            q_nope = q[..., :self.nope]
+            q_pe = torch.empty(n, self.n_heads, self.kv_lora + self.rope_dim, dtype=q.dtype, device=q.device)
+            rope_(q, ctx.positions, *tables, self.nope, self.rope_dim, self.rope_interleave,
+                  out=q_pe[..., self.kv_lora:])
         else:
             q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
             q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleave)
@@ -232,7 +235,7 @@ class MLAttention(nn.Module):
 
         selections = self._selections(x, q_resid, cos, sin, ctx)
         side = self._pending_side
-        if self.use_kernels and selections is not None:
+        if tables is not None:  # (the kernel path runs DSA layers only: selections are set)
             from hearth.engine.models.dsa_kernels import sparse_attention
 
             out = sparse_attention(self, q_nope, q_pe, ctx, selections).to(x.dtype)

@@ -37,6 +37,7 @@ def _sparse_mla_fwd_kernel(
     idx_ptr,
     table_ptr,
     limit_ptr,
+    limit_bias,
     o_ptr,
     lse_ptr,
     H,
@@ -74,7 +75,7 @@ def _sparse_mla_fwd_kernel(
     if not Q_RELOAD:
         b_q = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # (BLOCK_H, 512)
         b_qe = tl.load(p_q + DV + o_e[None, :], mask=m_h[:, None], other=0.0)  # (BLOCK_H, 64)
-    n_limit = tl.load(limit_ptr + i_r)
+    n_limit = tl.load(limit_ptr + i_r) + limit_bias  # (decode: context_lens - 1)
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
@@ -184,7 +185,7 @@ def _check_cache(kv_cache: torch.Tensor, device: torch.device) -> tuple[int, boo
     return block_size, is_fp8
 
 
-def _launch(q, kv_cache, indices, table, stride_table_r, limits, sm_scale, config, out=None, lse=None):
+def _launch(q, kv_cache, indices, table, stride_table_r, limits, limit_bias, sm_scale, config, out=None, lse=None):
     n_rows, heads, _ = q.shape
     topk = indices.shape[1]
     block_size, is_fp8 = _check_cache(kv_cache, q.device)
@@ -228,6 +229,7 @@ def _launch(q, kv_cache, indices, table, stride_table_r, limits, sm_scale, confi
         indices,
         table,
         limits,
+        limit_bias,
         po,
         plse,
         heads,
@@ -322,8 +324,8 @@ def sparse_mla_decode(
         "block_table must be [B, max_blocks] with unit last stride",
     )
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(q.shape[0],), device=q.device)
-    limits = context_lens - 1
-    return _launch(q, kv_cache, indices, block_table, block_table.stride(0), limits, sm_scale, config, out, lse)
+    return _launch(q, kv_cache, indices, block_table, block_table.stride(0), context_lens, -1, sm_scale, config, out,
+                   lse)
 
 
 def sparse_mla_prefill(
@@ -354,7 +356,7 @@ def sparse_mla_prefill(
     _check_q_indices(q, indices, "T")
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=1, device=q.device)
     check_tensor("positions", positions, dtypes=(torch.int32,), shape=(q.shape[0],), device=q.device)
-    return _launch(q, kv_cache, indices, block_table, 0, positions, sm_scale, config, out, lse)
+    return _launch(q, kv_cache, indices, block_table, 0, positions, 0, sm_scale, config, out, lse)
 
 
 def default_sm_scale(qk_head_dim: int = 192, yarn_factor: float | None = 40.0) -> float:

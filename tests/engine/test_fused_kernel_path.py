@@ -13,6 +13,7 @@ import torch
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice, build_context
 from hearth.engine.loader import load_checkpoint
+from hearth.engine.models.dsa_kernels import stacked_selections
 from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
 from tests.engine.conftest import TEST_DEVICE
@@ -68,3 +69,33 @@ def test_kernel_path_matches_plain_path(folder):
         scale = w.float().abs().max(-1).values
         assert float((err / scale).median()) < 0.05, f"step {step}"
         assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.9, f"step {step}"
+
+
+def test_kernel_router_chooses_the_plain_routers_experts(folder):
+    """The router kernel against the plain router of the same layer (DeepSeek-V3.2: 4 groups, keep 2;
+    GLM-5: one group), at 7 tokens: the same experts in the same order, weights within fp32 rounding."""
+    config = ModelConfig.from_file(folder)
+    model = load_checkpoint(folder, torch.device(TEST_DEVICE), torch.bfloat16,
+                            attention=AttentionPaths(use_kernels=True)).eval()
+    gates = [layer.mlp.gate for layer in model.layers if layer.is_moe]
+    assert gates and all(gate.use_kernel for gate in gates)
+    x = torch.randn(7, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    x = x.to(TEST_DEVICE, torch.bfloat16)
+    with torch.inference_mode():
+        for gate in gates:
+            gate.e_score_correction_bias.normal_(0, 0.05)  # (zero in the tiny checkpoint)
+            ids, weights = gate(x)
+            gate.use_kernel = False
+            want_ids, want_weights = gate(x)
+            assert torch.equal(ids, want_ids)
+            torch.testing.assert_close(weights, want_weights, rtol=2e-6, atol=0)
+
+
+def test_decode_selections_are_stacked_without_a_copy():
+    picked = torch.arange(4 * 6, dtype=torch.int32).view(4, 1, 6)  # as the decode indexer returns them
+    rows = stacked_selections(list(picked.unbind(0)))
+    assert rows.shape == (4, 6) and rows.data_ptr() == picked.data_ptr()
+    torch.testing.assert_close(rows, picked.view(4, 6), rtol=0, atol=0)
+    shuffled = [picked[2], picked[0], picked[3]]  # not evenly spaced rows: a copy, in the given order
+    torch.testing.assert_close(stacked_selections(shuffled), torch.stack([s.view(-1) for s in shuffled]),
+                               rtol=0, atol=0)
