@@ -75,7 +75,8 @@ def test_chunked_prefill_streams_histories_through_two_buffers(kernel_model, ker
     for j in range(layers):
         expected_schedule += ([("load", j + 1, (j + 1) % 2)] if j + 1 < layers else []) + [("use", j, j % 2)]
     assert buffers.schedule == expected_schedule
-    assert {layer for (sid, layer) in runner.key_tiers.tiers if sid == "b"} == histories.key_layers != set(range(layers))
+    key_layers = {layer for (seq_id, layer) in runner.key_tiers.tiers if seq_id == "b"}
+    assert key_layers == histories.key_layers != set(range(layers))  # IndexCache layers hold no keys
 
 
 def test_the_memory_plan_counts_two_layer_histories_at_max_model_len(kernel_model, kernel_path):
