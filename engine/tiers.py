@@ -168,6 +168,10 @@ class PrefillHistories:
     def begin(self, ctx: ForwardContext) -> None:
         """Plan the step of ctx (any step: one without a prefill chunk just clears the last plan)."""
         prefill = [s for s in ctx.seqs if s.q_len > 1 and s.seq_id is not None]
+        self._ctx = weakref.ref(ctx)
+        if not prefill:  # (a decode step: no per-layer plan to build)
+            self.buffers.begin([], [])
+            return
         layers = [LayerSources(
             layer,
             keys={s.seq_id: self.key_tiers.get(s.seq_id, layer) for s in prefill}
@@ -175,7 +179,6 @@ class PrefillHistories:
             latents={s.seq_id: self.latent_tiers.get(s.seq_id, layer) for s in prefill}
             if self.latent_tiers is not None else {}) for layer in range(self.num_layers)]
         self.buffers.begin([(s.seq_id, s.first_position, s.q_len) for s in prefill], layers)
-        self._ctx = weakref.ref(ctx)
 
     def _planned(self, ctx: ForwardContext) -> bool:
         return self._ctx is not None and self._ctx() is ctx
