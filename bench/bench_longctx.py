@@ -34,6 +34,17 @@ Sections, each printed as it finishes (the row format of docs/benchmarks.md) and
      graphed; recall against the full-cache selection; key bytes on the device. Replays repeat one
      step, so after the first its candidates are all cache hits: the eager steps over fresh queries
      (the first 24 of --steps) report the miss rate and recall.
+  5. (--prefill-buffers: this section only) prefill of one long prompt in chunks (--prefill-chunk, the
+     engine's max_num_batched_tokens) through --prefill-layers layers of tiered keys + latents on the
+     kernel path: per layer the chunk's keys written into the layer's key history, the prefill indexer
+     + top-k, the write-through, the chunk's latents appended, sparse MLA prefill over the latent
+     history. "temporary": each layer and chunk reads its history back into a new device buffer
+     (PlannedKeys/PlannedLatents.history, copies in stream order); "buffers": the two history buffers
+     sized for --prefill-max-len (default: the largest context), layer j + 1 copied on a copy stream
+     while layer j computes (hearth.offload.history_buffers). Reports wall time and the peak of GPU
+     memory allocated / reserved above what was allocated before the tiers and buffers existed (the
+     inputs of one chunk, shared by both modes, are excluded; the indexer's [chunk, context] fp32
+     logits are in both).
   3. capacity: max concurrent 128K requests in --budget-gb of GPU memory for caches, COMPUTED as
      floor(budget / device bytes per request) from section 1 and 2's byte counts (not run).
   4. targets: key memory ratio, tiered slowdown, recall, MLI vs IndexCache at 1/2, capacity ratio.
@@ -60,6 +71,7 @@ import torch
 from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.kernels.sparse_mla.reference import quantize_latent_fp8
 from hearth.offload.coarse_index import PagePool, TopkMerger, exact_scores
+from hearth.offload.history_buffers import HistoryBuffers, LayerSources
 from hearth.offload.planned_tiers import PlannedKeyConfig, PlannedKeys, PlannedLatentConfig, PlannedLatents
 from hearth.offload.tiered_keys import KeyTierConfig, TieredKeys
 from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
@@ -469,6 +481,91 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
             f"{base['all_key_bytes'] / key_b:.2f}x less (>= 4); page misses/step {per_step:.1f}")
 
 
+# ---- 5. prefill through two history buffers -------------------------------------------------------
+def prefill_chunk_layer(keys: PlannedKeys, lat: PlannedLatents, buffers: HistoryBuffers | None, layer: int,
+                        first: int, chunk: dict, args) -> None:
+    """One layer of one prefill chunk, as hearth.engine.models.dsa_kernels runs it for a tiered request."""
+    from hearth.kernels.indexer import indexer_prefill_topk
+    from hearth.kernels.sparse_mla import sparse_mla_prefill
+
+    ps, n = args.page_size, chunk["rows"].shape[0]
+    lat.append(chunk["rows"])  # (buffers: also into the layer's latent history, staged by begin)
+    history = keys.history(n) if buffers is None else buffers.keys(layer, "r")
+    pool = PagePool(history.shape[0], ps, 128, "fp8", history.device)
+    pool.buf = history
+    pos = chunk["positions"][:n] + first
+    pool.write(pos // ps, pos % ps, chunk["k8"], chunk["ks"])
+    table = torch.arange(history.shape[0], dtype=torch.int32, device=history.device)
+    picked = indexer_prefill_topk(chunk["q8"], chunk["w"], history, table, first + n, ps, args.topk)
+    keys.commit_chunk(history, n)
+    latents = lat.history() if buffers is None else buffers.latents(layer, "r")
+    sparse_mla_prefill(chunk["q"], latents, picked, table[:latents.shape[0]], pos.to(torch.int32), SM_SCALE)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.0f} MiB"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 else str(n)
+
+
+def run_prefill(ctx: int, args, device: torch.device, heads_attn: int, warmup: bool = False) -> dict:
+    """Section 5 at one prompt length: prefill time and peak GPU memory, temporary vs two buffers."""
+    ps, n, layers = args.page_size, args.prefill_chunk, args.prefill_layers
+    g = torch.Generator(device=device).manual_seed(ctx)
+    k8, ks = act_quant_ue8m0(torch.randn(n, 128, device=device, generator=g))
+    q8, qs = act_quant_ue8m0(torch.randn(n, args.heads, 128, device=device, generator=g) / 10)
+    chunk = dict(k8=k8, ks=ks, q8=q8.contiguous(), w=(torch.rand(n, args.heads, device=device, generator=g) * qs)
+                 .contiguous(), rows=(torch.randn(n, 576, device=device, generator=g) / 8).to(torch.bfloat16),
+                 q=(torch.randn(n, heads_attn, 576, device=device, generator=g) / 8).to(torch.bfloat16),
+                 positions=torch.arange(n, device=device))
+    kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=256, cache_pages=256, topk=args.topk)
+    lcfg = PlannedLatentConfig.from_hot_rows(4096 + ps, args.topk, ps, width=576, dtype=torch.bfloat16)
+    max_len = args.prefill_max_len or ctx
+    result = {}
+    for mode in ("temporary", "buffers"):
+        sync(device)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        base = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if cuda else (0, 0)
+        keys = [PlannedKeys(kcfg, device, initial_pages=math.ceil(ctx / ps)) for _ in range(layers)]
+        lats = [PlannedLatents(lcfg, device, initial_rows=ctx) for _ in range(layers)]
+        buffers = HistoryBuffers(max_len, ps, device, keys=True, latent_width=576) if mode == "buffers" else None
+        sync(device)
+        t0 = time.perf_counter()
+        for first in range(0, ctx, n):
+            part = chunk if first + n <= ctx else {**chunk, **{key: chunk[key][:ctx - first]
+                                                               for key in ("k8", "ks", "q8", "w", "rows", "q")}}
+            if buffers is not None:
+                buffers.begin([("r", first, part["rows"].shape[0])],
+                              [LayerSources(layer, {"r": keys[layer]}, {"r": lats[layer]}) for layer in range(layers)])
+            for layer in range(layers):
+                prefill_chunk_layer(keys[layer], lats[layer], buffers, layer, first, part, args)
+        sync(device)
+        t = time.perf_counter() - t0
+        peak = (torch.cuda.max_memory_allocated() - base[0], torch.cuda.max_memory_reserved() - base[1]) if cuda \
+            else (None, None)
+        result[mode] = dict(s=t, peak_alloc=peak[0], peak_reserved=peak[1],
+                            buffer_bytes=buffers.nbytes if buffers is not None else 0)
+        del keys, lats, buffers
+    if warmup:
+        return result
+    tmp, buf = result["temporary"], result["buffers"]
+    shape = f"ctx{_tokens(ctx)} chunk{n} L{layers} H{args.heads}/{heads_attn}"
+    history_b = ctx * (KEY_B + 576 * 2) * layers  # each layer's history read once per chunk, on average half
+    emit("prefill", "(5) two history buffers", shape, buf["s"], tmp["s"], history_b * math.ceil(ctx / n) / 2,
+         temporary_s=tmp["s"], buffers_s=buf["s"], **{f"{m}_{k}": v for m in result for k, v in result[m].items()
+                                                        if k != "s"})
+    log(f"    prefill {_tokens(ctx)}: temporary {tmp['s']:.2f} s, peak {_mib(tmp['peak_alloc'])} allocated / "
+        f"{_mib(tmp['peak_reserved'])} reserved; buffers {buf['s']:.2f} s (x{tmp['s'] / buf['s']:.2f}), peak "
+        f"{_mib(buf['peak_alloc'])} / {_mib(buf['peak_reserved'])} (buffers {_mib(buf['buffer_bytes'])}, "
+        f"sized for {_tokens(max_len)})")
+    return result
+
+
 # ---- 2. 61-layer stack ----------------------------------------------------------------------------
 def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:
     """Section 2 at one context: step time of IndexCache and MLI at retentions 1, 1/2, 1/4."""
@@ -641,6 +738,13 @@ def main() -> None:
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--planned", action="store_true",
                     help="also time the kernel path of tiered keys + latents (section 1p, CUDA only)")
+    ap.add_argument("--prefill-buffers", action="store_true",
+                    help="run section 5 only: prefill through the two history buffers against temporary buffers")
+    ap.add_argument("--prefill-contexts", default="32768,65536,131072", help="prompt lengths of section 5")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--prefill-layers", type=int, default=4, help="layers of section 5")
+    ap.add_argument("--prefill-max-len", type=int, default=None,
+                    help="max_model_len the buffers are sized for (default: the largest prompt)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     if args.small:
@@ -654,6 +758,9 @@ def main() -> None:
                           triton=triton.__version__, argv=sys.argv, keys="synthetic clustered (see docstring)",
                           args=vars(args))
     log(f"# {RESULT['meta']['date']} {name} torch {torch.__version__} triton {triton.__version__}")
+    if args.prefill_buffers:
+        prefill_section(args, device)
+        return
     ops = Ops(device, args.page_size, args.topk)
     log("\n## 0. Check")
     check(device, args.page_size)
@@ -689,6 +796,26 @@ def main() -> None:
     RESULT["meta"]["seconds"] = time.perf_counter() - T0
     save(args)
     log(f"\n# done in {time.perf_counter() - T0:.0f} s; JSON: {Path(args.out) / 'bench_longctx.json'}")
+
+
+def prefill_section(args, device: torch.device) -> None:
+    """Section 5 for every --prefill-contexts length (--small: tiny shapes under TRITON_INTERPRET=1)."""
+    heads_attn = ATTN_HEADS
+    if args.small:
+        args.prefill_contexts, args.prefill_chunk, args.prefill_layers = "96,160", 32, 2
+        args.topk, args.heads, args.page_size, heads_attn = 64, 16, 16, 16
+    contexts = [int(c) for c in args.prefill_contexts.split(",")]
+    args.prefill_max_len = args.prefill_max_len or max(contexts)
+    log(f"\n## 5. Prefill of one prompt through {args.prefill_layers} layers of tiered keys + latents: a temporary "
+        f"history buffer per layer and chunk vs two history buffers (chunk {args.prefill_chunk})")
+    run_prefill(2 * args.prefill_chunk, args, device, heads_attn, warmup=True)  # Triton compiles
+    for ctx in contexts:
+        if over_time(args, f"prefill ctx {ctx}"):
+            break
+        run_prefill(ctx, args, device, heads_attn)
+        save(args)
+    RESULT["meta"]["seconds"] = time.perf_counter() - T0
+    save(args)
 
 
 if __name__ == "__main__":

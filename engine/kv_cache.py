@@ -26,16 +26,19 @@ class PagedCache:
     ``[num_slots, index_head_dim]`` (``num_slots = num_blocks * block_size``)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, index_fp8: bool = False, key_tiers=None, latent_tiers=None) -> None:
+                 device: torch.device, index_fp8: bool = False, key_tiers=None, latent_tiers=None,
+                 histories=None) -> None:
         """index_fp8: store indexer keys in the kernels' 132-byte FP8 paged layout
         (uint8 [num_blocks, block_size * 132]) instead of one float row per slot.
         key_tiers / latent_tiers: tier stores (hearth.engine.tiers); indexer keys / latents then live
-        there, per request, instead of here."""
+        there, per request, instead of here. histories: the kernel path's prefill history buffers of
+        those tiers (hearth.engine.tiers.PrefillHistories), or None."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.index_fp8 = index_fp8
         num_slots = num_blocks * block_size
         self.latent_tiers = latent_tiers
+        self.histories = histories
         self.latent: list[torch.Tensor | None] = [
             None if latent_tiers is not None else torch.zeros(num_slots, config.latent_dim, dtype=dtype, device=device)
             for _ in range(config.num_hidden_layers)

@@ -18,7 +18,7 @@ from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.offload_setup import CacheResidency, Placement, PrefetchingExperts, attach_offload, plan_placement
 from hearth.engine.piecewise import PiecewiseDecode, Row
-from hearth.engine.tiers import KeyTiers, LatentTiers
+from hearth.engine.tiers import KeyTiers, LatentTiers, PrefillHistories
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertStore
 
@@ -53,22 +53,30 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class CachePlan:
-    """The paged caches' size: decided from the model and the config before any weight loads (the
-    memory planner needs ``kv_bytes``)."""
+    """The caches' size: decided from the model and the config before any weight loads (the memory
+    planner needs ``kv_bytes``: the paged caches plus, on the kernel path with tiered keys or
+    latents, the two prefill history buffers, ``history_bytes`` = 2 x one layer's history at
+    max_model_len; see hearth.engine.tiers)."""
 
     max_model_len: int
     block_size: int
     num_blocks: int
     kv_bytes: int
+    history_bytes: int = 0
 
     @classmethod
-    def of(cls, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> CachePlan:
+    def of(cls, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> CachePlan:
         limit = model_config.max_position_embeddings
         max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         blocks_per_seq = -(-max_model_len // config.block_size)
         num_blocks = config.num_cache_blocks or blocks_per_seq * config.max_num_seqs
         kv_bytes = PagedCache.bytes_per_block(model_config, config.block_size, dtype) * num_blocks
-        return cls(max_model_len, config.block_size, num_blocks, kv_bytes)
+        # (the kernel path does not depend on where the experts go)
+        features = RunnerFeatures.decide(config, model_config, config.block_size, device, dtype, offload=False)
+        history_bytes = PrefillHistories.bytes_for(model_config, max_model_len, config.block_size, dtype,
+                                                   keys=features.key_tiers, latents=features.latent_tiers) \
+            if features.streams_histories else 0
+        return cls(max_model_len, config.block_size, num_blocks, kv_bytes + history_bytes, history_bytes)
 
 
 def decode_kernels_apply(model_config: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype) -> bool:
@@ -105,6 +113,11 @@ class RunnerFeatures:
     fused_experts: bool
     piecewise: bool
     cuda_graphs: bool
+
+    @property
+    def streams_histories(self) -> bool:
+        """Prefill streams tiered histories through two buffers (the kernel path's planned tiers)."""
+        return self.attention.use_kernels and (self.key_tiers or self.latent_tiers)
 
     @classmethod
     def decide(cls, config: EngineConfig, model_config: ModelConfig, block_size: int, device: torch.device,
@@ -154,9 +167,12 @@ class ModelRunner:
         self.latent_tiers = LatentTiers(self.model_config, config.latent_hot_rows, dtype, self.device,
                                         block_size=self.block_size if self.use_kernels else None) \
             if features.latent_tiers and config.latent_hot_rows is not None else None
+        self.histories = PrefillHistories(self.model_config, self.key_tiers, self.latent_tiers, self.max_model_len,
+                                          self.block_size, dtype, self.device) if features.streams_histories else None
         # One page more than the block manager hands out: the scratch page of CUDA-graph padding rows.
         self.cache = PagedCache(self.model_config, self.num_blocks + 1, self.block_size, dtype, self.device,
-                                index_fp8=self.use_kernels, key_tiers=self.key_tiers, latent_tiers=self.latent_tiers)
+                                index_fp8=self.use_kernels, key_tiers=self.key_tiers, latent_tiers=self.latent_tiers,
+                                histories=self.histories)
         self.expert_cache: ExpertCache | None = None
         self.residency: CacheResidency | None = None  # the expert cache as the runahead decoder sees it
         self.prefetcher: PrefetchingExperts | None = None  # "prefetch", or "auto" (switched per step)
@@ -188,7 +204,7 @@ class ModelRunner:
         keep_fp8 = config.keep_fp8 if config.keep_fp8 is not None else device.type == "cuda"
         model_config = ModelConfig.from_file(path).with_index_retention(
             config.index_topk_freq, config.index_skip_topk_offset, config.index_topk_pattern)
-        caches = CachePlan.of(model_config, config, dtype)
+        caches = CachePlan.of(model_config, config, dtype, device)
         placement = plan_placement(path, model_config, config, device, caches.kv_bytes)
         features = RunnerFeatures.decide(config, model_config, caches.block_size, device, dtype, placement.offload)
         model = load_checkpoint(path, device, dtype, keep_fp8, config.faithful, skip_routed_experts=placement.offload,
@@ -204,7 +220,7 @@ class ModelRunner:
         ``expert_cache_slots`` per layer; otherwise everything stays where the model's parameters are."""
         device = next(model.parameters()).device
         dtype = resolve_dtype(config.dtype, device)
-        caches = CachePlan.of(model.config, config, dtype)
+        caches = CachePlan.of(model.config, config, dtype, device)
         placement = Placement(False, None, "experts stay with the model") if expert_store is None else \
             Placement(True, expert_cache_slots, f"experts from a store, {expert_cache_slots} slots per layer")
         features = RunnerFeatures.decide(config, model.config, caches.block_size, device, dtype, placement.offload)
@@ -261,6 +277,8 @@ class ModelRunner:
             return self.graphs.run(tables, [s.first_position for s in inputs], ids)
         ctx = build_context(self.cache, [(s.block_table, s.first_position, len(s.token_ids)) for s in inputs],
                             self.device, [s.seq_id for s in inputs])
+        if self.histories is not None:
+            self.histories.begin(ctx)
         if input_ids is None:
             input_ids = torch.tensor([t for s in inputs for t in s.token_ids], dtype=torch.long, device=self.device)
         return self.model(input_ids, ctx, all_logits=all_logits)

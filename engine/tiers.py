@@ -16,16 +16,24 @@ Prefix caching is off in these modes (a reused page would have nothing in the re
 On the DSA kernel path (``planned=True``) the tiers are ``hearth.offload.planned_tiers``'s: the same
 layout, but a decode step's coarse stage, candidate selection, page and row residency, fetches from
 pinned host memory, fine indexer and sparse MLA all run as kernels, with no host synchronisation.
+Their prefill chunks stream each layer's history through the runner's two reusable device buffers
+(``PrefillHistories``, ``hearth.offload.history_buffers``), so admitting a long prompt needs no
+device memory beyond its decode's and the two buffers: 2 x one layer's history at max_model_len,
+``2 x ceil(max_model_len / block_size) x block_size x (132 B of FP8 keys + latent_dim x dtype bytes)``
+(DeepSeek-V3.2 at 128K, bf16 latents: 2 x (16.5 + 144) MiB = 321 MiB), planned with the KV cache.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import ForwardContext, SeqSlice
+from hearth.offload.history_buffers import HistoryBuffers, LayerSources
 from hearth.offload.planned_tiers import PlannedKeyConfig, PlannedKeys, PlannedLatentConfig, PlannedLatents
 from hearth.offload.tiered_keys import CANDIDATE_FACTOR, KeyTierConfig, TieredKeys
 from hearth.offload.tiered_latents import LatentTierConfig, TieredLatents
@@ -133,3 +141,53 @@ class LatentTiers(_PerRequestTiers):
         if self.planned:
             return PlannedLatents(self.config, self.device, initial_rows=256)
         return TieredLatents(self.config, self.device, initial_rows=256)
+
+
+class PrefillHistories:
+    """The runner's two prefill history buffers and each step's plan: which requests stream (those
+    with a prefill chunk, in the step's order, as far as the buffers hold them) and which layers
+    (every layer's latents, the indexer layers' keys)."""
+
+    def __init__(self, model_config: ModelConfig, key_tiers: KeyTiers | None, latent_tiers: LatentTiers | None,
+                 max_model_len: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.key_tiers, self.latent_tiers = key_tiers, latent_tiers
+        self.num_layers = model_config.num_hidden_layers
+        self.key_layers = {layer for layer in range(self.num_layers) if model_config.runs_indexer(layer)}
+        self.buffers = HistoryBuffers(max_model_len, block_size, device, keys=key_tiers is not None,
+                                      latent_width=model_config.latent_dim if latent_tiers is not None else None,
+                                      latent_dtype=dtype)
+        self._ctx: weakref.ref[ForwardContext] | None = None
+
+    @staticmethod
+    def bytes_for(model_config: ModelConfig, max_model_len: int, block_size: int, dtype: torch.dtype, *,
+                  keys: bool, latents: bool) -> int:
+        """Device bytes of the two buffers (the module doc's formula)."""
+        row = model_config.latent_dim * dtype.itemsize if latents else 0
+        return HistoryBuffers.bytes_for(max_model_len, block_size, keys and model_config.has_indexer, row)
+
+    def begin(self, ctx: ForwardContext) -> None:
+        """Plan the step of ctx (any step: one without a prefill chunk just clears the last plan)."""
+        prefill = [s for s in ctx.seqs if s.q_len > 1 and s.seq_id is not None]
+        self._ctx = weakref.ref(ctx)
+        if not prefill:  # (a decode step: no per-layer plan to build)
+            self.buffers.begin([], [])
+            return
+        layers = [LayerSources(
+            layer,
+            keys={s.seq_id: self.key_tiers.get(s.seq_id, layer) for s in prefill}
+            if self.key_tiers is not None and layer in self.key_layers else {},
+            latents={s.seq_id: self.latent_tiers.get(s.seq_id, layer) for s in prefill}
+            if self.latent_tiers is not None else {}) for layer in range(self.num_layers)]
+        self.buffers.begin([(s.seq_id, s.first_position, s.q_len) for s in prefill], layers)
+
+    def _planned(self, ctx: ForwardContext) -> bool:
+        return self._ctx is not None and self._ctx() is ctx
+
+    def keys(self, ctx: ForwardContext, layer: int, seq: SeqSlice) -> torch.Tensor | None:
+        """The request's key history buffer of the layer for this step (HistoryBuffers.keys), or None
+        when it is not streamed (then PlannedKeys.history reads it into a temporary buffer)."""
+        return self.buffers.keys(layer, seq.seq_id) if self._planned(ctx) else None
+
+    def latents(self, ctx: ForwardContext, layer: int, seq: SeqSlice) -> torch.Tensor | None:
+        """The request's latent history of the layer (HistoryBuffers.latents), or None as ``keys``."""
+        return self.buffers.latents(layer, seq.seq_id) if self._planned(ctx) else None

@@ -100,7 +100,8 @@ class PagePool:
     def _scales(self) -> torch.Tensor:
         """(P, page_size) fp32 scales of an fp8 pool (a view into buf)."""
         ps, row = self.page_size, self.page_size * (self.head_dim + 4) // 4
-        return self.buf.view(torch.float32).as_strided((self.num_pages, ps), (row, 1), ps * self.head_dim // 4)
+        words = self.buf.view(torch.float32)  # (buf may be a view of whole pages: keep its offset)
+        return words.as_strided((self.num_pages, ps), (row, 1), words.storage_offset() + ps * self.head_dim // 4)
 
     def write(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
               scales: torch.Tensor | None) -> None:

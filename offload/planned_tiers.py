@@ -25,8 +25,11 @@ the device holds a ring of the ``ring_rows`` most recent rows and ``cache_rows``
 step maps its selection to device rows with the same residency plan (rows of the ring need nothing;
 misses are gathered from host memory), and sparse MLA reads the device buffer through them.
 
-Prefill chunks read the request's whole history back into a temporary device buffer (keys: the host
-pages plus the partial ring page; latents: the host rows) and run the prefill kernels on it.
+Prefill chunks run the prefill kernels over the request's whole history of the layer on the device:
+streamed through the runner's two reusable buffers (``hearth.offload.history_buffers``: keys are
+written into the buffer, latents also into the view ``PlannedLatents.stage`` names), or, for a
+request that does not fit them, read back into a temporary buffer (``history``: keys the host pages
+plus the partial ring page; latents the host rows).
 Appends launch copies only (the host knows every position); growing a host pool waits for the
 write-through copies in flight (once per doubling).
 """
@@ -275,6 +278,7 @@ class PlannedLatents:
         self.table = torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None]
         self.lens = torch.full((1,), self.dev.shape[0], dtype=torch.int32, device=self.device)
         self.num_tokens = 0
+        self._stage: torch.Tensor | None = None
 
     def device_bytes(self) -> int:
         return self.config.device_bytes + self.plan.device_bytes()
@@ -304,7 +308,15 @@ class PlannedLatents:
             run = min(first + n - pos, c.ring_rows - row)
             self.dev[row:row + run] = rows[pos - first:pos - first + run]
             pos += run
+        if self._stage is not None:
+            self._stage[first:first + n] = rows
+            self._stage = None
         self.num_tokens = first + n
+
+    def stage(self, history: torch.Tensor | None) -> None:
+        """The next append also writes its rows into history (rows, width) on the device, position p
+        at row p: a prefill history buffer that holds the rows before them (None: no longer)."""
+        self._stage = history
 
     def slots(self, selection: torch.Tensor, context_len: torch.Tensor) -> torch.Tensor:
         """Device rows of one decode step's selection: selection (topk,) int32 positions (-1 = none),

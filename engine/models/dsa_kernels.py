@@ -10,7 +10,8 @@ dim 128, 576-wide latents, a power-of-two number of indexer heads >= 16, power-o
 With tiered keys / latents (``hearth.offload.planned_tiers``) each request's keys are written into its
 device ring and a decode step selects coarse-to-fine, and attention reads the request's latent ring +
 cache, misses copied from pinned host memory, all by kernels without a host sync; prefill chunks run
-the prefill kernels over the request's history read back from host memory.
+the prefill kernels over the request's history streamed through the runner's two history buffers
+(``hearth.engine.tiers.PrefillHistories``), or read back into a temporary buffer when it does not fit.
 The plain-PyTorch path in mla.py stays the reference; both select with the same semantics (ties
 may resolve differently).
 """
@@ -96,8 +97,8 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: Forward
     else:  # rope + FP8 quantisation + the weights fold in one kernel
         q8, w = indexer_q_fp8(q, raw_w, indexer.scale, ctx.positions, table_cos, table_sin, indexer.interleaved)
     if ctx.cache.key_tiers is not None:
-        return [_select_tiered(indexer.topk, k_raw, q8, w, ctx, seq, ctx.cache.key_tiers.get(seq.seq_id, layer), write)
-                for seq in ctx.seqs]
+        return [_select_tiered(indexer.topk, k_raw, q8, w, ctx, seq, layer, ctx.cache.key_tiers.get(seq.seq_id, layer),
+                               write) for seq in ctx.seqs]
     if ctx.decode is not None:  # all single-token decodes, token i = request i: no per-request work
         meta = ctx.decode
         picked = indexer_decode_topk(q8.unsqueeze(1), w.unsqueeze(1), cache, meta.block_tables, meta.context_lens,
@@ -127,9 +128,10 @@ def _context_len(seq: SeqSlice, device: torch.device) -> torch.Tensor:
 
 
 def _select_tiered(topk: int, k_raw: torch.Tensor, q8: torch.Tensor, w: torch.Tensor, ctx: ForwardContext,
-                   seq: SeqSlice, tiers: PlannedKeys, write) -> torch.Tensor:
+                   seq: SeqSlice, layer: int, tiers: PlannedKeys, write) -> torch.Tensor:
     """One request's keys into its tiers and its selection: a decode token goes to the device ring
-    and selects coarse-to-fine (launches only); a prefill chunk scores the history read back."""
+    and selects coarse-to-fine (launches only); a prefill chunk scores its history (the streamed
+    buffer, else read back), the chunk's keys written into it."""
     if tiers.num_tokens != seq.first_position:
         raise RuntimeError(f"tiered keys of request {seq.seq_id} hold {tiers.num_tokens} tokens, "
                            f"the step starts at position {seq.first_position}")
@@ -140,7 +142,9 @@ def _select_tiered(topk: int, k_raw: torch.Tensor, q8: torch.Tensor, w: torch.Te
         write(k_raw[rows], slot, tiers.dev.buf, bs, positions=positions)
         tiers.commit()
         return tiers.select(q8[seq.start], w[seq.start], _context_len(seq, dev))
-    history = tiers.history(seq.q_len)
+    history = None if ctx.cache.histories is None else ctx.cache.histories.keys(ctx, layer, seq)
+    if history is None:
+        history = tiers.history(seq.q_len)
     write(k_raw[rows], positions, history, bs, positions=positions)
     table = torch.arange(history.shape[0], dtype=torch.int32, device=dev)
     picked = indexer_prefill_topk(q8[rows].contiguous(), w[rows].contiguous(), history, table, seq.context_len, bs,
@@ -160,7 +164,9 @@ def _attend_tiered(attn, q: torch.Tensor, ctx: ForwardContext, selections: list[
             out_lat[rows], _ = sparse_mla_decode(q[rows], tiers.paged(), slots[None], tiers.table, tiers.lens,
                                                  attn.scale)
             continue
-        history = tiers.history()
+        history = None if ctx.cache.histories is None else ctx.cache.histories.latents(ctx, attn.layer, seq)
+        if history is None:
+            history = tiers.history()
         table = torch.arange(history.shape[0], dtype=torch.int32, device=q.device)
         out_lat[rows], _ = sparse_mla_prefill(q[rows], history, selection.to(torch.int32).contiguous(), table,
                                               ctx.positions[rows].to(torch.int32), attn.scale)

@@ -39,7 +39,7 @@ def _kernel_runner(path: Path, config: EngineConfig = CONFIG) -> ModelRunner:
     features = dataclasses.replace(features, cuda_graphs=DEVICE.type == "cuda")
     model = load_checkpoint(path, DEVICE, torch.float32, attention=features.attention)
     assert fused_experts.enable(model, require_cuda=False) == sum(layer.is_moe for layer in model.layers)
-    return ModelRunner(model, config, features, CachePlan.of(model_config, config, torch.float32),
+    return ModelRunner(model, config, features, CachePlan.of(model_config, config, torch.float32, DEVICE),
                        Placement(False, None, "resident"), dtype=torch.float32, checkpoint=str(path))
 
 

@@ -45,11 +45,12 @@ def _engine(path, **tiers) -> Engine:
 
 
 @pytest.mark.slow  # about 4 minutes per model under the CPU interpreter
-def test_tiers_on_the_kernel_path_equal_tiers_off(kernel_model, kernel_path):
+def test_tiers_on_the_kernel_path_equal_tiers_off(kernel_model, kernel_path, monkeypatch):
     """Every cold page is a candidate (candidate budget >= the context's pages): the selection is the
     full-cache one, so tokens must be equal. The device holds 1 hot key page, 12 cached pages and
     112 latent rows (16-row ring + 96 cached) while contexts reach 182 tokens, so fetches from host
-    memory, cache hits and evictions all happen."""
+    memory, cache hits and evictions all happen. The prompts prefill in chunks of up to 64 tokens
+    (both requests in some steps), their histories streamed through the runner's two buffers."""
     expected = run_to_completion(_engine(kernel_model), PROMPTS, GREEDY)
     tiered = _engine(kernel_model, index_key_hot_pages=1, index_key_candidate_pages=12, index_key_cache_pages=12,
                      latent_hot_rows=112)
@@ -60,7 +61,15 @@ def test_tiers_on_the_kernel_path_equal_tiers_off(kernel_model, kernel_path):
     for tiers in (runner.key_tiers, runner.latent_tiers):
         new = tiers._new
         tiers._new = lambda new=new: made.append(new()) or made[-1]
+    temporary = []  # prefill histories read into temporary buffers (none: both prompts fit the two buffers)
+    for cls in (PlannedKeys, PlannedLatents):
+        monkeypatch.setattr(cls, "history", lambda self, *args, real=cls.history: temporary.append(self) or
+                            real(self, *args))
+    buffers, staged = runner.histories.buffers, []
+    begin = buffers.begin
+    buffers.begin = lambda requests, layers: staged.append(begin(requests, layers)) or staged[-1]
     assert run_to_completion(tiered, PROMPTS, GREEDY) == expected
+    assert not temporary and len({seq_id for ids in staged for seq_id in ids}) == len(PROMPTS)
     keys = [t for t in made if isinstance(t, PlannedKeys)]
     latents = [t for t in made if isinstance(t, PlannedLatents)]
     assert keys and latents

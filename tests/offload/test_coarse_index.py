@@ -112,3 +112,17 @@ def test_select_prefill_matches_engine(history: int, q_len: int, topk: int) -> N
     chunks = [KeyChunk(0, p, keys[p:min(p + 48, history)], None) for p in range(0, history, 48)]
     got = select_prefill(q, w, keys[history:], None, history, topk, iter(chunks))
     assert torch.equal(got, engine_select(q, w, keys, q_len, topk))
+
+
+def test_a_pool_over_a_view_of_pages_reads_those_pages_scales() -> None:
+    """PlannedKeys summarises pages p0.. of a history buffer through a pool over buf[p0:]."""
+    from hearth.kernels.indexer.reference import act_quant_ue8m0
+
+    k8, ks = act_quant_ue8m0(torch.randn(64, 128) * torch.arange(1, 65)[:, None])  # distinct scales
+    pool = PagePool(4, 16, 128, "fp8", torch.device("cpu"))
+    idx = torch.arange(64)
+    pool.write(idx // 16, idx % 16, k8, ks)
+    view = PagePool(2, 16, 128, "fp8", torch.device("cpu"))
+    view.buf = pool.buf[2:]
+    keys, scales = view.tokens(torch.arange(2))
+    assert torch.equal(keys.view(torch.uint8), k8[32:].view(torch.uint8)) and torch.equal(scales, ks[32:])
