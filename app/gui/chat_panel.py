@@ -390,7 +390,8 @@ class ChatPanel(QWidget):
                 self._meter = result
                 self._update_meter()
 
-        run_task(lambda: backend.count_tokens(messages), show, lambda _exc: None)  # the meter keeps its value
+        # on failure the meter keeps its value
+        run_task(lambda: backend.count_tokens(messages), show, lambda _exc: None, owner=self)
 
     def _save_sampling(self) -> None:
         if self.connected is not None:

@@ -174,7 +174,7 @@ class MainWindow(QMainWindow):
     def refresh_models(self, *, connect: bool) -> None:
         settings = self.settings
         run_task(lambda: available_models(settings), lambda choices: self._set_choices(choices, connect),
-                 lambda exc: self.status.showMessage(f"Could not list models: {exc}", 10_000))
+                 lambda exc: self.status.showMessage(f"Could not list models: {exc}", 10_000), owner=self)
 
     def _set_choices(self, choices: list[ModelChoice], connect: bool) -> None:
         self.choices = choices

@@ -298,14 +298,14 @@ class ModelsTab(QWidget):
         name, ctx = self._selected_installed(), self.ctx
         if name:
             run_task(lambda: delete_model(name, ctx), lambda _: self.refresh_installed(),
-                     lambda exc: self.error.emit(str(exc)))
+                     lambda exc: self.error.emit(str(exc)), owner=self)
 
     def import_folder(self, folder: str | None = None) -> None:
         folder = folder or QFileDialog.getExistingDirectory(self, "Import a model folder")
         if folder:
             ctx = self.ctx
             run_task(lambda: import_local_model(folder, ctx=ctx), lambda _: self.refresh_installed(),
-                     lambda exc: self.error.emit(str(exc)))
+                     lambda exc: self.error.emit(str(exc)), owner=self)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def apply_settings(self, settings: Settings) -> None:

@@ -87,6 +87,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+from shiboken6 import isValid as is_alive  # False once a QObject's C++ side was deleted
 
 __all__ = [
     "QAbstractButton", "QAbstractItemView", "QAction", "QApplication", "QCheckBox", "QCloseEvent", "QColor",
@@ -98,7 +99,7 @@ __all__ = [
     "QRunnable", "QScrollArea", "QShortcut", "QSize", "QSizePolicy", "QSpinBox", "QSplitter", "QStatusBar",
     "QSyntaxHighlighter", "QTabWidget", "QTableWidget", "QTableWidgetItem", "QTextBrowser", "QTextCharFormat",
     "QTextDocument", "QTextFormat", "QThread", "QThreadPool", "QTimer", "QToolButton", "QUrl", "QVBoxLayout",
-    "QWidget", "Qt", "Signal", "Slot",
+    "QWidget", "Qt", "Signal", "Slot", "is_alive",
 ]
 
 logger = logging.getLogger(__name__)

@@ -313,11 +313,12 @@ class SettingsTab(QWidget):
             return
         self.token_state.setText("Checking the token…")
         run_task(lambda: hf_login(token=token, add_to_git_credential=False),
-                 lambda _: self._show_token_state("Token saved."), self._token_failed)
+                 lambda _: self._show_token_state("Token saved."), self._token_failed,
+                 owner=self)
 
     def forget_token(self) -> None:
         run_task(lambda: hf_logout() if get_token() else None, lambda _: self._show_token_state("Logged out."),
-                 self._token_failed)
+                 self._token_failed, owner=self)
 
     def _token_failed(self, exc: BaseException) -> None:
         self._show_token_state(f"Token not saved: {exc}")
