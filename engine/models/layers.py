@@ -14,6 +14,7 @@ from torch import nn
 from hearth.engine.config import RopeConfig
 from hearth.kernels.fp8_linear import check_weights, fp8_linear
 from hearth.kernels.fused import rms_norm
+from hearth.kernels.fused.reference import rotate_ref
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -165,21 +166,9 @@ class Rotary(nn.Module):
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [N, ..., d] with cos/sin [N, d/2]; computed in fp32, returned in x.dtype."""
-    shape = x.shape
-    xf = x.float()
-    extra = xf.dim() - 2
-    c = cos.view(cos.shape[0], *([1] * extra), cos.shape[-1])
-    s = sin.view(sin.shape[0], *([1] * extra), sin.shape[-1])
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-    else:
-        half = shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return out.to(x.dtype)
+# Rotate x [N, ..., d] with cos/sin [N, d/2] in fp32, returned in x.dtype: the plain path and the
+# fused kernels' reference are one function.
+apply_rotary = rotate_ref
 
 
 # --------------------------------------------------------------------------------------------
