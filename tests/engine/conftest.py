@@ -71,3 +71,14 @@ def run_to_completion(engine, prompts, sampling) -> list[list[int]]:
             if isinstance(event, TokenDelta):
                 out[event.request_id].extend(event.token_ids)
     return [out[i] for i in ids]
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """On the CPU, the DSA kernel path as CUDA would take it (the kernels run under Triton's interpreter)."""
+    if TEST_DEVICE == "cpu":
+        from hearth.engine.models import dsa_kernels
+
+        real = dsa_kernels.kernels_apply
+        monkeypatch.setattr(dsa_kernels, "kernels_apply", lambda config, block, device, dtype:
+                            real(config, block, torch.device("cuda"), dtype))

@@ -16,7 +16,6 @@ import torch
 
 from hearth.engine import EngineConfig
 from hearth.engine.config import ModelConfig
-from hearth.engine.models import dsa_kernels
 from hearth.engine.runner import CachePlan, ModelRunner, StepInput
 from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
 from hearth.offload.planned_tiers import PlannedKeys, PlannedLatents
@@ -31,14 +30,6 @@ CHUNKS = [(0, 24), (24, 21), (45, 25)]  # chunks 2 and 3 start inside a 16-token
 def kernel_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("prefill_k") / "glm_moe_dsa", "glm_moe_dsa", seed=3,
                             overrides=KERNEL_SHAPES)  # IndexCache layers: keys stream on the indexer layers only
-
-
-@pytest.fixture
-def kernel_path(monkeypatch):
-    if TEST_DEVICE == "cpu":
-        real = dsa_kernels.kernels_apply
-        monkeypatch.setattr(dsa_kernels, "kernels_apply", lambda config, block, device, dtype:
-                            real(config, block, torch.device("cuda"), dtype))
 
 
 def _runner(path, **tiers) -> ModelRunner:

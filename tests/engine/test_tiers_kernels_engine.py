@@ -10,10 +10,8 @@ runs the real kernels with pinned, mapped host pools."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hearth.engine import Engine, EngineConfig, SamplingParams
-from hearth.engine.models import dsa_kernels
 from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
 from hearth.offload.planned_tiers import PlannedKeys, PlannedLatents
 from tests.engine.conftest import TEST_DEVICE, run_to_completion
@@ -27,14 +25,6 @@ PROMPTS = [[(13 * i + 7 * j) % 460 + 20 for j in range(150 + 20 * i)] for i in r
 def kernel_model(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiers_k") / request.param, request.param, seed=3,
                             overrides=KERNEL_SHAPES)
-
-
-@pytest.fixture
-def kernel_path(monkeypatch):
-    if TEST_DEVICE == "cpu":
-        real = dsa_kernels.kernels_apply
-        monkeypatch.setattr(dsa_kernels, "kernels_apply", lambda config, block, device, dtype:
-                            real(config, block, torch.device("cuda"), dtype))
 
 
 def _engine(path, **tiers) -> Engine:
