@@ -901,6 +901,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script itself (with a tiny family)")
     args = parser.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     folder = write_checkpoint(args.dir, args.family, args.moe_layers, device)
     floors = Floors.of(folder)

@@ -26,7 +26,7 @@ from triton.language.extra import libdevice
 
 from hearth.kernels._utils import check_tensor, is_interpreter, require
 
-_NO_INDEX = 1 << 30  # larger than any expert or group index (the "none" of an argmin)
+_NO_INDEX = tl.constexpr(1 << 30)  # larger than any expert or group index (the "none" of an argmin)
 
 
 @triton.jit
