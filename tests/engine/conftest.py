@@ -29,10 +29,29 @@ def tiny_fp8_model(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_fp8") / "deepseek_v32", "deepseek_v32", seed=2, fp8=True)
 
 
-def hf_model(path: Path, dtype: torch.dtype = torch.float32):
+def hf_model(path: Path, dtype: torch.dtype = torch.float32, **kwargs):
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
-    return model.eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager",
+                                                              **kwargs)
+    return honor_swiglu_config(model).eval()
+
+
+def honor_swiglu_config(model):
+    """gpt-oss's clamped SwiGLU with the config's ``swiglu_limit`` / ``swiglu_alpha``, in every transformers.
+
+    transformers 5.24 reads both from the config; older releases (5.17, on the GPU machine) hard-code the
+    release values 7.0 and 1.702 in ``GptOssExperts`` and ignore the config. The tiny gpt-oss config sets
+    ``swiglu_limit`` 1.5 so that the clamp acts on small random activations, so an old reference would
+    compute another function than the config describes; this sets the reference to the config's values.
+    """
+    config = model.config
+    if getattr(config, "model_type", None) != "gpt_oss":
+        return model
+    for module in model.modules():
+        if hasattr(module, "limit") and hasattr(module, "alpha"):
+            module.limit = getattr(config, "swiglu_limit", 7.0)
+            module.alpha = getattr(config, "swiglu_alpha", 1.702)
+    return model
 
 
 def dequantize_reference(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:

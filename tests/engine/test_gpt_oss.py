@@ -17,7 +17,7 @@ from hearth.engine.api import UnsupportedModelError
 from hearth.engine.config import ModelConfig
 from hearth.engine.testing.tiny import tiny_config, write_tiny_model
 from hearth.kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from tests.engine.conftest import TEST_DEVICE, hf_greedy, run_to_completion
+from tests.engine.conftest import TEST_DEVICE, hf_greedy, hf_model, run_to_completion
 
 FP32_ATOL = 1e-4
 PROMPT = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(11)).tolist()
@@ -30,9 +30,7 @@ def mxfp4_model(tmp_path_factory):
 
 def _hf_mxfp4(path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager",
-        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    return hf_model(path, quantization_config=transformers.Mxfp4Config(dequantize=True))
 
 
 def _reference_logits(model, ids):
