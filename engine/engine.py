@@ -52,6 +52,7 @@ in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) an
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -103,6 +104,8 @@ class _Request:
     text: str = ""
     events: list[Event] = field(default_factory=list)
 
+
+logger = logging.getLogger("hearth.engine")
 
 _OOM_MESSAGE = "the GPU ran out of memory; lower the context length or the number of concurrent requests"
 
@@ -196,11 +199,23 @@ class Engine:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         text = self.tokenizer.chat_prompt(list(messages), add_generation_prompt=True, **chat_options)
         if conversation_id is not None:
+            self._adopt_saved_prompt(conversation_id)
             return self._prompt_tokens.encode(text, conversation_id, refuse)
         if max_tokens is not None:
             refuse(self.tokenizer.fewest_tokens(text))
         # NOTE: a chat prompt's text already holds BOS, so special tokens are added to raw text only.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _adopt_saved_prompt(self, conversation_id: str) -> None:
+        """After a restart, the conversation's prompt as the last engine tokenised it (saved by
+        ``close`` with its pages), so its first turn here tokenises only the new text."""
+        tier = self.prefix_tier
+        if tier is None or conversation_id in self._prompt_tokens:
+            return
+        record = tier.store.load_prompt(conversation_id)
+        if record is not None and not self._prompt_tokens.adopt(conversation_id, record):
+            logger.warning("the saved prompt of conversation %s does not fit this tokenizer; tokenising it whole",
+                           conversation_id)
 
     def add_request(self, messages: Sequence[dict[str, Any]] | None = None, *, prompt: str | None = None,
                     prompt_token_ids: Sequence[int] | None = None,
@@ -277,14 +292,18 @@ class Engine:
 
     def close(self) -> int:
         """Save the device's cached pages to disk, so a later engine on the same model and cache
-        folder starts with them; returns how many pages were written. Call it between steps."""
+        folder starts with them, and the conversations' tokenised prompts beside them; returns how
+        many pages were written. Call it between steps."""
         tier = self.prefix_tier
         if tier is None or tier.store.folder is None:
             return 0
         pages = self.blocks.cached_blocks()
         for start in range(0, len(pages), _PERSIST_BATCH):
             tier.spill(pages[start:start + _PERSIST_BATCH])
-        return tier.store.flush()
+        written = tier.store.flush()
+        records = {c: self._prompt_tokens.to_bytes(c) for c in self._prompt_tokens.conversations()}
+        tier.store.save_prompts({c: record for c, record in records.items() if record is not None})
+        return written
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -36,6 +36,18 @@ that segment is evicted; the newest copy is the one read.
 Conversations. A request may name its conversation; its pages carry that tag, and
 ``drop(conversation)`` forgets the conversation's pages in RAM and on disk (a page that other
 conversations also used keeps their tags and stays: its segment is rewritten without the tag).
+
+Prompts. Beside a conversation's pages the store keeps one opaque record of it (the engine's
+tokenised prompt, ``PromptTokens.to_bytes``: a restarted engine then tokenises only a follow-up's
+new text), in ``<model key>-<hash of the conversation>.prompt``, written atomically, mode 0600::
+
+    b"HRTHPT01" | header length (u32 LE) | CRC-32 of header and record (u32 LE) | header JSON | record
+
+The header names the model fingerprint and the conversation; a file whose checksum, fingerprint or
+conversation does not match is deleted, never read. ``drop`` deletes it with the pages; a record
+whose conversation has no page of this model on disk any more is deleted when the store opens and
+when records are saved. Records are small (~13 bytes per token against ~4 KB per token of pages)
+and do not count towards ``disk_bytes``.
 """
 
 from __future__ import annotations
@@ -71,6 +83,8 @@ _MAGIC = b"HRTHSG02"
 _PREFIX = len(_MAGIC) + 8  # magic, header length, header CRC-32
 _MAX_HEADER = 64 << 20
 _SUFFIX = ".pages"
+_PROMPT_SUFFIX = ".prompt"
+_PROMPT_MAGIC = b"HRTHPT01"
 _OLD_SUFFIX = ".page"  # format 1 (a file per page): deleted when seen
 _SEGMENT_BYTES = 256 << 20  # a segment's page bytes at most: LRU eviction and drop work on whole files
 _HEADER_BYTES_PER_PAGE = 256  # a page's share of a segment header (hash, conversations, checksum), roughly
@@ -304,6 +318,9 @@ class PrefixStore:
             dropped.update(gone)
             if len(gone) == len(segment.pages) or not self._retag(name, segment, conversation):
                 self._delete(name)
+        if self.folder is not None:
+            for path in self.folder.glob(f"*-{_conversation_key(conversation)}{_PROMPT_SUFFIX}"):  # any model's
+                self._unlink(path)
         return len(dropped)
 
     def flush(self) -> int:
@@ -313,6 +330,70 @@ class PrefixStore:
         pending = [(block_hash, entry) for block_hash, entry in self._host.items() if not entry.on_disk]
         self._write(pending)
         return len(pending)
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    def save_prompts(self, records: Mapping[str, bytes]) -> int:
+        """Keep a record per conversation (see the module doc) for those with pages on disk;
+        returns how many were written."""
+        if self.folder is None:
+            return 0
+        on_disk = self._disk_conversations()
+        written = 0
+        for conversation, record in records.items():
+            if conversation not in on_disk:
+                continue
+            header = json.dumps({"fingerprint": self.fingerprint, "model_key": self.key,
+                                 "conversation": conversation}).encode()
+            try:
+                _write_atomically(self._prompt_path(conversation), [
+                    _PROMPT_MAGIC + struct.pack("<II", len(header), zlib.crc32(record, zlib.crc32(header))),
+                    header, record])
+            except OSError as err:
+                logger.warning("could not write a prompt record to %s: %s", self.folder, err)
+                continue
+            written += 1
+        self._prune_prompts(on_disk)
+        return written
+
+    def load_prompt(self, conversation: str) -> bytes | None:
+        """The conversation's record, or None when there is none or it is unsound (then deleted).
+        Reads only the file, never the store's state: safe from any thread."""
+        if self.folder is None:
+            return None
+        path = self._prompt_path(conversation)
+        try:
+            data = path.read_bytes()
+        except OSError:  # none (the usual case) or unreadable: the prompt is tokenised whole
+            return None
+        record = _prompt_record(data, self.fingerprint, self.key, conversation)
+        if record is None:
+            logger.warning("prompt record %s is corrupt or stale; deleting it", path.name)
+            self._unlink(path)
+        return record
+
+    def _prompt_path(self, conversation: str) -> Path:
+        assert self.folder is not None
+        return self.folder / f"{self.key}-{_conversation_key(conversation)}{_PROMPT_SUFFIX}"
+
+    def _disk_conversations(self) -> set[str]:
+        """The conversations with a page of this model on disk."""
+        return set().union(*(segment.conversations() for segment in self._disk.values()
+                             if segment.model_key == self.key))
+
+    def _prune_prompts(self, on_disk: set[str]) -> None:
+        """Delete this model's prompt records whose conversation has no page on disk."""
+        assert self.folder is not None
+        keep = {self._prompt_path(conversation).name for conversation in on_disk}
+        for path in self.folder.glob(f"{self.key}-*{_PROMPT_SUFFIX}"):
+            if path.name not in keep:
+                self._unlink(path)
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            logger.warning("could not delete prefix cache file %s: %s", path.name, err)
 
     # ---- RAM -------------------------------------------------------------------------------
 
@@ -498,6 +579,7 @@ class PrefixStore:
         for _, name, segment in sorted(found, key=lambda item: item[:2]):
             self._add_segment(name, segment)
         self._fit_disk()
+        self._prune_prompts(self._disk_conversations())
 
 
 def drop_from_folder(folder: str | Path, conversation: str) -> int:
@@ -509,6 +591,28 @@ def drop_from_folder(folder: str | Path, conversation: str) -> int:
 # ---- the file format -------------------------------------------------------------------------
 
 
+def _conversation_key(conversation: str) -> str:
+    """A file-name-safe name of a conversation (its id may hold ``:`` and ``.``)."""
+    return hashlib.blake2b(conversation.encode(), digest_size=12).hexdigest()
+
+
+def _prompt_record(data: bytes, fingerprint_: str, key: str, conversation: str) -> bytes | None:
+    """The record of a prompt file's bytes, or None when the file is not a sound one of this model
+    and conversation."""
+    prefix = len(_PROMPT_MAGIC) + 8
+    if len(data) < prefix or not data.startswith(_PROMPT_MAGIC):
+        return None
+    header_len, crc = struct.unpack_from("<II", data, len(_PROMPT_MAGIC))
+    if prefix + header_len > len(data) or zlib.crc32(memoryview(data)[prefix:]) != crc:
+        return None
+    try:
+        header = json.loads(data[prefix:prefix + header_len])
+    except ValueError:
+        return None
+    expected = {"fingerprint": fingerprint_, "model_key": key, "conversation": conversation}
+    return data[prefix + header_len:] if header == expected else None
+
+
 def _crc(page: torch.Tensor) -> int:
     return zlib.crc32(memoryview(page.numpy()))
 
@@ -516,19 +620,23 @@ def _crc(page: torch.Tensor) -> int:
 def _write_file(path: Path, segment: _Segment, pages: list[memoryview]) -> None:
     """Write a segment atomically; sets ``segment.size``."""
     header = segment.to_json()
+    _write_atomically(path, [_MAGIC + struct.pack("<II", len(header), zlib.crc32(header)) + header, *pages])
+    segment.size = _PREFIX + len(header) + len(pages) * segment.page_bytes
+
+
+def _write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> None:
+    """Write ``parts`` to a temporary file (mode 0600), then rename it to ``path``."""
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # created 0600
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(_MAGIC + struct.pack("<II", len(header), zlib.crc32(header)) + header)
-            for page in pages:
-                out.write(page)
+            for part in parts:
+                out.write(part)
         os.chmod(temp, FILE_MODE)
         _touch(Path(temp))
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-    segment.size = _PREFIX + len(header) + len(pages) * segment.page_bytes
 
 
 def _read_header(path: Path, size: int) -> _Segment:

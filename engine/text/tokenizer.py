@@ -8,6 +8,7 @@ template, or, for DeepSeek-V3.2 (which ships none), from ``dsv32_encoding``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -64,11 +65,15 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
-def _load_backend(path: Path) -> _RustTokenizer:
+def _load_backend(path: Path) -> tuple[_RustTokenizer, str]:
+    """The tokenizer and a hash of its file (what its ids depend on: ``Tokenizer.identity``)."""
     if not path.is_file():
         raise CheckpointError(f"tokenizer file not found: {path}")
     try:
-        return _RustTokenizer.from_file(str(path))
+        data = path.read_bytes()
+        return _RustTokenizer.from_str(data.decode("utf-8")), hashlib.blake2b(data, digest_size=16).hexdigest()
+    except OSError as err:
+        raise CheckpointError(f"{path} is not readable: {err}") from err
     except Exception as err:  # the Rust library raises a bare Exception for any parse error
         raise CheckpointError(f"{path} is not a valid tokenizer.json: {err}") from err
 
@@ -95,9 +100,13 @@ class Tokenizer:
         generation_config: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
         model_type: str | None = None,
+        identity: str = "",
     ) -> None:
         config = config or {}
         self._backend = backend
+        # A hash of tokenizer.json ("" when unknown): prompts tokenised by another engine are reused
+        # only under the same one (``prompt_tokens``).
+        self.identity = identity
         self.model_type = model_type
         self.chat_template = chat_template
         self.special_tokens = {name: _token_text(config.get(name)) for name in _SPECIAL_NAMES}
@@ -109,13 +118,13 @@ class Tokenizer:
     def from_pretrained(cls, model_dir: str | Path, model_type: str | None = None) -> Tokenizer:
         """Load from a checkpoint folder; ``model_type`` defaults to the one in ``config.json``."""
         model_dir = Path(model_dir)
-        backend = _load_backend(model_dir / "tokenizer.json")
+        backend, identity = _load_backend(model_dir / "tokenizer.json")
         config = _read_json(model_dir / "tokenizer_config.json")
         generation_config = _read_json(model_dir / "generation_config.json")
         if model_type is None:
             model_type = _read_json(model_dir / "config.json").get("model_type")
         template = _load_template(model_dir, config)
-        return cls(backend, config, generation_config, template, model_type)
+        return cls(backend, config, generation_config, template, model_type, identity)
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -169,7 +178,7 @@ class Tokenizer:
     def prompt_tokens(self) -> PromptTokens:
         """A cache of chat prompts' ids per conversation: a follow-up turn tokenises only its new
         text (``hearth.engine.text.prompt_tokens``; the ids ``encode(text)`` gives)."""
-        return PromptTokens(self._backend, self.fewest_tokens)
+        return PromptTokens(self._backend, self.fewest_tokens, identity=self.identity)
 
     @cached_property
     def max_token_chars(self) -> int:

@@ -28,7 +28,9 @@ SCALE_BLOCK = 128
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
+# NOTE: M (the step's rows) changes with every step and only masks rows: not specialised, so a new
+# row count never compiles a new variant (16 | M, M == 1) in the middle of a request.
+@triton.jit(do_not_specialize=["M"])
 def gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, N, K, K_PER_SPLIT,
@@ -82,7 +84,7 @@ def sum_splits_kernel(p_ptr, y_ptr, MN, stride_ps, SPLIT: tl.constexpr, BLOCK: t
     tl.store(y_ptr + o, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (see gemv_kernel)
 def gemm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, N, K, K_PER_SPLIT,

@@ -29,7 +29,8 @@ INDEX_DIM = 128
 HADAMARD_SCALE = tl.constexpr(INDEX_DIM**-0.5)
 
 
-@triton.jit
+# NOTE: N (the step's tokens) changes with every step; it only masks rows (see lightning.py's note).
+@triton.jit(do_not_specialize=["N"])
 def _indexer_k_write_kernel(
     k_ptr,
     pos_ptr,

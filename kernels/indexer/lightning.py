@@ -121,7 +121,11 @@ def _indexer_decode_kernel(
             tl.atomic_add(p_h, b_hist, mask=(b_hist > 0) & ((o_h // NBINS) < NEXT_N))
 
 
-@triton.jit
+# NOTE: T (the chunk's queries) and n_ctx (its context length) change with every prompt; Triton would
+# compile a variant per divisibility of each (16 | value, value == 1), hundreds of ms on the first
+# request that hits a new one (a follow-up turn's TTFT). They mask query rows and key tiles; the one
+# contiguous use (the logits store's column mask) is a store per tile against H MMAs per tile.
+@triton.jit(do_not_specialize=["T", "n_ctx"])
 def _indexer_prefill_kernel(
     q_ptr,
     w_ptr,

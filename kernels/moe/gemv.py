@@ -44,7 +44,7 @@ def swiglu(g, u, LIMIT, ALPHA, CLAMPED: tl.constexpr):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # routed pairs: a new count per step; masks rows only
 def gate_up_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -123,7 +123,7 @@ def gate_up_gemv_kernel(
     tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # routed pairs: a new count per step; masks rows only
 def down_gemv_kernel(
     h_ptr,
     w_ptr,

@@ -15,7 +15,7 @@ import triton.language as tl
 from hearth.kernels.moe.gemv import gate_up_rows, swiglu
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # routed pairs: a new count per step; masks rows only
 def gate_up_mma_kernel(
     x_ptr,
     w_ptr,
@@ -90,7 +90,7 @@ def gate_up_mma_kernel(
     tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # routed pairs: a new count per step; masks rows only
 def down_mma_kernel(
     h_ptr,
     w_ptr,

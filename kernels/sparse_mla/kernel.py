@@ -124,7 +124,7 @@ def _sparse_mla_fwd_kernel(
     tl.store(lse_ptr + i_r64 * stride_lse_r + i_s * stride_lse_s + o_h, b_lse, mask=m_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # the split count follows the step's rows; it bounds a loop only
 def _sparse_mla_combine_kernel(
     po_ptr,
     plse_ptr,

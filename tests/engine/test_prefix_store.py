@@ -142,6 +142,74 @@ def test_a_corrupt_file_is_recomputed_and_deleted(models, recompute, tmp_path):
         assert path.name in restarted_page._disk
 
 
+def _chat_turn(engine: Engine, messages: list[dict[str, str]]) -> tuple[list[int], str]:
+    """Greedy tokens and text of a chat turn of conversation "chat-1"."""
+    request_id = engine.add_request(messages, sampling=GREEDY, conversation_id="chat-1")
+    tokens: list[int] = []
+    text = ""
+    while engine.has_unfinished():
+        for event in engine.step():
+            if isinstance(event, TokenDelta) and event.request_id == request_id:
+                tokens += event.token_ids
+                text += event.text
+    return tokens, text
+
+
+def _saved_chat(model: Path, folder: Path) -> list[dict[str, str]]:
+    """A chat's first turn on an engine that then stops; returns the follow-up's messages."""
+    engine = _engine(model, prefix_cache_dir=str(folder))
+    first = [{"role": "user", "content": "Tell me about the kettle on the hearth. " * 6}]
+    _, answer = _chat_turn(engine, first)
+    engine.close()
+    return [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And the mill?"}]
+
+
+def _prompt_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.prompt"))
+
+
+def test_restart_reuses_the_saved_prompt_tokens_with_the_same_ids(models, tmp_path):
+    folder = tmp_path / "cache"
+    follow_up = _saved_chat(models["deepseek_v32"], folder)
+    [record] = _prompt_files(folder)
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    whole = restarted.tokenizer.encode(restarted.tokenizer.chat_prompt(follow_up), add_special_tokens=False)
+    assert restarted.encode(follow_up, conversation_id="chat-1") == whole
+    assert restarted._prompt_tokens.reused_tokens > 0  # the first turn's ids came from the file
+    tokens, _ = _chat_turn(restarted, follow_up)
+    fresh = _engine(models["deepseek_v32"], prefix_cache_offload=False)
+    assert tokens == _run(fresh, whole)[0]
+
+
+def test_a_corrupt_prompt_record_is_deleted_and_the_prompt_tokenised_whole(models, tmp_path):
+    folder = tmp_path / "cache"
+    follow_up = _saved_chat(models["deepseek_v32"], folder)
+    [record] = _prompt_files(folder)
+    data = bytearray(record.read_bytes())
+    data[-3] ^= 0x01  # inside the saved text
+    record.write_bytes(bytes(data))
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    whole = restarted.tokenizer.encode(restarted.tokenizer.chat_prompt(follow_up), add_special_tokens=False)
+    assert restarted.encode(follow_up, conversation_id="chat-1") == whole
+    assert restarted._prompt_tokens.reused_tokens == 0
+    assert not record.exists()
+
+
+def test_prompt_records_go_with_their_conversations_pages(models, tmp_path):
+    folder = tmp_path / "cache"
+    _saved_chat(models["deepseek_v32"], folder)
+    assert len(_prompt_files(folder)) == 1
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    assert restarted.drop_conversation("chat-1") > 0
+    assert _prompt_files(folder) == []
+    _saved_chat(models["deepseek_v32"], folder)
+    for segment in _segments(folder):  # the pages are gone (evicted): the record is useless
+        segment.unlink()
+    _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    assert _prompt_files(folder) == []
+
+
 def test_files_of_another_model_version_are_ignored_and_deleted(tmp_path):
     model = write_tiny_model(tmp_path / "model", "deepseek_v32", seed=1)
     folder = tmp_path / "cache"

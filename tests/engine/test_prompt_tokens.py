@@ -4,6 +4,7 @@ page hashes equal hash_block's chain."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -126,6 +127,48 @@ def test_refuse_sees_a_lower_bound_before_tokenising(v32):
                               {"role": "user", "content": "more " * 40}])
     with pytest.raises(ValueError):
         cache.encode(longer, "chat", refuse)
+
+
+def _chat(v32: HearthTokenizer, turns: int) -> str:
+    messages = []
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"Question {i}: where does the kettle sing? " * 8},
+                     {"role": "assistant", "content": f"Answer {i}: on the hearth."}]
+    return v32.chat_prompt([*messages, {"role": "user", "content": "And the mill?"}])
+
+
+def test_a_saved_prompt_is_adopted_by_a_new_cache_and_gives_the_whole_texts_ids(v32):
+    assert v32.identity  # a hash of tokenizer.json
+    first = v32.prompt_tokens()
+    text = _chat(v32, 3)
+    first.encode(text, "chat")
+    record = first.to_bytes("chat")
+    assert record is not None and first.to_bytes("other") is None
+    restarted = v32.prompt_tokens()  # a new engine: nothing cached
+    assert restarted.adopt("chat", record) and "chat" in restarted
+    follow = _chat(v32, 4)
+    assert restarted.encode(follow, "chat") == v32.encode(follow)
+    assert restarted.reused_tokens > len(v32.encode(text)) // 2  # the saved ids were used
+
+
+def test_a_corrupt_or_foreign_record_is_refused(v32):
+    cache = v32.prompt_tokens()
+    text = _chat(v32, 2)
+    cache.encode(text, "chat")
+    record = cache.to_bytes("chat")
+    assert record is not None
+    other_tokenizer = PromptTokens(v32._backend, v32.fewest_tokens, identity="another tokenizer.json")
+    assert not other_tokenizer.adopt("chat", record)
+    size = int.from_bytes(record[:4], "little")
+    text_at = len(record) - json.loads(record[4:4 + size])["text_bytes"]
+    assert record[text_at:text_at + 1] == b"<"  # the text opens with the BOS anchor
+    moved = bytearray(record)
+    moved[text_at] = ord("[")  # the anchor's text no longer holds the anchor
+    bad = [record[:len(record) // 2], record + b"x", b"", b"\xff" * 40, bytes(moved)]
+    fresh = v32.prompt_tokens()
+    assert not any(fresh.adopt("chat", data) for data in bad)
+    assert "chat" not in fresh
+    assert fresh.encode(text, "chat") == v32.encode(text) and fresh.reused_tokens == 0
 
 
 def test_page_hashes_reuse_a_shared_prefix_and_equal_the_chain():
