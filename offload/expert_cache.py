@@ -204,11 +204,12 @@ class ExpertCache:
         self._next_staging = 0
         self.unpack_stream = None
         if store.packing is not None and self.is_cuda:
-            staging = torch.empty((STAGING_RECORDS, store.record_bytes), dtype=torch.uint8, device=self.device)
+            staging = torch.zeros((STAGING_RECORDS, store.record_bytes), dtype=torch.uint8, device=self.device)
             self._staging = staging.split(1)
             self._staging_free = [None] * STAGING_RECORDS
             self._slot_records = self.buffer.split(1)  # [1, record_bytes] views, made once
             self.unpack_stream = torch.cuda.Stream(self.device)
+            store.unpack(self._staging[0], self._slot_records[0])  # compiles the kernel now, not on a first fetch
         self._stats = {layer: LayerCacheStats() for layer in store.layers}
         self._copy_events: list = []  # (layer, start event, end event), resolved in stats()
 

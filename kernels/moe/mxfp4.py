@@ -75,9 +75,10 @@ def dequantize_mxfp4_kernel(
     s = tl.load(scales_ptr + e * stride_se + row * stride_sr + j // 16, mask=mask, other=127).to(tl.int32)
     # 2 ** (s - 127) from its bits (exact; e8m0 0 is the fp32 subnormal 2 ** -127).
     scale = tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)
-    base = out_ptr + e * stride_oe + row * stride_or + 2 * j
-    tl.store(base, (_e2m1_value(byte & 15) * scale).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + 1, (_e2m1_value(byte >> 4) * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    # NOTE: low nibble first; interleaved into one contiguous run of 2 * BLOCK values (one wide store).
+    values = tl.interleave(_e2m1_value(byte & 15) * scale, _e2m1_value(byte >> 4) * scale)
+    k = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + e * stride_oe + row * stride_or + k, values.to(out_ptr.dtype.element_ty), mask=k < 2 * ROW_BYTES)
 
 
 _DEQUANT_BLOCK = 512  # code bytes per program: 1,024 values
