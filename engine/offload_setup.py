@@ -17,8 +17,8 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.loader import tensor_bytes
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.kernels.moe import fused_moe, moe_reference
-from hearth.offload.expert_cache import POLICIES, EvictionPolicy, ExpertCache, ExpertLease, Key
-from hearth.offload.expert_store import ExpertStore
+from hearth.offload.expert_cache import POLICIES, STAGING_RECORDS, EvictionPolicy, ExpertCache, ExpertLease, Key
+from hearth.offload.expert_store import ExpertLayout, ExpertStore, Mxfp4Packing
 from hearth.offload.experts import OffloadedExperts
 from hearth.offload.fetch_plan import MISSING
 from hearth.offload.planner import (
@@ -42,11 +42,17 @@ class Placement:
 
 
 def _footprint(path: str | Path, config: ModelConfig, engine: EngineConfig, device: torch.device) -> ModelFootprint:
-    if config.model_type == "gpt_oss":  # stacked (MXFP4) experts, held dequantised in the compute dtype
-        auto = 2 if device.type == "cuda" else 4  # "auto": bf16 on CUDA, fp32 on the CPU
-        value_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(engine.dtype, auto)
-        return footprint_from_stacked_experts(tensor_bytes(path), config.num_experts_per_tok, config.n_routed_experts,
-                                              config.hidden_size, config.moe_intermediate_size, value_bytes)
+    if config.model_type == "gpt_oss":  # stacked experts: MXFP4 in the store, float in the GPU slots
+        auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # "auto"
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine.dtype, auto)
+        layout = ExpertLayout(config.hidden_size, config.moe_intermediate_size, dtype, bias=True)
+        sizes = tensor_bytes(path)
+        stored, staging = None, 0
+        if any(name.endswith("experts.gate_up_proj_blocks") for name in sizes):
+            stored = Mxfp4Packing(layout).record_bytes
+            staging = STAGING_RECORDS * stored
+        return footprint_from_stacked_experts(sizes, config.num_experts_per_tok, config.n_routed_experts,
+                                              layout.record_bytes, stored, staging)
     return footprint_from_tensor_bytes(tensor_bytes(path), config.num_experts_per_tok, config.num_hidden_layers)
 
 
@@ -126,7 +132,7 @@ class CacheResidency:
         self.eviction_plan.tiers[layer] = tiers
 
     def fetch_depth(self) -> int:
-        return max(2, -(-FETCH_AHEAD_BYTES // self.cache.buffer.shape[1]))
+        return max(2, -(-FETCH_AHEAD_BYTES // self.cache.store.record_bytes))
 
     def is_free(self, layer: int, experts: list[int]) -> list[bool]:
         return [state != MISSING for state in self.cache.lookup(layer, experts)]
@@ -163,8 +169,8 @@ class CacheResidency:
         slot_ids = slots.to(x.device, non_blocking=True).unsqueeze(1)  # (P, 1)
         w = self.cache.weights
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (P, D)
-        if self.use_kernel and w.plain_swiglu:
-            fused_moe(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, out=out)
+        if self.use_kernel:
+            fused_moe(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, out=out, extras=w.kernel_extras)
         else:
             out += moe_reference(x, slot_ids, weights.unsqueeze(1), w.w13, w.w2, w.s13, w.s2, **w.reference_kwargs())
         return out

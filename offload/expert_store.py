@@ -3,8 +3,14 @@
 One contiguous uint8 buffer per MoE layer, expert-major ([E, record_bytes]): one expert is one
 contiguous copy to a GPU cache slot. A record holds w13 = [gate; up] [2I, D], w2 = down [D, I] and,
 for FP8 checkpoints, their fp32 block scales; gpt-oss's experts add their biases b13 [2I] and b2 [D]
-(its checkpoints stack all experts of a layer in one tensor with gate and up interleaved, MXFP4 in the
-release: :meth:`ExpertStore.from_stacked_safetensors` dequantises and de-interleaves them).
+(its checkpoints stack all experts of a layer in one tensor with gate and up interleaved:
+:meth:`ExpertStore.from_stacked_safetensors` de-interleaves them).
+
+gpt-oss's release stores its experts as MXFP4 (4.25 bits a weight). Such a store keeps them so
+(:class:`Mxfp4Packing`: the code bytes and scale bytes of w13 and w2, then the biases), 3.76x fewer
+bytes in RAM and over the link than bf16; what consumers compute with is still :attr:`ExpertStore.layout`
+(float weights), which :meth:`Mxfp4Packing.unpack` writes from a packed record (the Triton kernel of
+:mod:`hearth.kernels.moe.mxfp4` on the GPU right after the copy, torch on the host).
 The buffers are filled straight from the safetensors files one tensor at a time and pinned
 (cudaHostRegister) in expert-aligned chunks, falling back to pageable memory where pinning is impossible.
 """
@@ -22,7 +28,8 @@ import torch
 from safetensors import safe_open
 
 from hearth.kernels._utils import count_nonfinite
-from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
+from hearth.kernels.moe import ExpertExtras
+from hearth.kernels.moe.mxfp4 import FP4_E2M1_VALUES, MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_into
 from hearth.kernels.moe.reference import SWIGLU_ALPHA
 
 log = logging.getLogger(__name__)
@@ -56,9 +63,9 @@ class ExpertWeights:
     swiglu_alpha: float = SWIGLU_ALPHA
 
     @property
-    def plain_swiglu(self) -> bool:
-        """True when the fused kernel computes these experts (no biases, no clamp)."""
-        return self.b13 is None and self.swiglu_limit is None
+    def kernel_extras(self) -> ExpertExtras:
+        """What the fused kernel adds to plain SwiGLU experts for these (gpt-oss: biases and the clamp)."""
+        return ExpertExtras(self.b13, self.b2, self.swiglu_limit, self.swiglu_alpha)
 
     def reference_kwargs(self) -> dict:
         """The gpt-oss extras for ``moe_reference``."""
@@ -118,15 +125,27 @@ class ExpertLayout:
         """Bytes of one expert's tensors (what a checkpoint holds), without alignment padding."""
         return sum(size for _, size in self._sections)
 
+    @property
+    def bias_span(self) -> tuple[int, int]:
+        """(offset, nbytes) of the record's bytes from b13 through b2."""
+        (ob13, _), (ob2, nb2) = self._sections[4:]
+        return ob13, ob2 + nb2 - ob13
+
+    def bias_views(self, span: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b13 [S, 2I], b2 [S, D]) of ``span`` [S, bias_span bytes] uint8, the records' bias bytes."""
+        (ob13, nb13), (ob2, nb2) = self._sections[4:]
+        return span[:, :nb13].view(self.dtype), span[:, ob2 - ob13:ob2 - ob13 + nb2].view(self.dtype)
+
     def views(self, buf: torch.Tensor) -> ExpertWeights:
         """Typed views of ``buf`` [S, record_bytes] uint8 (rows may be strided)."""
         assert buf.dtype == torch.uint8 and buf.shape[-1] == self.record_bytes and buf.stride(-1) == 1
-        (o13, n13), (o2, n2), (os13, ns13), (os2, ns2), (ob13, nb13), (ob2, nb2) = self._sections
+        (o13, n13), (o2, n2), (os13, ns13), (os2, ns2) = self._sections[:4]
         d, i = self.hidden, self.inter
         w13 = buf[:, o13:o13 + n13].view(self.dtype).unflatten(1, (2 * i, d))  # (S, 2I, D)
         w2 = buf[:, o2:o2 + n2].view(self.dtype).unflatten(1, (d, i))  # (S, D, I)
         if self.bias:
-            b13, b2 = buf[:, ob13:ob13 + nb13].view(self.dtype), buf[:, ob2:ob2 + nb2].view(self.dtype)
+            start, nbytes = self.bias_span
+            b13, b2 = self.bias_views(buf[:, start:start + nbytes])
             return ExpertWeights(w13, w2, None, None, b13, b2, self.swiglu_limit, self.swiglu_alpha)
         if not self.is_fp8:
             return ExpertWeights(w13, w2, None, None, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
@@ -136,17 +155,105 @@ class ExpertLayout:
         return ExpertWeights(w13, w2, s13, s2)
 
 
+@dataclass(frozen=True)
+class PackedWeights:
+    """Views of S packed (MXFP4) records: code bytes [S, rows, G, 16] and scale bytes [S, rows, G] of w13
+    (gate rows, then up rows) and w2, and the biases' bytes [S, n], laid out as in the float record."""
+
+    blocks13: torch.Tensor
+    scales13: torch.Tensor
+    blocks2: torch.Tensor
+    scales2: torch.Tensor
+    biases: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Mxfp4Packing:
+    """Byte layout of one MXFP4 expert record whose float form is ``float_layout`` (biases required):
+    w13's code bytes [2I, D/32, 16] and scale bytes [2I, D/32], w2's [D, I/32, 16] and [D, I/32], each
+    512-byte aligned, then the biases exactly as the float record holds them (one byte copy)."""
+
+    float_layout: ExpertLayout
+
+    def __post_init__(self) -> None:
+        f = self.float_layout
+        if not f.bias or f.is_fp8 or f.hidden % MXFP4_GROUP or f.inter % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 records need float weights with biases and widths that are multiples of "
+                             f"{MXFP4_GROUP}, got {f}")
+
+    @property
+    def _sections(self) -> list[tuple[int, int]]:
+        """(offset, nbytes) of w13's blocks and scales, w2's blocks and scales, and the biases."""
+        f = self.float_layout
+        g13, g2 = f.hidden // MXFP4_GROUP, f.inter // MXFP4_GROUP
+        sizes = [2 * f.inter * g13 * 16, 2 * f.inter * g13, f.hidden * g2 * 16, f.hidden * g2]
+        out, off = [], 0
+        for size in sizes:
+            out.append((off, size))
+            off += _align(size)
+        out.append((off, self.float_layout.bias_span[1]))
+        return out
+
+    @property
+    def record_bytes(self) -> int:
+        off, size = self._sections[-1]
+        return _align(off + size)
+
+    def views(self, buf: torch.Tensor) -> PackedWeights:
+        """Views of ``buf`` [S, record_bytes] uint8 (rows may be strided)."""
+        assert buf.dtype == torch.uint8 and buf.shape[-1] == self.record_bytes and buf.stride(-1) == 1
+        (ob13, nb13), (os13, ns13), (ob2, nb2), (os2, ns2), (obias, nbias) = self._sections
+        f = self.float_layout
+        g13, g2 = f.hidden // MXFP4_GROUP, f.inter // MXFP4_GROUP
+        return PackedWeights(
+            buf[:, ob13:ob13 + nb13].unflatten(1, (2 * f.inter, g13, 16)),
+            buf[:, os13:os13 + ns13].unflatten(1, (2 * f.inter, g13)),
+            buf[:, ob2:ob2 + nb2].unflatten(1, (f.hidden, g2, 16)),
+            buf[:, os2:os2 + ns2].unflatten(1, (f.hidden, g2)),
+            buf[:, obias:obias + nbias],
+        )
+
+    def unpack(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Write the float records ``dst`` [n, float record_bytes] from the packed ``src`` [n, record_bytes]
+        (same device). On CUDA two kernel launches and one byte copy, allocating nothing (so it may run
+        on a side stream); on the host torch."""
+        p, w = self.views(src), self.float_layout.views(dst)
+        start, nbytes = self.float_layout.bias_span
+        dst[:, start:start + nbytes].copy_(p.biases)
+        if dst.is_cuda:
+            dequantize_mxfp4_into(p.blocks13, p.scales13, w.w13)
+            dequantize_mxfp4_into(p.blocks2, p.scales2, w.w2)
+        else:
+            w.w13.copy_(dequantize_mxfp4(p.blocks13, p.scales13, w.w13.dtype))
+            w.w2.copy_(dequantize_mxfp4(p.blocks2, p.scales2, w.w2.dtype))
+
+
+def _nonfinite_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> int:
+    """Values of MXFP4 ``blocks``/``scales`` that dequantise to NaN/inf in ``dtype`` (a scale byte of 255,
+    e8m0's NaN, or one too large), without dequantising everything: only the groups whose largest code
+    overflows (e2m1 magnitudes grow with a code's low 3 bits) are."""
+    top = torch.maximum(blocks & 7, (blocks >> 4) & 7).amax(-1)  # (..., G)
+    largest = torch.tensor(FP4_E2M1_VALUES[:8])[top.long()]
+    bad = ~torch.isfinite(torch.ldexp(largest, scales.float() - 127).to(dtype))
+    return count_nonfinite(dequantize_mxfp4(blocks[bad], scales[bad], dtype)) if bad.any() else 0
+
+
 class ExpertStore:
-    """Host-memory store of the routed experts of ``layers`` (checkpoint layer indices)."""
+    """Host-memory store of the routed experts of ``layers`` (checkpoint layer indices). ``layout`` is
+    what the experts are computed from; ``packing`` (MXFP4) what the store holds and fetches, if not that."""
 
     def __init__(
-        self, layout: ExpertLayout, layers: Sequence[int], num_experts: int, pin: bool | None = None
+        self, layout: ExpertLayout, layers: Sequence[int], num_experts: int, pin: bool | None = None,
+        packing: Mxfp4Packing | None = None,
     ) -> None:
+        if packing is not None and packing.float_layout != layout:
+            raise ValueError(f"packing {packing} does not unpack to {layout}")
         self.layout = layout
+        self.packing = packing
         self.layers = tuple(layers)
         self.num_experts = num_experts
         self._index = {layer: i for i, layer in enumerate(self.layers)}
-        shape = (num_experts, layout.record_bytes)
+        shape = (num_experts, self.record_bytes)
         # NOTE: zeros, not empty: alignment padding must be defined, and it touches pages once.
         self._buffers = [torch.zeros(shape, dtype=torch.uint8) for _ in self.layers]
         self._registered: list[int] = []
@@ -163,6 +270,11 @@ class ExpertStore:
         return sum(buf.numel() for buf in self._buffers)
 
     @property
+    def record_bytes(self) -> int:
+        """Bytes of one stored expert: what a fetch moves over the link."""
+        return self.layout.record_bytes if self.packing is None else self.packing.record_bytes
+
+    @property
     def is_pinned(self) -> bool:
         return self.pinned_bytes == self.total_bytes
 
@@ -174,8 +286,37 @@ class ExpertStore:
         """[record_bytes] uint8: one expert, contiguous."""
         return self._buffers[self._index[layer]][expert]
 
+    def unpack(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Float records ``dst`` [n, layout.record_bytes] of stored records ``src`` [n, record_bytes]."""
+        if self.packing is None:
+            dst.copy_(src)
+        else:
+            self.packing.unpack(src, dst)
+
+    def float_records(self, layer: int, device: torch.device | str) -> torch.Tensor:
+        """One layer's experts [E, layout.record_bytes] on ``device`` as they are computed from (the
+        store's own buffer when it holds them so on the host)."""
+        device = torch.device(device)
+        if self.packing is None and device.type == "cpu":
+            return self.layer_buffer(layer)
+        src = self.layer_buffer(layer) if device.type == "cpu" else self.to_device(layer, device)
+        if self.packing is None:
+            return src
+        dst = torch.empty((self.num_experts, self.layout.record_bytes), dtype=torch.uint8, device=device)
+        self.packing.unpack(src, dst)
+        return dst
+
+    def expert_weights(self, layer: int, expert: int) -> ExpertWeights:
+        """One expert's weights on the host ([1, ...] views; dequantised into a new record when packed)."""
+        row = self.layer_buffer(layer)[expert:expert + 1]
+        if self.packing is None:
+            return self.layout.views(row)
+        dst = torch.empty((1, self.layout.record_bytes), dtype=torch.uint8)
+        self.packing.unpack(row, dst)
+        return self.layout.views(dst)
+
     def to_device(self, layer: int, device: torch.device | str) -> torch.Tensor:
-        """A device copy [E, record_bytes] of one layer, copied pin chunk by pin chunk.
+        """A device copy [E, record_bytes] of one layer's stored records, copied pin chunk by pin chunk.
 
         NOTE: one cudaMemcpy must not span two cudaHostRegister ranges (CUDA rejects it), so whole-layer
         copies go through here; single experts never straddle a chunk.
@@ -188,7 +329,15 @@ class ExpertStore:
         return dst
 
     def weights(self, layer: int) -> ExpertWeights:
+        """Views of one layer's float records (see :meth:`packed_weights` for an MXFP4 store)."""
+        if self.packing is not None:
+            raise ValueError("an MXFP4 expert store holds no float weights: use packed_weights or expert_weights")
         return self.layout.views(self.layer_buffer(layer))
+
+    def packed_weights(self, layer: int) -> PackedWeights:
+        if self.packing is None:
+            raise ValueError("this expert store holds float weights: use weights")
+        return self.packing.views(self.layer_buffer(layer))
 
     def set_expert(self, layer: int, expert: int, name: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor in: ``name`` is '{gate,up,down}_proj.weight' or '.weight_scale_inv'."""
@@ -249,7 +398,9 @@ class ExpertStore:
         """Fill a store from gpt-oss's stacked experts, one layer's tensors at a time:
         ``model.layers.{L}.mlp.experts.gate_up_proj`` [E, D, 2I] (gate and up columns interleaved) and
         ``down_proj`` [E, I, D] with their ``_bias``, or the MXFP4 ``_blocks`` + ``_scales`` of the
-        release ([E, 2I, D] and [E, D, I] once dequantised), stored as ``dtype``."""
+        release ([E, 2I, D/32, 16] and [E, D, I/32, 16]). Computed as ``dtype``; MXFP4 experts stay
+        MXFP4 (:class:`Mxfp4Packing`), float ones are held as ``dtype`` (quantising them at load would
+        change the model's outputs)."""
         where = _tensor_files(files)
         handles: dict[Path, object] = {}
 
@@ -260,36 +411,18 @@ class ExpertStore:
                 handles[where[name]] = safe_open(str(where[name]), framework="pt")
             return handles[where[name]].get_tensor(name)
 
-        def weight(prefix: str) -> torch.Tensor:
-            """[E, out, in] in ``dtype`` (the Linear layout the store keeps)."""
-            if prefix + "_blocks" in where:
-                return dequantize_mxfp4(read(prefix + "_blocks"), read(prefix + "_scales"), dtype)
-            return read(prefix).to(dtype).transpose(1, 2)
-
         store = None
         for layer in layers:
             prefix = f"model.layers.{layer}.mlp.experts."
-            gate_up, down = weight(prefix + "gate_up_proj"), weight(prefix + "down_proj")
-            gate_up_bias, down_bias = read(prefix + "gate_up_proj_bias"), read(prefix + "down_proj_bias")
-            tensors = {"gate_up_proj": gate_up, "down_proj": down, "gate_up_proj_bias": gate_up_bias,
-                       "down_proj_bias": down_bias}
-            for name, tensor in tensors.items():  # MXFP4: a scale byte of 255 (e8m0's NaN) overflows to inf
-                if bad := count_nonfinite(tensor):
-                    raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
+            mxfp4 = prefix + "gate_up_proj_blocks" in where
+            tensors = {name: read(prefix + name) for name in _stacked_names(mxfp4)}
+            _check_stacked(layer, tensors, dtype)
             if store is None:
-                num_experts, hidden, inter = down.shape[0], down.shape[1], down.shape[2]
-                layout = ExpertLayout(hidden, inter, dtype, bias=True, swiglu_limit=swiglu_limit,
-                                      swiglu_alpha=swiglu_alpha)
-                store = cls(layout, layers, num_experts, pin=pin)
-            w = store.weights(layer)
-            if tuple(gate_up.shape) != tuple(w.w13.shape) or tuple(down.shape) != tuple(w.w2.shape):
-                raise ValueError(f"layer {layer}: expert tensors {tuple(gate_up.shape)}, {tuple(down.shape)}, "
-                                 f"expected {tuple(w.w13.shape)}, {tuple(w.w2.shape)}")
-            # NOTE: de-interleaved to [gate rows; up rows], the layout every expert consumer reads.
-            w.w13.copy_(torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1))
-            w.b13.copy_(torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1))
-            w.w2.copy_(down)
-            w.b2.copy_(down_bias)
+                bias13, bias2 = tensors["gate_up_proj_bias"], tensors["down_proj_bias"]
+                layout = ExpertLayout(bias2.shape[1], bias13.shape[1] // 2, dtype, bias=True,
+                                      swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+                store = cls(layout, layers, bias2.shape[0], pin=pin, packing=Mxfp4Packing(layout) if mxfp4 else None)
+            _fill_stacked(store, layer, tensors)
         if store is None:
             raise ValueError("no MoE layers to store")
         return store
@@ -325,6 +458,55 @@ class ExpertStore:
         # NOTE: at interpreter shutdown CUDA may already be torn down; nothing is left to release then.
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _stacked_names(mxfp4: bool) -> list[str]:
+    if mxfp4:
+        return ["gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales",
+                "gate_up_proj_bias", "down_proj_bias"]
+    return ["gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"]
+
+
+def _check_stacked(layer: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """NaN/inf in a float tensor, or an MXFP4 group that dequantises to one, is a corrupt checkpoint."""
+    for name, tensor in tensors.items():
+        if bad := count_nonfinite(tensor):
+            raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
+    for name in ("gate_up_proj", "down_proj"):
+        blocks, scales = tensors.get(name + "_blocks"), tensors.get(name + "_scales")
+        if blocks is not None and (bad := _nonfinite_mxfp4(blocks, scales, dtype)):  # e.g. a scale byte of 255
+            raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) in {dtype} (corrupt checkpoint?)")
+
+
+def _copy_checked(layer: int, name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"layer {layer} {name}: shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with gate and up alternating along dim 1 -> [gate rows; up rows]."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+
+
+def _fill_stacked(store: ExpertStore, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy one layer's stacked gpt-oss tensors into ``store`` with gate and up rows de-interleaved,
+    the layout every expert consumer reads (MXFP4 codes and scales are per row: they move as bytes)."""
+    if store.packing is None:
+        w = store.weights(layer)
+        w13, w2, b13, b2 = w.w13, w.w2, w.b13, w.b2
+        # [E, in, out] as shipped -> the Linear layout [E, out, in]
+        _copy_checked(layer, "gate_up_proj", w13, _deinterleave(tensors["gate_up_proj"].transpose(1, 2)))
+        _copy_checked(layer, "down_proj", w2, tensors["down_proj"].transpose(1, 2))
+    else:
+        p = store.packed_weights(layer)
+        for name, dst in (("gate_up_proj_blocks", p.blocks13), ("gate_up_proj_scales", p.scales13)):
+            _copy_checked(layer, name, dst, _deinterleave(tensors[name]))
+        for name, dst in (("down_proj_blocks", p.blocks2), ("down_proj_scales", p.scales2)):
+            _copy_checked(layer, name, dst, tensors[name])
+        b13, b2 = store.layout.bias_views(p.biases)
+    _copy_checked(layer, "gate_up_proj_bias", b13, _deinterleave(tensors["gate_up_proj_bias"]))
+    _copy_checked(layer, "down_proj_bias", b2, tensors["down_proj_bias"])
 
 
 _DEFAULT_NAMING = ("mlp", {p: p for p in _PROJ})

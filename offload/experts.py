@@ -58,8 +58,8 @@ def _experts_into(
     w: ExpertWeights, use_kernel: bool,
 ) -> None:
     """out [T, D] fp32 += the routed experts of x [T, D] at slots slot_ids [T, K] (-1 = skip)."""
-    if use_kernel and w.plain_swiglu:
-        fused_moe(x, slot_ids, topk_weights, w.w13, w.w2, w.s13, w.s2, out=out)
+    if use_kernel:
+        fused_moe(x, slot_ids, topk_weights, w.w13, w.w2, w.s13, w.s2, out=out, extras=w.kernel_extras)
     else:
         out += moe_reference(x, slot_ids, topk_weights, w.w13, w.w2, w.s13, w.s2, **w.reference_kwargs())
 
@@ -80,11 +80,7 @@ class ResidentExperts:
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
         self._weights = {}
         for layer in store.layers:
-            if self.device.type == "cpu":
-                buf = store.layer_buffer(layer)  # (E, record_bytes): no copy
-            else:
-                buf = store.to_device(layer, self.device)
-            self._weights[layer] = store.layout.views(buf)
+            self._weights[layer] = store.layout.views(store.float_records(layer, self.device))
 
     def __call__(
         self, layer_idx: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -235,7 +231,7 @@ class OffloadedExperts:
     @property
     def capturable(self) -> bool:
         """Can :meth:`compute_slots` run inside a CUDA graph (the fused kernel: no host sync)?"""
-        return self.cache.is_cuda and self.use_kernel and self.cache.weights.plain_swiglu
+        return self.cache.is_cuda and self.use_kernel
 
     def acquire_all(self, layer: int, ids: list[int]) -> ExpertLease | None:
         """One lease on every expert of the flattened routing ``ids`` (copies of missing ones queued,
@@ -324,7 +320,7 @@ class OffloadedExperts:
         # cache copies are synchronous, so fetched experts still form their groups (waits are no-ops).
         states = [RESIDENT if ready and p == RESIDENT else IN_FLIGHT for ready, p in zip(lease.ready, planned)]
         w = self.cache.weights
-        for group in round_groups(states, self.cache.buffer.shape[1], self.overlap, self.group_bytes):
+        for group in round_groups(states, self.cache.store.record_bytes, self.overlap, self.group_bytes):
             if group.wait:
                 if self.overlap:
                     lease.wait_for(range(group.start, group.stop))
@@ -338,11 +334,11 @@ class OffloadedExperts:
         """Missed ``experts`` on the host from the store; their pairs are the sorted rows of ``bounds``,
         whose activations and routing weights ``host_rows`` already holds (rows from ``bounds[0]``)."""
         x_host, w_host = host_rows
-        weights = self.cache.store.weights(layer)
+        store = self.cache.store
         y = torch.empty((bounds[-1] - bounds[0], y_sorted.shape[1]), dtype=torch.float32,
                         pin_memory=y_sorted.is_cuda)  # (n, D)
         for i, expert in enumerate(experts):
             a, b = bounds[i] - bounds[0], bounds[i + 1] - bounds[0]
-            y[a:b] = host_expert(x_host[a:b], weights, expert) * w_host[a:b]
+            y[a:b] = host_expert(x_host[a:b], store.expert_weights(layer, expert)) * w_host[a:b]
         y_sorted[bounds[0]:bounds[-1]].copy_(y, non_blocking=True)
         self.cache.count_cpu_computed(layer, len(experts))

@@ -8,8 +8,9 @@ The estimate, per request of ``context_length`` tokens:
 - routed experts: MoE layers x ``n_routed_experts`` x 3 matrices x ``hidden_size`` x
   ``moe_intermediate_size`` x bytes per parameter (1 for FP8 checkpoints, else the config's dtype);
   the rest of the weights (attention, dense layers, shared experts, embeddings) is "dense"; gpt-oss's
-  MXFP4 experts download at 4.25 bits per weight (4-bit codes + one scale byte per 32) and are held
-  as bf16 once loaded, so its in-memory weights are larger than its files;
+  MXFP4 experts download at 4.25 bits per weight (4-bit codes + one scale byte per 32) and stay so in
+  RAM when offloaded, but are bf16 on the GPU (resident, or in the expert cache's slots), so its
+  weights on the GPU are larger than its files;
 - multi-token-prediction layers (``num_nextn_predict_layers``: DeepSeek-V3/V3.2, GLM-4.5, GLM-5) are
   in the download but never loaded: their routed experts, the bulk of each, are left out.
 
@@ -77,6 +78,11 @@ class Footprint:
     cache_bytes_per_token: int
     num_moe_layers: int
     hidden_size: int = 0
+    stored_experts_bytes: int | None = None  # the experts as held in RAM when offloaded, if not experts_bytes
+
+    @property
+    def experts_in_ram_bytes(self) -> int:
+        return self.experts_bytes if self.stored_experts_bytes is None else self.stored_experts_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -138,12 +144,14 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
     if moe_layers:
         weights_bytes = max(weights_bytes - int(config.get("num_nextn_predict_layers") or 0) * layer_experts, 0)
     experts = min(moe_layers * layer_experts, int(weights_bytes * 0.98))
+    stored = None
     if _is_mxfp4(config):
-        # The download holds the experts at 4.25 bits per weight; Hearth dequantises them to bf16 at load.
+        # The download holds the experts at 4.25 bits per weight, as the offload store does; on the GPU
+        # Hearth computes them in bf16.
         params = moe_layers * int(n_experts) * per_expert
-        on_disk = min(int(params * MXFP4_BITS_PER_WEIGHT / 8), int(weights_bytes * 0.98))
+        stored = min(int(params * MXFP4_BITS_PER_WEIGHT / 8), int(weights_bytes * 0.98))
         experts = params * 2
-        weights_bytes += experts - on_disk
+        weights_bytes += experts - stored
     return Footprint(
         weights_bytes=weights_bytes,
         experts_bytes=experts,
@@ -151,6 +159,7 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
         cache_bytes_per_token=per_layer * num_layers,
         num_moe_layers=moe_layers,
         hidden_size=int(config.get("hidden_size", 0)),
+        stored_experts_bytes=stored,
     )
 
 
@@ -163,7 +172,7 @@ def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
     if expert_cache_bytes is None:  # at least one MoE layer's experts resident
         expert_cache_bytes = footprint.experts_bytes // max(footprint.num_moe_layers, 1)
     split_gpu = footprint.dense_bytes + cache + expert_cache_bytes + gpu_runtime
-    split_ram = footprint.experts_bytes + HOST_RUNTIME_BYTES
+    split_ram = footprint.experts_in_ram_bytes + HOST_RUNTIME_BYTES
     cpu_ram = footprint.weights_bytes + cache + HOST_RUNTIME_BYTES + footprint.activation_bytes
 
     def report(verdict: Verdict, gpu_needed: int, ram_needed: int) -> FitReport:

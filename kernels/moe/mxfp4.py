@@ -4,17 +4,23 @@ Each group of 32 values shares one e8m0 scale byte (2 ** (s - 127)); each value 
 (sign bit, two exponent bits, one mantissa bit), two codes a byte with the first in the low nibble.
 A checkpoint stores ``*_blocks`` uint8 [..., G, 16] and ``*_scales`` uint8 [..., G] for a row of
 ``G * 32`` values.
+
+:func:`dequantize_mxfp4` is the torch version (loading, the host); :func:`dequantize_mxfp4_into` the
+Triton kernel that turns expert records fetched to the GPU as MXFP4 into their float weights.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 # The value of each e2m1 code 0..15.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32
 E8M0_BIAS = 127
 BITS_PER_VALUE = 4 + 8 / MXFP4_GROUP  # 4.25: the code plus its share of the group's scale byte
+_FLOAT_OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -41,3 +47,62 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
     return packed.contiguous(), (exponent + E8M0_BIAS).to(torch.uint8).contiguous()
+
+
+@triton.jit
+def _e2m1_value(code):
+    """The value of e2m1 codes (int32 0..15) as fp32, from the bits: sign, two exponent bits, one
+    mantissa bit (exponent 0: subnormal, m / 2)."""
+    exponent = (code >> 1) & 3
+    mantissa = code & 1
+    twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
+    magnitude = twice.to(tl.float32) * 0.5
+    return tl.where(code >= 8, -magnitude, magnitude)
+
+
+@triton.jit
+def dequantize_mxfp4_kernel(
+    blocks_ptr, scales_ptr, out_ptr, ROW_BYTES,
+    stride_be, stride_br, stride_se, stride_sr, stride_oe, stride_or,
+    BLOCK: tl.constexpr,
+):
+    """Program (row, j, e): BLOCK code bytes of one row of matrix ``e`` -> 2 * BLOCK output values."""
+    row = tl.program_id(0)
+    e = tl.program_id(2)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < ROW_BYTES
+    byte = tl.load(blocks_ptr + e * stride_be + row * stride_br + j, mask=mask, other=0).to(tl.int32)
+    s = tl.load(scales_ptr + e * stride_se + row * stride_sr + j // 16, mask=mask, other=127).to(tl.int32)
+    # 2 ** (s - 127) from its bits (exact; e8m0 0 is the fp32 subnormal 2 ** -127).
+    scale = tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)
+    # NOTE: low nibble first; interleaved into one contiguous run of 2 * BLOCK values (one wide store).
+    values = tl.interleave(_e2m1_value(byte & 15) * scale, _e2m1_value(byte >> 4) * scale)
+    k = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + e * stride_oe + row * stride_or + k, values.to(out_ptr.dtype.element_ty), mask=k < 2 * ROW_BYTES)
+
+
+_DEQUANT_BLOCK = 512  # code bytes per program: 1,024 values
+
+
+def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`dequantize_mxfp4` on the device into ``out``, one launch for ``n`` matrices of R rows:
+    ``blocks`` uint8 [n, R, G, 16], ``scales`` uint8 [n, R, G], ``out`` float [n, R, G * 32]. Rows and
+    matrices may be strided (views into expert records); each row's bytes must be contiguous. Allocates
+    nothing, so it may run on any stream."""
+    n, rows, groups = scales.shape
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or out.dtype not in _FLOAT_OUT:
+        raise ValueError(f"expected uint8 blocks and scales and a float out, got {blocks.dtype}, {scales.dtype}, "
+                         f"{out.dtype}")
+    if blocks.shape != (n, rows, groups, MXFP4_GROUP // 2) or out.shape != (n, rows, groups * MXFP4_GROUP):
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} / out {list(out.shape)} do not match scales "
+                         f"{list(scales.shape)}")
+    if blocks.stride(3) != 1 or blocks.stride(2) != MXFP4_GROUP // 2 or scales.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("each row of blocks, scales and out must be contiguous")
+    row_bytes = groups * MXFP4_GROUP // 2
+    if n == 0 or rows == 0 or row_bytes == 0:
+        return
+    grid = (rows, triton.cdiv(row_bytes, _DEQUANT_BLOCK), n)
+    dequantize_mxfp4_kernel[grid](
+        blocks, scales, out, row_bytes, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
+        out.stride(0), out.stride(1), BLOCK=_DEQUANT_BLOCK,
+    )  # fmt: skip

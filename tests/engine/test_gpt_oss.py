@@ -179,7 +179,13 @@ def test_offloaded_experts_give_the_same_tokens(tiny_models, mxfp4_model, schedu
     engine = Engine.load(path, EngineConfig(device=TEST_DEVICE, dtype="float32", offload="always",
                                             expert_cache_slots=3, scheduler=scheduler))
     assert engine.runner.placement.offload
-    assert engine.runner.expert_cache.store.layout.bias  # biases travel with each expert
+    store = engine.runner.expert_cache.store
+    assert store.layout.bias  # biases travel with each expert
+    assert (store.packing is not None) == mxfp4  # the release's MXFP4 stays MXFP4 in RAM and on the link
     assert run_to_completion(engine, prompts, greedy) == expected
     stats = engine.stats().extra
     assert stats["expert_cache_misses"] > 0 and stats["expert_cache_evictions"] > 0
+    total = engine.runner.expert_cache.stats()["total"]
+    assert total["bytes_fetched"] == total["misses"] * store.record_bytes
+    if mxfp4:
+        assert store.record_bytes == store.packing.record_bytes < store.layout.record_bytes / 3

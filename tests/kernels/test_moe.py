@@ -219,3 +219,42 @@ def test_group_by_slot(t, k, s, bm):
         assert real == sorted(real)
         seen += real
     assert sorted(seen) == torch.nonzero(flat >= 0).flatten().tolist()
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,rows,groups", [(1, 1, 1), (3, 5, 3), (2, 7, 17)])
+def test_mxfp4_dequantize_kernel_equals_reference(n, rows, groups, out_dtype):
+    """Every code and a spread of scales, strided views into records (as the expert cache's slots are),
+    and row lengths that are not a multiple of the kernel's block: bit for bit the torch dequantiser."""
+    from hearth.kernels.moe.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_into
+
+    g = torch.Generator().manual_seed(n * 100 + rows * 10 + groups)
+    blocks = torch.randint(0, 256, (n, rows, groups, 16), generator=g, dtype=torch.uint8)
+    blocks.view(-1)[:8] = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)  # 0..15
+    scales = torch.randint(112, 139, (n, rows, groups), generator=g, dtype=torch.uint8)  # 2^-15 .. 2^11: fp16 too
+    # Records of 40 spare bytes a row: blocks, scales and out are all strided views, as in a slot.
+    rec = torch.zeros((n, rows, groups * 16 + 40), dtype=torch.uint8)
+    rec[..., : groups * 16] = blocks.flatten(-2)
+    srec = torch.zeros((n, rows, groups + 7), dtype=torch.uint8)
+    srec[..., :groups] = scales
+    out = torch.full((n, rows, groups * 32 + 5), 7.0, dtype=out_dtype, device=DEVICE)
+    rec, srec = rec.to(DEVICE), srec.to(DEVICE)
+    dequantize_mxfp4_into(rec[..., : groups * 16].unflatten(-1, (groups, 16)), srec[..., :groups],
+                          out[..., : groups * 32])
+    got = out[..., : groups * 32].cpu()
+    assert torch.equal(got, dequantize_mxfp4(blocks, scales, out_dtype))
+    assert (out[..., groups * 32 :] == 7.0).all()  # nothing written past a row
+    assert got.abs().max() > 0
+
+
+def test_mxfp4_dequantize_kernel_refuses_bad_layouts():
+    from hearth.kernels.moe.mxfp4 import dequantize_mxfp4_into
+
+    blocks, scales = torch.zeros(1, 2, 3, 16, dtype=torch.uint8), torch.zeros(1, 2, 3, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4_into(blocks, scales, torch.zeros(1, 2, 95))
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize_mxfp4_into(blocks.float(), scales, torch.zeros(1, 2, 96))
+    with pytest.raises(ValueError, match="contiguous"):
+        dequantize_mxfp4_into(blocks, scales, torch.zeros(1, 2, 192)[..., ::2])

@@ -104,3 +104,40 @@ def test_host_experts_on_gpu(store):
         want, got = resident(1, x, ids, w).float(), offloaded(1, x, ids, w).float()
         assert ((got - want).norm() / want.norm()).item() < 1e-2
     assert cache.stats()["total"]["cpu_computed"] > 0
+
+
+def test_mxfp4_experts_are_fetched_packed_and_dequantised_into_their_slots(tmp_path):
+    """gpt-oss-like width (2880 x 2880, biases): more misses than staging records, so each staging
+    record is reused; every slot equals the host's dequantisation of its expert bit for bit, the link
+    moved MXFP4 bytes, and the offloaded call (fused kernel with biases and the clamp) equals resident."""
+    from hearth.offload.expert_cache import STAGING_RECORDS
+    from hearth.offload.expert_store import Mxfp4Packing
+
+    hidden = inter = 2880
+    num_experts = 3 * STAGING_RECORDS
+    layout = ExpertLayout(hidden, inter, torch.bfloat16, bias=True, swiglu_limit=7.0)
+    s = ExpertStore(layout, [0], num_experts, packing=Mxfp4Packing(layout))
+    p = s.packed_weights(0)
+    g = torch.Generator().manual_seed(3)
+    for blocks, scales in ((p.blocks13, p.scales13), (p.blocks2, p.scales2)):  # random codes, values up to 6 / 2^8
+        blocks.copy_(torch.randint(0, 256, blocks.shape, generator=g, dtype=torch.uint8))
+        scales.copy_(torch.randint(115, 120, scales.shape, generator=g, dtype=torch.uint8))
+    b13, b2 = layout.bias_views(p.biases)
+    b13.copy_(torch.randn(b13.shape, generator=g) * 0.1)
+    b2.copy_(torch.randn(b2.shape, generator=g) * 0.1)
+    cache = ExpertCache(s, "cuda", slots_per_layer=num_experts)
+    lease = cache.acquire(0, list(range(num_experts - 1, -1, -1)))
+    lease.wait()
+    torch.cuda.synchronize()
+    want = s.float_records(0, "cpu")
+    for expert, slot in zip(lease.experts, lease.slots):
+        assert torch.equal(cache.buffer[slot].cpu(), want[expert])
+    cache.release(lease)
+    assert cache.stats()["total"]["bytes_fetched"] == num_experts * s.packing.record_bytes
+    resident = ResidentExperts(s, "cuda")
+    offloaded = OffloadedExperts(ExpertCache(s, "cuda", slots_per_layer=5), host_experts="off")
+    x = torch.randn(4, hidden, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, device="cuda")[:4] for _ in range(4)])
+    w = torch.rand(4, 4, device="cuda")
+    got, ref = offloaded(0, x, ids, w).float(), resident(0, x, ids, w).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
