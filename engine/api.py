@@ -121,9 +121,11 @@ SchedulerName = Literal["sync", "runahead", "prefetch"]
 AUTO_SEVERAL_REQUESTS: SchedulerName = "sync"
 
 
-def auto_scheduler(num_requests: int) -> SchedulerName:
-    """The scheduler ``auto`` runs while ``num_requests`` requests are being answered."""
-    return "sync" if num_requests <= 1 else AUTO_SEVERAL_REQUESTS
+def auto_scheduler(num_requests: int, several: SchedulerName | None = None) -> SchedulerName:
+    """The scheduler ``auto`` runs while ``num_requests`` requests are being answered (``several``: the
+    one it runs for more than one; ``scheduler="runahead"`` with offloaded experts is auto with
+    ``several="runahead"``, so one request costs exactly what "sync" costs, overlapped decode included)."""
+    return "sync" if num_requests <= 1 else several or AUTO_SEVERAL_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,10 @@ class EngineConfig:
         (docs/benchmarks.md); the device page cache is as large.
     index_key_lagged_fetch: needs the page cache to hold the candidates; exact mode stays exact.
     scheduler: only used with offloaded experts (resident ones always decode layer by layer, as "sync",
-        unless "runahead" is asked for). "runahead" is described in hearth.engine.runahead; "prefetch"
-        is a baseline for measurements; "auto" picks per step with :func:`auto_scheduler`.
+        unless "runahead" is asked for). "runahead" is described in hearth.engine.runahead; with
+        offloaded experts a lone request decodes as "sync" (the decoder has nothing to run ahead of,
+        and the sync step overlaps the host's work), the decoder takes over from two requests on;
+        "prefetch" is a baseline for measurements; "auto" picks per step with :func:`auto_scheduler`.
     prefix_cache_*: hearth.engine.prefix_store. Pages are spilled when the device reuses them and
         when the engine stops, restored when a new prompt starts with them; off with tiered keys or
         latents (their pages are not shared).

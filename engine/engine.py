@@ -76,6 +76,7 @@ from hearth.engine.api import (
     RequestError,
     RequestStats,
     SamplingParams,
+    SchedulerName,
     TokenDelta,
     auto_scheduler,
 )
@@ -147,16 +148,19 @@ class Engine:
         device = getattr(runner, "device", None)
         self.timer = StepTimer(enabled=device is not None and device.type == "cuda")
         # "auto" picks a scheduler per step (api.auto_scheduler) when experts are offloaded; resident
-        # experts decode synchronously.
-        self._auto = config.scheduler == "auto" and getattr(runner, "expert_cache", None) is not None
-        self._runahead = config.scheduler == "runahead"  # new tokens start in the decoder
+        # experts decode synchronously. "runahead" with offloaded experts is auto whose choice for
+        # several requests is runahead: a lone request runs the sync step with overlapped decode.
+        offloaded = getattr(runner, "expert_cache", None) is not None
+        self._auto = config.scheduler in ("auto", "runahead") and offloaded
+        self._several: SchedulerName | None = "runahead" if config.scheduler == "runahead" else None
+        self._runahead = config.scheduler == "runahead" and not offloaded  # new tokens start in the decoder
         self.decoder: RunaheadDecoder | None = None
-        if self._runahead or self._auto:
+        if config.scheduler == "runahead" or self._auto:
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device,
                                            pieces=getattr(runner, "pieces", None), sync_step=runner.run)
             self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
         self.scheduler.on_preempt.append(lambda seq: self._forget(seq.request_id))
-        self._auto_choice = auto_scheduler(1)
+        self._auto_choice = auto_scheduler(1, self._several)
         self._flight: Flight | None = None  # overlapped decode: the step launched and not yet landed
         # Steps by how they ran: "overlapped"; "sync_<why>" for a step after a flight that could not
         # launch from it (it may read a prompt too); "sync_previous_step_not_in_flight" for a decode
@@ -389,7 +393,7 @@ class Engine:
         live = [i for i, r in enumerate(flight.requests) if r.seq.status is Status.RUNNING]
         if len(live) != len(scheduler.running):
             return [], "request_not_in_flight"
-        if self._auto and auto_scheduler(len(live)) != self._auto_choice:
+        if self._auto and auto_scheduler(len(live), self._several) != self._auto_choice:
             return [], "scheduler_change"
         rows = [i for i in live if not self._ends_by_length(flight.requests[i].seq)]
         if not rows:
@@ -460,7 +464,7 @@ class Engine:
         request's next token in flight; switching away lets the tokens in flight finish in the decoder
         while the others decode synchronously."""
         answering = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
-        choice = self._auto_choice = auto_scheduler(answering)
+        choice = self._auto_choice = auto_scheduler(answering, self._several)
         starting = choice == "runahead" and not self._runahead
         self._runahead = choice == "runahead"
         for seq in list(self.scheduler.running) if starting else []:
