@@ -165,7 +165,7 @@ class DecodeGraphs:
         return next(b for b in self.sizes if b >= n)
 
     def run(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int],
-            token_ids: Sequence[int] | torch.Tensor, tiers: tuple[Sequence[str], tuple[int, ...]] | None = None,
+            token_ids: Sequence[int] | torch.Tensor, tiers: tuple[Sequence[str | None], tuple[int, ...]] | None = None,
             ) -> torch.Tensor:
         """One decode step: request i has token ``token_ids[i]`` (host list or device tensor) at
         ``positions[i]``. Returns fp32 logits (n, vocab), a view into the graph's output (valid
@@ -195,10 +195,10 @@ class DecodeGraphs:
         self.replays += 1
         return entry[1][:n]
 
-    def _forward(self, b: int, seq_ids: Sequence[str] = ()) -> torch.Tensor:
+    def _forward(self, b: int, seq_ids: Sequence[str | None] = ()) -> torch.Tensor:
         return self.model(self.inputs.ids[:b], self.inputs.context(self.cache, b, self.max_context, seq_ids))
 
-    def _capture(self, b: int, seq_ids: Sequence[str] = ()) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int, seq_ids: Sequence[str | None] = ()) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up on a side stream first (Triton compiles, cuBLAS picks algorithms): nothing that
         # allocates or synchronises may run for the first time inside the capture. The inputs are
         # this step's real ones, so the cache writes are the ones the replay repeats (a tiered step

@@ -15,7 +15,10 @@ Prefix caching is off in these modes (a reused page would have nothing in the re
 
 On the DSA kernel path (``planned=True``) the tiers are ``hearth.offload.planned_tiers``'s: the same
 layout, but a decode step's coarse stage, candidate selection, page and row residency, fetches from
-pinned host memory, fine indexer and sparse MLA all run as kernels, with no host synchronisation.
+pinned host memory, fine indexer and sparse MLA all run as kernels, with no host synchronisation:
+a decode token's host bookkeeping (room in the host pools, the token counts) runs before the step
+(``DecodeTiers``), so the step itself only launches and is captured whole in a CUDA graph per set
+of decoding requests (``hearth.engine.cuda_graphs.DecodeGraphs``).
 Their prefill chunks stream each layer's history through the runner's two reusable device buffers
 (``PrefillHistories``, ``hearth.offload.history_buffers``), so admitting a long prompt needs no
 device memory beyond its decode's and the two buffers: 2 x one layer's history at max_model_len,

@@ -31,7 +31,12 @@ written into the buffer, latents also into the view ``PlannedLatents.stage`` nam
 request that does not fit them, read back into a temporary buffer (``history``: keys the host pages
 plus the partial ring page; latents the host rows).
 Appends launch copies only (the host knows every position); growing a host pool waits for the
-write-through copies in flight (once per doubling).
+write-through copies in flight (once per doubling). A decode token runs in two phases: ``reserve``
+on the host before the step (room, counts; bumps ``version`` when a buffer moves, which makes a
+captured graph stale), then launches only, every index computed on the device from the token's
+position (``decode_write`` / ``decode_append``: the ring row, the write-through of its page or row
+to the pinned host pool by a copy kernel, the page's summary), so the same launches replay from a
+CUDA graph at every position.
 """
 
 from __future__ import annotations
