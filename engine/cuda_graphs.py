@@ -25,6 +25,7 @@ the previous step's sampled tokens, never read back to the host first).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+TIER_GRAPHS = 4  # decode graphs kept for steps with per-request tiers (one per set of requests)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -127,9 +129,13 @@ class DecodeInputs:
             self._rows[i] = (table, len(table))
         return rows, cols, pages
 
-    def context(self, model_cache: PagedCache, b: int, max_context: int) -> ForwardContext:
-        """The forward context of a step over rows [0, b) (what the graphs capture)."""
-        seqs = [SeqSlice(start=i, q_len=1, context_len=1, slots=self.slots[i:i + 1]) for i in range(b)]
+    def context(self, model_cache: PagedCache, b: int, max_context: int,
+                seq_ids: Sequence[str | None] = ()) -> ForwardContext:
+        """The forward context of a step over rows [0, b) (what the graphs capture); ``seq_ids`` name
+        the requests of rows whose per-request tiers the step reads."""
+        ids = list(seq_ids) + [None] * (b - len(seq_ids))
+        seqs = [SeqSlice(start=i, q_len=1, context_len=1, slots=self.slots[i:i + 1], seq_id=ids[i])
+                for i in range(b)]
         return ForwardContext(positions=self.positions[:b], slot_mapping=self.slots[:b], seqs=seqs,
                               cache=model_cache, decode=DecodeMeta(self.tables[:b], self.lens[:b], max_context))
 
@@ -147,8 +153,10 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.inputs = DecodeInputs(self.max_batch, self.max_blocks, self.block_size, scratch_block, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.tier_graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = OrderedDict()
         self._pool = None
         self.replays = 0
+        self.captures = 0
 
     def fits(self, num_requests: int, block_tables: Sequence[Sequence[int]]) -> bool:
         return num_requests <= self.max_batch and all(len(t) <= self.max_blocks for t in block_tables)
@@ -157,35 +165,53 @@ class DecodeGraphs:
         return next(b for b in self.sizes if b >= n)
 
     def run(self, block_tables: Sequence[Sequence[int]], positions: Sequence[int],
-            token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+            token_ids: Sequence[int] | torch.Tensor, tiers: tuple[Sequence[str | None], tuple[int, ...]] | None = None,
+            ) -> torch.Tensor:
         """One decode step: request i has token ``token_ids[i]`` (host list or device tensor) at
         ``positions[i]``. Returns fp32 logits (n, vocab), a view into the graph's output (valid
-        until the next step)."""
+        until the next step).
+
+        ``tiers``: (request ids, tier layout of ``hearth.engine.tiers.DecodeTiers.prepare``) when the
+        requests keep per-request tiers: the step reads their own buffers, so its graph is captured
+        per (requests, layout), without padding rows, the last ``TIER_GRAPHS`` kept."""
         n = len(positions)
-        b = self.bucket(n)
+        b = n if tiers is not None else self.bucket(n)
         self.inputs.stage(block_tables, positions, token_ids, b)
-        entry = self.graphs.get(b)
-        if entry is None:
-            entry = self.graphs[b] = self._capture(b)
+        if tiers is None:
+            entry = self.graphs.get(b)
+            if entry is None:
+                entry = self.graphs[b] = self._capture(b)
+        else:
+            key = (tuple(tiers[0]), tiers[1])
+            entry = self.tier_graphs.get(key)
+            if entry is None:
+                for k in [k for k in self.tier_graphs if k[1][0] != key[1][0]]:  # tiers were dropped since
+                    del self.tier_graphs[k]
+                while len(self.tier_graphs) >= TIER_GRAPHS:
+                    self.tier_graphs.popitem(last=False)
+                entry = self.tier_graphs[key] = self._capture(b, key[0])
+            self.tier_graphs.move_to_end(key)
         entry[0].replay()
         self.replays += 1
         return entry[1][:n]
 
-    def _forward(self, b: int) -> torch.Tensor:
-        return self.model(self.inputs.ids[:b], self.inputs.context(self.cache, b, self.max_context))
+    def _forward(self, b: int, seq_ids: Sequence[str | None] = ()) -> torch.Tensor:
+        return self.model(self.inputs.ids[:b], self.inputs.context(self.cache, b, self.max_context, seq_ids))
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int, seq_ids: Sequence[str | None] = ()) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Warm up on a side stream first (Triton compiles, cuBLAS picks algorithms): nothing that
         # allocates or synchronises may run for the first time inside the capture. The inputs are
-        # this step's real ones, so the cache writes are the ones the replay repeats.
+        # this step's real ones, so the cache writes are the ones the replay repeats (a tiered step
+        # repeats its ring and write-through writes and re-plans the same selection: all hits).
+        self.captures += 1
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(b)
+                self._forward(b, seq_ids)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(b)
+            out = self._forward(b, seq_ids)
         self._pool = graph.pool()
         return graph, out

@@ -157,7 +157,8 @@ class Engine:
         self.decoder: RunaheadDecoder | None = None
         if config.scheduler == "runahead" or self._auto:
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device,
-                                           pieces=getattr(runner, "pieces", None), sync_step=runner.run)
+                                           pieces=getattr(runner, "pieces", None), sync_step=runner.run,
+                                           tiers=getattr(runner, "decode_tiers", None))
             self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
         self.scheduler.on_preempt.append(lambda seq: self._forget(seq.request_id))
         self._auto_choice = auto_scheduler(1, self._several)

@@ -63,6 +63,7 @@ from hearth.engine.kv_cache import ForwardContext, PagedCache, SeqSlice, slots_f
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.piecewise import PiecewiseDecode, Row
 from hearth.engine.runner import StepInput
+from hearth.engine.tiers import DecodeTiers
 
 # A decode step of the layer-synchronous scheduler: (requests, one token each) -> logits (n, vocab) fp32.
 SyncStep = Callable[[list[StepInput]], torch.Tensor]
@@ -144,8 +145,10 @@ class RunaheadDecoder:
 
     def __init__(self, model: DeepseekForCausalLM, cache: PagedCache, residency: Residency | None,
                  device: torch.device, max_lead: int | None = None, fetch_depth: int | None = None,
-                 pieces: PiecewiseDecode | None = None, sync_step: SyncStep | None = None) -> None:
+                 pieces: PiecewiseDecode | None = None, sync_step: SyncStep | None = None,
+                 tiers: DecodeTiers | None = None) -> None:
         self.model = model
+        self.tiers = tiers  # the kernel path's tiered decode tokens: reserved when they start
         self.pieces = pieces
         self.sync_step = sync_step
         self.cache = cache
@@ -173,6 +176,8 @@ class RunaheadDecoder:
         del tokens_done
         joined = min((f.round for f in self.flights.values()), default=0)
         round_ = self._next_round.pop(request_id, joined)
+        if self.tiers is not None:  # every layer's tiers count the token before its first launch
+            self.tiers.prepare([(request_id, position)])
         self.flights[request_id] = Flight(request_id, position, block_table, token_id, round_)
 
     def drop(self, request_id: str) -> None:

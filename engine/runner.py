@@ -18,7 +18,7 @@ from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.mla import AttentionPaths
 from hearth.engine.offload_setup import CacheResidency, Placement, PrefetchingExperts, attach_offload, plan_placement
 from hearth.engine.piecewise import PiecewiseDecode, Row
-from hearth.engine.tiers import KeyTiers, LatentTiers, PrefillHistories
+from hearth.engine.tiers import DecodeTiers, KeyTiers, LatentTiers, PrefillHistories
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertStore
 
@@ -100,10 +100,12 @@ class RunnerFeatures:
     key_tiers / latent_tiers: long-context tiers (``index_key_hot_pages`` / ``latent_hot_rows``).
     fused_experts: resident experts on CUDA run as one grouped kernel.
     piecewise: decode steps run as pieces between the routed-expert calls (hearth.engine.piecewise):
-        with offloaded experts, or MLI on the kernel path; not with tiers (per-request state).
+        with offloaded experts, or MLI on the kernel path; not with tiers (per-request buffers).
     cuda_graphs: decode steps replayed from CUDA graphs (the kernel path): the whole step in one
         graph (hearth.engine.cuda_graphs), or each piece in its own graph when ``piecewise``; with
-        every scheduler (the runahead decoder replays the same pieces).
+        every scheduler (the runahead decoder replays the same pieces). With tiered keys / latents
+        the whole step, one graph per set of decoding requests (``DecodeGraphs.run``'s ``tiers``),
+        unless experts are offloaded or MLI is on (then tiered steps run eagerly).
     """
 
     attention: AttentionPaths
@@ -130,10 +132,11 @@ class RunnerFeatures:
         use_kernels = (config.use_kernels == "auto" and not plain_only_tiers
                        and decode_kernels_apply(model_config, block_size, device, dtype))
         fused = not offload and device.type == "cuda" and config.use_kernels == "auto"
-        piecewise = (offload or (config.mli and use_kernels)) and not key_tiers and not latent_tiers
-        # NOTE: tier state is per request (its own buffers), which the captured decode graphs cannot
-        # address yet: tiered steps run eagerly (each step is capturable on its own, see bench_longctx)
-        graphs = config.cuda_graphs and use_kernels and not key_tiers and not latent_tiers
+        tiers = key_tiers or latent_tiers
+        piecewise = (offload or (config.mli and use_kernels)) and not tiers
+        # Tiered steps are captured whole, one graph per set of requests (their tiers are their own
+        # buffers); with offloaded experts or MLI, which need pieces, they run eagerly.
+        graphs = config.cuda_graphs and use_kernels and (piecewise or not (tiers and (offload or config.mli)))
         return cls(AttentionPaths(use_kernels=use_kernels, mli=config.mli), offload, key_tiers, latent_tiers,
                    fused, piecewise, graphs)
 
@@ -167,6 +170,9 @@ class ModelRunner:
         self.latent_tiers = LatentTiers(self.model_config, config.latent_hot_rows, dtype, self.device,
                                         block_size=self.block_size if self.use_kernels else None) \
             if features.latent_tiers and config.latent_hot_rows is not None else None
+        # the host phase of tiered decode tokens on the kernel path (before each step, outside graphs)
+        self.decode_tiers = DecodeTiers(self.model_config, self.key_tiers, self.latent_tiers) \
+            if features.streams_histories else None
         self.histories = PrefillHistories(self.model_config, self.key_tiers, self.latent_tiers, self.max_model_len,
                                           self.block_size, dtype, self.device) if features.streams_histories else None
         # One page more than the block manager hands out: the scratch page of CUDA-graph padding rows.
@@ -244,7 +250,7 @@ class ModelRunner:
 
     def forget(self, seq_id: str) -> None:
         """Drop per-request state outside the paged cache (tiered indexer keys)."""
-        for tiers in (self.key_tiers, self.latent_tiers):
+        for tiers in (self.key_tiers, self.latent_tiers, self.decode_tiers):
             if tiers is not None:
                 tiers.drop(seq_id)
 
@@ -267,6 +273,9 @@ class ModelRunner:
         (benchmarks compare both paths). ``input_ids``: the step's token ids already on the device (N,),
         in place of the inputs' ``token_ids`` values (overlapped decode feeds the previous step's samples
         without reading them back)."""
+        layout = None
+        if self.decode_tiers is not None:  # tiered decode tokens: their host phase, before any launch
+            layout = self.decode_tiers.prepare([(s.seq_id, s.first_position) for s in inputs if len(s.token_ids) == 1])
         decode = use_graphs and not all_logits and all(len(s.token_ids) == 1 for s in inputs)
         tables = [s.block_table for s in inputs]
         if decode and self.pieces is not None and self.pieces.fits(len(inputs), tables):
@@ -274,7 +283,8 @@ class ModelRunner:
             return self.pieces.run(rows, input_ids)
         if decode and self.graphs is not None and self.graphs.fits(len(inputs), tables):
             ids = input_ids if input_ids is not None else [s.token_ids[0] for s in inputs]
-            return self.graphs.run(tables, [s.first_position for s in inputs], ids)
+            tiers = None if layout is None else ([s.seq_id for s in inputs], layout)
+            return self.graphs.run(tables, [s.first_position for s in inputs], ids, tiers)
         ctx = build_context(self.cache, [(s.block_table, s.first_position, len(s.token_ids)) for s in inputs],
                             self.device, [s.seq_id for s in inputs])
         if self.histories is not None:

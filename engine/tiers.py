@@ -15,7 +15,10 @@ Prefix caching is off in these modes (a reused page would have nothing in the re
 
 On the DSA kernel path (``planned=True``) the tiers are ``hearth.offload.planned_tiers``'s: the same
 layout, but a decode step's coarse stage, candidate selection, page and row residency, fetches from
-pinned host memory, fine indexer and sparse MLA all run as kernels, with no host synchronisation.
+pinned host memory, fine indexer and sparse MLA all run as kernels, with no host synchronisation:
+a decode token's host bookkeeping (room in the host pools, the token counts) runs before the step
+(``DecodeTiers``), so the step itself only launches and is captured whole in a CUDA graph per set
+of decoding requests (``hearth.engine.cuda_graphs.DecodeGraphs``).
 Their prefill chunks stream each layer's history through the runner's two reusable device buffers
 (``PrefillHistories``, ``hearth.offload.history_buffers``), so admitting a long prompt needs no
 device memory beyond its decode's and the two buffers: 2 x one layer's history at max_model_len,
@@ -26,6 +29,7 @@ device memory beyond its decode's and the two buffers: 2 x one layer's history a
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -141,6 +145,44 @@ class LatentTiers(_PerRequestTiers):
         if self.planned:
             return PlannedLatents(self.config, self.device, initial_rows=256)
         return TieredLatents(self.config, self.device, initial_rows=256)
+
+
+class DecodeTiers:
+    """The host phase of the kernel path's tiered decode tokens, run before the step (outside any
+    captured graph): every layer's tiers of each decoding request make room for the token and count
+    it (``PlannedKeys.reserve`` / ``PlannedLatents.reserve``); the step itself then only launches
+    (``decode_write`` / ``decode_append`` / ``select`` / ``slots``), its values read from the step's
+    device inputs. ``prepare`` returns the step's tier layout, which changes whenever a tier buffer
+    the step reads was reallocated or a request's tiers were dropped: a decode graph captured for
+    another layout is stale (``hearth.engine.cuda_graphs``)."""
+
+    def __init__(self, model_config: ModelConfig, key_tiers: KeyTiers | None, latent_tiers: LatentTiers | None) -> None:
+        self.key_tiers, self.latent_tiers = key_tiers, latent_tiers
+        self.key_layers = [layer for layer in range(model_config.num_hidden_layers) if model_config.runs_indexer(layer)]
+        self.num_layers = model_config.num_hidden_layers
+        self.epoch = 0
+
+    def prepare(self, decodes: Sequence[tuple[str | None, int]]) -> tuple[int, ...]:
+        """Reserve the decode tokens [(request id, position)]. Returns the step's tier layout: the
+        drop epoch and every touched tier's buffer version (equal layouts: the same buffers, so a
+        graph captured for one replays the other)."""
+        layout = [self.epoch]
+        for seq_id, position in decodes:
+            for tiers in self._tiers_of(seq_id):
+                tiers.reserve(position)
+                layout.append(tiers.version)
+        return tuple(layout)
+
+    def _tiers_of(self, seq_id: str | None) -> list[PlannedKeys | PlannedLatents]:
+        keys = [self.key_tiers.get(seq_id, layer) for layer in self.key_layers] if self.key_tiers is not None else []
+        latents = [self.latent_tiers.get(seq_id, layer) for layer in range(self.num_layers)] \
+            if self.latent_tiers is not None else []
+        return keys + latents
+
+    def drop(self, seq_id: str) -> None:
+        """A request's tiers were released: graphs that read them are stale."""
+        del seq_id
+        self.epoch += 1
 
 
 class PrefillHistories:

@@ -31,7 +31,12 @@ written into the buffer, latents also into the view ``PlannedLatents.stage`` nam
 request that does not fit them, read back into a temporary buffer (``history``: keys the host pages
 plus the partial ring page; latents the host rows).
 Appends launch copies only (the host knows every position); growing a host pool waits for the
-write-through copies in flight (once per doubling).
+write-through copies in flight (once per doubling). A decode token runs in two phases: ``reserve``
+on the host before the step (room, counts; bumps ``version`` when a buffer moves, which makes a
+captured graph stale), then launches only, every index computed on the device from the token's
+position (``decode_write`` / ``decode_append``: the ring row, the write-through of its page or row
+to the pinned host pool by a copy kernel, the page's summary), so the same launches replay from a
+CUDA graph at every position.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode
-from hearth.kernels.tiered import ResidencyPlan, gather_misses, plan_residency
+from hearth.kernels.tiered import ResidencyPlan, copy_rows, gather_misses, plan_residency
 from hearth.kernels.topk.single_pass import new_scratch, single_pass_topk_launch
 from hearth.offload.coarse_index import PagePool, quantize_means
 
@@ -107,7 +112,10 @@ class PlannedKeys:
         self._topk_scratch = new_scratch(1, c.candidate_pages, self.device)
         self._candidates = torch.full((1, c.candidate_pages), -1, dtype=torch.int32, device=self.device)
         self._entries = torch.arange(c.candidate_pages + c.hot_pages, dtype=torch.int32, device=self.device)
+        self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # rows a write-through copies
+        self._groups = torch.arange(c.groups, device=self.device)
         self.num_tokens = 0
+        self.version = 0  # bumped whenever a buffer a decode step reads is reallocated (captured graphs go stale)
 
     def _mean_blocks(self, pages: int) -> int:
         return math.ceil(pages * self.config.groups / MEAN_GROUP)
@@ -132,6 +140,7 @@ class PlannedKeys:
         self.means.grow(self._mean_blocks(cap))
         self._mean_table = torch.arange(self.means.num_pages, dtype=torch.int32, device=self.device)[None]
         self.plan.grow(cap)
+        self.version += 1
 
     # ---- writes -------------------------------------------------------------------------------
     def ring_slot(self, position: int) -> int:
@@ -150,6 +159,35 @@ class PlannedKeys:
         if self.num_tokens % ps == 0:
             row = self.dev.buf[page % self.config.hot_pages: page % self.config.hot_pages + 1]
             self._store_full(row, page)
+
+    # ---- a decode token in two phases: host bookkeeping, then launches only (capturable) ----------
+    def reserve(self, position: int) -> None:
+        """Host phase of the decode token at position (= num_tokens): room for its page, counted.
+        Runs before the step (outside a captured graph); ``version`` changes if a buffer moved."""
+        if position + 1 == self.num_tokens:  # reserved already (a runahead token's sync step)
+            return
+        if position != self.num_tokens:
+            raise RuntimeError(f"tiered keys hold {self.num_tokens} tokens, the decode token is at {position}")
+        self._grow(position // self.config.page_size + 1)
+        self.num_tokens = position + 1
+
+    def decode_write(self, k_raw: torch.Tensor, position: torch.Tensor, write) -> None:
+        """Device phase of the decode token at position ((1,) int64 on the device, reserved): write
+        its key with write(k_raw, slots, pool, page_size, positions=...) (the cache-write kernel) into
+        the ring, then write its ring page through to the host pool and refresh that page's summary.
+        Only the full page's copy and summary are ever read (cold pages are full); a partial page's
+        are rewritten by each later token of the page. Launches only: no host sync, no host value."""
+        c, ps = self.config, self.config.page_size
+        page = torch.div(position, ps, rounding_mode="floor")
+        ring_row = page % c.hot_pages
+        write(k_raw, ring_row * ps + position % ps, self.dev.buf, ps, positions=position)
+        copy_rows(self.dev.buf, self.host.buf, ring_row.to(torch.int32), page.to(torch.int32), self._one)
+        pool = PagePool(1, ps, HEAD_DIM, "fp8", self.device)
+        pool.buf = self.dev.buf.index_select(0, ring_row)
+        keys = pool.dequantized(torch.zeros(1, dtype=torch.long, device=self.device))  # (1, ps, D) fp32
+        means, scales = quantize_means(keys.view(1, c.groups, MEAN_GROUP, HEAD_DIM).mean(dim=2))
+        idx = page * c.groups + self._groups
+        self.means.write(idx // MEAN_GROUP, idx % MEAN_GROUP, means.reshape(-1, HEAD_DIM), scales.reshape(-1))
 
     def history(self, n_new: int) -> torch.Tensor:
         """A device buffer of every page of the request once n_new more tokens are written (pages
@@ -277,7 +315,10 @@ class PlannedLatents:
         n_blocks = self.dev.shape[0] // c.block
         self.table = torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None]
         self.lens = torch.full((1,), self.dev.shape[0], dtype=torch.int32, device=self.device)
+        self._one = torch.ones(1, dtype=torch.int32, device=self.device)
+        self._zero = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.num_tokens = 0
+        self.version = 0  # bumped whenever a buffer a decode step reads is reallocated
         self._stage: torch.Tensor | None = None
 
     def device_bytes(self) -> int:
@@ -293,6 +334,7 @@ class PlannedLatents:
         host[: self.num_tokens] = self.host[: self.num_tokens]
         self.host = host
         self.plan.grow(cap)
+        self.version += 1
 
     def append(self, rows: torch.Tensor) -> None:
         """The next n rows (n, width) on the device: to host memory, the last ones into the ring."""
@@ -312,6 +354,24 @@ class PlannedLatents:
             self._stage[first:first + n] = rows
             self._stage = None
         self.num_tokens = first + n
+
+    def reserve(self, position: int) -> None:
+        """Host phase of the decode row at position (= num_tokens): room for it, counted (before
+        the step, outside a captured graph)."""
+        if position + 1 == self.num_tokens:  # reserved already (a runahead token's sync step)
+            return
+        if position != self.num_tokens:
+            raise RuntimeError(f"tiered latents hold {self.num_tokens} rows, the decode row is at {position}")
+        self._grow(position + 1)
+        self.num_tokens = position + 1
+
+    def decode_append(self, row: torch.Tensor, position: torch.Tensor) -> None:
+        """Device phase of the decode row (1, width) at position ((1,) int64 on the device, reserved):
+        into the ring and through to the host pool. Launches only."""
+        row = row.to(self.config.dtype).contiguous()
+        ring_row = position % self.config.ring_rows
+        self.dev.index_copy_(0, ring_row, row)
+        copy_rows(row, self.host, self._zero, position.to(torch.int32), self._one)
 
     def stage(self, history: torch.Tensor | None) -> None:
         """The next append also writes its rows into history (rows, width) on the device, position p

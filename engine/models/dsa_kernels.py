@@ -122,26 +122,26 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: Forward
     return out
 
 
-def _context_len(seq: SeqSlice, device: torch.device) -> torch.Tensor:
-    """(1,) int32 context length on the device (a fill kernel: no host-to-device copy)."""
-    return torch.full((1,), seq.context_len, dtype=torch.int32, device=device)
+def _decode_context_len(ctx: ForwardContext, seq: SeqSlice) -> torch.Tensor:
+    """(1,) int32 context length of a decode token, from its position on the device (no host value:
+    the same launch serves every step of a captured graph)."""
+    return (ctx.positions[seq.start:seq.start + 1] + 1).to(torch.int32)
 
 
 def _select_tiered(topk: int, k_raw: torch.Tensor, q8: torch.Tensor, w: torch.Tensor, ctx: ForwardContext,
                    seq: SeqSlice, layer: int, tiers: PlannedKeys, write) -> torch.Tensor:
-    """One request's keys into its tiers and its selection: a decode token goes to the device ring
-    and selects coarse-to-fine (launches only); a prefill chunk scores its history (the streamed
-    buffer, else read back), the chunk's keys written into it."""
-    if tiers.num_tokens != seq.first_position:
-        raise RuntimeError(f"tiered keys of request {seq.seq_id} hold {tiers.num_tokens} tokens, "
-                           f"the step starts at position {seq.first_position}")
+    """One request's keys into its tiers and its selection: a decode token (its host phase done before
+    the step, ``hearth.engine.tiers.DecodeTiers.prepare``) goes to the device ring and selects
+    coarse-to-fine, launches only, so a CUDA graph can capture it; a prefill chunk scores its history
+    (the streamed buffer, else read back), the chunk's keys written into it."""
     rows = slice(seq.start, seq.start + seq.q_len)
     positions, bs, dev = ctx.positions[rows], ctx.cache.block_size, q8.device
     if seq.q_len == 1:
-        slot = torch.full((1,), tiers.ring_slot(seq.first_position), dtype=torch.int64, device=dev)
-        write(k_raw[rows], slot, tiers.dev.buf, bs, positions=positions)
-        tiers.commit()
-        return tiers.select(q8[seq.start], w[seq.start], _context_len(seq, dev))
+        tiers.decode_write(k_raw[rows], positions, write)
+        return tiers.select(q8[seq.start], w[seq.start], _decode_context_len(ctx, seq))
+    if tiers.num_tokens != seq.first_position:
+        raise RuntimeError(f"tiered keys of request {seq.seq_id} hold {tiers.num_tokens} tokens, "
+                           f"the step starts at position {seq.first_position}")
     history = None if ctx.cache.histories is None else ctx.cache.histories.keys(ctx, layer, seq)
     if history is None:
         history = tiers.history(seq.q_len)
@@ -160,7 +160,7 @@ def _attend_tiered(attn, q: torch.Tensor, ctx: ForwardContext, selections: list[
         tiers = ctx.cache.latent_tiers.get(seq.seq_id, attn.layer)
         rows = slice(seq.start, seq.start + seq.q_len)
         if seq.q_len == 1:
-            slots = tiers.slots(selection.view(-1), _context_len(seq, q.device))
+            slots = tiers.slots(selection.view(-1), _decode_context_len(ctx, seq))
             out_lat[rows], _ = sparse_mla_decode(q[rows], tiers.paged(), slots[None], tiers.table, tiers.lens,
                                                  attn.scale)
             continue

@@ -258,6 +258,9 @@ class MLAttention(nn.Module):
             return
         for seq in ctx.seqs:
             tier = tiers.get(seq.seq_id, self.layer)
+            if tiers.planned and seq.q_len == 1:  # the kernel path's decode row: launches only (capturable)
+                tier.decode_append(rows[seq.start:seq.start + 1], ctx.positions[seq.start:seq.start + 1])
+                continue
             if tier.num_tokens != seq.first_position:
                 raise RuntimeError(f"latent tiers of request {seq.seq_id} hold {tier.num_tokens} tokens, "
                                    f"the step starts at position {seq.first_position}")

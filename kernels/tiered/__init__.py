@@ -2,6 +2,6 @@
 already sit in a device cache, which slots the others take, and their copy from host memory, with
 no host synchronisation (so the step can be captured in a CUDA graph)."""
 
-from hearth.kernels.tiered.residency import ResidencyPlan, gather_misses, plan_residency
+from hearth.kernels.tiered.residency import ResidencyPlan, copy_rows, gather_misses, plan_residency
 
-__all__ = ["ResidencyPlan", "gather_misses", "plan_residency"]
+__all__ = ["ResidencyPlan", "copy_rows", "gather_misses", "plan_residency"]

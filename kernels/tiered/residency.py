@@ -112,8 +112,9 @@ def _gather_kernel(
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program (i, j) copies words [j * BLOCK, (j + 1) * BLOCK) of the i-th miss's row from the host
-    pool (mapped pinned memory on CUDA: loads over the link) into its device row."""
+    """Program (i, j) copies words [j * BLOCK, (j + 1) * BLOCK) of row src_rows[i] of one buffer into
+    row dst_rows[i] of the other (the i-th miss from the mapped host pool into its device row; a
+    written-through row the other way: loads or stores over the link)."""
     i_m = tl.program_id(0)
     i_j = tl.program_id(1)
     if i_m < tl.load(n_miss_ptr):
@@ -195,16 +196,28 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
 
 
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+              count: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for i < count[0]: row indices (C,) int32 and count (1,) int32
+    on the device, so a step can copy rows it chose on the device (a decode token's page or latent
+    row written through to the pinned host pool, read in place on CUDA as ``gather_misses`` reads it).
+    One launch of a fixed grid. No host sync."""
+    require(src.dtype == dst.dtype and src.shape[1:] == dst.shape[1:], "source and destination rows must match")
+    require(src.is_contiguous() and dst.is_contiguous(), "row buffers must be contiguous")
+    if src.is_cuda or dst.is_cuda:
+        for t in (src, dst):
+            require(t.is_cuda or t.is_pinned(), "a host row buffer must be pinned CPU memory")
+    a, b = _words(src), _words(dst)
+    row = a.shape[1]
+    block = min(1024, triton.next_power_of_2(row))
+    grid = (src_rows.shape[0], triton.cdiv(row, block))
+    _gather_kernel[grid](a, b, src_rows, dst_rows, count, ROW=row, BLOCK=block, num_warps=4)
+
+
 def gather_misses(plan: ResidencyPlan, host: torch.Tensor, dev: torch.Tensor) -> None:
     """Copy the planned misses' rows: host [capacity, ...] (pinned CPU tensor on CUDA, read in place by
     the kernel; any CPU tensor under the interpreter) -> dev [ring + slots, ...] (same row layout).
     One launch of a fixed grid (programs past n_miss return at once). No host sync."""
-    require(host.dtype == dev.dtype and host.shape[1:] == dev.shape[1:], "host and device rows must match")
-    require(host.is_contiguous() and dev.is_contiguous(), "host and device row buffers must be contiguous")
     if dev.is_cuda:
         require(host.device.type == "cpu" and host.is_pinned(), "the host pool must be pinned CPU memory")
-    src, dst = _words(host), _words(dev)
-    row = src.shape[1]
-    block = min(1024, triton.next_power_of_2(row))
-    grid = (plan.miss_src.shape[0], triton.cdiv(row, block))
-    _gather_kernel[grid](src, dst, plan.miss_src, plan.miss_dst, plan.n_miss, ROW=row, BLOCK=block, num_warps=4)
+    copy_rows(host, dev, plan.miss_src, plan.miss_dst, plan.n_miss)

@@ -37,11 +37,13 @@ def test_kernels_and_graphs_by_default_on_a_gpu():
 
 
 @pytest.mark.parametrize(("offload", "changes", "kernels", "graphs", "pieces"), [
-    # tiered keys / latents keep the kernels (decode planned on the device) but run without graphs or pieces
-    (False, {"index_key_hot_pages": 4}, True, False, False),
-    (False, {"latent_hot_rows": 4096}, True, False, False),
+    # tiered keys / latents keep the kernels (decode planned on the device) and whole-step graphs, no pieces;
+    # with MLI or offloaded experts (which need pieces) they run eagerly
+    (False, {"index_key_hot_pages": 4}, True, True, False),
+    (False, {"latent_hot_rows": 4096}, True, True, False),
+    (False, {"index_key_hot_pages": 4, "latent_hot_rows": 4096, "cuda_graphs": False}, True, False, False),
     (False, {"index_key_hot_pages": 4, "latent_hot_rows": 4096, "mli": True}, True, False, False),
-    (True, {"index_key_hot_pages": 4, "latent_hot_rows": 4096}, True, False, False),  # with offloaded experts too
+    (True, {"index_key_hot_pages": 4, "latent_hot_rows": 4096}, True, False, False),
     # the plain path's exact or lagged key selection has no kernel version: plain PyTorch
     (False, {"index_key_hot_pages": 4, "index_key_exact": True}, False, False, False),
     (False, {"index_key_hot_pages": 4, "index_key_lagged_fetch": True}, False, False, False),
