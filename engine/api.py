@@ -118,6 +118,8 @@ SchedulerName = Literal["sync", "runahead", "prefetch"]
 # measurements on the H200 (docs/benchmarks.md, 2026-12-01: DeepSeek-V3.2 widths, 64 of 256 experts
 # cached, 8 requests: sync 91 tok/s, runahead 78, prefetch 73; one request: 27.9 / 39.3 / 27.1 ms per
 # token). One request always decodes with "sync": the others only pay with several requests in flight.
+# Since piecewise graphs (third run, 2026-12-01 night): runahead 106 tok/s and prefetch 91 at 8 requests,
+# sync not re-run at 8 in that run; the choice stays "sync" until the three are measured side by side.
 AUTO_SEVERAL_REQUESTS: SchedulerName = "sync"
 
 
