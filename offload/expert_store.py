@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from hearth.kernels._utils import count_nonfinite
 from hearth.kernels.moe import ExpertExtras
-from hearth.kernels.moe.mxfp4 import FP4_E2M1_VALUES, MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_into
+from hearth.kernels.moe.mxfp4 import MXFP4_GROUP, count_nonfinite_mxfp4, dequantize_mxfp4, dequantize_mxfp4_into
 from hearth.kernels.moe.reference import SWIGLU_ALPHA
 
 log = logging.getLogger(__name__)
@@ -226,16 +226,6 @@ class Mxfp4Packing:
         else:
             w.w13.copy_(dequantize_mxfp4(p.blocks13, p.scales13, w.w13.dtype))
             w.w2.copy_(dequantize_mxfp4(p.blocks2, p.scales2, w.w2.dtype))
-
-
-def _nonfinite_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> int:
-    """Values of MXFP4 ``blocks``/``scales`` that dequantise to NaN/inf in ``dtype`` (a scale byte of 255,
-    e8m0's NaN, or one too large), without dequantising everything: only the groups whose largest code
-    overflows (e2m1 magnitudes grow with a code's low 3 bits) are."""
-    top = torch.maximum(blocks & 7, (blocks >> 4) & 7).amax(-1)  # (..., G)
-    largest = torch.tensor(FP4_E2M1_VALUES[:8])[top.long()]
-    bad = ~torch.isfinite(torch.ldexp(largest, scales.float() - 127).to(dtype))
-    return count_nonfinite(dequantize_mxfp4(blocks[bad], scales[bad], dtype)) if bad.any() else 0
 
 
 class ExpertStore:
@@ -474,7 +464,7 @@ def _check_stacked(layer: int, tensors: dict[str, torch.Tensor], dtype: torch.dt
             raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
     for name in ("gate_up_proj", "down_proj"):
         blocks, scales = tensors.get(name + "_blocks"), tensors.get(name + "_scales")
-        if blocks is not None and (bad := _nonfinite_mxfp4(blocks, scales, dtype)):  # e.g. a scale byte of 255
+        if blocks is not None and (bad := count_nonfinite_mxfp4(blocks, scales, dtype)):  # e.g. a scale byte of 255
             raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) in {dtype} (corrupt checkpoint?)")
 
 
