@@ -40,11 +40,20 @@ class ModelFootprint:
     # and the GPU bytes an offloaded cache needs besides its slots (MXFP4 staging records).
     stored_expert_bytes: int | None = None
     fetch_staging_bytes: int = 0
+    # One routed expert as held on the GPU when all are resident, when not ``expert_bytes`` (gpt-oss's
+    # MXFP4 kept for the fused MoE kernel, which reads it directly).
+    resident_expert_bytes: int | None = None
 
     @property
     def routed_bytes(self) -> int:
-        """All routed experts on the GPU."""
+        """All routed experts on the GPU, as computed (the size of offload's cache slots)."""
         return self.expert_bytes * self.num_experts * self.num_moe_layers
+
+    @property
+    def resident_routed_bytes(self) -> int:
+        """All routed experts resident on the GPU, as held there."""
+        per_expert = self.expert_bytes if self.resident_expert_bytes is None else self.resident_expert_bytes
+        return per_expert * self.num_experts * self.num_moe_layers
 
     @property
     def stored_routed_bytes(self) -> int:
@@ -57,15 +66,17 @@ _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|dow
 
 
 def footprint_from_stacked_experts(tensor_bytes: Mapping[str, int], top_k: int, num_experts: int, expert_bytes: int,
-                                   stored_expert_bytes: int | None = None, fetch_staging_bytes: int = 0
+                                   stored_expert_bytes: int | None = None, fetch_staging_bytes: int = 0,
+                                   resident_expert_bytes: int | None = None
                                    ) -> ModelFootprint:
     """gpt-oss: each layer's experts stacked in a few tensors (MXFP4 in the release). One expert's
     bytes come from the store's record layouts, not from the files: ``expert_bytes`` computed on the
-    GPU (float), ``stored_expert_bytes`` held in RAM and fetched (MXFP4, when the store keeps it)."""
+    GPU (float), ``stored_expert_bytes`` held in RAM and fetched (MXFP4, when the store keeps it),
+    ``resident_expert_bytes`` held on the GPU when all are resident (MXFP4 for the fused kernel)."""
     layers = {int(m.group(1)) for name in tensor_bytes if (m := _STACKED.match(name))}
     dense = sum(n for name, n in tensor_bytes.items() if not _STACKED.match(name))
     return ModelFootprint(dense, expert_bytes, len(layers), num_experts if layers else 0, top_k,
-                          stored_expert_bytes, fetch_staging_bytes)
+                          stored_expert_bytes, fetch_staging_bytes, resident_expert_bytes)
 
 
 def footprint_from_tensor_bytes(tensor_bytes: Mapping[str, int], top_k: int,
@@ -179,9 +190,9 @@ def plan_memory(
             f"({_gib(memory.gpu_free_bytes)} free - {_gib(gpu_reserve_bytes)} reserve"
             + (f", capped at gpu_memory_gib={gpu_memory_gib}" if gpu_memory_gib is not None else "") + ")")
     spare = gpu_budget - fixed
-    if expert_cache_gib is None and fp.routed_bytes <= spare:
-        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + fp.routed_bytes, 0, fp.routed_bytes,
-                          gpu_budget, host_budget)
+    resident = fp.resident_routed_bytes
+    if expert_cache_gib is None and resident <= spare:
+        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + resident, 0, resident, gpu_budget, host_budget)
     cache_bytes = spare if expert_cache_gib is None else int(expert_cache_gib * GiB)
     if cache_bytes > spare:
         raise MemoryPlanError(
@@ -190,8 +201,7 @@ def plan_memory(
     slot_room = max(0, cache_bytes - fp.fetch_staging_bytes)
     per_layer = min(fp.num_experts, slot_room // (fp.expert_bytes * fp.num_moe_layers))
     if per_layer == fp.num_experts:
-        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + fp.routed_bytes, 0, fp.routed_bytes,
-                          gpu_budget, host_budget)
+        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + resident, 0, resident, gpu_budget, host_budget)
     if per_layer < fp.top_k:
         raise MemoryPlanError(
             f"expert cache too small: {_gib(cache_bytes)} holds {per_layer} experts per MoE layer "

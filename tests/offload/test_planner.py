@@ -124,3 +124,26 @@ def test_stacked_gpt_oss_experts_count_mxfp4_in_ram_and_float_on_the_gpu():
     plan_memory(fp, 0, DeviceMemory(gpu, fp.stored_routed_bytes + 1), host_reserve_bytes=0)
     with pytest.raises(MemoryPlanError, match="host memory"):
         plan_memory(fp, 0, DeviceMemory(gpu, fp.stored_routed_bytes - 1), host_reserve_bytes=0)
+
+
+def test_resident_mxfp4_experts_count_at_their_packed_bytes():
+    """With the fused MoE kernel gpt-oss's resident experts stay MXFP4 on the GPU: the plan keeps them
+    all resident where their packed records fit, though bf16 ones would not (they would be offloaded)."""
+    import torch
+
+    from hearth.offload.expert_store import ExpertLayout, Mxfp4Packing
+    from hearth.offload.planner import footprint_from_stacked_experts
+
+    hidden, inter, experts = 2880, 2880, 128
+    layout = ExpertLayout(hidden, inter, torch.bfloat16, bias=True)
+    packed = Mxfp4Packing(layout).record_bytes
+    sizes = {"model.embed_tokens.weight": 1000, "model.layers.0.mlp.experts.gate_up_proj_blocks": 1,
+             "model.layers.1.mlp.experts.gate_up_proj_blocks": 1}
+    resident = footprint_from_stacked_experts(sizes, 4, experts, layout.record_bytes, packed, 0, packed)
+    dequantised = footprint_from_stacked_experts(sizes, 4, experts, layout.record_bytes, packed, 0)
+    assert resident.resident_routed_bytes == 2 * experts * packed < dequantised.resident_routed_bytes / 3.7
+    gpu = 2 * GiB + 1000 + resident.resident_routed_bytes + 10 * GiB // 1000  # packed experts fit, bf16 do not
+    plan = plan_memory(resident, 0, DeviceMemory(gpu, 64 * GiB))
+    assert plan.experts == "gpu" and plan.cache_bytes == resident.resident_routed_bytes
+    assert plan.gpu_bytes == 1000 + resident.resident_routed_bytes
+    assert plan_memory(dequantised, 0, DeviceMemory(gpu, 64 * GiB)).experts == "offload"
