@@ -27,6 +27,7 @@ from torch import nn
 from hearth.engine.api import CheckpointError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.models.gpt_oss import GptOssExperts
 from hearth.engine.models.layers import Fp8Linear, Rotary, check_fp8_scales, dequantize_fp8_blocks, rope_inv_freq
 from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths
 from hearth.kernels._utils import count_nonfinite
@@ -165,7 +166,10 @@ def _keep_mxfp4(model: nn.Module, files: CheckpointFiles, name: str, expected: t
         raise CheckpointError(f"{files.location[blocks_name]}: tensor '{blocks_name}' has {bad} NaN/inf value(s) "
                               f"of {blocks.numel() * 2} (corrupt checkpoint?)")
     module_name, _, attr = name.rpartition(".")
-    model.get_submodule(module_name).keep_mxfp4(attr, blocks.to(device).contiguous(), scales.to(device).contiguous())
+    experts = model.get_submodule(module_name)
+    if not isinstance(experts, GptOssExperts):
+        raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' is not gpt-oss's experts")
+    experts.keep_mxfp4(attr, blocks.to(device).contiguous(), scales.to(device).contiguous())
 
 
 def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,

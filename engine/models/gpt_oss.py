@@ -63,8 +63,8 @@ class GptOssExperts(nn.Module):
 
     def mxfp4(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(blocks, scales) of projection ``name`` when it is held as MXFP4 (see :meth:`keep_mxfp4`)."""
-        blocks = self._buffers.get(name + "_blocks")
-        return None if blocks is None else (blocks, self._buffers[name + "_scales"])
+        blocks, scales = self._buffers.get(name + "_blocks"), self._buffers.get(name + "_scales")
+        return None if blocks is None or scales is None else (blocks, scales)
 
     def _weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         packed = self.mxfp4(name)
