@@ -302,6 +302,23 @@ def test_mxfp4_weights(t, k, d, i, s, launch):
     assert _rel_err(got.cpu() - 3.0, want) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 8, 67])
+def test_mxfp4_weights_gpt_oss_width(t):
+    """gpt-oss-120b's expert width (2880 x 2880) with its extras, the default launch (GEMV at T=1, tl.dot
+    from a few tokens on): the kernels compiled for real, against the reference on dequantised weights."""
+    x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, 4, 2880, 2880, 16, seed=7)
+    f13, f2 = _dequantised(w13, w2, s13, s2)
+    g = torch.Generator().manual_seed(8)
+    b13, b2 = 0.1 * torch.randn(16, 2 * 2880, generator=g), 0.1 * torch.randn(16, 2880, generator=g)
+    x = x.bfloat16()
+    want = moe_reference(x, ids, w, f13, f2, b13=b13, b2=b2, swiglu_limit=7.0, interleaved=True)
+    extras = ExpertExtras(b13=b13.cuda(), b2=b2.cuda(), swiglu_limit=7.0, interleaved=True)
+    got = fused_moe(*(a.cuda() for a in (x, ids, w, w13, w2, s13, s2)), extras=extras).cpu()
+    assert _rel_err(got, want) < 2e-2
+
+
 @needs_triton
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(
