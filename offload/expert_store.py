@@ -51,7 +51,9 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class ExpertWeights:
     """Typed views of S expert records: w13 [S, 2I, D], w2 [S, D, I], s13/s2 fp32 block scales or None;
-    gpt-oss: biases b13 [S, 2I], b2 [S, D] and the clamped SwiGLU's limit (None = plain SwiGLU)."""
+    gpt-oss: biases b13 [S, 2I], b2 [S, D] and the clamped SwiGLU's limit (None = plain SwiGLU). Of
+    MXFP4 records (:meth:`Mxfp4Packing.weights`): w13/w2 uint8 code bytes [S, rows, K/32, 16] and s13/s2
+    uint8 e8m0 scales [S, rows, K/32], as ``fused_moe`` and ``moe_reference`` take them."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -213,6 +215,13 @@ class Mxfp4Packing:
             buf[:, obias:obias + nbias],
         )
 
+    def weights(self, buf: torch.Tensor) -> ExpertWeights:
+        """The kernel's views of packed records ``buf`` [S, record_bytes] uint8 (rows may be strided):
+        MXFP4 weights read as they are (gate rows, then up rows), float biases."""
+        p, f = self.views(buf), self.float_layout
+        b13, b2 = f.bias_views(p.biases)
+        return ExpertWeights(p.blocks13, p.blocks2, p.scales13, p.scales2, b13, b2, f.swiglu_limit, f.swiglu_alpha)
+
     def unpack(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Write the float records ``dst`` [n, float record_bytes] from the packed ``src`` [n, record_bytes]
         (same device). On CUDA two kernel launches and one byte copy, allocating nothing (so it may run
@@ -263,6 +272,11 @@ class ExpertStore:
     def record_bytes(self) -> int:
         """Bytes of one stored expert: what a fetch moves over the link."""
         return self.layout.record_bytes if self.packing is None else self.packing.record_bytes
+
+    def record_weights(self, buf: torch.Tensor) -> ExpertWeights:
+        """The kernel's views of stored records ``buf`` [S, record_bytes] uint8 (an expert cache's slots):
+        float or FP8 as :meth:`ExpertLayout.views`, MXFP4 as :meth:`Mxfp4Packing.weights`."""
+        return self.layout.views(buf) if self.packing is None else self.packing.weights(buf)
 
     @property
     def is_pinned(self) -> bool:
