@@ -6,7 +6,8 @@
 - FP8 block-scaled weights (``weight`` e4m3 + ``weight_scale_inv``) are either dequantised at load
   or kept in FP8 with their scales (``Fp8Linear``).
 - gpt-oss's MXFP4 experts (``experts.gate_up_proj_blocks`` + ``_scales``, likewise ``down_proj``) are
-  dequantised at load into the stacked expert parameters.
+  dequantised at load into the stacked expert parameters, or kept as MXFP4 (``keep_mxfp4``: the
+  fused MoE kernel reads them directly).
 - MTP layers (``model.layers.{num_hidden_layers + i}``) are skipped, as are indexer weights of
   layers configured to share the previous layer's top-k.
 - Missing, unexpected and mis-shaped tensors and truncated/corrupt files raise one
@@ -26,10 +27,11 @@ from torch import nn
 from hearth.engine.api import CheckpointError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.models.gpt_oss import GptOssExperts
 from hearth.engine.models.layers import Fp8Linear, Rotary, check_fp8_scales, dequantize_fp8_blocks, rope_inv_freq
 from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths
 from hearth.kernels._utils import count_nonfinite
-from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
+from hearth.kernels.moe.mxfp4 import MXFP4_GROUP, count_nonfinite_mxfp4, dequantize_mxfp4
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FP32_PARAMS = re.compile(r"((mlp|block_sparse_moe)\.gate\.weight|e_score_correction_bias|indexer\.weights_proj\.weight"
@@ -127,14 +129,18 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def _load_mxfp4(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
-                device: torch.device, consumed: set[str]) -> None:
+                device: torch.device, consumed: set[str], keep: bool) -> None:
     """A stacked gpt-oss expert tensor from its MXFP4 ``_blocks`` [E, out, G, 16] and ``_scales``
-    [E, out, G]: dequantised to [E, out, in], stored as the parameter's [E, in, out]."""
+    [E, out, G]: dequantised to [E, out, in], stored as the parameter's [E, in, out]; with ``keep``
+    held as MXFP4 instead (``GptOssExperts.keep_mxfp4``)."""
     blocks_name, scales_name = name + "_blocks", name + "_scales"
     if scales_name not in files.location:
         raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' has no '{scales_name}'")
     blocks, scales = files.get(blocks_name), files.get(scales_name)
     consumed.update((blocks_name, scales_name))
+    if keep:
+        _keep_mxfp4(model, files, name, expected, dtype, device, blocks, scales)
+        return
     try:
         weight = dequantize_mxfp4(blocks.to(device), scales.to(device), dtype).transpose(1, 2)
     except ValueError as exc:
@@ -146,10 +152,30 @@ def _load_mxfp4(model: nn.Module, files: CheckpointFiles, name: str, expected: t
     _set_param(model, name, weight.contiguous())
 
 
+def _keep_mxfp4(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
+                device: torch.device, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    blocks_name = name + "_blocks"
+    num, k, rows = expected  # the parameter's [E, in, out]
+    shape = (num, rows, k // MXFP4_GROUP, MXFP4_GROUP // 2)
+    if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or tuple(blocks.shape) != shape
+            or tuple(scales.shape) != shape[:3] or k % MXFP4_GROUP):
+        raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' {blocks.dtype} "
+                              f"{list(blocks.shape)} with scales {scales.dtype} {list(scales.shape)}; config.json "
+                              f"implies uint8 {list(shape)} and {list(shape[:3])}")
+    if bad := count_nonfinite_mxfp4(blocks, scales, dtype):  # a scale byte of 255 (e8m0's NaN) or too large
+        raise CheckpointError(f"{files.location[blocks_name]}: tensor '{blocks_name}' has {bad} NaN/inf value(s) "
+                              f"of {blocks.numel() * 2} (corrupt checkpoint?)")
+    module_name, _, attr = name.rpartition(".")
+    experts = model.get_submodule(module_name)
+    if not isinstance(experts, GptOssExperts):
+        raise CheckpointError(f"{files.location[blocks_name]}: MXFP4 tensor '{blocks_name}' is not gpt-oss's experts")
+    experts.keep_mxfp4(attr, blocks.to(device).contiguous(), scales.to(device).contiguous())
+
+
 def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: torch.Size, dtype: torch.dtype,
-              device: torch.device, keep_fp8: bool, consumed: set[str]) -> None:
+              device: torch.device, keep_fp8: bool, consumed: set[str], keep_mxfp4: bool = False) -> None:
     if name not in files.location and name + "_blocks" in files.location:
-        _load_mxfp4(model, files, name, expected, dtype, device, consumed)
+        _load_mxfp4(model, files, name, expected, dtype, device, consumed, keep_mxfp4)
         return
     if name not in files.location:
         raise CheckpointError(f"{files.folder}: missing tensor '{name}'")
@@ -221,14 +247,15 @@ ROUTED_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.(\d+\.|gate_up_p
 
 def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False,
                     faithful: bool = False, skip_routed_experts: bool = False,
-                    config: ModelConfig | None = None, attention: AttentionPaths = PLAIN_ATTENTION
-                    ) -> DeepseekForCausalLM:
+                    config: ModelConfig | None = None, attention: AttentionPaths = PLAIN_ATTENTION,
+                    keep_mxfp4: bool = False) -> DeepseekForCausalLM:
     """Build the model for ``path/config.json`` and fill it from the folder's safetensors.
 
     skip_routed_experts: leave the routed experts out (they are served from an expert store and
     cache instead); their module parameters stay on the meta device. ``config`` replaces the
     folder's config.json (e.g. with IndexCache retention applied); ``attention`` is how the
-    attention layers run (kernels, MLI)."""
+    attention layers run (kernels, MLI). keep_mxfp4: gpt-oss's MXFP4 experts stay MXFP4 (for the
+    fused MoE kernel) instead of being dequantised to ``dtype``."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a model folder")
@@ -242,7 +269,7 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, 
     if config.tie_word_embeddings and "lm_head.weight" not in files.location:
         expected.pop("lm_head.weight")
     for name, shape in expected.items():
-        _load_one(model, files, name, shape, dtype, device, keep_fp8, consumed)
+        _load_one(model, files, name, shape, dtype, device, keep_fp8, consumed, keep_mxfp4)
     if "lm_head.weight" not in expected:
         model.lm_head.weight = model.model.embed_tokens.weight
     unexpected = [n for n in files.location if n not in consumed and not _is_skipped(n, config)

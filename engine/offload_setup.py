@@ -15,9 +15,10 @@ import torch
 from hearth.engine.api import CheckpointError, EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
 from hearth.engine.loader import tensor_bytes
+from hearth.engine.models import fused_experts
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.kernels.moe import fused_moe, moe_reference
-from hearth.offload.expert_cache import POLICIES, STAGING_RECORDS, EvictionPolicy, ExpertCache, ExpertLease, Key
+from hearth.offload.expert_cache import POLICIES, EvictionPolicy, ExpertCache, ExpertLease, Key
 from hearth.offload.expert_store import ExpertLayout, ExpertStore, Mxfp4Packing
 from hearth.offload.experts import OffloadedExperts
 from hearth.offload.fetch_plan import MISSING
@@ -42,17 +43,19 @@ class Placement:
 
 
 def _footprint(path: str | Path, config: ModelConfig, engine: EngineConfig, device: torch.device) -> ModelFootprint:
-    if config.model_type == "gpt_oss":  # stacked experts: MXFP4 in the store, float in the GPU slots
+    if config.model_type == "gpt_oss":  # stacked experts: MXFP4 stays MXFP4 in the store and the GPU slots,
+        # and when all are resident if the fused kernel (which reads it) runs them
         auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # "auto"
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(engine.dtype, auto)
         layout = ExpertLayout(config.hidden_size, config.moe_intermediate_size, dtype, bias=True)
         sizes = tensor_bytes(path)
-        stored, staging = None, 0
+        slot, resident = layout.record_bytes, None
         if any(name.endswith("experts.gate_up_proj_blocks") for name in sizes):
-            stored = Mxfp4Packing(layout).record_bytes
-            staging = STAGING_RECORDS * stored
-        return footprint_from_stacked_experts(sizes, config.num_experts_per_tok, config.n_routed_experts,
-                                              layout.record_bytes, stored, staging)
+            slot = Mxfp4Packing(layout).record_bytes
+            if not (fused_experts.applies(device) and engine.use_kernels == "auto"):  # as RunnerFeatures.decide
+                resident = layout.record_bytes  # all resident without the fused kernel: dequantised at load
+        return footprint_from_stacked_experts(sizes, config.num_experts_per_tok, config.n_routed_experts, slot,
+                                              resident_expert_bytes=resident)
     return footprint_from_tensor_bytes(tensor_bytes(path), config.num_experts_per_tok, config.num_hidden_layers)
 
 

@@ -98,7 +98,8 @@ class RunnerFeatures:
         decode kernel needs CUDA (see ``decode_kernels_apply``).
         offload: routed experts in host RAM behind a GPU cache.
     key_tiers / latent_tiers: long-context tiers (``index_key_hot_pages`` / ``latent_hot_rows``).
-    fused_experts: resident experts on CUDA run as one grouped kernel.
+    fused_experts: resident experts on CUDA run as one grouped kernel (gpt-oss's MXFP4 experts load
+        as MXFP4 for it).
     piecewise: decode steps run as pieces between the routed-expert calls (hearth.engine.piecewise):
         with offloaded experts, or MLI on the kernel path; not with tiers (per-request buffers).
     cuda_graphs: decode steps replayed from CUDA graphs (the kernel path): the whole step in one
@@ -131,7 +132,7 @@ class RunnerFeatures:
         plain_only_tiers = key_tiers and (config.index_key_exact or config.index_key_lagged_fetch)
         use_kernels = (config.use_kernels == "auto" and not plain_only_tiers
                        and decode_kernels_apply(model_config, block_size, device, dtype))
-        fused = not offload and device.type == "cuda" and config.use_kernels == "auto"
+        fused = not offload and fused_experts.applies(device) and config.use_kernels == "auto"
         tiers = key_tiers or latent_tiers
         piecewise = (offload or (config.mli and use_kernels)) and not tiers
         # Tiered steps are captured whole, one graph per set of requests (their tiers are their own
@@ -213,8 +214,10 @@ class ModelRunner:
         caches = CachePlan.of(model_config, config, dtype, device)
         placement = plan_placement(path, model_config, config, device, caches.kv_bytes)
         features = RunnerFeatures.decide(config, model_config, caches.block_size, device, dtype, placement.offload)
+        # gpt-oss's MXFP4 experts stay MXFP4 when resident and run by the fused kernel (it reads them).
         model = load_checkpoint(path, device, dtype, keep_fp8, config.faithful, skip_routed_experts=placement.offload,
-                                config=model_config, attention=features.attention)
+                                config=model_config, attention=features.attention,
+                                keep_mxfp4=features.fused_experts)
         return cls(model, config, features, caches, placement, dtype=dtype, checkpoint=path)
 
     @classmethod

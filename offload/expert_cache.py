@@ -2,9 +2,9 @@
 (layer, expert) -> slot, reference counts so an expert in use is never evicted, LRU or decayed-LFU
 eviction, and copies from the host store on a dedicated CUDA stream ordered by events.
 
-An MXFP4 store (gpt-oss) is fetched as MXFP4: each expert is copied into one of a few staging
-records on the copy stream, then dequantised into its float slot on a second stream, so the link
-moves 4.25 bits a weight and the next copy overlaps the last dequantisation.
+A slot holds an expert as the store does: an MXFP4 store's (gpt-oss) slots hold MXFP4 records, which
+the fused MoE kernel reads directly, so the link moves 4.25 bits a weight and a slot is 3.76x smaller
+than a bf16 one (3.76x more experts fit in the same GPU memory).
 
 On a CPU device the copies are synchronous and the bookkeeping is the same, so the logic is tested
 without a GPU. ``acquire`` merges duplicate requests: an expert already in flight is not copied twice.
@@ -26,7 +26,6 @@ from hearth.offload.fetch_plan import IN_FLIGHT, MISSING, RESIDENT
 from hearth.offload.stats import LayerCacheStats, summarize
 
 Key = tuple[int, int]  # (layer, expert)
-STAGING_RECORDS = 4  # MXFP4 stores: copies in flight ahead of their dequantisation (4 x 13 MB for gpt-oss-120b)
 
 
 class CacheFullError(RuntimeError):
@@ -184,8 +183,8 @@ class ExpertCache:
         self._per_layer = slots_per_layer is not None
         self._pool_of = {layer: self._pools[i if self._per_layer else 0] for i, layer in enumerate(store.layers)}
         self.num_slots = start
-        self.buffer = torch.empty((start, store.layout.record_bytes), dtype=torch.uint8, device=self.device)
-        self.weights: ExpertWeights = store.layout.views(self.buffer)  # w13 [S, 2I, D], w2 [S, D, I], ...
+        self.buffer = torch.empty((start, store.record_bytes), dtype=torch.uint8, device=self.device)
+        self.weights: ExpertWeights = store.record_weights(self.buffer)  # w13, w2, scales, biases of the slots
         # NOTE: one view per slot and per stored expert, made once: indexing a tensor costs microseconds
         # of Python per copy, on the path to the first copy of a call.
         self._slot_rows = self.buffer.unbind(0)
@@ -198,18 +197,6 @@ class ExpertCache:
         self._released: list = [None] * start
         self._num_released = 0
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        # MXFP4 stores: staging records the copies land in, and the stream that dequantises them.
-        self._staging: tuple[torch.Tensor, ...] = ()
-        self._staging_free: list = []  # per staging record: the event after which it may be overwritten
-        self._next_staging = 0
-        self.unpack_stream = None
-        if store.packing is not None and self.is_cuda:
-            staging = torch.zeros((STAGING_RECORDS, store.record_bytes), dtype=torch.uint8, device=self.device)
-            self._staging = staging.split(1)
-            self._staging_free = [None] * STAGING_RECORDS
-            self._slot_records = self.buffer.split(1)  # [1, record_bytes] views, made once
-            self.unpack_stream = torch.cuda.Stream(self.device)
-            store.unpack(self._staging[0], self._slot_records[0])  # compiles the kernel now, not on a first fetch
         self._stats = {layer: LayerCacheStats() for layer in store.layers}
         self._copy_events: list = []  # (layer, start event, end event), resolved in stats()
 
@@ -327,15 +314,12 @@ class ExpertCache:
         stats.bytes_fetched += len(todo) * self.store.record_bytes
         if not self.is_cuda:
             for i, slot in todo:
-                self.store.unpack(src[lease.experts[i]][None], dst[slot][None])
+                dst[slot].copy_(src[lease.experts[i]])
                 lease.ready[i] = True
                 self._assign(lease, i, slot, pool)
             return
         stream = self.copy_stream
         waits = newest_per_stream(self._released[slot] for _, slot in todo)
-        if self.unpack_stream is not None:
-            self._fetch_packed(lease, todo, src, waits)
-            return
         with torch.cuda.stream(stream):
             for event in waits:
                 stream.wait_event(event)
@@ -350,39 +334,6 @@ class ExpertCache:
             end.record(stream)
         lease.events.append(end)
         self._copy_events.append((layer, start, end))
-
-    def _fetch_packed(self, lease: ExpertLease, todo: list[tuple[int, int]], src: tuple[torch.Tensor, ...],
-                      waits: list) -> None:
-        """:meth:`_fetch` for an MXFP4 store: each copy goes to the next staging record (once the
-        dequantisation that last read it is done) on the copy stream; the unpack stream then writes the
-        float slot (after the slot's last readers) and records the event that says the slot is ready."""
-        copy, unpack = self.copy_stream, self.unpack_stream
-        pool = self._pool_of[lease.layer]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(copy)
-        for event in waits:
-            unpack.wait_event(event)
-        for i, slot in todo:
-            k = self._next_staging
-            self._next_staging = (k + 1) % len(self._staging)
-            staging = self._staging[k]
-            with torch.cuda.stream(copy):
-                if self._staging_free[k] is not None:
-                    copy.wait_event(self._staging_free[k])
-                staging[0].copy_(src[lease.experts[i]], non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(copy)
-            with torch.cuda.stream(unpack):
-                unpack.wait_event(copied)
-                self.store.unpack(staging, self._slot_records[slot])
-                landed = torch.cuda.Event()
-                landed.record(unpack)
-            self._staging_free[k] = landed
-            self._ready[slot] = lease.expert_events[i] = landed
-            self._assign(lease, i, slot, pool)
-        end.record(unpack)
-        lease.events.append(end)
-        self._copy_events.append((lease.layer, start, end))
 
     def _assign(self, lease: ExpertLease, i: int, slot: int, pool: _Pool) -> None:
         """Slot ``slot`` now holds ``lease.experts[i]``, referenced once by ``lease``."""

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from hearth.kernels._utils import count_nonfinite
 from hearth.kernels.moe import ExpertExtras
-from hearth.kernels.moe.mxfp4 import FP4_E2M1_VALUES, MXFP4_GROUP, dequantize_mxfp4, dequantize_mxfp4_into
+from hearth.kernels.moe.mxfp4 import MXFP4_GROUP, count_nonfinite_mxfp4, dequantize_mxfp4, dequantize_mxfp4_into
 from hearth.kernels.moe.reference import SWIGLU_ALPHA
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class ExpertWeights:
     """Typed views of S expert records: w13 [S, 2I, D], w2 [S, D, I], s13/s2 fp32 block scales or None;
-    gpt-oss: biases b13 [S, 2I], b2 [S, D] and the clamped SwiGLU's limit (None = plain SwiGLU)."""
+    gpt-oss: biases b13 [S, 2I], b2 [S, D] and the clamped SwiGLU's limit (None = plain SwiGLU). Of
+    MXFP4 records (:meth:`Mxfp4Packing.weights`): w13/w2 uint8 code bytes [S, rows, K/32, 16] and s13/s2
+    uint8 e8m0 scales [S, rows, K/32], as ``fused_moe`` and ``moe_reference`` take them."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -213,6 +215,13 @@ class Mxfp4Packing:
             buf[:, obias:obias + nbias],
         )
 
+    def weights(self, buf: torch.Tensor) -> ExpertWeights:
+        """The kernel's views of packed records ``buf`` [S, record_bytes] uint8 (rows may be strided):
+        MXFP4 weights read as they are (gate rows, then up rows), float biases."""
+        p, f = self.views(buf), self.float_layout
+        b13, b2 = f.bias_views(p.biases)
+        return ExpertWeights(p.blocks13, p.blocks2, p.scales13, p.scales2, b13, b2, f.swiglu_limit, f.swiglu_alpha)
+
     def unpack(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Write the float records ``dst`` [n, float record_bytes] from the packed ``src`` [n, record_bytes]
         (same device). On CUDA two kernel launches and one byte copy, allocating nothing (so it may run
@@ -226,16 +235,6 @@ class Mxfp4Packing:
         else:
             w.w13.copy_(dequantize_mxfp4(p.blocks13, p.scales13, w.w13.dtype))
             w.w2.copy_(dequantize_mxfp4(p.blocks2, p.scales2, w.w2.dtype))
-
-
-def _nonfinite_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> int:
-    """Values of MXFP4 ``blocks``/``scales`` that dequantise to NaN/inf in ``dtype`` (a scale byte of 255,
-    e8m0's NaN, or one too large), without dequantising everything: only the groups whose largest code
-    overflows (e2m1 magnitudes grow with a code's low 3 bits) are."""
-    top = torch.maximum(blocks & 7, (blocks >> 4) & 7).amax(-1)  # (..., G)
-    largest = torch.tensor(FP4_E2M1_VALUES[:8])[top.long()]
-    bad = ~torch.isfinite(torch.ldexp(largest, scales.float() - 127).to(dtype))
-    return count_nonfinite(dequantize_mxfp4(blocks[bad], scales[bad], dtype)) if bad.any() else 0
 
 
 class ExpertStore:
@@ -273,6 +272,11 @@ class ExpertStore:
     def record_bytes(self) -> int:
         """Bytes of one stored expert: what a fetch moves over the link."""
         return self.layout.record_bytes if self.packing is None else self.packing.record_bytes
+
+    def record_weights(self, buf: torch.Tensor) -> ExpertWeights:
+        """The kernel's views of stored records ``buf`` [S, record_bytes] uint8 (an expert cache's slots):
+        float or FP8 as :meth:`ExpertLayout.views`, MXFP4 as :meth:`Mxfp4Packing.weights`."""
+        return self.layout.views(buf) if self.packing is None else self.packing.weights(buf)
 
     @property
     def is_pinned(self) -> bool:
@@ -474,7 +478,7 @@ def _check_stacked(layer: int, tensors: dict[str, torch.Tensor], dtype: torch.dt
             raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) (corrupt checkpoint?)")
     for name in ("gate_up_proj", "down_proj"):
         blocks, scales = tensors.get(name + "_blocks"), tensors.get(name + "_scales")
-        if blocks is not None and (bad := _nonfinite_mxfp4(blocks, scales, dtype)):  # e.g. a scale byte of 255
+        if blocks is not None and (bad := count_nonfinite_mxfp4(blocks, scales, dtype)):  # e.g. a scale byte of 255
             raise ValueError(f"layer {layer} {name}: {bad} NaN/inf value(s) in {dtype} (corrupt checkpoint?)")
 
 

@@ -32,24 +32,25 @@ class ModelFootprint:
     """Byte counts of a checkpoint, split into routed experts and everything else."""
 
     dense_bytes: int  # attention, dense MLPs, shared experts, routers, norms, embeddings, head
-    expert_bytes: int  # one routed expert as computed on the GPU (gate + up + down, with FP8 scales)
+    # One routed expert as stored: in the host store, over the link and in a GPU cache slot (gate + up +
+    # down, with FP8 scales; gpt-oss's MXFP4 records, which the fused MoE kernel reads directly).
+    expert_bytes: int
     num_moe_layers: int
     num_experts: int  # routed experts per MoE layer
     top_k: int
-    # One routed expert as the host store holds and fetches it, when not ``expert_bytes`` (gpt-oss's MXFP4),
-    # and the GPU bytes an offloaded cache needs besides its slots (MXFP4 staging records).
-    stored_expert_bytes: int | None = None
-    fetch_staging_bytes: int = 0
+    # One routed expert as held on the GPU when all are resident, when not ``expert_bytes`` (gpt-oss's
+    # MXFP4 dequantised at load when the fused kernel does not run them).
+    resident_expert_bytes: int | None = None
 
     @property
     def routed_bytes(self) -> int:
-        """All routed experts on the GPU."""
+        """All routed experts as stored (the host store; offload's cache slots hold them so)."""
         return self.expert_bytes * self.num_experts * self.num_moe_layers
 
     @property
-    def stored_routed_bytes(self) -> int:
-        """All routed experts in the host store."""
-        per_expert = self.expert_bytes if self.stored_expert_bytes is None else self.stored_expert_bytes
+    def resident_routed_bytes(self) -> int:
+        """All routed experts resident on the GPU, as held there."""
+        per_expert = self.expert_bytes if self.resident_expert_bytes is None else self.resident_expert_bytes
         return per_expert * self.num_experts * self.num_moe_layers
 
 
@@ -57,15 +58,15 @@ _STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:gate_up_proj|dow
 
 
 def footprint_from_stacked_experts(tensor_bytes: Mapping[str, int], top_k: int, num_experts: int, expert_bytes: int,
-                                   stored_expert_bytes: int | None = None, fetch_staging_bytes: int = 0
-                                   ) -> ModelFootprint:
+                                   resident_expert_bytes: int | None = None) -> ModelFootprint:
     """gpt-oss: each layer's experts stacked in a few tensors (MXFP4 in the release). One expert's
-    bytes come from the store's record layouts, not from the files: ``expert_bytes`` computed on the
-    GPU (float), ``stored_expert_bytes`` held in RAM and fetched (MXFP4, when the store keeps it)."""
+    bytes come from the store's record layouts, not from the files: ``expert_bytes`` as stored (in
+    RAM, fetched, in a cache slot; MXFP4 when the store keeps it), ``resident_expert_bytes`` held on
+    the GPU when all are resident, if not that (float when the fused kernel does not run them)."""
     layers = {int(m.group(1)) for name in tensor_bytes if (m := _STACKED.match(name))}
     dense = sum(n for name, n in tensor_bytes.items() if not _STACKED.match(name))
     return ModelFootprint(dense, expert_bytes, len(layers), num_experts if layers else 0, top_k,
-                          stored_expert_bytes, fetch_staging_bytes)
+                          resident_expert_bytes)
 
 
 def footprint_from_tensor_bytes(tensor_bytes: Mapping[str, int], top_k: int,
@@ -179,29 +180,27 @@ def plan_memory(
             f"({_gib(memory.gpu_free_bytes)} free - {_gib(gpu_reserve_bytes)} reserve"
             + (f", capped at gpu_memory_gib={gpu_memory_gib}" if gpu_memory_gib is not None else "") + ")")
     spare = gpu_budget - fixed
-    if expert_cache_gib is None and fp.routed_bytes <= spare:
-        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + fp.routed_bytes, 0, fp.routed_bytes,
-                          gpu_budget, host_budget)
+    resident = fp.resident_routed_bytes
+    if expert_cache_gib is None and resident <= spare:
+        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + resident, 0, resident, gpu_budget, host_budget)
     cache_bytes = spare if expert_cache_gib is None else int(expert_cache_gib * GiB)
     if cache_bytes > spare:
         raise MemoryPlanError(
             f"expert_cache_gib={expert_cache_gib} does not fit: GPU budget {_gib(gpu_budget)} - dense "
             f"{_gib(fp.dense_bytes)} - KV cache {_gib(kv_cache_bytes)} leaves {_gib(spare)}")
-    slot_room = max(0, cache_bytes - fp.fetch_staging_bytes)
-    per_layer = min(fp.num_experts, slot_room // (fp.expert_bytes * fp.num_moe_layers))
-    if per_layer == fp.num_experts:
-        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + fp.routed_bytes, 0, fp.routed_bytes,
-                          gpu_budget, host_budget)
+    per_layer = min(fp.num_experts, cache_bytes // (fp.expert_bytes * fp.num_moe_layers))
+    if per_layer == fp.num_experts and resident <= cache_bytes:
+        return MemoryPlan("cuda", "gpu", fp.num_experts, fixed + resident, 0, resident, gpu_budget, host_budget)
     if per_layer < fp.top_k:
         raise MemoryPlanError(
             f"expert cache too small: {_gib(cache_bytes)} holds {per_layer} experts per MoE layer "
             f"({fp.num_moe_layers} layers x {_gib(fp.expert_bytes)} per expert); at least top_k={fp.top_k} "
             f"are needed, i.e. {_gib(fp.top_k * fp.num_moe_layers * fp.expert_bytes)}")
-    if fp.stored_routed_bytes > host_budget:
+    if fp.routed_bytes > host_budget:
         raise MemoryPlanError(
-            f"routed experts do not fit in host memory: {_gib(fp.stored_routed_bytes)} > {_gib(host_budget)} "
+            f"routed experts do not fit in host memory: {_gib(fp.routed_bytes)} > {_gib(host_budget)} "
             f"available ({_gib(memory.host_available_bytes)} - {_gib(host_reserve_bytes)} reserve"
             + (f", capped at host_memory_gib={host_memory_gib}" if host_memory_gib is not None else "") + ")")
-    used_cache = per_layer * fp.num_moe_layers * fp.expert_bytes + fp.fetch_staging_bytes
-    return MemoryPlan("cuda", "offload", per_layer, fixed + used_cache, fp.stored_routed_bytes, used_cache,
+    used_cache = per_layer * fp.num_moe_layers * fp.expert_bytes
+    return MemoryPlan("cuda", "offload", per_layer, fixed + used_cache, fp.routed_bytes, used_cache,
                       gpu_budget, host_budget)

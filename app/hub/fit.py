@@ -9,8 +9,8 @@ The estimate, per request of ``context_length`` tokens:
   ``moe_intermediate_size`` x bytes per parameter (1 for FP8 checkpoints, else the config's dtype);
   the rest of the weights (attention, dense layers, shared experts, embeddings) is "dense"; gpt-oss's
   MXFP4 experts download at 4.25 bits per weight (4-bit codes + one scale byte per 32) and stay so in
-  RAM when offloaded, but are bf16 on the GPU (resident, or in the expert cache's slots), so its
-  weights on the GPU are larger than its files;
+  RAM and in the expert cache's slots when offloaded and on the GPU when all are resident (the fused
+  MoE kernel reads MXFP4), but are bf16 on the CPU path;
 - multi-token-prediction layers (``num_nextn_predict_layers``: DeepSeek-V3/V3.2, GLM-4.5, GLM-5) are
   in the download but never loaded: their routed experts, the bulk of each, are left out.
 
@@ -78,11 +78,18 @@ class Footprint:
     cache_bytes_per_token: int
     num_moe_layers: int
     hidden_size: int = 0
-    stored_experts_bytes: int | None = None  # the experts as held in RAM when offloaded, if not experts_bytes
+    # The experts as stored (MXFP4), if not experts_bytes: so in RAM and in the GPU's cache slots when
+    # offloaded, and on the GPU when all are resident (the fused MoE kernel reads MXFP4 directly).
+    stored_experts_bytes: int | None = None
 
     @property
     def experts_in_ram_bytes(self) -> int:
         return self.experts_bytes if self.stored_experts_bytes is None else self.stored_experts_bytes
+
+    @property
+    def resident_gpu_weights_bytes(self) -> int:
+        """All weights on the GPU: the experts as stored."""
+        return self.dense_bytes + self.experts_in_ram_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -146,8 +153,8 @@ def footprint_from_config(config: dict[str, Any] | None, weights_bytes: int) -> 
     experts = min(moe_layers * layer_experts, int(weights_bytes * 0.98))
     stored = None
     if _is_mxfp4(config):
-        # The download holds the experts at 4.25 bits per weight, as the offload store does; on the GPU
-        # Hearth computes them in bf16.
+        # The download holds the experts at 4.25 bits per weight, as the offload store, its GPU slots
+        # and resident experts on the GPU do; the CPU path computes them in bf16.
         params = moe_layers * int(n_experts) * per_expert
         stored = min(int(params * MXFP4_BITS_PER_WEIGHT / 8), int(weights_bytes * 0.98))
         experts = params * 2
@@ -168,9 +175,9 @@ def assess_fit(footprint: Footprint, machine: Machine, *, context_length: int,
     """The best way this model runs on ``machine``, with the numbers behind the verdict."""
     cache = footprint.cache_bytes(context_length)
     gpu_runtime = GPU_RUNTIME_BYTES + footprint.activation_bytes
-    all_on_gpu = footprint.weights_bytes + cache + gpu_runtime
+    all_on_gpu = footprint.resident_gpu_weights_bytes + cache + gpu_runtime
     if expert_cache_bytes is None:  # at least one MoE layer's experts resident
-        expert_cache_bytes = footprint.experts_bytes // max(footprint.num_moe_layers, 1)
+        expert_cache_bytes = footprint.experts_in_ram_bytes // max(footprint.num_moe_layers, 1)
     split_gpu = footprint.dense_bytes + cache + expert_cache_bytes + gpu_runtime
     split_ram = footprint.experts_in_ram_bytes + HOST_RUNTIME_BYTES
     cpu_ram = footprint.weights_bytes + cache + HOST_RUNTIME_BYTES + footprint.activation_bytes

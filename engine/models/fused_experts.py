@@ -10,7 +10,9 @@ loop over the experts in use, stays the CPU path and the reference.
 gpt-oss's experts are stacked already (``gate_up_proj`` [E, D, 2I] with gate and up columns
 interleaved, ``down_proj`` [E, I, D]): they are transposed once into the kernel's row-major
 ``w13`` [E, 2I, D] (rows still interleaved) and ``w2`` [E, D, I], the parameters become transposed
-views of those, and the kernel adds the biases and the clamped SwiGLU (``ExpertExtras``).
+views of those, and the kernel adds the biases and the clamped SwiGLU (``ExpertExtras``). Experts
+the loader kept in the release's MXFP4 (:meth:`GptOssExperts.keep_mxfp4`) are already in the
+kernel's layout (``*_blocks`` [E, out, in/32, 16] + ``*_scales``): the kernel reads them as they are.
 """
 
 from __future__ import annotations
@@ -21,18 +23,21 @@ from torch import nn
 from hearth.engine.models.gpt_oss import GptOssExperts
 from hearth.engine.models.layers import Fp8Linear
 from hearth.kernels.moe import ExpertExtras, fused_moe
+from hearth.kernels.moe.fused_moe import weight_format
 
 _SCALE_BLOCK = (128, 128)
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class FusedExperts:
-    """The ``MoE.backend`` of one layer: ``(layer, x [T, D], ids [T, K], weights [T, K] fp32) -> [T, D]``."""
+    """The ``MoE.backend`` of one layer: ``(layer, x [T, D], ids [T, K], weights [T, K] fp32) -> [T, D]``.
+    Weights and scales as :func:`fused_moe` takes them (float, FP8 or MXFP4)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor | None, s2: torch.Tensor | None,
                  extras: ExpertExtras | None = None):
         self.w13, self.w2, self.s13, self.s2 = w13, w2, s13, s2
         self.extras = extras or ExpertExtras()
+        self.format = weight_format(w13, s13)
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = fused_moe(x.contiguous(), ids, weights.float(), self.w13, self.w2, self.s13, self.s2, extras=self.extras)
@@ -95,9 +100,21 @@ def stack_layer(moe, require_cuda: bool = True) -> FusedExperts | None:
     return FusedExperts(w13, w2, s13, s2)
 
 
+def _gpt_oss_extras(experts: GptOssExperts) -> ExpertExtras:
+    return ExpertExtras(b13=experts.gate_up_proj_bias, b2=experts.down_proj_bias, swiglu_limit=experts.limit,
+                        swiglu_alpha=experts.alpha, interleaved=True)
+
+
 def stack_gpt_oss(experts: GptOssExperts, require_cuda: bool = True) -> FusedExperts | None:
     """gpt-oss's experts of one layer in the kernel's layout (see the module doc); None when not on
-    CUDA (with require_cuda) or not float."""
+    CUDA (with require_cuda) or neither float nor (both projections) MXFP4."""
+    packed13, packed2 = experts.mxfp4("gate_up_proj"), experts.mxfp4("down_proj")
+    if packed13 is not None and packed2 is not None:
+        if require_cuda and not packed13[0].is_cuda:
+            return None
+        return FusedExperts(packed13[0], packed2[0], packed13[1], packed2[1], _gpt_oss_extras(experts))
+    if packed13 is not None or packed2 is not None:
+        return None
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if (require_cuda and not gate_up.is_cuda) or gate_up.dtype not in _FLOAT or down.dtype != gate_up.dtype:
         return None
@@ -105,9 +122,12 @@ def stack_gpt_oss(experts: GptOssExperts, require_cuda: bool = True) -> FusedExp
     w2 = down.transpose(1, 2).contiguous()  # [E, D, I]
     _repoint(experts, "gate_up_proj", w13.transpose(1, 2))
     _repoint(experts, "down_proj", w2.transpose(1, 2))
-    extras = ExpertExtras(b13=experts.gate_up_proj_bias, b2=experts.down_proj_bias, swiglu_limit=experts.limit,
-                          swiglu_alpha=experts.alpha, interleaved=True)
-    return FusedExperts(w13, w2, None, None, extras)
+    return FusedExperts(w13, w2, None, None, _gpt_oss_extras(experts))
+
+
+def applies(device: torch.device) -> bool:
+    """Whether resident experts on ``device`` take the fused kernel (the runner asks; CUDA)."""
+    return device.type == "cuda"
 
 
 def enable(model, require_cuda: bool = True) -> int:

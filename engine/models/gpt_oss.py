@@ -5,7 +5,9 @@ Checkpoint names under ``model.layers.N.mlp``: ``router.weight`` [E, D] and ``ro
 [E, I, D] with ``down_proj_bias`` [E, D]. The gate and up columns of ``gate_up_proj`` are
 interleaved (column 2j is gate j, 2j + 1 is up j). The release stores the two projections as MXFP4
 (``*_blocks`` + ``*_scales``, see :mod:`hearth.kernels.moe.mxfp4`); the loader dequantises them into
-these parameters.
+these parameters, or, for the fused MoE kernel (which reads MXFP4 directly), keeps them as the
+buffers ``*_blocks`` [E, out, in/32, 16] and ``*_scales`` [E, out, in/32] in place of the parameters
+(:meth:`GptOssExperts.keep_mxfp4`); the per-expert loop then dequantises the experts it runs.
 
 Router: top-k of the biased logits, softmax over the k chosen. Experts: the clamped SwiGLU
 ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)`` (alpha 1.702, l 7.0).
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.config import ModelConfig
+from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
 from hearth.kernels.moe.reference import clamped_swiglu
 
 
@@ -51,11 +54,29 @@ class GptOssExperts(nn.Module):
         self.alpha = config.swiglu_alpha
         self.limit = config.swiglu_limit
 
+    def keep_mxfp4(self, name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """Hold projection ``name`` ("gate_up_proj" or "down_proj") as the release's MXFP4 ``blocks``
+        uint8 [E, out, in/32, 16] and ``scales`` uint8 [E, out, in/32] instead of its float parameter."""
+        delattr(self, name)
+        self.register_buffer(name + "_blocks", blocks)
+        self.register_buffer(name + "_scales", scales)
+
+    def mxfp4(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(blocks, scales) of projection ``name`` when it is held as MXFP4 (see :meth:`keep_mxfp4`)."""
+        blocks, scales = self._buffers.get(name + "_blocks"), self._buffers.get(name + "_scales")
+        return None if blocks is None or scales is None else (blocks, scales)
+
+    def _weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        packed = self.mxfp4(name)
+        if packed is None:
+            return getattr(self, name)[e]
+        return dequantize_mxfp4(packed[0][e], packed[1][e], dtype).T  # [out, in] -> the parameter's [in, out]
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on x (n, D) -> (n, D) fp32 (activation in fp32, cast back before down)."""
-        gate_up = (x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]).float()
+        gate_up = (x @ self._weight("gate_up_proj", e, x.dtype) + self.gate_up_proj_bias[e]).float()
         h = clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], self.limit, self.alpha).to(x.dtype)
-        return (h @ self.down_proj[e] + self.down_proj_bias[e]).float()
+        return (h @ self._weight("down_proj", e, x.dtype) + self.down_proj_bias[e]).float()
 
 
 class GptOssMoE(nn.Module):

@@ -8,12 +8,18 @@ kernel adds those rows over k into ``out`` in a fixed order: deterministic, no a
 
 gpt-oss's experts (:class:`ExpertExtras`): per-expert biases on the three projections, the clamped
 SwiGLU, and gate/up rows interleaved as its ``gate_up_proj`` stores them; same kernels, other constexprs.
+
+Weights come in three formats (:func:`weight_format`): float; FP8 e4m3 with fp32 128x128 block scales;
+MXFP4 as gpt-oss releases it, uint8 code bytes ``[S, N, K/32, 16]`` with uint8 e8m0 scales
+``[S, N, K/32]`` passed in place of the weights and their scales, decoded in registers (4.25 bits a
+weight read instead of 16).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Literal
 
 import torch
 import triton
@@ -22,6 +28,7 @@ import triton.language as tl
 from hearth.kernels.moe.align import group_by_slot
 from hearth.kernels.moe.gemv import down_gemv_kernel, gate_up_gemv_kernel, sum_pairs_kernel
 from hearth.kernels.moe.mma import down_mma_kernel, gate_up_mma_kernel
+from hearth.kernels.moe.mxfp4 import MXFP4_GROUP
 from hearth.kernels.moe.reference import SWIGLU_ALPHA
 
 SCALE_BLOCK = 128
@@ -29,6 +36,16 @@ _FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
 # Estimated pairs per distinct slot up to which the GEMV path runs (else the tl.dot path).
 GEMV_MAX_PAIRS_PER_SLOT = 1.1  # measured on the H200 (bench_moe --sweep): tl.dot wins from T=4 x top-8 on
 _SUM_BLOCK = 1024
+
+WeightFormat = Literal["float", "fp8", "mxfp4"]
+
+
+def weight_format(w13: torch.Tensor, s13: torch.Tensor | None) -> WeightFormat:
+    """The format of expert weights as :func:`fused_moe` takes them: float (no scales), FP8 (fp32
+    scales) or MXFP4 (uint8 code bytes with uint8 e8m0 scales)."""
+    if s13 is None:
+        return "float"
+    return "mxfp4" if w13.dtype == torch.uint8 and s13.dtype == torch.uint8 else "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +125,8 @@ def default_launch(num_pairs: int, num_slots: int, fp8: bool) -> MoeLaunch:
     return MoeLaunch(gemv=False, block_m=block_m, gate_up=tile, down=tile)
 
 
-def _check_extras(extras: ExpertExtras, w13: torch.Tensor, w2: torch.Tensor, fp8: bool) -> None:
-    s, two_i, d = w13.shape
+def _check_extras(extras: ExpertExtras, w13: torch.Tensor, d: int, fmt: WeightFormat) -> None:
+    s, two_i = w13.shape[:2]
     for name, bias, width in (("b13", extras.b13, two_i), ("b2", extras.b2, d)):
         if bias is not None and (
             bias.shape != (s, width)
@@ -121,13 +138,30 @@ def _check_extras(extras: ExpertExtras, w13: torch.Tensor, w2: torch.Tensor, fp8
                 f"{name} must be a float [S={s}, {width}] tensor with unit last stride on "
                 f"{w13.device}, got {bias.dtype} {tuple(bias.shape)}"
             )
-    if fp8 and extras.interleaved:
-        raise ValueError("interleaved gate/up rows are supported for float weights only")
+    if fmt == "fp8" and extras.interleaved:
+        raise ValueError("interleaved gate/up rows are supported for float and MXFP4 weights only")
+
+
+def _check_mxfp4(w13, w2, s13, s2, d: int) -> None:
+    if s2 is None or w2.dtype != torch.uint8 or s2.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 weights need uint8 w2 and s2 like w13 and s13, got {w2.dtype} and "
+                         f"{None if s2 is None else s2.dtype}")
+    s, two_i = w13.shape[:2]
+    inter = two_i // 2
+    for name, blocks, scales, rows, k in (("w13", w13, s13, two_i, d), ("w2", w2, s2, d, inter)):
+        groups = k // MXFP4_GROUP
+        if k % MXFP4_GROUP or blocks.shape != (s, rows, groups, MXFP4_GROUP // 2) or scales.shape != blocks.shape[:3]:
+            raise ValueError(
+                f"MXFP4 {name} blocks {tuple(blocks.shape)} / scales {tuple(scales.shape)} must be "
+                f"[S={s}, {rows}, {k}/{MXFP4_GROUP}, {MXFP4_GROUP // 2}] / [S, {rows}, {k}/{MXFP4_GROUP}]"
+            )
+        if blocks.stride(3) != 1 or blocks.stride(2) != MXFP4_GROUP // 2 or scales.stride(2) != 1:
+            raise ValueError(f"each row of the MXFP4 {name} blocks and scales must be contiguous")
 
 
 def _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out) -> None:
     t, d = x.shape
-    s, two_i, d_w = w13.shape
+    s, two_i = w13.shape[:2]
     inter = two_i // 2
     if x.dtype not in _FLOAT_WEIGHTS or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous bf16/fp16/fp32 [T, D] tensor, got {x.dtype} {tuple(x.shape)}")
@@ -136,7 +170,12 @@ def _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out) -> None:
             f"slot_ids {tuple(slot_ids.shape)} and fp32 weights {weights.dtype} "
             f"{tuple(weights.shape)} must both be [T={t}, K]"
         )
-    if d_w != d or w2.shape != (s, d, inter):
+    if out is not None and (out.shape != (t, d) or out.dtype != torch.float32 or out.device != x.device):
+        raise ValueError(f"out must be fp32 [T={t}, D={d}] on {x.device}, got {out.dtype} {tuple(out.shape)}")
+    if weight_format(w13, s13) == "mxfp4":
+        _check_mxfp4(w13, w2, s13, s2, d)
+        return
+    if w13.shape[2:] != (d,) or w2.shape != (s, d, inter):
         raise ValueError(
             f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not match [S, 2I, D] / [S, D, I] with D={d}"
         )
@@ -153,8 +192,6 @@ def _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out) -> None:
             )
         if s13.dtype != torch.float32 or s2.dtype != torch.float32 or s13.stride(2) != 1 or s2.stride(2) != 1:
             raise ValueError("scales must be fp32 with unit stride on the last dimension")
-    if out is not None and (out.shape != (t, d) or out.dtype != torch.float32 or out.device != x.device):
-        raise ValueError(f"out must be fp32 [T={t}, D={d}] on {x.device}, got {out.dtype} {tuple(out.shape)}")
 
 
 def fused_moe(
@@ -174,11 +211,14 @@ def fused_moe(
     weights: [T, K] fp32. w13: [S, 2I, D] (gate rows 0..I-1, up rows I..2I-1), w2: [S, D, I]; both
     bf16/fp16/fp32, or float8_e4m3fn with s13: [S, 2*ceil(I/128), ceil(D/128)] fp32 (gate scale rows,
     then up scale rows) and s2: [S, ceil(D/128), ceil(I/128)] fp32 (``W = W8 * s[i//128, j//128]``).
+    MXFP4 (gpt-oss): w13 uint8 [S, 2I, D/32, 16] and w2 uint8 [S, D, I/32, 16] code bytes (two e2m1
+    values a byte, low nibble first) with s13 uint8 [S, 2I, D/32] and s2 uint8 [S, D, I/32] e8m0
+    scales, one per 32 values along K (``W = e2m1 * 2 ** (s - 127)``); D and I multiples of 32.
     The slot dimension may have any stride (slots are views into one byte buffer).
     out: optional [T, D] fp32 accumulator. Returns it (or a new one), [T, D] fp32.
     extras: biases, clamped SwiGLU, interleaved rows (gpt-oss; see :class:`ExpertExtras`).
     """
-    launch = default_launch(slot_ids.numel(), w13.shape[0], s13 is not None)
+    launch = default_launch(slot_ids.numel(), w13.shape[0], weight_format(w13, s13) == "fp8")
     return fused_moe_launch(x, slot_ids, weights, w13, w2, s13, s2, out, launch=launch, extras=extras)
 
 
@@ -196,15 +236,18 @@ def fused_moe_launch(
 ) -> torch.Tensor:
     """:func:`fused_moe` with an explicit :class:`MoeLaunch` (tests and the benchmark's sweep)."""
     _check_inputs(x, slot_ids, weights, w13, w2, s13, s2, out)
-    _check_extras(extras, w13, w2, s13 is not None)
+    fmt = weight_format(w13, s13)
     t, d = x.shape
+    _check_extras(extras, w13, d, fmt)
     num_slots, inter = w13.shape[0], w13.shape[1] // 2
     if out is None:
         out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
     num_pairs = slot_ids.numel()
     if num_pairs == 0:
         return out
-    has_scale = s13 is not None
+    has_scale, mxfp4 = fmt == "fp8", fmt == "mxfp4"
+    if mxfp4 and (launch.gate_up.block_k < 2 or launch.down.block_k < 2):
+        raise ValueError(f"MXFP4 weights need block_k >= 2 (a code byte holds two values): {launch}")
     block_m = launch.block_m
     flat_slots = slot_ids.reshape(-1).contiguous()  # (T*K,)
     identity = launch.gemv and block_m == 1
@@ -218,7 +261,7 @@ def fused_moe_launch(
     h = torch.empty((num_blocks * block_m, inter), dtype=x.dtype, device=x.device)  # (rows, I)
     y = torch.empty((split, num_pairs, d), dtype=torch.float32, device=x.device)  # (SPLIT, T*K, D)
     rw = weights.reshape(-1).contiguous()  # (T*K,)
-    s13_, s2_ = (s13, s2) if has_scale else (w13, w2)  # unused pointers when HAS_SCALE is off
+    s13_, s2_ = (w13, w2) if s13 is None else (s13, s2)  # unused pointers when HAS_SCALE and MXFP4 are off
     b13_, b2_ = (w13 if b is None else b for b in (extras.b13, extras.b2))  # likewise without HAS_BIAS
     limit = extras.swiglu_limit
     act = dict(CLAMPED=limit is not None, INTERLEAVED=extras.interleaved, HAS_BIAS=extras.b13 is not None)
@@ -231,14 +274,14 @@ def fused_moe_launch(
             x, w13, s13_, b13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1],
             triton.cdiv(inter, SCALE_BLOCK), *activation,
             x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), b13_.stride(0), h.stride(0),
-            HAS_SCALE=has_scale, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-            num_warps=gu.num_warps, num_stages=gu.num_stages, **act,
+            HAS_SCALE=has_scale, MXFP4=mxfp4, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=gu.block_n,
+            BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **act,
         )  # fmt: skip
         k_per_split = triton.cdiv(triton.cdiv(inter, split), dn.block_k) * dn.block_k
         down_gemv_kernel[(num_blocks, triton.cdiv(d, dn.block_n), split)](
             h, w2, s2_, b2_, y, rw, sorted_pairs, block_slot, *common, k_per_split,
             h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), b2_.stride(0), y.stride(0),
-            y.stride(1), HAS_SCALE=has_scale, HAS_BIAS=down_bias, IDENTITY=identity, BLOCK_M=block_m,
+            y.stride(1), HAS_SCALE=has_scale, MXFP4=mxfp4, HAS_BIAS=down_bias, IDENTITY=identity, BLOCK_M=block_m,
             BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
         )  # fmt: skip
     else:
@@ -251,7 +294,7 @@ def fused_moe_launch(
             else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
         )
         precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit operands
-        meta = dict(HAS_SCALE=has_scale, DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m)
+        meta = dict(HAS_SCALE=has_scale, MXFP4=mxfp4, DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m)
         gate_up_mma_kernel[(num_blocks, triton.cdiv(inter, gu.block_n))](
             x, w13, s13_, b13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1],
             triton.cdiv(inter, SCALE_BLOCK), *activation,

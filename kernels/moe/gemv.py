@@ -5,8 +5,10 @@ Each program owns BLOCK_N output rows of one slot and streams those weight rows 
 product and a sum over K: no tl.dot, so no 16-row padding. FP8 block scales are folded into the few
 activation values (a gather of ``k // 128`` on a [BLOCK_M, BLOCK_K] tile) rather than into the weight
 tile, so the weights cost one widening and one FMA per element. BLOCK_N divides 128, so one tile
-lies in one scale row. gpt-oss's experts add per-expert biases, clamp the SwiGLU and interleave the
-gate and up rows (HAS_BIAS, CLAMPED, INTERLEAVED; float weights only).
+lies in one scale row. MXFP4 weights (MXFP4: uint8 code bytes and e8m0 scale bytes per group of 32
+along K) are decoded and scaled in registers by :func:`mxfp4_tile` (the scale varies along the row).
+gpt-oss's experts add per-expert biases, clamp the SwiGLU and interleave the gate and up rows
+(HAS_BIAS, CLAMPED, INTERLEAVED; float or MXFP4 weights).
 
 The down kernel may split K; each split writes its own fp32 rows of ``y`` [SPLIT, P, D] and
 :func:`sum_pairs_kernel` adds them, with the top-k, into ``out`` in a fixed order (deterministic).
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from hearth.kernels.moe.mxfp4 import mxfp4_tile
 
 
 @triton.jit
@@ -68,6 +72,7 @@ def gate_up_gemv_kernel(
     stride_bs,
     stride_hp,
     HAS_SCALE: tl.constexpr,
+    MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -96,14 +101,20 @@ def gate_up_gemv_kernel(
     p_g = w_ptr + slot * stride_ws + r_g[:, None].to(tl.int64) * stride_wn  # (BN, 1)
     p_u = w_ptr + slot * stride_ws + r_u[:, None].to(tl.int64) * stride_wn
     p_s = s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn
+    p_sg = s_ptr + slot * stride_ss + r_g[:, None].to(tl.int64) * stride_sn  # MXFP4: a scale row per row
+    p_su = s_ptr + slot * stride_ss + r_u[:, None].to(tl.int64) * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < D
         m_w = m_n[:, None] & m_k[None, :]
-        b_g = tl.load(p_g + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
-        b_u = tl.load(p_u + o_k[None, :], mask=m_w, other=0.0)
+        if MXFP4:
+            b_g = mxfp4_tile(p_g, p_sg, m_n[:, None], k0, D, BLOCK_K)  # (BN, BK) fp32
+            b_u = mxfp4_tile(p_u, p_su, m_n[:, None], k0, D, BLOCK_K)
+        else:
+            b_g = tl.load(p_g + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
+            b_u = tl.load(p_u + o_k[None, :], mask=m_w, other=0.0)
         b_x = tl.load(
             x_ptr + b_tok[:, None] * stride_xt + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
         ).to(tl.float32)  # (BM, BK)
@@ -146,6 +157,7 @@ def down_gemv_kernel(
     stride_ys,
     stride_yp,
     HAS_SCALE: tl.constexpr,
+    MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IDENTITY: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -170,6 +182,7 @@ def down_gemv_kernel(
     m_n = o_n < D
     p_w = w_ptr + slot * stride_ws + o_n[:, None].to(tl.int64) * stride_wn  # (BN, 1)
     p_s = s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn
+    p_sw = s_ptr + slot * stride_ss + o_n[:, None].to(tl.int64) * stride_sn  # MXFP4: a scale row per row
     p_h = h_ptr + o_m[:, None].to(tl.int64) * stride_hp  # (BM, 1)
     k_start = i_s * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, I)
@@ -177,7 +190,10 @@ def down_gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < k_end
-        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # (BN, BK)
+        if MXFP4:
+            b_w = mxfp4_tile(p_w, p_sw, m_n[:, None], k0, k_end, BLOCK_K)  # (BN, BK) fp32
+        else:
+            b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)  # (BN, BK)
         b_h = tl.load(p_h + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # (BM, BK)
         if HAS_SCALE:
             b_h = b_h * tl.load(p_s + o_k // 128, mask=m_k, other=0.0)[None, :]

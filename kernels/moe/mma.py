@@ -3,7 +3,9 @@
 (1) gate/up GEMM + SwiGLU for each block of BLOCK_M pairs of one slot into ``h`` [rows, I];
 (2) down GEMM, scaled by the routing weight, into one fp32 row per pair of ``y`` [P, D], summed over
 k afterwards. Weights are bf16/fp16/fp32 or FP8 e4m3 with 128x128 block scales; FP8 tiles are widened
-in registers and each tile's dot product is multiplied by its one scale (BLOCK_N, BLOCK_K divide 128).
+in registers and each tile's dot product is multiplied by its one scale (BLOCK_N, BLOCK_K divide 128);
+MXFP4 tiles (code bytes and e8m0 scales per 32 values along K) are decoded and scaled in registers
+before the dot (:func:`mxfp4_tile`).
 Biases, the clamped SwiGLU and interleaved gate/up rows (gpt-oss) as in ``gemv.py``.
 """
 
@@ -13,6 +15,7 @@ import triton
 import triton.language as tl
 
 from hearth.kernels.moe.gemv import gate_up_rows, swiglu
+from hearth.kernels.moe.mxfp4 import mxfp4_tile
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # routed pairs: a new count per step; masks rows only
@@ -39,6 +42,7 @@ def gate_up_mma_kernel(
     stride_bs,
     stride_hp,
     HAS_SCALE: tl.constexpr,
+    MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -70,8 +74,14 @@ def gate_up_mma_kernel(
         b_x = tl.load(
             x_ptr + b_tok[:, None] * stride_xt + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
         )  # (BM, BK)
-        b_g = tl.load(p_w + r_g[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
-        b_u = tl.load(p_w + r_u[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)
+        if MXFP4:
+            p_s = s_ptr + slot * stride_ss
+            p_sg, p_su = p_s + r_g[:, None] * stride_sn, p_s + r_u[:, None] * stride_sn
+            b_g = mxfp4_tile(p_w + r_g[:, None] * stride_wn, p_sg, m_n[:, None], k0, D, BLOCK_K)  # (BN, BK) fp32
+            b_u = mxfp4_tile(p_w + r_u[:, None] * stride_wn, p_su, m_n[:, None], k0, D, BLOCK_K)
+        else:
+            b_g = tl.load(p_w + r_g[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
+            b_u = tl.load(p_w + r_u[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)
         b_x = b_x.to(DOT_DTYPE)
         d_g = tl.dot(b_x, tl.trans(b_g.to(DOT_DTYPE)), input_precision=PRECISION)
         d_u = tl.dot(b_x, tl.trans(b_u.to(DOT_DTYPE)), input_precision=PRECISION)
@@ -111,6 +121,7 @@ def down_mma_kernel(
     stride_bs,
     stride_yp,
     HAS_SCALE: tl.constexpr,
+    MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -136,9 +147,13 @@ def down_mma_kernel(
         b_h = tl.load(
             h_ptr + o_m[:, None].to(tl.int64) * stride_hp + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
         )
-        b_w = tl.load(
-            p_w + o_n[:, None] * stride_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0
-        )  # (BN, BK)
+        if MXFP4:
+            p_s = s_ptr + slot * stride_ss + o_n[:, None] * stride_sn
+            b_w = mxfp4_tile(p_w + o_n[:, None] * stride_wn, p_s, m_n[:, None], k0, I, BLOCK_K)  # (BN, BK) fp32
+        else:
+            b_w = tl.load(
+                p_w + o_n[:, None] * stride_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0
+            )  # (BN, BK)
         d = tl.dot(b_h.to(DOT_DTYPE), tl.trans(b_w.to(DOT_DTYPE)), input_precision=PRECISION)
         if HAS_SCALE:
             d = d * tl.load(s_ptr + slot * stride_ss + ((i_n * BLOCK_N) // 128) * stride_sn + k0 // 128)

@@ -6,7 +6,8 @@ A checkpoint stores ``*_blocks`` uint8 [..., G, 16] and ``*_scales`` uint8 [...,
 ``G * 32`` values.
 
 :func:`dequantize_mxfp4` is the torch version (loading, the host); :func:`dequantize_mxfp4_into` the
-Triton kernel that turns expert records fetched to the GPU as MXFP4 into their float weights.
+Triton kernel that turns expert records fetched to the GPU as MXFP4 into their float weights;
+:func:`mxfp4_tile` the in-register decode the fused MoE kernels use to read MXFP4 weights directly.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hearth.kernels._utils import count_nonfinite
 
 # The value of each e2m1 code 0..15.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -34,6 +37,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., G, 32]
     exponents = (scales.to(torch.int32) - E8M0_BIAS).float()
     return torch.ldexp(lut[codes], exponents[..., None]).flatten(-2).to(dtype)
+
+
+def count_nonfinite_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> int:
+    """Values of MXFP4 ``blocks``/``scales`` that dequantise to NaN/inf in ``dtype`` (a scale byte of 255,
+    e8m0's NaN, or one too large), without dequantising everything: only the groups whose largest code
+    overflows (e2m1 magnitudes grow with a code's low 3 bits) are."""
+    top = torch.maximum(blocks & 7, (blocks >> 4) & 7).amax(-1)  # (..., G)
+    largest = torch.tensor(FP4_E2M1_VALUES[:8], device=blocks.device)[top.long()]
+    bad = ~torch.isfinite(torch.ldexp(largest, scales.float() - E8M0_BIAS).to(dtype))
+    return count_nonfinite(dequantize_mxfp4(blocks[bad], scales[bad], dtype)) if bad.any() else 0
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +74,25 @@ def _e2m1_value(code):
 
 
 @triton.jit
+def e8m0_scale(s):
+    """2 ** (s - 127) for e8m0 bytes (int32) from its bits (exact; e8m0 0 is the fp32 subnormal 2 ** -127)."""
+    return tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_tile(p_w, p_s, m_rows, k0, K_END, BLOCK_K: tl.constexpr):
+    """Values k0 .. k0 + BLOCK_K of MXFP4 rows as an fp32 (rows, BLOCK_K) tile, zero from ``K_END`` on
+    and in rows off ``m_rows``. ``p_w`` (rows, 1): each row's first code byte; ``p_s`` (rows, 1): its
+    first scale byte. k0 and K_END are even (a group is 32 values)."""
+    o_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # code bytes: two values each
+    m = m_rows & (o_j < K_END // 2)[None, :]
+    byte = tl.load(p_w + o_j[None, :], mask=m, other=0).to(tl.int32)
+    # NOTE: a row's scale bytes are few and reread from cache; one gather per byte keeps the tile simple.
+    scale = e8m0_scale(tl.load(p_s + (o_j // 16)[None, :], mask=m, other=127).to(tl.int32))
+    return tl.interleave(_e2m1_value(byte & 15) * scale, _e2m1_value(byte >> 4) * scale)  # low nibble first
+
+
+@triton.jit
 def dequantize_mxfp4_kernel(
     blocks_ptr, scales_ptr, out_ptr, ROW_BYTES,
     stride_be, stride_br, stride_se, stride_sr, stride_oe, stride_or,
@@ -73,8 +105,7 @@ def dequantize_mxfp4_kernel(
     mask = j < ROW_BYTES
     byte = tl.load(blocks_ptr + e * stride_be + row * stride_br + j, mask=mask, other=0).to(tl.int32)
     s = tl.load(scales_ptr + e * stride_se + row * stride_sr + j // 16, mask=mask, other=127).to(tl.int32)
-    # 2 ** (s - 127) from its bits (exact; e8m0 0 is the fp32 subnormal 2 ** -127).
-    scale = tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)
+    scale = e8m0_scale(s)
     # NOTE: low nibble first; interleaved into one contiguous run of 2 * BLOCK values (one wide store).
     values = tl.interleave(_e2m1_value(byte & 15) * scale, _e2m1_value(byte >> 4) * scale)
     k = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)

@@ -6,12 +6,16 @@ weighted sum over the top-k accumulated in fp32. Slow (a Python loop over slots)
 
 gpt-oss's experts add biases to the three projections, clamp the SwiGLU (``swiglu_limit``) and
 interleave the gate and up rows of w13 (``interleaved``), as the kernel's ``ExpertExtras`` does.
+MXFP4 weights (uint8 code bytes with uint8 e8m0 scales, as ``fused_moe`` takes them) are dequantised
+with :func:`hearth.kernels.moe.mxfp4.dequantize_mxfp4`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
 
 SCALE_BLOCK = 128
 SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid gain
@@ -37,9 +41,12 @@ def slot_weights(
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One slot's (gate [I, D], up [I, D], down [D, I]) weights, dequantised and cast to ``dtype``.
-    ``interleaved``: w13's rows alternate gate, up (float weights)."""
+    ``interleaved``: w13's rows alternate gate, up (float or MXFP4 weights)."""
     inter = w13.shape[1] // 2
-    if interleaved:
+    if w13.dtype == torch.uint8 and s13 is not None and s13.dtype == torch.uint8:  # MXFP4
+        gate_up, w_down = dequantize_mxfp4(w13[slot], s13[slot], dtype), dequantize_mxfp4(w2[slot], s2[slot], dtype)
+        w_gate, w_up = (gate_up[0::2], gate_up[1::2]) if interleaved else (gate_up[:inter], gate_up[inter:])
+    elif interleaved:
         w_gate, w_up, w_down = w13[slot, 0::2], w13[slot, 1::2], w2[slot]
     elif s13 is None:
         w_gate, w_up, w_down = w13[slot, :inter], w13[slot, inter:], w2[slot]
@@ -86,7 +93,8 @@ def moe_reference(
 ) -> torch.Tensor:
     """Reference of ``fused_moe``: x [T, D], slot_ids [T, K] (-1 = skip), weights [T, K] fp32,
     w13 [S, 2I, D], w2 [S, D, I], optional FP8 scales s13 [S, 2*ceil(I/128), ceil(D/128)] and
-    s2 [S, ceil(D/128), ceil(I/128)]; gpt-oss: biases b13 [S, 2I] and b2 [S, D] and the clamped
+    s2 [S, ceil(D/128), ceil(I/128)], or MXFP4 (w13 [S, 2I, D/32, 16], w2 [S, D, I/32, 16], s13
+    [S, 2I, D/32], s2 [S, D, I/32], all uint8); gpt-oss: biases b13 [S, 2I] and b2 [S, D] and the clamped
     SwiGLU, with w13's gate and up rows (and b13's entries) alternating when ``interleaved``.
     Returns [T, D] fp32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

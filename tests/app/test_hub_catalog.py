@@ -188,9 +188,10 @@ def test_fit_footprint_of_gqa_moe_models():
     assert fp.num_moe_layers == 32 and fp.experts_bytes == 32 * 8 * 3 * 4096 * 14336 * 2
 
 
-def test_fit_footprint_of_gpt_oss_counts_mxfp4_in_ram_and_bf16_on_the_gpu():
+def test_fit_footprint_of_gpt_oss_counts_mxfp4_in_ram_and_resident_on_the_gpu():
     """gpt-oss-120b: 36 layers x 128 experts of 3 x 2880 x 2880 weights, 4.25 bits each in the files
-    (about 61 GiB downloaded) and in RAM when offloaded, bf16 on the GPU."""
+    (about 61 GiB downloaded), in RAM when offloaded and on the GPU when resident (the fused kernel reads
+    MXFP4); offloaded experts are computed in bf16 GPU slots."""
     from hearth.app.hub.fit import footprint_from_config
 
     config = {"model_type": "gpt_oss", "num_hidden_layers": 36, "hidden_size": 2880, "intermediate_size": 2880,
@@ -204,10 +205,14 @@ def test_fit_footprint_of_gpt_oss_counts_mxfp4_in_ram_and_bf16_on_the_gpu():
     assert fp.weights_bytes == download - int(params * 4.25 / 8) + params * 2
     assert fp.dense_bytes == download - int(params * 4.25 / 8)  # attention, embeddings, routers stay as shipped
     assert fp.experts_in_ram_bytes == int(params * 4.25 / 8)
-    # 80 GiB of GPU, 70 GiB of RAM: the experts fit in RAM as MXFP4 (61 GB), not as bf16 (229 GB)
+    assert fp.resident_gpu_weights_bytes == download  # all resident: the weights as shipped
     from hearth.app.hub.fit import Machine, Verdict, assess_fit
 
+    # 80 GiB of GPU: everything resident, the experts as MXFP4 (61 GB), not as bf16 (229 GB)
     report = assess_fit(fp, Machine(80 * GIB, 70 * GIB, 10**13), context_length=8192)
+    assert report.verdict == Verdict.GPU and download < report.gpu_needed_bytes < 80 * GIB
+    # 48 GiB of GPU, 70 GiB of RAM: the experts fit in RAM as MXFP4, not as bf16
+    report = assess_fit(fp, Machine(48 * GIB, 70 * GIB, 10**13), context_length=8192)
     assert report.verdict == Verdict.EXPERTS_IN_RAM
     assert report.ram_needed_bytes < 70 * GIB < params * 2
 

@@ -101,3 +101,15 @@ def kernel_path(monkeypatch):
         real = dsa_kernels.kernels_apply
         monkeypatch.setattr(dsa_kernels, "kernels_apply", lambda config, block, device, dtype:
                             real(config, block, torch.device("cuda"), dtype))
+
+
+@pytest.fixture
+def fused_experts_path(monkeypatch):
+    """On the CPU, resident experts through the fused MoE kernel as on CUDA (under Triton's interpreter):
+    the runner picks it and the loader keeps gpt-oss's MXFP4 experts packed for it."""
+    if TEST_DEVICE == "cpu":
+        from hearth.engine.models import fused_experts
+
+        real = fused_experts.enable
+        monkeypatch.setattr(fused_experts, "applies", lambda device: True)
+        monkeypatch.setattr(fused_experts, "enable", lambda model: real(model, require_cuda=False))

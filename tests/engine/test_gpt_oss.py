@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from hearth.engine import CheckpointError, Engine, EngineConfig, SamplingParams, load_model
 from hearth.engine.api import UnsupportedModelError
 from hearth.engine.config import ModelConfig
+from hearth.engine.testing.conformance import ConformanceModel
 from hearth.engine.testing.tiny import tiny_config, write_tiny_model
 from hearth.kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from tests.engine.conftest import TEST_DEVICE, hf_greedy, hf_model, run_to_completion
@@ -107,6 +108,29 @@ def test_mxfp4_checkpoint_matches_transformers(mxfp4_model):
     assert got == expected
 
 
+def test_resident_mxfp4_experts_stay_packed_through_the_fused_kernel(mxfp4_model, fused_experts_path):
+    """With the fused kernel path (CUDA; on the CPU the fixture forces it, the kernel interpreted) the
+    release's MXFP4 experts stay MXFP4 on the device, 4.25 bits a weight, and the kernel reads them:
+    the logits and greedy tokens of the experts dequantised at load (the plain path)."""
+    plain = Engine.load(str(mxfp4_model), EngineConfig(device=TEST_DEVICE, dtype="float32", use_kernels="never"))
+    engine = Engine.load(str(mxfp4_model), EngineConfig(device=TEST_DEVICE, dtype="float32"))
+    assert engine.runner.features.fused_experts and not plain.runner.features.fused_experts
+    moe = engine.runner.model.layers[0].mlp
+    blocks, scales = moe.experts.mxfp4("gate_up_proj")
+    assert blocks.dtype == scales.dtype == torch.uint8 and "gate_up_proj" not in dict(moe.experts.named_parameters())
+    assert moe.backend.format == "mxfp4" and moe.backend.w13.data_ptr() == blocks.data_ptr()  # no copy
+    assert plain.runner.model.layers[0].mlp.experts.mxfp4("gate_up_proj") is None  # dequantised at load
+    prompts = [PROMPT[:20], PROMPT[5:31]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert run_to_completion(engine, prompts, greedy) == run_to_completion(plain, prompts, greedy)
+    want, got = ConformanceModel(plain.runner).logits(PROMPT), ConformanceModel(engine.runner).logits(PROMPT)
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item())
+    for layer in engine.runner.model.layers:  # the per-expert loop dequantises the packed experts it runs
+        layer.mlp.backend = None
+    loop = ConformanceModel(engine.runner).logits(PROMPT)
+    assert (loop - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
 def _edited(src, dst, edit_config=None, edit_tensors=None):
     shutil.copytree(src, dst)
     if edit_config:
@@ -152,10 +176,13 @@ def test_mxfp4_blocks_without_scales_are_a_clear_error(mxfp4_model, tmp_path):
         load_model(str(broken), device=TEST_DEVICE, dtype="float32")
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_mxfp4_nan_scale_is_refused(mxfp4_model, tmp_path, offload):
+@pytest.mark.parametrize("offload,packed", [(False, False), (False, True), (True, False)])
+def test_mxfp4_nan_scale_is_refused(mxfp4_model, tmp_path, offload, packed, request):
     """A scale byte of 255 (e8m0's NaN) turns its whole group of 32 values non-finite: refused at load,
-    whether the experts load into the model or into the offload store."""
+    whether the experts load into the model (dequantised, or kept MXFP4 for the fused kernel) or into
+    the offload store."""
+    if packed:
+        request.getfixturevalue("fused_experts_path")
     name = "model.layers.1.mlp.experts.down_proj_scales"
 
     def poison(tensors):

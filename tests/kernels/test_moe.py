@@ -258,3 +258,95 @@ def test_mxfp4_dequantize_kernel_refuses_bad_layouts():
         dequantize_mxfp4_into(blocks.float(), scales, torch.zeros(1, 2, 96))
     with pytest.raises(ValueError, match="contiguous"):
         dequantize_mxfp4_into(blocks, scales, torch.zeros(1, 2, 192)[..., ::2])
+
+
+# MXFP4 experts (gpt-oss's release format) read directly: code bytes and e8m0 scales decoded in
+# registers. D and I multiples of 32 but not of the tiles (partial edge tiles in N and K), several
+# experts, top-k 2-4, with and without gpt-oss's extras, against the reference on dequantised weights.
+def _mxfp4_inputs(t, k, d, i, s, seed=0):
+    from hearth.kernels.moe.mxfp4 import quantize_mxfp4
+
+    x, ids, w, w13, w2, _, _ = _inputs(t, k, d, i, s, torch.float32, seed=seed)
+    (b13, s13), (b2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    return x, ids, w, b13, b2, s13, s2  # blocks [S, N, K/32, 16], scales [S, N, K/32]
+
+
+def _dequantised(w13, w2, s13, s2):
+    from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
+
+    return dequantize_mxfp4(w13, s13, torch.bfloat16), dequantize_mxfp4(w2, s2, torch.bfloat16)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "t,k,d,i,s,launch",
+    [
+        (1, 4, 160, 96, 5, None),  # default: the GEMV path
+        (33, 2, 96, 224, 4, None),  # default: the tl.dot path
+        (1, 3, 160, 96, 5, _gemv(1, block_n=8, block_k=128, split_k=3)),
+        (3, 4, 160, 96, 5, _gemv(2, block_n=32, block_k=32)),
+        (3, 4, 160, 96, 5, _gemv(8)),
+        (9, 2, 160, 96, 3, _mma(block_k=32)),
+    ],
+    ids=lambda v: v.describe() if isinstance(v, MoeLaunch) else None,
+)
+def test_mxfp4_weights(t, k, d, i, s, launch):
+    x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, k, d, i, s)
+    f13, f2 = _dequantised(w13, w2, s13, s2)
+    want = moe_reference(x, ids, w, f13, f2)
+    assert torch.equal(moe_reference(x, ids, w, w13, w2, s13, s2), want)  # the reference reads MXFP4 too
+    dev = [a.to(DEVICE) for a in (x, ids, w, w13, w2, s13, s2)]
+    out = torch.full((t, d), 3.0, device=DEVICE)
+    got = fused_moe(*dev, out=out) if launch is None else fused_moe_launch(*dev, out, launch=launch)
+    assert got is out
+    assert _rel_err(got.cpu() - 3.0, want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 8, 67])
+def test_mxfp4_weights_gpt_oss_width(t):
+    """gpt-oss-120b's expert width (2880 x 2880) with its extras, the default launch (GEMV at T=1, tl.dot
+    from a few tokens on): the kernels compiled for real, against the reference on dequantised weights."""
+    x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, 4, 2880, 2880, 16, seed=7)
+    f13, f2 = _dequantised(w13, w2, s13, s2)
+    g = torch.Generator().manual_seed(8)
+    b13, b2 = 0.1 * torch.randn(16, 2 * 2880, generator=g), 0.1 * torch.randn(16, 2880, generator=g)
+    x = x.bfloat16()
+    want = moe_reference(x, ids, w, f13, f2, b13=b13, b2=b2, swiglu_limit=7.0, interleaved=True)
+    extras = ExpertExtras(b13=b13.cuda(), b2=b2.cuda(), swiglu_limit=7.0, interleaved=True)
+    got = fused_moe(*(a.cuda() for a in (x, ids, w, w13, w2, s13, s2)), extras=extras).cpu()
+    assert _rel_err(got, want) < 2e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(
+    "t,launch", [(1, _gemv(1, split_k=2)), (3, _gemv(2, block_k=32)), (9, _mma())],
+    ids=lambda v: v.describe() if isinstance(v, MoeLaunch) else None,
+)
+def test_mxfp4_weights_with_extras(t, launch, interleaved):
+    x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, 3, 96, 160, 5, seed=5)
+    x = x * 8  # large enough activations that the clamp (limit 0.05) acts
+    g = torch.Generator().manual_seed(6)
+    b13, b2 = 0.1 * torch.randn(5, 2 * 160, generator=g), 0.1 * torch.randn(5, 96, generator=g)
+    f13, f2 = _dequantised(w13, w2, s13, s2)
+    want = moe_reference(x, ids, w, f13, f2, b13=b13, b2=b2, swiglu_limit=0.05, interleaved=interleaved)
+    extras = ExpertExtras(b13=b13.to(DEVICE), b2=b2.to(DEVICE), swiglu_limit=0.05, interleaved=interleaved)
+    dev = [a.to(DEVICE) for a in (x, ids, w, w13, w2, s13, s2)]
+    got = fused_moe_launch(*dev, None, launch=launch, extras=extras).cpu()
+    assert _rel_err(got, want) < 2e-2
+
+
+@needs_triton
+def test_mxfp4_layout_errors():
+    x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(2, 2, 64, 32, 4)
+    with pytest.raises(ValueError, match="uint8 w2 and s2"):
+        fused_moe(x, ids, w, w13, w2, s13, None)
+    with pytest.raises(ValueError, match="MXFP4 w2 blocks"):
+        fused_moe(x, ids, w, w13, w2[:, :32], s13, s2[:, :32])
+    with pytest.raises(ValueError, match="MXFP4 w13 blocks"):
+        fused_moe(x[:, :32].contiguous(), ids, w, w13, w2[:, :32], s13, s2[:, :32])
+    with pytest.raises(ValueError, match="contiguous"):
+        wide = torch.zeros(4, 64, 2, 32, dtype=torch.uint8)
+        fused_moe(x, ids, w, wide[..., :16], w2, s13, s2)

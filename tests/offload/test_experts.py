@@ -344,15 +344,23 @@ def test_mxfp4_store_holds_the_release_bytes_and_unpacks_to_its_weights(tmp_path
         assert torch.equal(one.w13[0], want[0][5]) and torch.equal(one.b2[0], want[3][5])
 
 
-def test_mxfp4_cache_fetches_packed_bytes_into_float_slots(tmp_path):
+def test_mxfp4_cache_keeps_packed_records_in_its_slots(tmp_path):
+    """Slots hold the store's MXFP4 records (the fused kernel reads them): a slot is the stored bytes,
+    and its views (code bytes, e8m0 scales, float biases) are the release's weights."""
+    from hearth.kernels.moe.mxfp4 import dequantize_mxfp4
+
     store, tensors, layers = _mxfp4_store(tmp_path)
     cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    assert cache.buffer.shape[1] == store.packing.record_bytes < store.layout.record_bytes / 3
     lease = cache.acquire(1, [6, 2, 7])
     want = _release_weights(tensors, 1, torch.float32)
+    w = cache.weights
+    assert w.w13.dtype == w.s13.dtype == torch.uint8
     for expert, slot in zip(lease.experts, lease.slots):
-        assert torch.equal(cache.weights.w13[slot], want[0][expert])
-        assert torch.equal(cache.weights.w2[slot], want[1][expert])
-        assert torch.equal(cache.weights.b13[slot], want[2][expert])
+        assert torch.equal(cache.buffer[slot], store.expert(1, expert))
+        assert torch.equal(dequantize_mxfp4(w.w13[slot], w.s13[slot], torch.float32), want[0][expert])
+        assert torch.equal(dequantize_mxfp4(w.w2[slot], w.s2[slot], torch.float32), want[1][expert])
+        assert torch.equal(w.b13[slot], want[2][expert])
     cache.release(lease)
     cache.release(cache.acquire(1, [2, 0]))  # one hit, one miss (evicting one)
     st = cache.stats()["layers"][1]

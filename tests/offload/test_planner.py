@@ -91,13 +91,11 @@ def test_footprint_from_tensor_bytes():
     assert footprint_from_tensor_bytes(mtp, top_k=2, num_layers=3) == fp
 
 
-def test_stacked_gpt_oss_experts_count_mxfp4_in_ram_and_float_on_the_gpu():
-    """gpt-oss's MXFP4 experts stay MXFP4 in the host store and on the link (4.25 bits a weight) and are
-    bf16 in the GPU's slots: the host plan counts the packed records, the GPU plan the float slots plus
-    the staging records the fetches land in."""
+def test_stacked_gpt_oss_experts_count_mxfp4_in_ram_and_in_the_gpu_slots():
+    """gpt-oss's MXFP4 experts stay MXFP4 in the host store, on the link and in the GPU's cache slots
+    (the fused kernel reads them): both plans count the packed records, 3.76x smaller than bf16 ones."""
     import torch
 
-    from hearth.offload.expert_cache import STAGING_RECORDS
     from hearth.offload.expert_store import ExpertLayout, Mxfp4Packing
     from hearth.offload.planner import footprint_from_stacked_experts
 
@@ -110,17 +108,38 @@ def test_stacked_gpt_oss_experts_count_mxfp4_in_ram_and_float_on_the_gpu():
     sizes = {"model.embed_tokens.weight": 1000, "model.layers.0.self_attn.q_proj.weight": 500,
              "model.layers.0.mlp.experts.gate_up_proj_blocks": mxfp4, "model.layers.0.mlp.experts.down_proj_blocks": 1,
              "model.layers.1.mlp.experts.gate_up_proj_blocks": mxfp4, "model.layers.1.mlp.router.weight": 7}
-    staging = STAGING_RECORDS * packed
-    fp = footprint_from_stacked_experts(sizes, 4, experts, layout.record_bytes, packed, staging)
+    fp = footprint_from_stacked_experts(sizes, 4, experts, packed)
     assert fp.dense_bytes == 1507 and fp.num_moe_layers == 2 and fp.num_experts == experts
-    assert fp.routed_bytes == 2 * experts * layout.record_bytes
-    assert fp.stored_routed_bytes == 2 * experts * packed
-    gpu = 2 * GiB + 32 * 2 * layout.record_bytes + staging + 1507 + 10 * GiB // 1000  # room for 32 slots a layer
+    assert fp.routed_bytes == fp.resident_routed_bytes == 2 * experts * packed
+    gpu = 2 * GiB + 32 * 2 * packed + 1507 + 10 * GiB // 1000  # room for 32 slots a layer
     plan = plan_memory(fp, 0, DeviceMemory(gpu, 64 * GiB), host_reserve_bytes=0)
     assert plan.experts == "offload" and plan.slots_per_layer == 32
-    assert plan.host_bytes == fp.stored_routed_bytes
-    assert plan.cache_bytes == 32 * 2 * layout.record_bytes + staging
+    assert plan.host_bytes == fp.routed_bytes
+    assert plan.cache_bytes == 32 * 2 * packed
     # RAM for the MXFP4 store but not for a bf16 one is enough
-    plan_memory(fp, 0, DeviceMemory(gpu, fp.stored_routed_bytes + 1), host_reserve_bytes=0)
+    plan_memory(fp, 0, DeviceMemory(gpu, fp.routed_bytes + 1), host_reserve_bytes=0)
     with pytest.raises(MemoryPlanError, match="host memory"):
-        plan_memory(fp, 0, DeviceMemory(gpu, fp.stored_routed_bytes - 1), host_reserve_bytes=0)
+        plan_memory(fp, 0, DeviceMemory(gpu, fp.routed_bytes - 1), host_reserve_bytes=0)
+
+
+def test_resident_mxfp4_experts_count_at_their_packed_bytes():
+    """With the fused MoE kernel gpt-oss's resident experts stay MXFP4 on the GPU: the plan keeps them
+    all resident where their packed records fit, though bf16 ones would not (they would be offloaded)."""
+    import torch
+
+    from hearth.offload.expert_store import ExpertLayout, Mxfp4Packing
+    from hearth.offload.planner import footprint_from_stacked_experts
+
+    hidden, inter, experts = 2880, 2880, 128
+    layout = ExpertLayout(hidden, inter, torch.bfloat16, bias=True)
+    packed = Mxfp4Packing(layout).record_bytes
+    sizes = {"model.embed_tokens.weight": 1000, "model.layers.0.mlp.experts.gate_up_proj_blocks": 1,
+             "model.layers.1.mlp.experts.gate_up_proj_blocks": 1}
+    resident = footprint_from_stacked_experts(sizes, 4, experts, packed)
+    dequantised = footprint_from_stacked_experts(sizes, 4, experts, packed, resident_expert_bytes=layout.record_bytes)
+    assert resident.resident_routed_bytes == 2 * experts * packed < dequantised.resident_routed_bytes / 3.7
+    gpu = 2 * GiB + 1000 + resident.resident_routed_bytes + 10 * GiB // 1000  # packed experts fit, bf16 do not
+    plan = plan_memory(resident, 0, DeviceMemory(gpu, 64 * GiB))
+    assert plan.experts == "gpu" and plan.cache_bytes == resident.resident_routed_bytes
+    assert plan.gpu_bytes == 1000 + resident.resident_routed_bytes
+    assert plan_memory(dequantised, 0, DeviceMemory(gpu, 64 * GiB)).experts == "offload"
