@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# First GPU call of a session (run from the repository root through the device tool, carry [".whl"]):
+# the GPU tests of code merged since the last GPU run, then the user's-path rows that code changes.
+# Results under $OUT: tests.txt (pass/fail lines), e2e-*.log/json, all.tgz (full logs, server logs).
+#   usage: bash scripts/gpu_verify.sh [tests] [e2e]     (both by default; about 9 minutes in all)
+# The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
+# the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+source scripts/gpu_env.sh
+steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests e2e)
+mkdir -p "$OUT/l"
+( for fam in deepseek_v32 gpt_oss; do python3 -c "
+import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
+write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
+for step in "${steps[@]}"; do
+    case $step in
+    tests)
+        HEARTH_TEST_DEVICE=cuda timeout 240 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+            -p no:cacheprovider -n 8 tests/kernels tests/offload tests/engine/test_gpt_oss.py \
+            tests/engine/test_fused_experts.py tests/engine/test_offload_engine.py tests/engine/test_piecewise.py \
+            tests/engine/test_runahead.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_engine.py \
+            tests/engine/test_tiers_graph_step.py tests/engine/test_prefix_store.py tests/engine/test_runner.py \
+            tests/engine/test_dsa_kernels_engine.py tests/engine/test_conformance.py > "$OUT/l/tests.log" 2>&1
+        echo "rc $?" >> "$OUT/l/tests.log"
+        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -25 ;;
+    e2e)
+        wait  # the checkpoints
+        E=(python3 bench/bench_e2e.py --logs "$OUT/l" --reps 1 --decode-tokens 128)
+        timeout 200 "${E[@]}" --dir /tmp/ckpt-deepseek_v32 --json "$OUT/e2e-ds.json" \
+            --configs resident offload-sync offload-runahead --concurrency 1 8 --ttft 2048 > "$OUT/e2e-ds.log" 2>&1
+        grep -vE "server flags|this window" "$OUT/e2e-ds.log" | tail -12
+        timeout 150 "${E[@]}" --dir /tmp/ckpt-gpt_oss --family gpt_oss --json "$OUT/e2e-gpt_oss.json" \
+            --configs resident offload-sync --concurrency 1 8 --ttft 2048 > "$OUT/e2e-gpt_oss.log" 2>&1
+        grep -vE "server flags|this window" "$OUT/e2e-gpt_oss.log" | tail -8 ;;
+    esac
+done
+wait
+tar czf "$OUT/all.tgz" -C "$OUT" l && rm -rf "$OUT/l"
