@@ -2,7 +2,7 @@
 # First GPU call of a session (run from the repository root through the device tool, carry [".whl"]):
 # the GPU tests of code merged since the last GPU run, then the user's-path rows that code changes.
 # Results under $OUT: tests.txt (pass/fail lines), e2e-*.log/json, all.tgz (full logs, server logs).
-#   usage: bash scripts/gpu_verify.sh [tests] [e2e]     (both by default; about 9 minutes in all)
+#   usage: bash scripts/gpu_verify.sh tests   (one call, ~5 min), then bash scripts/gpu_verify.sh e2e (~9.5 min)
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -12,15 +12,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         && export PYTHONPATH=/tmp/site
 fi
 source scripts/gpu_env.sh
-steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests e2e)
+steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests)
 mkdir -p "$OUT/l"
-( for fam in deepseek_v32 gpt_oss; do python3 -c "
+[[ " ${steps[*]} " == *" e2e "* ]] && ( for fam in deepseek_v32 gpt_oss; do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
 write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
 for step in "${steps[@]}"; do
     case $step in
     tests)
-        HEARTH_TEST_DEVICE=cuda timeout 240 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+        HEARTH_TEST_DEVICE=cuda timeout 280 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
             -p no:cacheprovider -n 8 tests/kernels tests/offload tests/engine/test_gpt_oss.py \
             tests/engine/test_fused_experts.py tests/engine/test_offload_engine.py tests/engine/test_piecewise.py \
             tests/engine/test_runahead.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_engine.py \
@@ -31,10 +31,10 @@ for step in "${steps[@]}"; do
     e2e)
         wait  # the checkpoints
         E=(python3 bench/bench_e2e.py --logs "$OUT/l" --reps 1 --decode-tokens 128)
-        timeout 200 "${E[@]}" --dir /tmp/ckpt-deepseek_v32 --json "$OUT/e2e-ds.json" \
+        timeout 280 "${E[@]}" --dir /tmp/ckpt-deepseek_v32 --json "$OUT/e2e-ds.json" \
             --configs resident offload-sync offload-runahead --concurrency 1 8 --ttft 2048 > "$OUT/e2e-ds.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-ds.log" | tail -12
-        timeout 150 "${E[@]}" --dir /tmp/ckpt-gpt_oss --family gpt_oss --json "$OUT/e2e-gpt_oss.json" \
+        timeout 170 "${E[@]}" --dir /tmp/ckpt-gpt_oss --family gpt_oss --json "$OUT/e2e-gpt_oss.json" \
             --configs resident offload-sync --concurrency 1 8 --ttft 2048 > "$OUT/e2e-gpt_oss.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-gpt_oss.log" | tail -8 ;;
     esac
