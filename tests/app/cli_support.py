@@ -58,6 +58,10 @@ class Terminal:
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         pid, fd = pty.fork()
         if pid == 0:  # the child: become the program
+            # A program started from a terminal has Ctrl-C live. A test run started in the background
+            # by a non-interactive shell inherits SIGINT ignored, an exec keeps it ignored and Python
+            # then installs no KeyboardInterrupt handler: the child would never see Ctrl-C.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(argv[0], argv, env)
         self.pid, self.fd = pid, fd
         self.output = ""
