@@ -224,8 +224,7 @@ class Mxfp4Packing:
 
     def unpack(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Write the float records ``dst`` [n, float record_bytes] from the packed ``src`` [n, record_bytes]
-        (same device). On CUDA two kernel launches and one byte copy, allocating nothing (so it may run
-        on a side stream); on the host torch."""
+        (same device). On CUDA two kernel launches and one byte copy; on the host torch."""
         p, w = self.views(src), self.float_layout.views(dst)
         start, nbytes = self.float_layout.bias_span
         dst[:, start:start + nbytes].copy_(p.biases)
@@ -289,13 +288,6 @@ class ExpertStore:
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """[record_bytes] uint8: one expert, contiguous."""
         return self._buffers[self._index[layer]][expert]
-
-    def unpack(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Float records ``dst`` [n, layout.record_bytes] of stored records ``src`` [n, record_bytes]."""
-        if self.packing is None:
-            dst.copy_(src)
-        else:
-            self.packing.unpack(src, dst)
 
     def float_records(self, layer: int, device: torch.device | str) -> torch.Tensor:
         """One layer's experts [E, layout.record_bytes] on ``device`` as they are computed from (the
