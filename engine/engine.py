@@ -306,8 +306,8 @@ class Engine:
         for start in range(0, len(pages), _PERSIST_BATCH):
             tier.spill(pages[start:start + _PERSIST_BATCH])
         written = tier.store.flush()
-        records = {c: self._prompt_tokens.to_bytes(c) for c in self._prompt_tokens.conversations()}
-        tier.store.save_prompts({c: record for c, record in records.items() if record is not None})
+        tier.store.save_prompts({c: record for c in self._prompt_tokens.conversations()
+                                 if (record := self._prompt_tokens.to_bytes(c)) is not None})
         return written
 
     def has_unfinished(self) -> bool:

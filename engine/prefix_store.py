@@ -482,10 +482,7 @@ class PrefixStore:
             for block_hash in segment.pages:
                 if self._index.get(block_hash) == name:
                     del self._index[block_hash]
-        try:
-            self._path(name).unlink(missing_ok=True)
-        except OSError as err:
-            logger.warning("could not delete prefix cache file %s: %s", name, err)
+        self._unlink(self._path(name))
 
     # ---- disk: reads -----------------------------------------------------------------------
 
