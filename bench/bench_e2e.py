@@ -287,7 +287,7 @@ class Floors:
     windows: tuple[int | None, ...]  # per layer: the tokens its attention reads at most (None: the context)
     kv_row: int  # GQA: bytes of one token's keys and values per layer (the cache is bf16)
     dsa_topk: int | None  # DSA: latents selected per query (the cache is read as INDEX_KEY_ROW / LATENT_ROW)
-    mxfp4: bool  # experts stored as MXFP4 (so in the offload store and on the link; bf16 in GPU memory)
+    mxfp4: bool  # experts stored as MXFP4 (in the offload store, on the link and in GPU memory)
 
     @classmethod
     def of(cls, folder: Path) -> Floors:
@@ -319,9 +319,9 @@ class Floors:
     def describe(self, context: int) -> str:
         cache = "indexer keys + selected latents" if self.dsa_topk is not None else "K/V of the context"
         held = ""
-        if self.mxfp4:  # MXFP4 is 4.25 bits a value: what offload holds in RAM and fetches; the GPU computes in bf16
-            held = (f" (MXFP4 as stored, in the offload store and over the link; in GPU memory, resident or in an "
-                    f"expert cache slot, bf16: {16 / 4.25:.2f}x the bytes)")
+        if self.mxfp4:  # 4.25 bits a value, as stored: in the offload store, over the link, in cache slots and
+            # resident on the GPU, where the fused MoE kernel reads it directly
+            held = " (MXFP4 as stored: in RAM, over the link and on the GPU, resident or in a cache slot)"
         return (f"floors: {self.fixed / 1e9:.2f} GB read by every step besides routed experts; "
                 f"{self.expert / 1e6:.1f} MB per routed expert{held}; {cache} {self.kv_bytes(context) / 1e6:.1f} MB "
                 f"per request at {context} tokens; batch 1 step floor {self.step_bytes(1, context) / HBM * 1e3:.3f} ms")
