@@ -388,10 +388,14 @@ def window_step_means(before: dict, after: dict) -> dict:
     def delta(key: str) -> float:
         return (find_number(after, key) or 0.0) - (find_number(before, key) or 0.0)
 
+    out: dict = {}
+    if (micro := delta("runahead_steps")) > 0:  # the runahead decoder's calls (engine/step_timer.py)
+        out.update(window_runahead_calls=micro, window_runahead_call_ms=delta("runahead_step_ms_sum") / micro,
+                   window_runahead_ms_per_token=delta("runahead_step_ms_sum") / max(delta("runahead_tokens"), 1.0))
     steps = delta("decode_steps")
     if steps <= 0:
-        return {}
-    out = {"window_step_ms": delta("decode_step_ms_sum") / steps,
+        return out
+    out |= {"window_step_ms": delta("decode_step_ms_sum") / steps,
            "window_gap_ms": delta("decode_gap_ms_sum") / max(delta("decode_gaps"), 1.0),
            "window_engine_tok_s": delta("generated_tokens") / max(after["uptime_s"] - before["uptime_s"], 1e-9),
            "window_steps_by_kind": {k.removeprefix("decode_steps_"): after[k] - before.get(k, 0.0)
@@ -624,6 +628,10 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
                   f"{row['window_gap_ms']:.3f} ms, "
                   f"model GPU {row.get('window_run_gpu_ms', math.nan):.3f} ms, engine {row['window_engine_tok_s']:.0f} "
                   f"tok/s; steps {row['window_steps_by_kind']}", flush=True)
+        if "window_runahead_calls" in row:
+            print(f"    runahead decoder: {row['window_runahead_calls']:.0f} calls of "
+                  f"{row['window_runahead_call_ms']:.3f} ms, {row['window_runahead_ms_per_token']:.3f} ms of them "
+                  f"per token finished", flush=True)
     res["decode"] = rows
     return res
 

@@ -475,11 +475,13 @@ class Engine:
             self.runner.prefetcher.active = choice == "prefetch"
 
     def _runahead_step(self) -> list[Event]:
+        start = time.perf_counter()
         try:
             done = self.decoder.step()
         except torch.OutOfMemoryError:
             seqs = [self._requests[r].seq for r in list(self.decoder.flights) if r in self._requests]
             return self._fail_all(seqs, _OOM_MESSAGE)
+        self.timer.runahead(time.perf_counter() - start, len(done))
         if not done:
             return []
         seqs = []

@@ -17,6 +17,11 @@ Beside the medians, running totals let a client average any window it chooses (t
 two ``/hearth/stats`` snapshots): decode steps, their wall time, the GPU time of those read, and the
 gap between consecutive decode steps (the engine thread's time outside ``Engine.step``: handing the
 events to the server, stats snapshots, waiting for the GIL).
+
+The runahead decoder's micro-steps (one layer's attention or experts for the requests at that layer)
+are not decode steps of the kind above: their own totals count them, their wall time and the tokens
+they finished (``runahead_*``), so a window's time per token under runahead is its wall time over
+its tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 _WINDOW = 256  # recent decode steps averaged
 _TOTALS = ("decode_steps", "decode_step_ms_sum", "decode_gaps", "decode_gap_ms_sum", "decode_run_gpu_steps",
-           "decode_run_gpu_ms_sum")
+           "decode_run_gpu_ms_sum", "runahead_steps", "runahead_step_ms_sum", "runahead_tokens")
 
 
 @dataclass
@@ -76,6 +81,12 @@ class StepTimer:
             self.totals["decode_run_gpu_steps"] += 1
             self.totals["decode_run_gpu_ms_sum"] += 1e3 * self.run_gpu_s[-1]
         self._pending = events
+
+    def runahead(self, seconds: float, tokens: int) -> None:
+        """One call of the runahead decoder: its wall time and the tokens it finished."""
+        self.totals["runahead_steps"] += 1
+        self.totals["runahead_step_ms_sum"] += 1e3 * seconds
+        self.totals["runahead_tokens"] += tokens
 
     def summary(self) -> dict[str, float]:
         out = dict(self.totals)

@@ -418,3 +418,15 @@ def test_adversarial_routing_through_a_tiny_cache(model_dir, slots):
     cache = residency.cache
     assert engine.decoder.num_held == 0 and residency.held == 0
     assert all(cache.available(layer) == slots for layer in cache.store.layers)
+
+
+def test_runahead_decoder_calls_are_counted(model_dir):
+    """The engine's totals count the runahead decoder's calls and the tokens they finish (every token
+    after each request's first, which its prompt step samples), so a client can take time per token
+    from a window of runahead decoding."""
+    engine = _engine(model_dir, "runahead")
+    _run(engine, _prompts())
+    stats = engine.stats().extra
+    assert stats["runahead_tokens"] == 5 * (GREEDY.max_tokens - 1)
+    assert stats["runahead_steps"] == engine.decoder.micro_steps > 0  # one micro-step a call
+    assert stats["runahead_step_ms_sum"] > 0
