@@ -221,6 +221,26 @@ def graph_time(fn, reps: int) -> float | None:
         return None
 
 
+def kernel_breakdown(fn, label: str, reps: int = 20) -> None:
+    """``--profile``: GPU time per call of ``fn`` by kernel (torch.profiler over eager calls, after one
+    untimed call), so the gap between two step times can be split into the kernels that make it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.self_device_time_total / reps, e.count / reps, e.key) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), reverse=True)
+    total = sum(us for us, _, _ in rows)
+    log(f"    kernels of {label}: {total:.1f} us of GPU time per call in {sum(n for _, n, _ in rows):.0f} kernels")
+    for us, count, name in rows[:14]:
+        log(f"      {us:8.1f} us  x{count:<4.0f} {name[:100]}")
+    RESULT.setdefault("kernels", {})[label] = [dict(us=us, count=count, name=name) for us, count, name in rows]
+
+
 # ---- ops: Triton kernels on CUDA, plain-torch stand-ins on the CPU -------------------------------
 class Ops:
     """Indexer + top-k over a paged FP8 key cache and sparse MLA decode over a paged FP8 latent cache."""
@@ -327,6 +347,8 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], a
 
     t_eager = eager_time(full_step, device, reps=20 if ops.cuda else 2)
     t_graph = graph_time(full_step, reps=50) if ops.cuda else None
+    if args.profile and ops.cuda:
+        kernel_breakdown(full_step, f"all on GPU {ctx // 1024}K")
     keys_dev, lat_dev = ctx * KEY_B, ctx * LAT_B
     read = ctx * KEY_B + k * LAT_B
     res = dict(ctx=ctx, all_eager=t_eager, all_graph=t_graph, all_key_bytes=keys_dev, all_lat_bytes=lat_dev,
@@ -469,6 +491,8 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
         t_eager = statistics.median(times[len(times) // 4:])
         t_graph = graph_time(lambda: read_side(steps - 1)[0], reps=50)
         t = t_graph or t_eager
+        if args.profile:
+            kernel_breakdown(lambda: read_side(steps - 1)[0], f"planned c{cand} {ctx // 1024}K")
         key_b = keys.device_bytes()
         emit("layer", f"(p) planned c{cand} cache{kcfg.cache_pages} hot{lcfg.ring_rows + lcfg.cache_rows}", shape,
              t, t_base, kcfg.page_bytes * (cand + kcfg.hot_pages) + k * LAT_B, eager_us=t_eager * 1e6,
@@ -738,6 +762,8 @@ def main() -> None:
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--planned", action="store_true",
                     help="also time the kernel path of tiered keys + latents (section 1p, CUDA only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the GPU time of each kernel of the all-on-GPU and the planned steps (CUDA only)")
     ap.add_argument("--prefill-buffers", action="store_true",
                     help="run section 5 only: prefill through the two history buffers against temporary buffers")
     ap.add_argument("--prefill-contexts", default="32768,65536,131072", help="prompt lengths of section 5")
