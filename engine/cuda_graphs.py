@@ -189,6 +189,11 @@ class DecodeGraphs:
                     del self.tier_graphs[k]
                 while len(self.tier_graphs) >= TIER_GRAPHS:
                     self.tier_graphs.popitem(last=False)
+                if not self.graphs and not self.tier_graphs:
+                    # NOTE: the shared memory pool lives while a graph captured into it does; once the
+                    # last is gone, capturing into it again fails an allocator assert (while its blocks,
+                    # e.g. the last step's logits, are still held), so the next capture starts a new pool.
+                    self._pool = None
                 entry = self.tier_graphs[key] = self._capture(b, key[0])
             self.tier_graphs.move_to_end(key)
         entry[0].replay()
