@@ -183,6 +183,11 @@ class StoreCounters:
     pages_restored: int = 0  # pages copied back into it
     files_written: int = 0
     files_rejected: int = 0  # corrupt or stale files deleted instead of used
+    # Host time of the two halves of a restore: pages read (and checked) from disk into RAM, and the
+    # restore call as a whole (disk reads included; on CUDA its copies to the device are queued, not waited).
+    disk_read_s: float = 0.0
+    disk_read_bytes: int = 0
+    restore_s: float = 0.0
 
 
 @dataclass
@@ -288,7 +293,11 @@ class PrefixStore:
             if block_hash not in self:
                 break
             known.append(block_hash)
+        start = time.perf_counter()
         loaded = self._load([h for h in known if h not in self._host])
+        if loaded:
+            self.counters.disk_read_s += time.perf_counter() - start
+            self.counters.disk_read_bytes += len(loaded) * self.page_bytes
         found = []
         for block_hash in known:
             entry = self._host.get(block_hash) or loaded.get(block_hash)
@@ -732,6 +741,7 @@ class PageTier:
     def restore(self, pages: list[tuple[int, int]]) -> list[frozenset[str]]:
         """Copy the pages ``(hash, block id)`` into the device, in order, stopping at the first the
         store cannot give; returns the conversations of each page restored."""
+        start = time.perf_counter()
         found = self.store.take([block_hash for block_hash, _ in pages])
         device = self.cache.page_device
         for start in range(0, len(found), _STAGE_PAGES):
@@ -741,6 +751,7 @@ class PageTier:
                 stage[first:first + run.shape[0]].copy_(run, non_blocking=self._cuda)
             self.cache.write_pages([block_id for _, block_id in pages[start:start + len(rows)]], stage)
         self.store.counters.pages_restored += len(found)
+        self.store.counters.restore_s += time.perf_counter() - start
         return [tags for _, tags in found]
 
 

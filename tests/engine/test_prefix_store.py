@@ -118,7 +118,12 @@ def test_restart_serves_the_follow_up_from_disk_with_private_files(models, recom
     assert restarted.stats().extra["prefix_cache_conversations"] == 1
     tokens, finished = _run(restarted, second, "chat-1")
     assert finished.stats.cached_prompt_tokens == CACHED
-    assert restarted.stats().extra["prefix_cache_restored_tokens"] == CACHED
+    stats = restarted.stats().extra
+    assert stats["prefix_cache_restored_tokens"] == CACHED
+    # the pages came from the files: their bytes counted, the read timed within the whole restore
+    page_bytes = restarted.prefix_tier.store.page_bytes
+    assert stats["prefix_cache_disk_read_bytes"] == CACHED // restarted.blocks.block_size * page_bytes
+    assert 0 < stats["prefix_cache_disk_read_ms"] <= stats["prefix_cache_restore_ms"]
     assert tokens == recompute("deepseek_v32", second)
 
 
