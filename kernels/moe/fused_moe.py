@@ -307,7 +307,8 @@ def fused_moe_launch(
             else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
         )
         precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit operands
-        meta = dict(HAS_SCALE=has_scale, MXFP4=mxfp4, MXFP4_BITS=bits, DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m)
+        meta = dict(HAS_SCALE=has_scale, MXFP4=mxfp4, MXFP4_BITS=bits, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                    BLOCK_M=block_m)  # fmt: skip
         gate_up_mma_kernel[(num_blocks, triton.cdiv(inter, gu.block_n))](
             x, w13, s13_, b13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1],
             triton.cdiv(inter, SCALE_BLOCK), *activation,

@@ -6,7 +6,10 @@ product and a sum over K: no tl.dot, so no 16-row padding. FP8 block scales are 
 activation values (a gather of ``k // 128`` on a [BLOCK_M, BLOCK_K] tile) rather than into the weight
 tile, so the weights cost one widening and one FMA per element. BLOCK_N divides 128, so one tile
 lies in one scale row. MXFP4 weights (MXFP4: uint8 code bytes and e8m0 scale bytes per group of 32
-along K) are decoded and scaled in registers by :func:`mxfp4_tile` (the scale varies along the row).
+along K) are decoded in registers from the bits and scaled per group sum (:func:`mxfp4_codes`,
+:func:`mxfp4_row_dot`; a block's rows share one decode), or with ``MXFP4_BITS`` off by the first,
+arithmetic :func:`mxfp4_tile` (A/B runs). For one row a block (the default) the activations are read
+before the weights so that the loop takes the weight tiles' layout: no layout conversion of them.
 gpt-oss's experts add per-expert biases, clamp the SwiGLU and interleave the gate and up rows
 (HAS_BIAS, CLAMPED, INTERLEAVED; float or MXFP4 weights).
 
@@ -130,8 +133,10 @@ def gate_up_gemv_kernel(
                     o_xr, m_xr = block_row(o_x, m_m[:, None], r)
                     x_e, x_o = x_pairs(x_ptr + o_xr, m_xr, k0, D, BLOCK_K)
                 one = (tl.arange(0, BLOCK_M) == r)[:, None]
-                acc_g += tl.where(one, mxfp4_row_dot(x_e, x_o, g_lo, g_hi, g_s, BLOCK_K)[None, :], 0.0)
-                acc_u += tl.where(one, mxfp4_row_dot(x_e, x_o, u_lo, u_hi, u_s, BLOCK_K)[None, :], 0.0)
+                y_g = mxfp4_row_dot(x_e, x_o, g_lo, g_hi, g_s, BLOCK_K)
+                y_u = mxfp4_row_dot(x_e, x_o, u_lo, u_hi, u_s, BLOCK_K)
+                acc_g += tl.where(one, y_g[None, :], 0.0)
+                acc_u += tl.where(one, y_u[None, :], 0.0)
     else:
         for k0 in range(0, D, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
@@ -143,7 +148,7 @@ def gate_up_gemv_kernel(
             else:
                 b_g = tl.load(p_g + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
                 b_u = tl.load(p_u + o_k[None, :], mask=m_w, other=0.0)
-            b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)  # (BM, BK)
+            b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)
             if HAS_SCALE:
                 b_xg = b_x * tl.load(p_s + o_k // 128, mask=m_k, other=0.0)[None, :]
                 b_xu = b_x * tl.load(p_s + NUM_SCALE_ROWS * stride_sn + o_k // 128, mask=m_k, other=0.0)[None, :]

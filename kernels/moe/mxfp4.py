@@ -132,7 +132,8 @@ def mxfp4_codes(p_w, p_s, m_w, k0, K_END, BLOCK_K: tl.constexpr):
     byte = tl.load(p_w + o_j[None, :], mask=m_w & (o_j < K_END // 2)[None, :], other=0).to(tl.int32)
     lo, hi = e2m1_pair(byte)
     o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale = e8m0_scale(tl.load(p_s + o_g[None, :], mask=m_w & (o_g < K_END // 32)[None, :], other=127).to(tl.int32))
+    s = tl.load(p_s + o_g[None, :], mask=m_w & (o_g < K_END // 32)[None, :], other=127)
+    scale = e8m0_scale(s.to(tl.int32))
     return lo, hi, scale
 
 
@@ -144,7 +145,8 @@ def x_pairs(p_x, m_x, k0, K_END, BLOCK_K: tl.constexpr):
     shifts; other dtypes are read whole and split."""
     if p_x.dtype.element_ty == tl.bfloat16:
         o_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        word = tl.load(p_x.to(tl.pointer_type(tl.int32)) + o_j[None, :], mask=m_x & (o_j < K_END // 2)[None, :], other=0)
+        p_words = p_x.to(tl.pointer_type(tl.int32))
+        word = tl.load(p_words + o_j[None, :], mask=m_x & (o_j < K_END // 2)[None, :], other=0)
         x_e, x_o = (word << 16).to(tl.float32, bitcast=True), (word & -0x10000).to(tl.float32, bitcast=True)
     else:
         o_k = k0 + tl.arange(0, BLOCK_K)
