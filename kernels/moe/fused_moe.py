@@ -38,6 +38,7 @@ GEMV_MAX_PAIRS_PER_SLOT = 1.1  # measured on the H200 (bench_moe --sweep): tl.do
 _SUM_BLOCK = 1024
 
 WeightFormat = Literal["float", "fp8", "mxfp4"]
+Mxfp4Decode = Literal["bits", "arith"]
 
 
 def weight_format(w13: torch.Tensor, s13: torch.Tensor | None) -> WeightFormat:
@@ -85,17 +86,22 @@ class TileConfig:
 @dataclasses.dataclass(frozen=True)
 class MoeLaunch:
     """How :func:`fused_moe_launch` runs: ``gemv`` picks the path; ``block_m`` pairs per block (1 on
-    the GEMV path means one pair per program in pair order, with no grouping pass)."""
+    the GEMV path means one pair per program in pair order, with no grouping pass). ``mxfp4_decode``:
+    how MXFP4 weights are decoded in registers, ``bits`` (see ``mxfp4.py``; GEMV tiles then need
+    block_k >= 32) or ``arith``, the first decode, kept for A/B runs."""
 
     gemv: bool
     block_m: int
     gate_up: TileConfig
     down: TileConfig
+    mxfp4_decode: Mxfp4Decode = "bits"
 
     def __post_init__(self):
         lo, hi = (1, 8) if self.gemv else (16, 64)
         if self.block_m & (self.block_m - 1) or not lo <= self.block_m <= hi:
             raise ValueError(f"block_m must be a power of two in [1, 8] (GEMV) or [16, 64] (tl.dot): {self}")
+        if self.mxfp4_decode not in ("bits", "arith"):
+            raise ValueError(f"mxfp4_decode must be 'bits' or 'arith': {self}")
 
     def describe(self) -> str:
         g, d = self.gate_up, self.down
@@ -103,6 +109,7 @@ class MoeLaunch:
         return (
             f"{path} m{self.block_m} gu(n{g.block_n} k{g.block_k} w{g.num_warps} s{g.num_stages}) "
             f"dn(n{d.block_n} k{d.block_k} w{d.num_warps} s{d.num_stages} x{d.split_k})"
+            + ("" if self.mxfp4_decode == "bits" else f" {self.mxfp4_decode}")
         )
 
 
@@ -246,8 +253,13 @@ def fused_moe_launch(
     if num_pairs == 0:
         return out
     has_scale, mxfp4 = fmt == "fp8", fmt == "mxfp4"
+    bits = launch.mxfp4_decode == "bits"
     if mxfp4 and (launch.gate_up.block_k < 2 or launch.down.block_k < 2):
         raise ValueError(f"MXFP4 weights need block_k >= 2 (a code byte holds two values): {launch}")
+    if mxfp4 and bits and launch.gemv and min(launch.gate_up.block_k, launch.down.block_k) < MXFP4_GROUP:
+        raise ValueError(f"the MXFP4 bits decode needs GEMV tiles of block_k >= {MXFP4_GROUP} (whole groups): {launch}")
+    if mxfp4 and bits and launch.gemv and x.dtype == torch.bfloat16 and x.data_ptr() % 4:
+        x = x.clone()  # NOTE: the GEMV reads bf16 activations as int32 pairs: rows 4-byte aligned
     block_m = launch.block_m
     flat_slots = slot_ids.reshape(-1).contiguous()  # (T*K,)
     identity = launch.gemv and block_m == 1
@@ -274,14 +286,15 @@ def fused_moe_launch(
             x, w13, s13_, b13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1],
             triton.cdiv(inter, SCALE_BLOCK), *activation,
             x.stride(0), w13.stride(0), w13.stride(1), s13_.stride(0), s13_.stride(1), b13_.stride(0), h.stride(0),
-            HAS_SCALE=has_scale, MXFP4=mxfp4, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=gu.block_n,
+            HAS_SCALE=has_scale, MXFP4=mxfp4, MXFP4_BITS=bits, IDENTITY=identity, BLOCK_M=block_m, BLOCK_N=gu.block_n,
             BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=gu.num_stages, **act,
         )  # fmt: skip
         k_per_split = triton.cdiv(triton.cdiv(inter, split), dn.block_k) * dn.block_k
         down_gemv_kernel[(num_blocks, triton.cdiv(d, dn.block_n), split)](
             h, w2, s2_, b2_, y, rw, sorted_pairs, block_slot, *common, k_per_split,
             h.stride(0), w2.stride(0), w2.stride(1), s2_.stride(0), s2_.stride(1), b2_.stride(0), y.stride(0),
-            y.stride(1), HAS_SCALE=has_scale, MXFP4=mxfp4, HAS_BIAS=down_bias, IDENTITY=identity, BLOCK_M=block_m,
+            y.stride(1), HAS_SCALE=has_scale, MXFP4=mxfp4, MXFP4_BITS=bits, HAS_BIAS=down_bias, IDENTITY=identity,
+            BLOCK_M=block_m,
             BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
         )  # fmt: skip
     else:
@@ -294,7 +307,8 @@ def fused_moe_launch(
             else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16)
         )
         precision = "ieee" if dot_dtype == tl.float32 else "tf32"  # tf32 is ignored for 16-bit operands
-        meta = dict(HAS_SCALE=has_scale, MXFP4=mxfp4, DOT_DTYPE=dot_dtype, PRECISION=precision, BLOCK_M=block_m)
+        meta = dict(HAS_SCALE=has_scale, MXFP4=mxfp4, MXFP4_BITS=bits, DOT_DTYPE=dot_dtype, PRECISION=precision,
+                    BLOCK_M=block_m)  # fmt: skip
         gate_up_mma_kernel[(num_blocks, triton.cdiv(inter, gu.block_n))](
             x, w13, s13_, b13_, h, sorted_pairs, block_slot, *common, slot_ids.shape[1],
             triton.cdiv(inter, SCALE_BLOCK), *activation,

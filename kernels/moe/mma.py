@@ -44,6 +44,7 @@ def gate_up_mma_kernel(
     HAS_SCALE: tl.constexpr,
     MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MXFP4_BITS: tl.constexpr,
     CLAMPED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -77,8 +78,8 @@ def gate_up_mma_kernel(
         if MXFP4:
             p_s = s_ptr + slot * stride_ss
             p_sg, p_su = p_s + r_g[:, None] * stride_sn, p_s + r_u[:, None] * stride_sn
-            b_g = mxfp4_tile(p_w + r_g[:, None] * stride_wn, p_sg, m_n[:, None], k0, D, BLOCK_K)  # (BN, BK) fp32
-            b_u = mxfp4_tile(p_w + r_u[:, None] * stride_wn, p_su, m_n[:, None], k0, D, BLOCK_K)
+            b_g = mxfp4_tile(p_w + r_g[:, None] * stride_wn, p_sg, m_n[:, None], k0, D, BLOCK_K, MXFP4_BITS)  # (BN, BK)
+            b_u = mxfp4_tile(p_w + r_u[:, None] * stride_wn, p_su, m_n[:, None], k0, D, BLOCK_K, MXFP4_BITS)
         else:
             b_g = tl.load(p_w + r_g[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)  # (BN, BK)
             b_u = tl.load(p_w + r_u[:, None] * stride_wn + o_k[None, :], mask=m_w, other=0.0)
@@ -123,6 +124,7 @@ def down_mma_kernel(
     HAS_SCALE: tl.constexpr,
     MXFP4: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MXFP4_BITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -149,7 +151,7 @@ def down_mma_kernel(
         )
         if MXFP4:
             p_s = s_ptr + slot * stride_ss + o_n[:, None] * stride_sn
-            b_w = mxfp4_tile(p_w + o_n[:, None] * stride_wn, p_s, m_n[:, None], k0, I, BLOCK_K)  # (BN, BK) fp32
+            b_w = mxfp4_tile(p_w + o_n[:, None] * stride_wn, p_s, m_n[:, None], k0, I, BLOCK_K, MXFP4_BITS)
         else:
             b_w = tl.load(
                 p_w + o_n[:, None] * stride_wn + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0

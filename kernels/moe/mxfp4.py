@@ -79,24 +79,96 @@ def e8m0_scale(s):
     return tl.where(s > 0, s << 23, 0x400000).to(tl.float32, bitcast=True)
 
 
+# e2m1_pair: the fp32 word with a nibble's sign in bit 31 and its three magnitude bits in bits 22..24
+# (the exponent's two low bits and the mantissa's top bit) is the code's value times 2 ** -126 (the
+# exponent-0 codes 0.5 and 0 land on fp32's subnormals); the mask keeps those four bits.
+_SIGN_MAGNITUDE = tl.constexpr(-0x7E400000)  # 0x81C00000 as an int32 (a larger literal would widen the ops to int64)
+_E2M1_UNIT = tl.constexpr(2.0**126)  # undoes the 2 ** -126 (exact: a power of two, results within e2m1's range)
+
+
 @triton.jit
-def mxfp4_tile(p_w, p_s, m_rows, k0, K_END, BLOCK_K: tl.constexpr):
+def e2m1_pair(byte):
+    """The values of a code byte's low and high nibble (int32 tensor, the byte in its low 8 bits) as
+    exact fp32, from the bits: per nibble a shift placing its sign bit at bit 31, an arithmetic shift
+    right by 6 (magnitude bits to 22..24), a mask and one multiply by 2 ** 126."""
+    lo = ((byte << 28) >> 6) & _SIGN_MAGNITUDE
+    hi = ((byte << 24) >> 6) & _SIGN_MAGNITUDE
+    return lo.to(tl.float32, bitcast=True) * _E2M1_UNIT, hi.to(tl.float32, bitcast=True) * _E2M1_UNIT
+
+
+@triton.jit
+def e2m1_nibbles(byte, BITS: tl.constexpr):
+    """(low, high) nibble values of code bytes (int32 0..255): :func:`e2m1_pair`, or with BITS off the
+    arithmetic decode kept for A/B runs."""
+    if BITS:
+        lo, hi = e2m1_pair(byte)
+    else:
+        lo, hi = _e2m1_value(byte & 15), _e2m1_value(byte >> 4)
+    return lo, hi
+
+
+@triton.jit
+def mxfp4_tile(p_w, p_s, m_rows, k0, K_END, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """Values k0 .. k0 + BLOCK_K of MXFP4 rows as an fp32 (rows, BLOCK_K) tile, zero from ``K_END`` on
     and in rows off ``m_rows``. ``p_w`` (rows, 1): each row's first code byte; ``p_s`` (rows, 1): its
-    first scale byte. k0 and K_END are even (a group is 32 values)."""
+    first scale byte. k0 and K_END are even (a group is 32 values). BITS: :func:`e2m1_pair`, else the
+    arithmetic decode (``_e2m1_value``; kept for A/B runs)."""
     o_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # code bytes: two values each
     m = m_rows & (o_j < K_END // 2)[None, :]
     byte = tl.load(p_w + o_j[None, :], mask=m, other=0).to(tl.int32)
     # NOTE: a row's scale bytes are few and reread from cache; one gather per byte keeps the tile simple.
     scale = e8m0_scale(tl.load(p_s + (o_j // 16)[None, :], mask=m, other=127).to(tl.int32))
-    return tl.interleave(_e2m1_value(byte & 15) * scale, _e2m1_value(byte >> 4) * scale)  # low nibble first
+    lo, hi = e2m1_nibbles(byte, BITS)
+    return tl.interleave(lo * scale, hi * scale)  # low nibble first
+
+
+@triton.jit
+def mxfp4_codes(p_w, p_s, m_w, k0, K_END, BLOCK_K: tl.constexpr):
+    """Values k0 .. k0 + BLOCK_K of MXFP4 rows, unscaled and split by nibble: (lo, hi) fp32 (rows,
+    BLOCK_K // 2) e2m1 values of the even and odd columns, and the rows' fp32 (rows, BLOCK_K // 32)
+    group scales. ``p_w`` / ``p_s`` (rows, 1): each row's first code / scale byte; ``m_w`` (rows, 1)
+    its mask. k0, K_END and BLOCK_K are multiples of 32; groups from K_END on read as zero."""
+    o_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # code bytes
+    byte = tl.load(p_w + o_j[None, :], mask=m_w & (o_j < K_END // 2)[None, :], other=0).to(tl.int32)
+    lo, hi = e2m1_pair(byte)
+    o_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    s = tl.load(p_s + o_g[None, :], mask=m_w & (o_g < K_END // 32)[None, :], other=127)
+    scale = e8m0_scale(s.to(tl.int32))
+    return lo, hi, scale
+
+
+@triton.jit
+def x_pairs(p_x, m_x, k0, K_END, BLOCK_K: tl.constexpr):
+    """Activations k0 .. k0 + BLOCK_K of one row split into its even and odd columns, fp32 (1, BLOCK_K // 2)
+    each (the order of :func:`mxfp4_codes`). ``p_x`` / ``m_x``: (1, 1) pointer to the row's first value
+    and mask. bf16 rows are read as one int32 word per pair (the row 4-byte aligned) and widened by bit
+    shifts; other dtypes are read whole and split."""
+    if p_x.dtype.element_ty == tl.bfloat16:
+        o_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p_words = p_x.to(tl.pointer_type(tl.int32))
+        word = tl.load(p_words + o_j[None, :], mask=m_x & (o_j < K_END // 2)[None, :], other=0)
+        x_e, x_o = (word << 16).to(tl.float32, bitcast=True), (word & -0x10000).to(tl.float32, bitcast=True)
+    else:
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(p_x + o_k[None, :], mask=m_x & (o_k < K_END)[None, :], other=0.0).to(tl.float32)
+        x_e, x_o = tl.split(tl.reshape(x, (1, BLOCK_K // 2, 2)))
+    return x_e, x_o
+
+
+@triton.jit
+def mxfp4_row_dot(x_e, x_o, lo, hi, scale, BLOCK_K: tl.constexpr):
+    """(rows,) fp32 sums over a K tile of ``x[k] * W[n, k]`` for one activation row (:func:`x_pairs`) and
+    MXFP4 rows (:func:`mxfp4_codes`): per group of 32 the sum of ``x * e2m1``, times the group's scale."""
+    prod = x_e * lo + x_o * hi  # (rows, BK/2)
+    part = tl.sum(tl.reshape(prod, (prod.shape[0], BLOCK_K // 32, 16)), axis=2)  # (rows, groups)
+    return tl.sum(part * scale, axis=1)
 
 
 @triton.jit
 def dequantize_mxfp4_kernel(
     blocks_ptr, scales_ptr, out_ptr, ROW_BYTES,
     stride_be, stride_br, stride_se, stride_sr, stride_oe, stride_or,
-    BLOCK: tl.constexpr,
+    BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (row, j, e): BLOCK code bytes of one row of matrix ``e`` -> 2 * BLOCK output values."""
     row = tl.program_id(0)
@@ -107,7 +179,8 @@ def dequantize_mxfp4_kernel(
     s = tl.load(scales_ptr + e * stride_se + row * stride_sr + j // 16, mask=mask, other=127).to(tl.int32)
     scale = e8m0_scale(s)
     # NOTE: low nibble first; interleaved into one contiguous run of 2 * BLOCK values (one wide store).
-    values = tl.interleave(_e2m1_value(byte & 15) * scale, _e2m1_value(byte >> 4) * scale)
+    lo, hi = e2m1_nibbles(byte, BITS)
+    values = tl.interleave(lo * scale, hi * scale)
     k = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
     tl.store(out_ptr + e * stride_oe + row * stride_or + k, values.to(out_ptr.dtype.element_ty), mask=k < 2 * ROW_BYTES)
 
@@ -115,11 +188,11 @@ def dequantize_mxfp4_kernel(
 _DEQUANT_BLOCK = 512  # code bytes per program: 1,024 values
 
 
-def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: bool = True) -> None:
     """:func:`dequantize_mxfp4` on the device into ``out``, one launch for ``n`` matrices of R rows:
     ``blocks`` uint8 [n, R, G, 16], ``scales`` uint8 [n, R, G], ``out`` float [n, R, G * 32]. Rows and
     matrices may be strided (views into expert records); each row's bytes must be contiguous. Allocates
-    nothing, so it may run on any stream."""
+    nothing, so it may run on any stream. ``bits``: :func:`e2m1_pair`, else the arithmetic decode (tests)."""
     n, rows, groups = scales.shape
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or out.dtype not in _FLOAT_OUT:
         raise ValueError(f"expected uint8 blocks and scales and a float out, got {blocks.dtype}, {scales.dtype}, "
@@ -135,5 +208,5 @@ def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch
     grid = (rows, triton.cdiv(row_bytes, _DEQUANT_BLOCK), n)
     dequantize_mxfp4_kernel[grid](
         blocks, scales, out, row_bytes, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        out.stride(0), out.stride(1), BLOCK=_DEQUANT_BLOCK,
+        out.stride(0), out.stride(1), BITS=bits, BLOCK=_DEQUANT_BLOCK,
     )  # fmt: skip

@@ -290,8 +290,11 @@ def _dequantised(w13, w2, s13, s2):
     ],
     ids=lambda v: v.describe() if isinstance(v, MoeLaunch) else None,
 )
-def test_mxfp4_weights(t, k, d, i, s, launch):
+@pytest.mark.parametrize("decode", ["bits", "arith"])
+def test_mxfp4_weights(t, k, d, i, s, launch, decode):
     x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, k, d, i, s)
+    if decode == "arith":  # the default launch decodes with bits; here the same launch with the old decode
+        launch = dataclasses.replace(launch or default_launch(ids.numel(), s, fp8=False), mxfp4_decode=decode)
     f13, f2 = _dequantised(w13, w2, s13, s2)
     want = moe_reference(x, ids, w, f13, f2)
     assert torch.equal(moe_reference(x, ids, w, w13, w2, s13, s2), want)  # the reference reads MXFP4 too
@@ -325,7 +328,9 @@ def test_mxfp4_weights_gpt_oss_width(t):
     "t,launch", [(1, _gemv(1, split_k=2)), (3, _gemv(2, block_k=32)), (9, _mma())],
     ids=lambda v: v.describe() if isinstance(v, MoeLaunch) else None,
 )
-def test_mxfp4_weights_with_extras(t, launch, interleaved):
+@pytest.mark.parametrize("decode", ["bits", "arith"])
+def test_mxfp4_weights_with_extras(t, launch, interleaved, decode):
+    launch = dataclasses.replace(launch, mxfp4_decode=decode)
     x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, 3, 96, 160, 5, seed=5)
     x = x * 8  # large enough activations that the clamp (limit 0.05) acts
     g = torch.Generator().manual_seed(6)
@@ -350,3 +355,49 @@ def test_mxfp4_layout_errors():
     with pytest.raises(ValueError, match="contiguous"):
         wide = torch.zeros(4, 64, 2, 32, dtype=torch.uint8)
         fused_moe(x, ids, w, wide[..., :16], w2, s13, s2)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [True, False], ids=["bits", "arith"])
+def test_mxfp4_decode_every_code_and_scale(bits):
+    """Each of the 16 codes under every scale byte 0..254 (e8m0's subnormal 2 ** -127, 1, 127 = 1.0, up
+    to 2 ** 127, where the larger codes overflow to inf): bit for bit the torch dequantiser, -0.0 included."""
+    from hearth.kernels.moe.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_into
+
+    scales = torch.arange(255, dtype=torch.uint8)[:, None]  # (255, 1): one group a row
+    codes = torch.arange(16, dtype=torch.uint8)
+    row = torch.cat((codes | (codes.flip(0) << 4), codes << 4))  # 32 bytes: every code in both nibbles
+    blocks = row.view(2, 16)[None].expand(255, 2, 16).reshape(255, 2, 16)  # rows of two groups
+    scales = torch.cat((scales, 254 - scales), dim=1)  # the second group: the other end of the range
+    want = dequantize_mxfp4(blocks, scales, torch.float32)
+    out = torch.empty((1, 255, 64), device=DEVICE)
+    dequantize_mxfp4_into(blocks[None].to(DEVICE), scales[None].to(DEVICE), out, bits=bits)
+    assert torch.equal(out[0].cpu().view(torch.int32), want.view(torch.int32))  # bits: -0.0 vs 0.0 counts
+    low_first = [0.0, -6.0, 0.5, -4.0, 1.0, -3.0, 1.5, -2.0, 2.0, -1.5, 3.0, -1.0, 4.0, -0.5, 6.0, -0.0]
+    assert want[127, :16].tolist() == low_first
+    assert want[0, 2] == 2.0**-128 and want[254, 6] == 1.5 * 2.0**127 and want[254, 8] == float("inf")
+
+
+@needs_triton
+@pytest.mark.parametrize("decode", ["bits", "arith"])
+def test_mxfp4_gemv_wide_scale_range(decode):
+    """Groups scaled from 2 ** -40 to 2 ** 40 within one row (the bits decode scales per group sum, not
+    per value), tiles that cover several groups and a partial last one, one and four rows a block."""
+    x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(3, 4, 160, 96, 5, seed=9)
+    g = torch.Generator().manual_seed(10)
+    s13 = (s13.int() + torch.randint(-40, 41, s13.shape, generator=g)).to(torch.uint8)
+    s2 = (s2.int() + torch.randint(-8, 9, s2.shape, generator=g)).to(torch.uint8)
+    f13, f2 = _dequantised(w13, w2, s13, s2)
+    want = moe_reference(x.float(), ids, w, f13.float(), f2.float())
+    dev = [a.to(DEVICE) for a in (x.float(), ids, w, w13, w2, s13, s2)]
+    for launch in (_gemv(1, block_k=64, split_k=2), _gemv(4, block_n=32, block_k=128)):
+        got = fused_moe_launch(*dev, None, launch=dataclasses.replace(launch, mxfp4_decode=decode)).cpu()
+        assert _rel_err(got, want) < 1e-5
+
+
+def test_mxfp4_launch_errors():
+    x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(1, 2, 64, 32, 4)
+    with pytest.raises(ValueError, match="whole groups"):
+        fused_moe_launch(x, ids, w, w13, w2, s13, s2, None, launch=_gemv(1, block_k=16))
+    with pytest.raises(ValueError, match="mxfp4_decode"):
+        dataclasses.replace(_gemv(1), mxfp4_decode="lut")
