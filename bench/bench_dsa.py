@@ -1,10 +1,14 @@
 """Benchmark Hearth's DSA kernels (indexer + top-k, sparse MLA; decode and prefill) on one GPU against
 plain-torch baselines of the same math, measured in the same run, after a correctness check.
 
-    python bench/bench_dsa.py [--out DIR] [--quick] [--sweep]
+    python bench/bench_dsa.py [--out DIR] [--quick] [--sweep] [--only decode_indexer,decode_mla,prefill]
+    TRITON_INTERPRET=1 python bench/bench_dsa.py --dry-run   (no GPU: the decode sparse MLA rows at tiny
+                                                              shapes, checks only)
 
 Prints one line per result (median time, GB/s or TFLOP/s, % of ceiling, torch time, ratio) and writes
-`dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .).
+`dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .). Decode sparse
+MLA runs at batch 1, 8 and 64 with a bf16 cache (current and old launch plan) and an FP8 cache on the
+old per-element path and the tile path, and reports FP8 / bf16 TFLOP/s ratios per batch.
 Ceilings from docs/benchmarks.md: 4.28 TB/s copy, ~790 TFLOP/s bf16 matmul.
 """
 
@@ -41,6 +45,8 @@ TFLOPS = 790e12
 BS = 64
 K = 2048
 ROWS: list[dict] = []
+RATIOS: list[dict] = []  # decode sparse MLA: FP8 cache TFLOP/s over bf16 cache TFLOP/s, per batch
+DEVICE = "cuda"
 
 
 def emit(what: str, shape: str, t_s: float, base_s: float | None, nbytes: float = 0, flops: float = 0, **extra):
@@ -70,6 +76,13 @@ def bench(fn, graph: bool = False, rep: int = 60) -> float:
     torch.cuda.synchronize()
     ms = do_bench_cudagraph(fn, rep=rep, return_mode="median") if graph else do_bench(fn, rep=rep, return_mode="median")
     return ms * 1e-3
+
+
+def dry_bench(fn, graph: bool = False, rep: int = 60) -> float:
+    """--dry-run stand-in for `bench`: one call, wall-clock seconds (the interpreter's, not a GPU's)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def random_indexer_cache(num_blocks: int) -> torch.Tensor:
@@ -162,7 +175,7 @@ def decode_indexer(batch: int, ctx_len: int, heads: int = 64, sweep: bool = Fals
 
 
 def random_latent(num_blocks: int, fp8: bool) -> torch.Tensor:
-    lat = torch.randn(num_blocks, BS, 576, device="cuda").to(torch.bfloat16)
+    lat = torch.randn(num_blocks, BS, 576, device=DEVICE).to(torch.bfloat16)
     return quantize_latent_fp8(lat) if fp8 else lat
 
 
@@ -179,45 +192,84 @@ def torch_sparse_mla(q, cache, idx, table_rows, limits, sm_scale):
     return torch.einsum("rhn,rnd->rhd", p, kv[..., :512])
 
 
-def decode_sparse_mla(batch: int, fp8: bool, heads: int = 128, ctx_len: int = 32768, sweep: bool = False):
+def old_mla_plan(batch: int, heads: int, k: int, fp8: bool) -> dict:
+    """The sparse MLA launch before the FP8 tile path, for an A/B in one run: 64-head blocks, splits
+    aiming at 264 programs, per-element FP8 dequantisation in one pipeline stage."""
+    programs = batch * triton.cdiv(heads, 64)
+    splits = 1 if programs >= 96 else min(triton.cdiv(k, 64), triton.cdiv(264, programs))
+    return {"block_h": 64, "splits": splits} | ({"fp8_tile": False} if fp8 else {})
+
+
+def mla_sweep(batch: int) -> list[dict]:
+    """Configs tried with --sweep on the current (tile) path: head blocks x splits at small batch,
+    tile depth x pipeline stages at large batch."""
+    if batch <= 8:
+        return [
+            {"block_h": bh, "splits": sp, "block_n": bn}
+            for bh in (16, 32, 64)
+            for sp in ((8, 16, 32) if batch == 1 else (2, 4, 8))
+            for bn in (32, 64)
+        ]
+    return [
+        {"block_n": bn, "num_warps": 8, "num_stages": ns} for bn, ns in ((32, 2), (32, 3), (32, 4), (64, 1), (64, 3))
+    ]
+
+
+def decode_sparse_mla(batch: int, heads: int = 128, ctx_len: int = 32768, k: int = K, sweep: bool = False):
+    """One batch size: bf16 cache (current plan and the old plan), FP8 cache on the old path and on
+    the tile path, all on the same latents (the FP8 cache quantises the bf16 one), then the ratios of
+    the default launches; with `sweep` also the best config of the current plan for each cache."""
     max_blocks = ctx_len // BS
-    cache = random_latent(batch * max_blocks, fp8)
-    table = torch.randperm(batch * max_blocks, device="cuda").int().view(batch, max_blocks)
-    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, 576, device="cuda").to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(ctx_len, device="cuda")[:K] for _ in range(batch)]).int()
+    lat = random_latent(batch * max_blocks, False)
+    caches = {"bf16": lat, "fp8": quantize_latent_fp8(lat)}
+    table = torch.randperm(batch * max_blocks, device=DEVICE).int().view(batch, max_blocks)
+    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, heads, 576, device=DEVICE).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(ctx_len, device=DEVICE)[:k] for _ in range(batch)]).int()
     sm = 0.1352
-    shape = f"B{batch} H{heads} k{K} {'fp8' if fp8 else 'bf16'}"
-    out, lse = sparse_mla_decode(q, cache, idx, table, ctx, sm)
-    ro, rl = sparse_mla_ref(q[:4], cache, idx[:4], table[:4], ctx[:4] - 1, sm)
-    err = float((out[:4].float() - ro).norm() / ro.norm())
-    assert err < 1e-2 and float((lse[:4] - rl).abs().max()) < 1e-3, f"sparse MLA decode err {err}"
-    print(f"  check ok: sparse MLA decode {shape} (rel err {err:.1e})", flush=True)
-    flops = batch * heads * K * (576 + 512) * 2
-    nbytes = batch * K * (656 if fp8 else 1152) + q.numel() * 2 + batch * heads * 512 * 2
-    t_base = None
-    if not fp8:
-        t_base = bench(lambda: torch_sparse_mla(q, cache, idx, table, ctx - 1, sm), rep=40)
-    cfgs = [None]
-    if sweep:
-        cands = [(32, 8, 2), (64, 8, 1), (32, 8, 3), (32, 8, 1)] + ([] if fp8 else [(64, 8, 2)])
-        cfgs += [{"block_n": bn, "num_warps": nw, "num_stages": ns} for bn, nw, ns in cands]
-        if batch == 1:
-            cfgs += [{"splits": s} for s in (8, 16, 32)]
-        if batch == 64:
-            cfgs += [{"splits": 2}]
-    best = None
-    for cfg in cfgs:
-        try:
-            t = bench(lambda cfg=cfg: sparse_mla_decode(q, cache, idx, table, ctx, sm, config=cfg), graph=True)
-        except Exception as e:  # a config can exceed shared memory on this GPU
-            print(f"    sweep {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+    flops = batch * heads * k * (576 + 512) * 2
+    variants = [  # (label, cache format, base config, sweep it)
+        ("bf16", "bf16", None, True),
+        ("bf16 old plan", "bf16", old_mla_plan(batch, heads, k, False), False),
+        ("fp8 old path", "fp8", old_mla_plan(batch, heads, k, True), False),
+        ("fp8 tile path", "fp8", None, True),
+    ]
+
+    def time_mla(cache: torch.Tensor, cfg: dict | None) -> float:
+        return bench(lambda: sparse_mla_decode(q, cache, idx, table, ctx, sm, config=cfg), graph=True)
+
+    times = {}
+    for label, fmt, base_cfg, swept in variants:
+        cache = caches[fmt]
+        shape = f"B{batch} H{heads} k{k} {fmt}"
+        out, lse = sparse_mla_decode(q, cache, idx, table, ctx, sm, config=base_cfg)
+        ro, rl = sparse_mla_ref(q[:4], cache, idx[:4], table[:4], ctx[:4] - 1, sm)
+        err = float((out[:4].float() - ro).norm() / ro.norm())
+        assert err < 1e-2 and float((lse[:4] - rl).abs().max()) < 1e-3, f"sparse MLA decode {label} err {err}"
+        print(f"  check ok: sparse MLA decode {label} {shape} (rel err {err:.1e})", flush=True)
+        nbytes = batch * k * (656 if fmt == "fp8" else 1152) + q.numel() * 2 + batch * heads * 512 * 2
+        t_base = None
+        if label == "bf16":
+            t_base = bench(lambda cache=cache: torch_sparse_mla(q, cache, idx, table, ctx - 1, sm), rep=40)
+        t = time_mla(cache, base_cfg)
+        times[label] = t
+        emit(f"decode sparse MLA ({label})", shape, t, t_base, flops=flops, nbytes=nbytes, cfg=str(base_cfg))
+        if not (sweep and swept):
             continue
-        if sweep:
-            print(f"    sweep {cfg}: {t * 1e6:.1f} us", flush=True)
-        if best is None or t < best[0]:
-            best = (t, cfg)
-    emit("decode sparse MLA", shape, best[0], t_base, flops=flops, nbytes=nbytes, cfg=str(best[1]))
+        best = (t, base_cfg)
+        for cfg in mla_sweep(batch):
+            try:
+                t = time_mla(cache, cfg)
+            except Exception as e:  # a config can exceed shared memory on this GPU
+                print(f"    sweep {label} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+                continue
+            print(f"    sweep {label} {cfg}: {t * 1e6:.1f} us", flush=True)
+            best = min(best, (t, cfg), key=lambda b: b[0])
+        emit(f"decode sparse MLA ({label}, best)", shape, best[0], t_base, flops=flops, nbytes=nbytes, cfg=str(best[1]))
+    ratio = times["bf16"] / times["fp8 tile path"]
+    old_ratio = times["bf16"] / times["fp8 old path"]
+    RATIOS.append(dict(batch=batch, fp8_tile_vs_bf16=ratio, fp8_old_vs_bf16=old_ratio))
+    print(f"  B{batch}: FP8 tile path / bf16 = x{ratio:.2f} in TFLOP/s (old FP8 path x{old_ratio:.2f})", flush=True)
 
 
 def prefill(ctx_len: int, n_q: int = 4096, sweep: bool = False, mla_fp8: bool = False, run_mla: bool = True):
@@ -323,11 +375,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
     ap.add_argument("--only", default="decode_indexer,decode_mla,prefill")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no GPU: decode sparse MLA only (batch 1, 3; tiny shapes) under TRITON_INTERPRET=1, checks only",
+    )
     args = ap.parse_args()
     only = set(args.only.split(","))
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--dry-run needs TRITON_INTERPRET=1 in the environment (Triton reads it at import)")
+        global DEVICE, bench
+        DEVICE, bench, only = "cpu", dry_bench, only & {"decode_mla"}
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (dry run)"
     print(
-        f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name()} torch {torch.__version__} "
-        f"triton {triton.__version__}",
+        f"# {time.strftime('%Y-%m-%d %H:%M')} {device_name} torch {torch.__version__} triton {triton.__version__}",
         flush=True,
     )
     t0 = time.time()
@@ -340,9 +402,9 @@ def main() -> None:
                     (decode_indexer, (batch, ctx_len), dict(sweep=args.sweep and ctx_len == 131072, check=check))
                 )
     if "decode_mla" in only:
-        for batch in (1, 8, 64):
-            for fp8 in (False, True):
-                jobs.append((decode_sparse_mla, (batch, fp8), dict(sweep=args.sweep)))
+        for batch in (1, 3) if args.dry_run else (1, 8, 64):
+            shapes = dict(heads=16, ctx_len=1024, k=128) if args.dry_run else {}
+            jobs.append((decode_sparse_mla, (batch,), dict(sweep=args.sweep) | shapes))
     if "prefill" in only:
         for ctx_len in (32768, 131072):
             jobs.append((prefill, (ctx_len,), dict(sweep=args.sweep and ctx_len == 32768, run_mla=ctx_len == 32768)))
@@ -372,6 +434,16 @@ def main() -> None:
             f"| {r['what']} | {r['shape']} | {r['us']:.1f} | {fmt(r['gbs'], 0)} | {fmt(r['tflops'], 1)} | "
             f"{r['pct']:.1f} | {fmt(r['torch_us'], 1)} | {fmt(r['speedup'], 1)} |"
         )
+    if RATIOS:
+        lines += [
+            "",
+            "| decode sparse MLA batch | FP8 tile path / bf16 (TFLOP/s) | FP8 old path / bf16 |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {r['batch']} | {r['fp8_tile_vs_bf16']:.2f} | {r['fp8_old_vs_bf16']:.2f} |" for r in RATIOS]
+        with open(out / "dsa_bench.jsonl", "a") as f:
+            for r in RATIOS:
+                f.write(json.dumps(r) + "\n")
     (out / "dsa_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -9,10 +9,26 @@ streams BLOCK_N gathered latent rows at a time through an online softmax; with s
 fp32 partial results are merged by a second small kernel (decode at small batch).
 Latent cache: bf16 [num_blocks, block_size, 576] or FP8 uint8 [num_blocks, block_size, 656]
 (512 e4m3 + 4 fp32 scales for 128-dim groups + 64 bf16 rope dims), dequantised to bf16 on load.
+
+Design notes (FP8 latents and small batches):
+- FP8 tile path (`fp8_tile=True`, the default): each gathered [BLOCK_N, 512] e4m3 tile is loaded once
+  per program (16-byte cp.async rows, pipelined like the bf16 tile), the row's 4 group scales as one
+  [BLOCK_N, 4] load, and the tile is dequantised once (fp32 product, broadcast over each 128-value
+  group through a free reshape, rounded to bf16) into the one shared-memory operand that both dots
+  of all the program's heads read. The old path (`fp8_tile=False`) gathered a scale per element
+  ([BLOCK_N, 512] fp32 loads and 64-bit addresses: 149 global loads per thread and 412 bytes of
+  register spills per tile when compiled for sm_90) and, its scale tile staged in shared memory,
+  fitted one pipeline stage only; the tile path needs 190 KiB with two stages at BLOCK_H = BLOCK_N = 64
+  (the bf16 tile 221 KiB) and spills less than the bf16 path.
+- The 128 heads of a row are two 64-head programs (a [64, 512] fp32 accumulator is what 8 warps can
+  hold), so a tile is gathered from HBM once and from L2 a second time.
+- Splits (`launch_plan`): rows x head blocks x splits fill one wave of the device's SMs; batch 1-4
+  uses 16-head blocks so that fewer splits (fewer fp32 partials to merge) fill the SMs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,6 +42,7 @@ D_ROPE = 64
 D_QK = D_LATENT + D_ROPE
 FP8_TOKEN_BYTES = 656
 LOG2E = 1.4426950408889634
+H200_SMS = 132
 
 
 @triton.jit
@@ -57,6 +74,7 @@ def _sparse_mla_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    FP8_TILE: tl.constexpr,
     PARTIAL: tl.constexpr,
     DV: tl.constexpr,
     DR: tl.constexpr,
@@ -70,6 +88,7 @@ def _sparse_mla_fwd_kernel(
     m_h = o_h < H
     o_v = tl.arange(0, DV)
     o_e = tl.arange(0, DR)
+    o_g = tl.arange(0, 4)
     i_r64 = i_r.to(tl.int64)
     p_q = q_ptr + i_r64 * stride_q_r + o_h[:, None] * stride_q_h
     if not Q_RELOAD:
@@ -91,9 +110,17 @@ def _sparse_mla_fwd_kernel(
         if IS_FP8:
             p_kv = kv_ptr + b_slot[:, None] * 656 + o_v[None, :]
             b_raw = tl.load(p_kv, mask=m_n[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-            p_sc = kv_f32_ptr + b_slot[:, None] * 164 + 128 + (o_v // 128)[None, :]
-            b_sc = tl.load(p_sc, mask=m_n[:, None], other=0.0)
-            b_kv = (b_raw.to(tl.float32) * b_sc).to(tl.bfloat16)
+            if FP8_TILE:
+                # the row's 4 group scales once ([BLOCK_N, 4]), broadcast over each 128-value group
+                p_sc = kv_f32_ptr + b_slot[:, None] * 164 + 128 + o_g[None, :]
+                b_sc = tl.load(p_sc, mask=m_n[:, None], other=0.0)
+                b_kv = tl.reshape(b_raw.to(tl.float32), (BLOCK_N, 4, DV // 4)) * b_sc[:, :, None]
+                b_kv = tl.reshape(b_kv, (BLOCK_N, DV)).to(tl.bfloat16)
+            else:
+                # old path: one scale load per element ([BLOCK_N, 512] fp32 gathers)
+                p_sc = kv_f32_ptr + b_slot[:, None] * 164 + 128 + (o_v // 128)[None, :]
+                b_sc = tl.load(p_sc, mask=m_n[:, None], other=0.0)
+                b_kv = (b_raw.to(tl.float32) * b_sc).to(tl.bfloat16)
             b_ke = tl.load(kv_bf16_ptr + b_slot[:, None] * 328 + 264 + o_e[None, :], mask=m_n[:, None], other=0.0)
         else:
             p_kv = kv_bf16_ptr + b_slot[:, None] * (DV + DR)
@@ -185,24 +212,53 @@ def _check_cache(kv_cache: torch.Tensor, device: torch.device) -> tuple[int, boo
     return block_size, is_fp8
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device; the CPU interpreter plans as for an H200 (132)."""
+    if device.type != "cuda":
+        return H200_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch_plan(n_rows: int, heads: int, topk: int, is_fp8: bool, sm_count: int, config: dict | None = None) -> dict:
+    """Tile sizes and split count of one launch; `config` entries override the plan's.
+
+    Split-K fills the GPU when rows x head blocks alone cannot: one wave of at most `sm_count`
+    programs (one program per SM: the tiles need 190-221 KiB of shared memory), each split at least
+    one BLOCK_N tile. With very few rows (decode at batch <= 4) 16-head blocks give 4x the programs
+    for the same split count (and 4x fewer fp32 partials to merge than 64-head blocks with 4x the
+    splits); their dot falls back from wgmma to mma.sync, which at one or two tiles per program costs
+    less than the extra partial traffic."""
+    cfg = {"block_n": 64, "num_warps": 8, "q_reload": False, "fp8_tile": True} | (config or {})
+    if cfg.get("num_stages") is None:
+        # the element-wise FP8 path (fp8_tile=False) only fits one stage in shared memory
+        cfg["num_stages"] = 1 if is_fp8 and not cfg["fp8_tile"] else 2
+    if cfg.get("block_h") is None:
+        few_rows = n_rows * triton.cdiv(heads, 64) * 16 <= sm_count
+        cfg["block_h"] = 16 if few_rows else 64
+    cfg["block_h"] = min(cfg["block_h"], max(16, triton.next_power_of_2(heads)))
+    row_programs = max(1, n_rows * triton.cdiv(heads, cfg["block_h"]))
+    tiles = triton.cdiv(topk, cfg["block_n"])
+    splits = cfg.get("splits")
+    if splits is None:
+        splits = 1 if 4 * row_programs >= 3 * sm_count else max(1, min(tiles, sm_count // row_programs))
+    chunk = max(triton.cdiv(triton.cdiv(topk, splits), cfg["block_n"]), 1) * cfg["block_n"]
+    cfg["chunk"] = chunk
+    cfg["splits"] = max(1, triton.cdiv(topk, chunk))
+    return cfg
+
+
 def _launch(q, kv_cache, indices, table, stride_table_r, limits, limit_bias, sm_scale, config, out=None, lse=None):
     n_rows, heads, _ = q.shape
     topk = indices.shape[1]
     block_size, is_fp8 = _check_cache(kv_cache, q.device)
-    # NOTE: measured on the H200 (Triton 3.6): block_n 64 at 8 warps wins despite a few hundred bytes
-    # of register spills ([64, 512] fp32 accumulator + q); FP8 dequantises through shared memory and
-    # only fits one pipeline stage (227 KiB)
-    cfg = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1 if is_fp8 else 2, "splits": None}
-    cfg |= {"q_reload": False} | (config or {})
-    block_h = min(cfg["block_h"], max(16, triton.next_power_of_2(heads)))
+    cfg = launch_plan(n_rows, heads, topk, is_fp8, _sm_count(q.device), config)
+    block_h, chunk, splits = cfg["block_h"], cfg["chunk"], cfg["splits"]
     n_hb = triton.cdiv(heads, block_h)
-    splits = cfg["splits"]
-    if splits is None:
-        programs = n_rows * n_hb
-        splits = 1 if programs >= 96 else min(triton.cdiv(topk, cfg["block_n"]), triton.cdiv(264, programs))
-    chunk = triton.cdiv(triton.cdiv(topk, splits), cfg["block_n"]) * cfg["block_n"]
-    chunk = max(chunk, cfg["block_n"])
-    splits = max(1, triton.cdiv(topk, chunk))
     if out is None:
         out = torch.empty(n_rows, heads, D_LATENT, dtype=q.dtype, device=q.device)
     if lse is None:
@@ -249,6 +305,7 @@ def _launch(q, kv_cache, indices, table, stride_table_r, limits, limit_bias, sm_
         BLOCK_H=block_h,
         BLOCK_N=cfg["block_n"],
         IS_FP8=is_fp8,
+        FP8_TILE=cfg["fp8_tile"],
         PARTIAL=partial,
         DV=D_LATENT,
         DR=D_ROPE,
@@ -312,7 +369,8 @@ def sparse_mla_decode(
         context_lens: [B] int32; index i is used iff 0 <= i < context_lens[b].
         sm_scale: softmax scale (0.13523378 DeepSeek-V3.2, 0.0625 GLM-5).
         out, lse: optional preallocated outputs (shapes and dtypes as returned), e.g. for CUDA graphs.
-        config: optional tuning override (block_h, block_n, num_warps, num_stages, splits, q_reload).
+        config: optional overrides of `launch_plan` (block_h, block_n, num_warps, num_stages, splits,
+            q_reload, fp8_tile: False selects the old per-element FP8 dequantisation).
     Returns:
         out [B, H, 512] bf16 (zeros where no index is valid), lse [B, H] fp32 natural-log
         log-sum-exp of the scaled scores (-inf where none is valid).

@@ -3,6 +3,7 @@ plus an independent dense-attention check when every position is selected."""
 
 import pytest
 import torch
+import triton
 
 from hearth.kernels.sparse_mla import (
     dequantize_latent_fp8,
@@ -10,6 +11,7 @@ from hearth.kernels.sparse_mla import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
+from hearth.kernels.sparse_mla.kernel import launch_plan
 from hearth.kernels.sparse_mla.reference import (
     dense_mla_decode_check,
     sparse_mla_decode_ref,
@@ -22,7 +24,12 @@ LSE_TOL = 1e-3  # absolute, fp32 softmax statistics
 
 
 def _cache(num_blocks, block_size, fp8, device):
-    lat = (torch.randn(num_blocks, block_size, 576, device=device)).to(torch.bfloat16)
+    """Random latents whose four 128-value groups differ in magnitude, so that FP8 entries carry four
+    different scales (N(0, 1) groups alone would all get the same power of two)."""
+    gain = torch.tensor([1.0, 4.0, 0.25, 2.0], device=device).repeat_interleave(128)
+    lat = torch.randn(num_blocks, block_size, 576, device=device)
+    lat[..., :512] *= gain
+    lat = lat.to(torch.bfloat16)
     return quantize_latent_fp8(lat) if fp8 else lat
 
 
@@ -60,6 +67,69 @@ def test_decode_matches_reference(fp8, block_size, splits, device):
     ro, rl = sparse_mla_decode_ref(q, cache, idx, table, ctx, 0.1352)
     assert rel_err(out.float(), ro) < OUT_TOL
     assert float((lse - rl).abs().max()) < LSE_TOL
+
+
+@pytest.mark.parametrize("fp8_tile", [True, False])
+@pytest.mark.parametrize(
+    ("batch", "block_h", "block_n", "splits"),
+    [(1, 16, 16, 5), (1, 64, 32, None), (4, 16, 32, 2), (5, 64, 16, 1)],
+)
+def test_decode_fp8_paths_match_reference(fp8_tile, batch, block_h, block_n, splits, device):
+    """The FP8 tile path (dequantised once per tile) and the old per-element path, at odd head counts
+    and selection lengths, one and several rows, 16- and 64-head blocks, split and unsplit."""
+    heads, topk, block_size = 23, 75, 16
+    ctx = torch.randint(1, 200, (batch,), dtype=torch.int32, device=device)
+    max_blocks = 200 // block_size + 2
+    cache = _cache(batch * max_blocks + 3, block_size, True, device)
+    table = paged_table(batch, max_blocks, batch * max_blocks + 3, device)
+    q = torch.randn(batch, heads, 576, device=device).to(torch.bfloat16)
+    idx = _selection(batch, topk, ctx - 1, device)
+    out, lse = _poisoned((batch, heads, 512), (batch, heads), device)
+    cfg = {"fp8_tile": fp8_tile, "block_h": block_h, "block_n": block_n, "splits": splits}
+    sparse_mla_decode(q, cache, idx, table, ctx, 0.1352, out=out, lse=lse, config=cfg)
+    ro, rl = sparse_mla_decode_ref(q, cache, idx, table, ctx, 0.1352)
+    assert rel_err(out.float(), ro) < OUT_TOL
+    assert float((lse - rl).abs().max()) < LSE_TOL
+
+
+def test_decode_fp8_tile_path_equals_the_old_path(device):
+    """Both FP8 paths round the same fp32 products to bf16, so with the same tiles and splits their
+    results agree to the last bit (the tile path only loads the scales differently)."""
+    batch, heads, topk, block_size = 3, 18, 50, 16
+    ctx = torch.tensor([40, 97, 5], dtype=torch.int32, device=device)
+    cache = _cache(3 * 8 + 1, block_size, True, device)
+    table = paged_table(batch, 8, 3 * 8 + 1, device)
+    q = torch.randn(batch, heads, 576, device=device).to(torch.bfloat16)
+    idx = _selection(batch, topk, ctx - 1, device)
+    base = {"block_h": 32, "block_n": 16, "splits": 2}
+    new = sparse_mla_decode(q, cache, idx, table, ctx, 0.1352, config=base | {"fp8_tile": True})
+    old = sparse_mla_decode(q, cache, idx, table, ctx, 0.1352, config=base | {"fp8_tile": False})
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+
+
+@pytest.mark.parametrize("sm_count", [132, 78])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 64, 256])
+def test_launch_plan_fills_one_wave(batch, sm_count):
+    """DeepSeek-V3.2 decode shapes: the grid fills at most one wave of the SMs, at least half of it
+    when the rows alone cannot, and the splits tile the selection exactly."""
+    heads, topk = 128, 2048
+    cfg = launch_plan(batch, heads, topk, True, sm_count)
+    row_programs = batch * triton.cdiv(heads, cfg["block_h"])
+    programs = row_programs * cfg["splits"]
+    assert cfg["chunk"] % cfg["block_n"] == 0
+    assert (cfg["splits"] - 1) * cfg["chunk"] < topk <= cfg["splits"] * cfg["chunk"]
+    if 4 * row_programs >= 3 * sm_count:
+        assert cfg["splits"] == 1
+    else:
+        assert sm_count // 2 < programs <= sm_count
+    assert cfg["fp8_tile"] and cfg["num_stages"] == 2
+
+
+def test_launch_plan_honours_overrides():
+    cfg = launch_plan(1, 128, 2048, True, 132, {"fp8_tile": False, "block_h": 64, "splits": 32})
+    assert (cfg["block_h"], cfg["splits"], cfg["chunk"], cfg["num_stages"]) == (64, 32, 64, 1)
+    assert launch_plan(1, 128, 2048, True, 132, {"num_stages": 3, "block_n": 32})["num_stages"] == 3
+    assert launch_plan(3, 12, 80, False, 132)["block_h"] == 16  # never wider than the heads need
 
 
 def test_decode_merges_many_splits_with_empty_ones(device):
