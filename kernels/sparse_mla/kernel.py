@@ -233,19 +233,28 @@ def launch_plan(n_rows: int, heads: int, topk: int, is_fp8: bool, sm_count: int,
     for the same split count (and 4x fewer fp32 partials to merge than 64-head blocks with 4x the
     splits); their dot falls back from wgmma to mma.sync, which at one or two tiles per program costs
     less than the extra partial traffic."""
-    cfg = {"block_n": 64, "num_warps": 8, "q_reload": False, "fp8_tile": True} | (config or {})
+    # NOTE: the one-wave plan is not yet timed on a GPU; the bf16 cache (the engine's default) keeps
+    # the plan measured on the H200 (64-head blocks, splits aiming at 264 programs) until an A/B
+    # (bench_dsa's "bf16" and "bf16 wave plan" rows) says otherwise. plan="wave" / "h200" forces either.
+    cfg = {"block_n": 64, "num_warps": 8, "q_reload": False, "fp8_tile": True,
+           "plan": "wave" if is_fp8 else "h200"} | (config or {})
+    if cfg["plan"] not in ("wave", "h200"):
+        raise ValueError(f"plan must be 'wave' or 'h200', got {cfg['plan']!r}")
+    wave = cfg["plan"] == "wave"
     if cfg.get("num_stages") is None:
         # the element-wise FP8 path (fp8_tile=False) only fits one stage in shared memory
         cfg["num_stages"] = 1 if is_fp8 and not cfg["fp8_tile"] else 2
     if cfg.get("block_h") is None:
-        few_rows = n_rows * triton.cdiv(heads, 64) * 16 <= sm_count
+        few_rows = wave and n_rows * triton.cdiv(heads, 64) * 16 <= sm_count
         cfg["block_h"] = 16 if few_rows else 64
     cfg["block_h"] = min(cfg["block_h"], max(16, triton.next_power_of_2(heads)))
     row_programs = max(1, n_rows * triton.cdiv(heads, cfg["block_h"]))
     tiles = triton.cdiv(topk, cfg["block_n"])
     splits = cfg.get("splits")
-    if splits is None:
+    if splits is None and wave:
         splits = 1 if 4 * row_programs >= 3 * sm_count else max(1, min(tiles, sm_count // row_programs))
+    elif splits is None:
+        splits = 1 if row_programs >= 96 else min(tiles, triton.cdiv(264, row_programs))
     chunk = max(triton.cdiv(triton.cdiv(topk, splits), cfg["block_n"]), 1) * cfg["block_n"]
     cfg["chunk"] = chunk
     cfg["splits"] = max(1, triton.cdiv(topk, chunk))

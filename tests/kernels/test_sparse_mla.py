@@ -125,6 +125,18 @@ def test_launch_plan_fills_one_wave(batch, sm_count):
     assert cfg["fp8_tile"] and cfg["num_stages"] == 2
 
 
+def test_bf16_cache_keeps_the_measured_plan_until_the_wave_plan_is_timed():
+    """The engine's bf16 latent cache keeps the H200-measured plan (64-head blocks, splits aiming at
+    264 programs); plan="wave" picks the one-wave plan the FP8 tile path uses."""
+    cfg = launch_plan(1, 128, 2048, False, 132)
+    assert (cfg["block_h"], cfg["splits"], cfg["plan"]) == (64, 32, "h200")
+    assert launch_plan(64, 128, 2048, False, 132)["splits"] == 1
+    wave = launch_plan(1, 128, 2048, False, 132, {"plan": "wave"})
+    assert wave["block_h"] == 16 and 66 < 8 * wave["splits"] <= 132
+    with pytest.raises(ValueError, match="plan"):
+        launch_plan(1, 128, 2048, False, 132, {"plan": "fast"})
+
+
 def test_launch_plan_honours_overrides():
     cfg = launch_plan(1, 128, 2048, True, 132, {"fp8_tile": False, "block_h": 64, "splits": 32})
     assert (cfg["block_h"], cfg["splits"], cfg["chunk"], cfg["num_stages"]) == (64, 32, 64, 1)
