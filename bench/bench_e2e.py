@@ -716,11 +716,13 @@ class ChatBench:
         row = {"ttft_s": turn.ttft, "prompt_tokens": turn.prompt_tokens, "cached_tokens": turn.cached_tokens,
                "restored_tokens": int(delta("prefix_cache_restored_tokens")), "prefix_cache": prefix_stats(after),
                "restore_ms": delta("prefix_cache_restore_ms"), "disk_read_ms": delta("prefix_cache_disk_read_ms"),
-               "disk_read_mb": delta("prefix_cache_disk_read_bytes") / 1e6}
+               "disk_read_mb": delta("prefix_cache_disk_read_bytes") / 1e6, "spill_ms": delta("prefix_cache_spill_ms")}
         where = ""
         if row["restored_tokens"]:  # the engine's host time restoring them, of it reading files
             where = (f"; restore {row['restore_ms']:.0f} ms of host time, of it {row['disk_read_mb']:.0f} MB read "
                      f"from disk in {row['disk_read_ms']:.0f} ms")
+        if row["spill_ms"] >= 1:  # pages of other chats the device reused for this one, kept in RAM first
+            where += f"; spilling other chats' pages {row['spill_ms']:.0f} ms"
         print(f"  {label}: TTFT {turn.ttft * 1e3:.0f} ms, {turn.prompt_tokens} prompt tokens, "
               f"{turn.cached_tokens} cached ({row['restored_tokens']} restored from RAM or disk{where})", flush=True)
         return row

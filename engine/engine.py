@@ -647,7 +647,7 @@ class Engine:
             counters = store.counters
             out.update(prefix_cache_host_bytes=float(store.host_bytes), prefix_cache_disk_bytes=float(store.disk_bytes),
                        prefix_cache_files_rejected=float(counters.files_rejected),
-                       prefix_cache_restore_ms=1e3 * counters.restore_s,
+                       prefix_cache_restore_ms=1e3 * counters.restore_s, prefix_cache_spill_ms=1e3 * counters.spill_s,
                        prefix_cache_disk_read_ms=1e3 * counters.disk_read_s,
                        prefix_cache_disk_read_bytes=float(counters.disk_read_bytes))
         out["prefix_cache_conversations"] = float(len(conversations))

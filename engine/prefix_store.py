@@ -188,6 +188,7 @@ class StoreCounters:
     disk_read_s: float = 0.0
     disk_read_bytes: int = 0
     restore_s: float = 0.0
+    spill_s: float = 0.0  # host time keeping pages the device is about to reuse (their copies queued on CUDA)
 
 
 @dataclass
@@ -724,6 +725,7 @@ class PageTier:
 
     def spill(self, pages: list[tuple[int, int, frozenset[str]]]) -> None:
         """Keep the pages ``(block id, hash, conversations)`` the device is about to reuse."""
+        start = time.perf_counter()
         known = [(block_hash, None, conversations) for _, block_hash, conversations in pages
                  if block_hash in self.store]
         fresh = [page for page in pages if page[1] not in self.store]
@@ -737,6 +739,7 @@ class PageTier:
                 ready.record()
             self.store.put_many(((block_hash, row, tags) for row, (_, block_hash, tags) in zip(data, chunk)), ready)
         self.store.counters.pages_spilled += len(fresh)
+        self.store.counters.spill_s += time.perf_counter() - start
 
     def restore(self, pages: list[tuple[int, int]]) -> list[frozenset[str]]:
         """Copy the pages ``(hash, block id)`` into the device, in order, stopping at the first the

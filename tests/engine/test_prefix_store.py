@@ -81,6 +81,8 @@ def test_follow_up_restored_from_ram_equals_recompute(models, recompute, arch):
     second = _first_turn_then_another_chat(engine)
     before = engine.stats().extra
     assert before["prefix_cache_host_bytes"] > 0 and before["prefix_cache_disk_bytes"] == 0
+    assert before["prefix_cache_spill_ms"] > 0  # the first chat's pages left the device, timed
+    assert before["prefix_cache_disk_read_bytes"] == 0  # (no folder: nothing was ever read from one)
     tokens, finished = _run(engine, second, "chat-1")
     assert finished.stats.cached_prompt_tokens == CACHED  # only the new tokens were computed
     after = engine.stats().extra
