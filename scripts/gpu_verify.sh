@@ -2,7 +2,9 @@
 # First GPU call of a session (run from the repository root through the device tool, carry [".whl"]):
 # the GPU tests of code merged since the last GPU run, then the user's-path rows that code changes.
 # Results under $OUT: tests.txt (pass/fail lines), e2e-*.log/json, all.tgz (full logs, server logs).
-#   usage: bash scripts/gpu_verify.sh tests   (one call, ~5 min), then bash scripts/gpu_verify.sh e2e (~9.5 min)
+#   usage: bash scripts/gpu_verify.sh tests   (one call, ~5-6 min on a fresh machine), then bash scripts/gpu_verify.sh e2e (~6 min),
+#   then `kernels` (~7 min: the A/B rows of kernel variants merged untimed) and `c2` (~5 min: tiered decode
+#   through the server, the chat cache across a restart, planned tiers by kernel), one call each.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -14,13 +16,15 @@ fi
 source scripts/gpu_env.sh
 steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests)
 mkdir -p "$OUT/l"
-[[ " ${steps[*]} " == *" e2e "* ]] && ( for fam in deepseek_v32 gpt_oss; do python3 -c "
+fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32 gpt_oss)
+[[ " ${steps[*]} " == *" c2 "* ]] && fams+=(deepseek_v32)
+(( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
 write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
 for step in "${steps[@]}"; do
     case $step in
     tests)
-        HEARTH_TEST_DEVICE=cuda timeout 280 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+        HEARTH_TEST_DEVICE=cuda timeout 420 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
             -p no:cacheprovider -n 8 tests/kernels tests/offload tests/engine/test_gpt_oss.py \
             tests/engine/test_fused_experts.py tests/engine/test_offload_engine.py tests/engine/test_piecewise.py \
             tests/engine/test_runahead.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_engine.py \
@@ -37,6 +41,24 @@ for step in "${steps[@]}"; do
         timeout 170 "${E[@]}" --dir /tmp/ckpt-gpt_oss --family gpt_oss --json "$OUT/e2e-gpt_oss.json" \
             --configs resident offload-sync --concurrency 1 8 --ttft 2048 > "$OUT/e2e-gpt_oss.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-gpt_oss.log" | tail -8 ;;
+    kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
+        timeout 200 python3 bench/bench_moe.py --dtypes mxfp4 --sweep --budget 90 --out "$OUT/l" > "$OUT/moe.log" 2>&1
+        grep -E "BEST|ratio|x[0-9]" "$OUT/moe.log" | tail -15
+        timeout 150 python3 bench/bench_dsa.py --only decode_mla --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
+        grep -E "TFLOP|FP8 tile" "$OUT/dsa-mla.log" | tail -15
+        timeout 100 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
+        tail -15 "$OUT/dsa-indexer.log" ;;
+    c2)
+        wait  # the checkpoint
+        E=(python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 1)
+        timeout 100 "${E[@]}" --configs tiers64k --concurrency 1 --ttft --prompt 65536 --decode-tokens 64 \
+            > "$OUT/e2e-tiers.log" 2>&1
+        grep -v "server flags" "$OUT/e2e-tiers.log" | tail -4
+        timeout 160 "${E[@]}" --configs chat-cache --chat-context 65536 --reps 2 > "$OUT/e2e-chat.log" 2>&1
+        grep -E "TTFT|target" "$OUT/e2e-chat.log" | tail -12
+        timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
+            --time-limit 60 --profile --out "$OUT/l" > "$OUT/longctx.log" 2>&1
+        grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;
     esac
 done
 wait
