@@ -88,13 +88,14 @@ class MoeLaunch:
     """How :func:`fused_moe_launch` runs: ``gemv`` picks the path; ``block_m`` pairs per block (1 on
     the GEMV path means one pair per program in pair order, with no grouping pass). ``mxfp4_decode``:
     how MXFP4 weights are decoded in registers, ``bits`` (see ``mxfp4.py``; GEMV tiles then need
-    block_k >= 32) or ``arith``, the first decode, kept for A/B runs."""
+    block_k >= 32) or ``arith``, the first decode. NOTE: ``arith`` stays the default until ``bits`` has
+    passed the GPU tests and ``bench_moe --dtypes mxfp4`` timed both (only the CPU interpreter ran it)."""
 
     gemv: bool
     block_m: int
     gate_up: TileConfig
     down: TileConfig
-    mxfp4_decode: Mxfp4Decode = "bits"
+    mxfp4_decode: Mxfp4Decode = "arith"
 
     def __post_init__(self):
         lo, hi = (1, 8) if self.gemv else (16, 64)

@@ -188,7 +188,7 @@ def dequantize_mxfp4_kernel(
 _DEQUANT_BLOCK = 512  # code bytes per program: 1,024 values
 
 
-def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: bool = True) -> None:
+def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: bool = False) -> None:
     """:func:`dequantize_mxfp4` on the device into ``out``, one launch for ``n`` matrices of R rows:
     ``blocks`` uint8 [n, R, G, 16], ``scales`` uint8 [n, R, G], ``out`` float [n, R, G * 32]. Rows and
     matrices may be strided (views into expert records); each row's bytes must be contiguous. Allocates

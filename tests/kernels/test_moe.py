@@ -293,8 +293,7 @@ def _dequantised(w13, w2, s13, s2):
 @pytest.mark.parametrize("decode", ["bits", "arith"])
 def test_mxfp4_weights(t, k, d, i, s, launch, decode):
     x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, k, d, i, s)
-    if decode == "arith":  # the default launch decodes with bits; here the same launch with the old decode
-        launch = dataclasses.replace(launch or default_launch(ids.numel(), s, fp8=False), mxfp4_decode=decode)
+    launch = dataclasses.replace(launch or default_launch(ids.numel(), s, fp8=False), mxfp4_decode=decode)
     f13, f2 = _dequantised(w13, w2, s13, s2)
     want = moe_reference(x, ids, w, f13, f2)
     assert torch.equal(moe_reference(x, ids, w, w13, w2, s13, s2), want)  # the reference reads MXFP4 too
@@ -398,6 +397,7 @@ def test_mxfp4_gemv_wide_scale_range(decode):
 def test_mxfp4_launch_errors():
     x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(1, 2, 64, 32, 4)
     with pytest.raises(ValueError, match="whole groups"):
-        fused_moe_launch(x, ids, w, w13, w2, s13, s2, None, launch=_gemv(1, block_k=16))
+        fused_moe_launch(x, ids, w, w13, w2, s13, s2, None,
+                         launch=dataclasses.replace(_gemv(1, block_k=16), mxfp4_decode="bits"))
     with pytest.raises(ValueError, match="mxfp4_decode"):
         dataclasses.replace(_gemv(1), mxfp4_decode="lut")
