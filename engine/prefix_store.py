@@ -48,6 +48,13 @@ conversation does not match is deleted, never read. ``drop`` deletes it with the
 whose conversation has no page of this model on disk any more is deleted when the store opens and
 when records are saved. Records are small (~13 bytes per token against ~4 KB per token of pages)
 and do not count towards ``disk_bytes``.
+
+Warm start. A store may take a ``Preload``: when an engine starts with a folder that holds
+conversations, it reads this model's newest segments back into RAM in the background (newest first,
+up to ``host_bytes``, evicting nothing for them), so the next turn of a recent chat after a restart
+restores from RAM instead of waiting for the disk. Its class doc says how it and the store share the
+work without sharing state. Pages a warm start read count as used (their file's time and place in the
+disk LRU) only when a request uses them.
 """
 
 from __future__ import annotations
