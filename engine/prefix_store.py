@@ -966,8 +966,8 @@ class PageTier:
                  if block_hash in self.store]
         fresh = [page for page in pages if page[1] not in self.store]
         self.store.put_many(known)
-        for start in range(0, len(fresh), _STAGE_PAGES):
-            chunk = fresh[start:start + _STAGE_PAGES]
+        for offset in range(0, len(fresh), _STAGE_PAGES):
+            chunk = fresh[offset:offset + _STAGE_PAGES]
             data = self.cache.read_pages([block_id for block_id, _, _ in chunk], pin=self._cuda)
             ready = None
             if self._cuda:
@@ -982,12 +982,12 @@ class PageTier:
         start = time.perf_counter()
         found = self.store.take([block_hash for block_hash, _ in pages])
         device = self.cache.page_device
-        for start in range(0, len(found), _STAGE_PAGES):
-            rows = [row for row, _ in found[start:start + _STAGE_PAGES]]
+        for offset in range(0, len(found), _STAGE_PAGES):
+            rows = [row for row, _ in found[offset:offset + _STAGE_PAGES]]
             stage = torch.empty(len(rows), self.store.page_bytes, dtype=torch.uint8, device=device)
             for first, run in _adjacent_runs(rows):
                 stage[first:first + run.shape[0]].copy_(run, non_blocking=self._cuda)
-            self.cache.write_pages([block_id for _, block_id in pages[start:start + len(rows)]], stage)
+            self.cache.write_pages([block_id for _, block_id in pages[offset:offset + len(rows)]], stage)
         self.store.counters.pages_restored += len(found)
         self.store.counters.restore_s += time.perf_counter() - start
         return [tags for _, tags in found]
