@@ -46,7 +46,8 @@ before; a request's tokens arrive one call later than without overlap, the same 
 
 A request may name its conversation (``conversation_id``): its cache pages are tagged with it, kept
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
-``drop_conversation``.
+``drop_conversation``. ``Engine.load`` with a cache folder starts the warm start first
+(``prefix_store.Preload``): the newest saved pages are read back into RAM while the weights load.
 """
 
 from __future__ import annotations
