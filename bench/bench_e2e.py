@@ -22,9 +22,11 @@ own process, timed from the official OpenAI client.
    Offloaded configurations keep a quarter of each layer's routed experts on the GPU.
    The ``chat-cache`` configuration measures a conversation's cache instead (``measure_chat_cache``): the
    TTFT of a follow-up turn in a ``--chat-context``-token chat (64K by default) with its cache pages on the
-   device, after switching chats (restored from host RAM), after restarting the server (restored from
-   disk), and of a full re-prefill of the same turn, with ``usage.prompt_tokens_details.cached_tokens``
-   and the server's ``prefix_cache_*`` counters.
+   device, after switching chats (restored from host RAM), after restarting the server (its warm start
+   reads the saved pages back into RAM; the follow-up says whether it found them there or read the
+   disk), once more sent the moment a restarted server is ready (no warm-up), and of a full re-prefill
+   of the same turn, with ``usage.prompt_tokens_details.cached_tokens`` and the server's
+   ``prefix_cache_*`` counters.
 3. Prints each row beside its floor: the bytes one decode step must read at 4.28 TB/s: the weights as the
    checkpoint stores them (FP8 one byte, bf16 two, MXFP4 4.25 bits), the distinct routed experts a batch
    of that size touches under uniform routing, and the attention cache: DSA's indexer keys and selected
@@ -716,11 +718,22 @@ class ChatBench:
         row = {"ttft_s": turn.ttft, "prompt_tokens": turn.prompt_tokens, "cached_tokens": turn.cached_tokens,
                "restored_tokens": int(delta("prefix_cache_restored_tokens")), "prefix_cache": prefix_stats(after),
                "restore_ms": delta("prefix_cache_restore_ms"), "disk_read_ms": delta("prefix_cache_disk_read_ms"),
-               "disk_read_mb": delta("prefix_cache_disk_read_bytes") / 1e6, "spill_ms": delta("prefix_cache_spill_ms")}
+               "disk_read_mb": delta("prefix_cache_disk_read_bytes") / 1e6, "spill_ms": delta("prefix_cache_spill_ms"),
+               "preload_wait_ms": delta("prefix_cache_preload_wait_ms"),
+               # the server's warm start when the follow-up was sent (its stats snapshot: <= 0.25 s old)
+               "preloaded_mb": (before.get("prefix_cache_preloaded_bytes") or 0.0) / 1e6,
+               "preload_running": bool(before.get("prefix_cache_preload_running"))}
+        row["from_ram"] = bool(row["restored_tokens"]) and row["disk_read_mb"] == 0
         where = ""
         if row["restored_tokens"]:  # the engine's host time restoring them, of it reading files
-            where = (f"; restore {row['restore_ms']:.0f} ms of host time, of it {row['disk_read_mb']:.0f} MB read "
-                     f"from disk in {row['disk_read_ms']:.0f} ms")
+            where = f"; restore {row['restore_ms']:.0f} ms of host time, " + (
+                "every page from RAM" if row["from_ram"] else
+                f"of it {row['disk_read_mb']:.0f} MB read from disk in {row['disk_read_ms']:.0f} ms")
+            if row["preload_wait_ms"]:
+                where += f", {row['preload_wait_ms']:.0f} ms waiting for the warm start's read"
+        if row["preloaded_mb"] or row["preload_running"]:
+            where += (f"; the warm start had read {row['preloaded_mb']:.0f} MB into RAM"
+                      f"{' and was still reading' if row['preload_running'] else ''}")
         if row["spill_ms"] >= 1:  # pages of other chats the device reused for this one, kept in RAM first
             where += f"; spilling other chats' pages {row['spill_ms']:.0f} ms"
         print(f"  {label}: TTFT {turn.ttft * 1e3:.0f} ms, {turn.prompt_tokens} prompt tokens, "
@@ -745,9 +758,13 @@ def drop_file_cache(folder: Path) -> bool:
 
 def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace, device_flags: list[str]) -> dict:
     """A follow-up turn of a ``--chat-context``-token chat, timed (TTFT) while its cache pages are on the
-    GPU, after switching chats (pages restored from host RAM), after restarting the server (from disk,
-    the files dropped from the OS file cache), and against a full re-prefill of the same turn (the
-    same words with a changed first letter: no page matches).
+    GPU, after switching chats (pages restored from host RAM), after restarting the server (the files
+    dropped from the OS file cache first; the server's warm start reads them back into RAM while the
+    model loads and while the server warms up, and the row says whether the follow-up found them
+    there or read the disk), and against a full re-prefill of the same turn (the same words with a
+    changed first letter: no page matches). Last, the cold case: the server restarted once more (files
+    dropped again) and the follow-up sent the moment it is ready, before any warm-up, so its TTFT
+    includes the first request's compiles and whatever the warm start has not read yet.
 
     The server holds one request (``--max-num-seqs 1``) and a device cache of one chat
     (``--num-cache-blocks``: its context in pages, unless ``--chat-cache-blocks`` says otherwise), so
@@ -765,17 +782,26 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
                  "--prefix-cache-offload", "true", "--prefix-cache-dir", store, *device_flags]
         print(f"  server flags: {' '.join(flags)} --max-model-len {max_len} --max-num-seqs 1", flush=True)
 
-        def start(log: str) -> Server:
+        def start(log: str, warm_up: bool = True) -> Server:
             server = Server(folder, flags, max_len, 1, args.logs / log)
             try:
                 server.wait()
-                warm = bench.new_chat()
-                bench.first_turn(server, warm)
-                bench.follow_up(server, warm, "warm-up chat (untimed)")
+                if warm_up:
+                    warm = bench.new_chat()
+                    bench.first_turn(server, warm)
+                    bench.follow_up(server, warm, "warm-up chat (untimed)")
             except BaseException:
                 server.stop()
                 raise
             return server
+
+        def stop(server: Server) -> float:
+            took = server.stop(timeout=900)
+            uncached = drop_file_cache(Path(store))
+            print(f"  server stopped (saving its cache) in {took:.1f} s; page files "
+                  f"{'dropped from' if uncached else 'left in'} the OS file cache", flush=True)
+            res["files_uncached"] = uncached
+            return took
 
         server = start("server-chat-cache.log")
         try:
@@ -793,16 +819,19 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
             res["switched_chats"] = others
             res["host"] = bench.follow_up(server, chat, f"follow-up after {others} other chats (from RAM)")
         finally:
-            res["shutdown_s"] = server.stop(timeout=900)
-        res["files_uncached"] = drop_file_cache(Path(store))
-        print(f"  server stopped (saving its cache) in {res['shutdown_s']:.1f} s; page files "
-              f"{'dropped from' if res['files_uncached'] else 'left in'} the OS file cache", flush=True)
+            res["shutdown_s"] = stop(server)
         server = start("server-chat-cache-restart.log")
         try:
             res["restart_load_s"] = server.load_s
-            res["disk"] = bench.follow_up(server, chat, "follow-up after a restart (from disk)")
+            res["disk"] = bench.follow_up(server, chat, "follow-up after a restart (warm start, then a warm-up chat)")
             full = [bench.follow_up(server, bench.variant(chat, i), f"full re-prefill {i + 1}")
                     for i in range(args.reps)]
+        finally:
+            stop(server)
+        server = start("server-chat-cache-cold.log", warm_up=False)
+        try:
+            res["cold_load_s"] = server.load_s
+            res["cold"] = bench.follow_up(server, chat, "follow-up sent when a restarted server is ready (no warm-up)")
         finally:
             server.stop(timeout=900)
     res["full"] = {"ttft_s": statistics.median(r["ttft_s"] for r in full), "runs": full}
@@ -814,16 +843,22 @@ def report_chat_cache(res: dict) -> None:
     """Each follow-up against the full re-prefill, and the issue's target."""
     full = res["full"]["ttft_s"]
     print(f"  full re-prefill: TTFT {full:.3f} s (median of {len(res['full']['runs'])})", flush=True)
-    for stage, what in (("gpu", "in the device cache"), ("host", "after switching chats"), ("disk", "after a restart")):
+    for stage, what in (("gpu", "in the device cache"), ("host", "after switching chats"),
+                        ("disk", "after a restart (warm start, warm-up chat)"),
+                        ("cold", "after a restart, sent at ready (no warm-up)")):
         row = res[stage]
         row["x_full"] = row["ttft_s"] / full
         target = ""
         if stage != "gpu" and res["chat_context"] >= CHAT_TARGET_CONTEXT:
             row["target_met"] = row["ttft_s"] <= CHAT_TARGET_S
             target = f"; target <= {CHAT_TARGET_S} s {'met' if row['target_met'] else 'NOT met'}"
+        source = ""
+        if stage in ("disk", "cold") and row["restored_tokens"]:
+            source = "; pages preloaded (restored from RAM)" if row["from_ram"] else \
+                f"; {row['disk_read_mb']:.0f} MB read from disk"
         print(f"  {what}: TTFT {row['ttft_s']:.3f} s = {row['x_full']:.3f}x the full re-prefill "
               f"({full / row['ttft_s']:.1f}x faster), {row['cached_tokens']} of {row['prompt_tokens']} "
-              f"tokens cached{target}", flush=True)
+              f"tokens cached{source}{target}", flush=True)
     stats = res["disk"]["prefix_cache"]
     print("  prefix cache after the restart: " + ", ".join(f"{k[len('prefix_cache_'):]} {v:.0f}"
                                                           for k, v in stats.items()), flush=True)

@@ -9,8 +9,10 @@ forward is replaced by zero logits and their pages hold zeros): only the follow-
 
   device    the chat's pages are still in the device cache;
   switch    two other chats of the same length filled the device cache since (pages come from RAM);
-  restart   a new engine on the same model and cache folder (pages come from disk, the files
-            dropped from the OS file cache with ``posix_fadvise`` where the OS has it).
+  restart   a new engine on the same model and cache folder (the files dropped from the OS file
+            cache with ``posix_fadvise`` where the OS has it; the engine's warm start reads the
+            newest pages back into RAM while it loads and warms up, so they come from RAM when it
+            got there first, else from disk: the restore row's disk share says which).
 
 Each row splits the wall time from the request's arrival to its first token into the stages the
 request passes: the server's body parsing (pydantic + the Unicode check, done here without HTTP),

@@ -161,7 +161,8 @@ class EngineConfig:
         "prefetch" is a baseline for measurements; "auto" picks per step with :func:`auto_scheduler`.
     prefix_cache_*: hearth.engine.prefix_store. Pages are spilled when the device reuses them and
         when the engine stops, restored when a new prompt starts with them; off with tiered keys or
-        latents (their pages are not shared).
+        latents (their pages are not shared). prefix_cache_preload: ``Preload``, started by
+        ``Engine.load`` before the weights load.
     """
 
     device: str = _option(
@@ -197,6 +198,10 @@ class EngineConfig:
         None, "Chat cache folder",
         "Folder of the chat cache's files (the app and `hearth --cli serve` use Hearth's cache folder; none: RAM "
         "only, nothing survives a restart).", none_text="none")
+    prefix_cache_preload: bool = _option(
+        True, "Warm chat caches at start",
+        "When the engine starts, read the most recently used chats' cache pages from the chat cache folder into RAM "
+        "in the background (up to the RAM size above), so the next turn of those chats does not wait for the disk.")
     keep_fp8: bool | None = _option(
         None, "Keep FP8 weights",
         "Keep FP8 checkpoints in FP8, half the memory of bfloat16, and expand them as they are used "

@@ -46,7 +46,8 @@ before; a request's tokens arrive one call later than without overlap, the same 
 
 A request may name its conversation (``conversation_id``): its cache pages are tagged with it, kept
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
-``drop_conversation``.
+``drop_conversation``. ``Engine.load`` with a cache folder starts the warm start first
+(``prefix_store.Preload``): the newest saved pages are read back into RAM while the weights load.
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ from hearth.engine.api import (
 )
 from hearth.engine.block_manager import BlockManager
 from hearth.engine.overlap import Flight, TokenReadback, device_index
-from hearth.engine.prefix_store import PageTier, PrefixStore, fingerprint, model_key
+from hearth.engine.prefix_store import PageTier, PrefixStore, Preload, fingerprint, model_key
 from hearth.engine.runahead import RunaheadDecoder
-from hearth.engine.runner import ModelRunner, StepInput
+from hearth.engine.runner import ModelRunner, StepInput, resolve_device
 from hearth.engine.sampling import Sampler, make_generator
 from hearth.engine.scheduler import Scheduler, Status
 from hearth.engine.scheduler import Sequence as Seq
@@ -123,7 +124,9 @@ class Engine:
     """Continuous batching over a loaded model: requests join and leave at any step."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
-                 generation_defaults: Mapping[str, Any] | None = None) -> None:
+                 generation_defaults: Mapping[str, Any] | None = None, *, preload: Preload | None = None) -> None:
+        """``preload``: the warm start ``Engine.load`` began before the weights loaded (else one is
+        started here when ``config`` asks for it)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -133,7 +136,9 @@ class Engine:
         self.max_model_len = runner.max_model_len
         # Tiered indexer keys live per request outside the pages, so pages cannot be shared.
         tiered = runner.key_tiers is not None or runner.latent_tiers is not None
-        self.prefix_tier = None if tiered else _prefix_tier(runner, config)
+        self.prefix_tier = None if tiered else _prefix_tier(runner, config, preload)
+        if preload is not None and (self.prefix_tier is None or self.prefix_tier.store.preload is not preload):
+            preload.cancel(wait=False)  # (no tier on disk to warm: tiered keys or latents)
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=not tiered,
                                    tier=self.prefix_tier)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
@@ -173,9 +178,15 @@ class Engine:
     def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
         """Load a model folder (config.json, safetensors, tokenizer files)."""
         config = config or EngineConfig()
-        runner = ModelRunner.load(str(path), config)
-        tokenizer = Tokenizer.from_pretrained(path, runner.model_config.model_type)
-        return cls(runner, tokenizer, config, generation_defaults(Path(path)))
+        preload = _start_preload(path, config)  # the chat cache's warm start reads while the weights load
+        try:
+            runner = ModelRunner.load(str(path), config)
+            tokenizer = Tokenizer.from_pretrained(path, runner.model_config.model_type)
+            return cls(runner, tokenizer, config, generation_defaults(Path(path)), preload=preload)
+        except BaseException:
+            if preload is not None:
+                preload.cancel()
+            raise
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -302,6 +313,7 @@ class Engine:
         tier = self.prefix_tier
         if tier is None or tier.store.folder is None:
             return 0
+        tier.store.cancel_preload()
         pages = self.blocks.cached_blocks()
         for start in range(0, len(pages), _PERSIST_BATCH):
             tier.spill(pages[start:start + _PERSIST_BATCH])
@@ -643,13 +655,18 @@ class Engine:
         conversations = self.blocks.conversations()
         if self.prefix_tier is not None:
             store = self.prefix_tier.store
+            store.settle_preload()  # (the engine host asks for stats on this thread, idle or not)
             conversations |= store.conversations()
             counters = store.counters
             out.update(prefix_cache_host_bytes=float(store.host_bytes), prefix_cache_disk_bytes=float(store.disk_bytes),
                        prefix_cache_files_rejected=float(counters.files_rejected),
                        prefix_cache_restore_ms=1e3 * counters.restore_s, prefix_cache_spill_ms=1e3 * counters.spill_s,
                        prefix_cache_disk_read_ms=1e3 * counters.disk_read_s,
-                       prefix_cache_disk_read_bytes=float(counters.disk_read_bytes))
+                       prefix_cache_disk_read_bytes=float(counters.disk_read_bytes),
+                       prefix_cache_preloaded_pages=float(counters.pages_preloaded),
+                       prefix_cache_preloaded_bytes=float(counters.pages_preloaded * store.page_bytes),
+                       prefix_cache_preload_running=float(store.preload_running),
+                       prefix_cache_preload_wait_ms=1e3 * counters.preload_wait_s)
         out["prefix_cache_conversations"] = float(len(conversations))
         return out
 
@@ -676,22 +693,39 @@ def check_conversation_id(conversation_id: str | None) -> None:
         raise RequestError("conversation_id must be 1 to 128 letters, digits or . _ : -")
 
 
-def _prefix_tier(runner: ModelRunner, config: EngineConfig) -> PageTier | None:
+def _host_cache_bytes(config: EngineConfig) -> int:
+    if config.prefix_cache_host_gib is not None:
+        return int(config.prefix_cache_host_gib * _GIB)
+    return min(int(_AUTO_HOST_CACHE_GIB * _GIB), psutil.virtual_memory().total // 10)
+
+
+def _start_preload(checkpoint: str | Path, config: EngineConfig) -> Preload | None:
+    """The warm start of the chat cache's RAM tier from its folder (``Preload``), when ``config``
+    keeps chat caches on disk and asks for it."""
+    if not (config.prefix_cache_offload and config.prefix_cache_dir and config.prefix_cache_preload):
+        return None
+    pin = resolve_device(config.device).type == "cuda"  # (the pages go to a CUDA device through pinned memory)
+    return Preload(config.prefix_cache_dir, model_key(checkpoint), _host_cache_bytes(config), pin=pin)
+
+
+def _prefix_tier(runner: ModelRunner, config: EngineConfig, preload: Preload | None = None) -> PageTier | None:
     """RAM and disk behind the device's prefix cache, as ``config`` asks (disk only for a model
-    loaded from a folder: the files are tied to it)."""
+    loaded from a folder: the files are tied to it), warmed by ``preload`` or a preload started here."""
     if not config.prefix_cache_offload:
         return None
-    if config.prefix_cache_host_gib is not None:
-        host_bytes = int(config.prefix_cache_host_gib * _GIB)
-    else:
-        host_bytes = min(int(_AUTO_HOST_CACHE_GIB * _GIB), psutil.virtual_memory().total // 10)
     folder = config.prefix_cache_dir if runner.checkpoint is not None else None
     checkpoint = runner.checkpoint or ""
     store = PrefixStore(
-        runner.cache.page_bytes, host_bytes, folder=folder, disk_bytes=int(config.prefix_cache_disk_gib * _GIB),
+        runner.cache.page_bytes, _host_cache_bytes(config), folder=folder,
+        disk_bytes=int(config.prefix_cache_disk_gib * _GIB),
         fingerprint_=fingerprint(checkpoint, runner.page_layout()) if folder else "",
         key=model_key(checkpoint) if folder else "")
-    return PageTier(runner.cache, store)
+    tier = PageTier(runner.cache, store)
+    if folder is not None:
+        preload = preload or _start_preload(checkpoint, config)
+        if preload is not None:
+            store.attach_preload(preload)
+    return tier
 
 
 def generation_defaults(folder: Path) -> dict[str, Any]:

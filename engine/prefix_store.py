@@ -48,6 +48,13 @@ conversation does not match is deleted, never read. ``drop`` deletes it with the
 whose conversation has no page of this model on disk any more is deleted when the store opens and
 when records are saved. Records are small (~13 bytes per token against ~4 KB per token of pages)
 and do not count towards ``disk_bytes``.
+
+Warm start. A store may take a ``Preload``: when an engine starts with a folder that holds
+conversations, it reads this model's newest segments back into RAM in the background (newest first,
+up to ``host_bytes``, evicting nothing for them), so the next turn of a recent chat after a restart
+restores from RAM instead of waiting for the disk. Its class doc says how it and the store share the
+work without sharing state. Pages a warm start read count as used (their file's time and place in the
+disk LRU) only when a request uses them.
 """
 
 from __future__ import annotations
@@ -60,12 +67,14 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 import time
 import uuid
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,7 +83,7 @@ import torch
 
 from hearth.engine.kv_cache import PagedCache
 
-__all__ = ["FORMAT_VERSION", "PageTier", "PrefixStore", "fingerprint", "model_key"]
+__all__ = ["FORMAT_VERSION", "PageTier", "Preload", "PrefixStore", "fingerprint", "model_key"]
 
 logger = logging.getLogger("hearth.engine.prefix_store")
 
@@ -121,6 +130,7 @@ class _HostEntry:
     conversations: set[str]
     ready: torch.cuda.Event | None = None  # the device-to-host copy; wait for it before reading
     on_disk: bool = False  # a segment holds these bytes and these conversations
+    preloaded_from: str | None = None  # the segment a warm start read it from, until a request uses it
 
     def data(self) -> torch.Tensor:
         if self.ready is not None:
@@ -189,6 +199,8 @@ class StoreCounters:
     disk_read_bytes: int = 0
     restore_s: float = 0.0
     spill_s: float = 0.0  # host time keeping pages the device is about to reuse (their copies queued on CUDA)
+    pages_preloaded: int = 0  # pages a warm start read into RAM and handed over (``Preload``)
+    preload_wait_s: float = 0.0  # restores waiting for a segment the warm start was reading
 
 
 @dataclass
@@ -223,6 +235,7 @@ class PrefixStore:
         self._disk: OrderedDict[str, _Segment] = OrderedDict()  # file name -> segment, oldest first
         self._index: dict[int, str] = {}  # block hash -> the newest segment of this model holding it
         self._disk_total = 0
+        self.preload: Preload | None = None  # a warm start's reads (``attach_preload``)
         self.folder = Path(folder) if folder is not None else None
         if self.folder is not None:
             _private_folder(self.folder)
@@ -260,7 +273,8 @@ class PrefixStore:
         for block_hash, page, conversations in pages:
             entry = self._host.get(block_hash)
             if entry is None and page is None:
-                entry = self._load([block_hash]).get(block_hash)
+                self.settle_preload([block_hash])
+                entry = self._host.get(block_hash) or self._load([block_hash]).get(block_hash)
                 if entry is None:
                     continue
             if entry is None:
@@ -294,19 +308,27 @@ class PrefixStore:
             if block_hash not in self:
                 break
             known.append(block_hash)
+        self.settle_preload([h for h in known if h not in self._host])
         start = time.perf_counter()
         loaded = self._load([h for h in known if h not in self._host])
         if loaded:
             self.counters.disk_read_s += time.perf_counter() - start
             self.counters.disk_read_bytes += len(loaded) * self.page_bytes
         found = []
+        used: set[str] = set()  # segments a warm start read these pages from: in use now
         for block_hash in known:
             entry = self._host.get(block_hash) or loaded.get(block_hash)
             if entry is None:
                 break
             if block_hash in self._host:
                 self._host.move_to_end(block_hash)
+            if entry.preloaded_from is not None:
+                used.add(entry.preloaded_from)
+                entry.preloaded_from = None
             found.append(entry)
+        for name in used & self._disk.keys():
+            self._disk.move_to_end(name)
+            _touch(self._path(name))
         self._fit_host()
         return found
 
@@ -404,6 +426,66 @@ class PrefixStore:
             path.unlink(missing_ok=True)
         except OSError as err:
             logger.warning("could not delete prefix cache file %s: %s", path.name, err)
+
+    # ---- warm start (``Preload``) --------------------------------------------------------------
+
+    def attach_preload(self, preload: Preload) -> None:
+        """Take the pages ``preload`` reads (it may have started before this store existed)."""
+        self.preload = preload
+
+    @property
+    def preload_running(self) -> bool:
+        return self.preload is not None and self.preload.running
+
+    def settle_preload(self, block_hashes: Iterable[int] = ()) -> None:
+        """Take over the segments the preload has read so far (never blocking), after waiting for the
+        ones holding ``block_hashes`` (a request needs them) whose read has begun; those whose read has
+        not begun are taken out of the preload (the caller reads them itself). Engine thread only."""
+        preload = self.preload
+        if preload is None or not preload.running:
+            return
+        needed = {name for block_hash in block_hashes if (name := self._index.get(block_hash)) is not None}
+        start = time.perf_counter()
+        items = preload.claim(needed)
+        if needed:
+            self.counters.preload_wait_s += time.perf_counter() - start
+        for item in items:
+            if not self._adopt(item):
+                preload.cancel(wait=False)
+                return
+
+    def cancel_preload(self) -> None:
+        """Stop the preload and wait for its reads in progress (the engine is stopping)."""
+        if self.preload is not None:
+            self.preload.cancel()
+
+    def _adopt(self, item: _PreloadItem) -> bool:
+        """Put a preloaded segment's pages in RAM, at the least recently used end (older segments
+        before newer ones), unless the segment changed since the preload read its header (deleted,
+        rewritten, evicted: its copy is dropped) or they no longer fit: False (the preload stops; no
+        page is evicted for it). A segment with a bad page is rejected as ``_load`` rejects it."""
+        try:
+            buffer, sound = item.result.result()
+        except Exception as err:  # (pinned memory ran out, say): the pages stay on disk
+            logger.warning("could not preload prefix cache file %s: %s", item.name, err)
+            return True
+        segment = item.segment
+        if self._disk.get(item.name) != segment or segment.model_key != self.key \
+                or segment.fingerprint != self.fingerprint:
+            return True
+        if not all(sound):
+            self._reject(item.name, _problem(sound))
+            return True
+        rows = [(row, block_hash) for row, block_hash in enumerate(item.hashes)
+                if self._index.get(block_hash) == item.name and block_hash not in self._host]
+        if self.host_bytes + len(rows) * self.page_bytes > self.host_budget:
+            return False
+        for row, block_hash in reversed(rows):
+            conversations = set(segment.pages[block_hash].conversations)
+            self._host[block_hash] = _HostEntry(buffer[row], conversations, on_disk=True, preloaded_from=item.name)
+            self._host.move_to_end(block_hash, last=False)
+        self.counters.pages_preloaded += len(rows)
+        return True
 
     # ---- RAM -------------------------------------------------------------------------------
 
@@ -517,7 +599,7 @@ class PrefixStore:
         for name, hashes in by_segment.items():
             segment = self._disk[name]
             hashes.sort(key=lambda h: segment.pages[h].index)
-            tasks = self._read_tasks(name, segment, hashes, buffer[row:row + len(hashes)])
+            tasks = _read_tasks(self._path(name), segment, hashes, buffer[row:row + len(hashes)])
             plans.append((name, hashes, tasks))
             row += len(hashes)
         results = iter(_io_pool().map(_read_task, [task for _, _, tasks in plans for task in tasks]))
@@ -526,7 +608,7 @@ class PrefixStore:
         for name, hashes, tasks in plans:
             sound = [next(results) for _ in tasks]
             if not all(sound):
-                self._reject(name, "corrupt or cut short" if all(s is not None for s in sound) else "unreadable")
+                self._reject(name, _problem(sound))
             else:
                 segment = self._disk[name]
                 self._disk.move_to_end(name)
@@ -537,21 +619,6 @@ class PrefixStore:
                     loaded[block_hash] = self._host[block_hash] = entry
             row += len(hashes)
         return loaded
-
-    def _read_tasks(self, name: str, segment: _Segment, hashes: list[int], out: torch.Tensor) -> list[_ReadTask]:
-        """Read tasks for ``hashes`` (in file order) into ``out``: one per run of adjacent pages,
-        split at ``_READ_BYTES``."""
-        per_task = max(1, _READ_BYTES // segment.page_bytes)
-        tasks: list[_ReadTask] = []
-        start = 0
-        for i in range(1, len(hashes) + 1):
-            run_ends = i == len(hashes) or segment.pages[hashes[i]].index != segment.pages[hashes[i - 1]].index + 1
-            if run_ends or i - start == per_task:
-                first = segment.pages[hashes[start]].index
-                tasks.append(_ReadTask(self._path(name), segment.data_offset + first * segment.page_bytes,
-                                       out[start:i], [segment.pages[h].crc for h in hashes[start:i]]))
-                start = i
-        return tasks
 
     def _reject(self, name: str, problem: str) -> None:
         logger.warning("prefix cache file %s is %s; deleting it and recomputing its tokens", name, problem)
@@ -589,6 +656,22 @@ class PrefixStore:
         self._prune_prompts(self._disk_conversations())
 
 
+def _read_tasks(path: Path, segment: _Segment, hashes: list[int], out: torch.Tensor) -> list[_ReadTask]:
+    """Read tasks for the pages ``hashes`` (in file order) of the segment in ``path`` into ``out``: one
+    per run of adjacent pages, split at ``_READ_BYTES``."""
+    per_task = max(1, _READ_BYTES // segment.page_bytes)
+    tasks: list[_ReadTask] = []
+    start = 0
+    for i in range(1, len(hashes) + 1):
+        run_ends = i == len(hashes) or segment.pages[hashes[i]].index != segment.pages[hashes[i - 1]].index + 1
+        if run_ends or i - start == per_task:
+            first = segment.pages[hashes[start]].index
+            tasks.append(_ReadTask(path, segment.data_offset + first * segment.page_bytes, out[start:i],
+                                   [segment.pages[h].crc for h in hashes[start:i]]))
+            start = i
+    return tasks
+
+
 def drop_from_folder(folder: str | Path, conversation: str) -> int:
     """``PrefixStore.drop`` for a folder no engine has open (no model loaded): any model's files."""
     store = PrefixStore(0, 0, folder=folder, disk_bytes=1 << 62, fingerprint_="", key="")
@@ -618,6 +701,11 @@ def _prompt_record(data: bytes, fingerprint_: str, key: str, conversation: str) 
         return None
     expected = {"fingerprint": fingerprint_, "model_key": key, "conversation": conversation}
     return data[prefix + header_len:] if header == expected else None
+
+
+def _problem(sound: Sequence[bool | None]) -> str:
+    """What ``_read_task`` results say is wrong with a segment."""
+    return "corrupt or cut short" if all(s is not None for s in sound) else "unreadable"
 
 
 def _crc(page: torch.Tensor) -> int:
@@ -705,6 +793,156 @@ def _touch(path: Path) -> None:
         os.utime(path, ns=(now, now))
 
 
+# ---- warm start ------------------------------------------------------------------------------
+
+
+@dataclass
+class _PreloadItem:
+    """A segment the preload reads: its header as read then, the pages it reads (in file order:
+    those no newer segment holds) and the outcome (the pages' buffer, each read task's result)."""
+
+    name: str
+    segment: _Segment
+    hashes: list[int]
+    result: Future[tuple[torch.Tensor, list[bool | None]]] = field(default_factory=Future)
+
+
+class Preload:
+    """Warm start: read the pages of one model's newest segments in ``folder`` (its key ``key``) into
+    host RAM in the background, newest first, up to ``budget`` bytes of pages (it stops at the first
+    segment that would exceed it), so that a conversation's next turn after a restart finds its pages
+    in RAM instead of waiting for the disk.
+
+    It starts before the store exists (``Engine.load`` starts it before the weights load), so it
+    plans from the files alone: it reads the headers itself, newest file first, and reads only the
+    pages no newer segment holds (the copy the store will index).
+
+    Threads. The store is not thread-safe, so this never touches it. A thread of its own plans, then
+    reads the segments one after another: for each, it allocates the buffer the pages stay in (pinned
+    with ``pin``: cudaHostAlloc is slow, and it runs here, not on the engine thread) and runs the
+    reads and checksums as ``_read_task``s in the store's I/O pool. Each segment's outcome is a
+    ``Future``. The engine thread takes finished segments over with ``PrefixStore.settle_preload``
+    (``claim`` here), which the store calls before it reads anything from disk and the engine calls
+    when it reports its stats; the store then checks each against its own index (the segment may
+    have been deleted, rewritten or evicted meanwhile: that copy is dropped), rejects a corrupt one
+    exactly as a read of its own would (deleted, counted, recomputed later) and keeps the rest
+    unless RAM has no room for them (then the preload stops; nothing is evicted for it). A request
+    that needs a segment still planned takes it back (``Future.cancel``: the request reads it
+    itself and this thread skips it) or, when its read has begun, waits for that read: no page is
+    read twice and no buffer is shared by two readers.
+
+    ``cancel`` stops it: segments not begun are skipped, read tasks not begun return at once, and
+    (``wait``) the thread is joined; ``wait`` is its completion handle.
+    """
+
+    def __init__(self, folder: str | Path, key: str, budget: int, *, pin: bool) -> None:
+        self.folder = Path(folder)
+        self.key = key
+        self.budget = budget
+        self.pin = pin
+        self.stopping = threading.Event()
+        self._planned = threading.Event()
+        self._plan: list[_PreloadItem] = []  # written by the thread before _planned is set
+        self._pending: dict[str, _PreloadItem] | None = None  # engine thread: items not yet claimed
+        self._thread = threading.Thread(target=self._run, name="hearth-preload", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether segments are still being read or wait to be claimed."""
+        if self.stopping.is_set():
+            return False
+        return self._thread.is_alive() or self._pending is None or bool(self._pending)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every planned segment was read (or skipped); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def cancel(self, wait: bool = True) -> None:
+        self.stopping.set()
+        for item in self._plan if self._planned.is_set() else []:
+            item.result.cancel()
+        self._pending = {}
+        if wait:
+            self._thread.join()
+
+    def claim(self, needed: set[str]) -> list[_PreloadItem]:
+        """(Engine thread.) The segments read since the last claim, newest first, after waiting for
+        those in ``needed`` whose read has begun; those in ``needed`` not begun leave the plan."""
+        if self.stopping.is_set():
+            return []
+        if self._pending is None:
+            if not needed and not self._planned.is_set():
+                return []
+            self._planned.wait()
+            self._pending = {item.name: item for item in self._plan}
+        waiting = []
+        for name in needed:
+            item = self._pending.get(name)
+            if item is None:
+                continue
+            if item.result.cancel():
+                del self._pending[name]
+            else:
+                waiting.append(item.result)
+        wait_all(waiting)
+        done = [item for item in self._pending.values() if item.result.done()]
+        for item in done:
+            del self._pending[item.name]
+        return done
+
+    def _run(self) -> None:
+        try:
+            self._plan = self._plan_items()
+        except OSError as err:
+            logger.warning("could not list prefix cache files in %s: %s", self.folder, err)
+        finally:
+            self._planned.set()
+        for item in self._plan:
+            if self.stopping.is_set():
+                item.result.cancel()
+            elif item.result.set_running_or_notify_cancel():  # (False: a request took it back)
+                try:
+                    item.result.set_result(self._read(item))
+                except Exception as err:
+                    item.result.set_exception(err)
+
+    def _plan_items(self) -> list[_PreloadItem]:
+        """This model's segments, newest first, with the pages each holds that no newer one does,
+        up to the byte budget."""
+        found: list[tuple[float, str, _Segment]] = []
+        for path in self.folder.glob(f"{self.key}-*{_SUFFIX}"):
+            try:
+                stat = path.stat()
+                segment = _read_header(path, stat.st_size)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # (the store's scan deletes what is unsound)
+            if segment.model_key == self.key:
+                found.append((stat.st_mtime, path.name, segment))
+        items: list[_PreloadItem] = []
+        seen: set[int] = set()
+        left = self.budget
+        for _, name, segment in sorted(found, key=lambda item: item[:2], reverse=True):
+            hashes = sorted(segment.pages.keys() - seen, key=lambda h: segment.pages[h].index)
+            seen.update(segment.pages)
+            cost = len(hashes) * segment.page_bytes
+            if cost > left:
+                break
+            if hashes:
+                items.append(_PreloadItem(name, segment, hashes))
+                left -= cost
+        return items
+
+    def _read(self, item: _PreloadItem) -> tuple[torch.Tensor, list[bool | None]]:
+        buffer = torch.empty(len(item.hashes), item.segment.page_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        tasks = _read_tasks(self.folder / item.name, item.segment, item.hashes, buffer)
+        return buffer, list(_io_pool().map(self._read_unless_stopping, tasks))
+
+    def _read_unless_stopping(self, task: _ReadTask) -> bool | None:
+        return None if self.stopping.is_set() else _read_task(task)
+
+
 # ---- the tier the BlockManager sees ----------------------------------------------------------
 
 
@@ -730,8 +968,8 @@ class PageTier:
                  if block_hash in self.store]
         fresh = [page for page in pages if page[1] not in self.store]
         self.store.put_many(known)
-        for start in range(0, len(fresh), _STAGE_PAGES):
-            chunk = fresh[start:start + _STAGE_PAGES]
+        for offset in range(0, len(fresh), _STAGE_PAGES):
+            chunk = fresh[offset:offset + _STAGE_PAGES]
             data = self.cache.read_pages([block_id for block_id, _, _ in chunk], pin=self._cuda)
             ready = None
             if self._cuda:
@@ -747,12 +985,12 @@ class PageTier:
         start = time.perf_counter()
         found = self.store.take([block_hash for block_hash, _ in pages])
         device = self.cache.page_device
-        for start in range(0, len(found), _STAGE_PAGES):
-            rows = [row for row, _ in found[start:start + _STAGE_PAGES]]
+        for offset in range(0, len(found), _STAGE_PAGES):
+            rows = [row for row, _ in found[offset:offset + _STAGE_PAGES]]
             stage = torch.empty(len(rows), self.store.page_bytes, dtype=torch.uint8, device=device)
             for first, run in _adjacent_runs(rows):
                 stage[first:first + run.shape[0]].copy_(run, non_blocking=self._cuda)
-            self.cache.write_pages([block_id for _, block_id in pages[start:start + len(rows)]], stage)
+            self.cache.write_pages([block_id for _, block_id in pages[offset:offset + len(rows)]], stage)
         self.store.counters.pages_restored += len(found)
         self.store.counters.restore_s += time.perf_counter() - start
         return [tags for _, tags in found]

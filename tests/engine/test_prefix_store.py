@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from hearth.engine import Engine, EngineConfig, Finished, RequestError, SamplingParams, TokenDelta
+from hearth.engine import Engine, EngineConfig, Finished, RequestError, SamplingParams, TokenDelta, prefix_store
 from hearth.engine.config import ModelConfig
 from hearth.engine.kv_cache import PagedCache
-from hearth.engine.prefix_store import PrefixStore, _adjacent_runs
+from hearth.engine.prefix_store import PrefixStore, Preload, _adjacent_runs
 from hearth.engine.testing.tiny import write_tiny_model
 from tests.engine.conftest import TEST_DEVICE
 
@@ -31,6 +33,12 @@ def _prompt(i: int, n: int = 40) -> list[int]:
 
 def _engine(model: Path, **options) -> Engine:
     return Engine.load(str(model), EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=BS, **options))
+
+
+def _preloaded(engine: Engine) -> dict[str, float]:
+    """The engine's stats once its warm start has read everything it planned (and handed it over)."""
+    assert engine.prefix_tier.store.preload.wait(timeout=120)
+    return engine.stats().extra
 
 
 def _run(engine: Engine, prompt: list[int], conversation: str | None = None) -> tuple[list[int], Finished]:
@@ -116,16 +124,110 @@ def test_restart_serves_the_follow_up_from_disk_with_private_files(models, recom
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     files = list(folder.iterdir())
     assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
-    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder), prefix_cache_preload=False)
+    assert restarted.prefix_tier.store.preload is None
     assert restarted.stats().extra["prefix_cache_conversations"] == 1
     tokens, finished = _run(restarted, second, "chat-1")
     assert finished.stats.cached_prompt_tokens == CACHED
     stats = restarted.stats().extra
     assert stats["prefix_cache_restored_tokens"] == CACHED
+    assert stats["prefix_cache_preloaded_pages"] == 0 and stats["prefix_cache_preload_running"] == 0
     # the pages came from the files: their bytes counted, the read timed within the whole restore
     page_bytes = restarted.prefix_tier.store.page_bytes
     assert stats["prefix_cache_disk_read_bytes"] == CACHED // restarted.blocks.block_size * page_bytes
-    assert 0 < stats["prefix_cache_disk_read_ms"] <= stats["prefix_cache_restore_ms"]
+    restore_ms = stats["prefix_cache_restore_ms"]
+    assert 0 < stats["prefix_cache_disk_read_ms"] <= restore_ms < finished.stats.total_time_s * 1e3
+    assert tokens == recompute("deepseek_v32", second)
+
+
+def test_warm_start_reads_the_saved_pages_into_ram_before_the_follow_up(models, recompute, tmp_path):
+    folder = tmp_path / "cache"
+    second = _saved_first_turn(models["deepseek_v32"], folder)
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    page_bytes = restarted.prefix_tier.store.page_bytes
+    stats = _preloaded(restarted)
+    assert stats["prefix_cache_preloaded_pages"] == CACHED // BS and stats["prefix_cache_preload_running"] == 0
+    assert stats["prefix_cache_preloaded_bytes"] == stats["prefix_cache_host_bytes"] == CACHED // BS * page_bytes
+    tokens, finished = _run(restarted, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == CACHED
+    stats = restarted.stats().extra
+    assert stats["prefix_cache_restored_tokens"] == CACHED
+    assert stats["prefix_cache_disk_read_bytes"] == 0 and stats["prefix_cache_disk_read_ms"] == 0  # all from RAM
+    assert 0 < stats["prefix_cache_restore_ms"] < finished.stats.total_time_s * 1e3
+    assert tokens == recompute("deepseek_v32", second)
+
+
+def test_a_corrupt_file_found_by_the_warm_start_is_deleted_and_recomputed(models, recompute, tmp_path):
+    folder = tmp_path / "cache"
+    second = _saved_first_turn(models["deepseek_v32"], folder)
+    [segment] = _segments(folder)
+    data = bytearray(segment.read_bytes())
+    data[-100] ^= 0x08  # inside the last page
+    segment.write_bytes(bytes(data))
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    stats = _preloaded(restarted)
+    assert stats["prefix_cache_files_rejected"] == 1 and not segment.exists()
+    assert stats["prefix_cache_preloaded_pages"] == 0 and stats["prefix_cache_host_bytes"] == 0
+    tokens, finished = _run(restarted, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == 0
+    assert tokens == recompute("deepseek_v32", second)
+
+
+def _two_saved_chats(model: Path, folder: Path) -> list[int]:
+    """Turn 1 of chat-1 (3 pages), then, on a second engine, of "other-chat" (5 pages), each engine
+    stopping after it: two segments, other-chat's the newer. Returns chat-1's turn 2 prompt."""
+    second = _saved_first_turn(model, folder)
+    engine = _engine(model, prefix_cache_dir=str(folder), prefix_cache_preload=False)
+    _run(engine, _prompt(5, 70), "other-chat")
+    assert engine.close() == 5
+    return second
+
+
+def test_warm_start_stops_at_the_ram_budget(models, recompute, tmp_path):
+    folder = tmp_path / "cache"
+    second = _two_saved_chats(models["deepseek_v32"], folder)
+    page_bytes = _engine(models["deepseek_v32"], prefix_cache_offload=False).runner.cache.page_bytes
+    # room for 6 pages: the newest chat's 5 fit, chat-1's 3 more would not (none are evicted for them)
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder),
+                        prefix_cache_host_gib=6 * page_bytes / 2**30)
+    stats = _preloaded(restarted)
+    assert stats["prefix_cache_preloaded_pages"] == 5 and stats["prefix_cache_host_bytes"] == 5 * page_bytes
+    tokens, finished = _run(restarted, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == CACHED
+    assert restarted.stats().extra["prefix_cache_disk_read_bytes"] == CACHED // BS * page_bytes  # not preloaded
+    assert tokens == recompute("deepseek_v32", second)
+
+
+def test_close_during_the_warm_start_stops_it_and_keeps_the_files(models, recompute, tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    second = _two_saved_chats(models["deepseek_v32"], folder)
+    reads: list[str] = []
+    started, release = threading.Event(), threading.Event()
+    read = prefix_store._read_task
+
+    def first_read_held(task):  # the warm start's first read lasts until the engine closes
+        reads.append(task.path.name)
+        if len(reads) == 1:
+            started.set()
+            assert release.wait(timeout=120)
+        return read(task)
+
+    monkeypatch.setattr(prefix_store, "_read_task", first_read_held)
+    restarted = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    preload = restarted.prefix_tier.store.preload
+    assert started.wait(timeout=120)
+    threading.Thread(target=lambda: preload.stopping.wait() and release.set(), daemon=True).start()
+    closing = threading.Thread(target=restarted.close)
+    closing.start()
+    closing.join(timeout=120)
+    assert not closing.is_alive() and preload.wait(timeout=0)
+    assert len(reads) == 1  # the older segment was never read
+    assert restarted.prefix_tier.store.counters.pages_preloaded == 0
+    assert len(_segments(folder)) == 2
+    again = _engine(models["deepseek_v32"], prefix_cache_dir=str(folder))
+    assert _preloaded(again)["prefix_cache_preloaded_pages"] == 8
+    tokens, finished = _run(again, second, "chat-1")
+    assert finished.stats.cached_prompt_tokens == CACHED
     assert tokens == recompute("deepseek_v32", second)
 
 
@@ -405,3 +507,84 @@ def test_old_one_page_files_are_deleted(tmp_path):
     (tmp_path / "k-0123.page").write_bytes(b"HRTHPG01" + bytes(100))
     store = _store(tmp_path)
     assert store.counters.files_rejected == 1 and not list(tmp_path.iterdir())
+
+
+# ---- the warm start's reads and the store's own ------------------------------------------------
+
+
+def _held_first_read(monkeypatch) -> tuple[list[str], threading.Event, threading.Event]:
+    """Every read task's file name, in order; the first read waits for ``release`` (``started`` says it began)."""
+    reads: list[str] = []
+    started, release = threading.Event(), threading.Event()
+    read = prefix_store._read_task
+
+    def held(task):
+        reads.append(task.path.name)
+        if len(reads) == 1:
+            started.set()
+            assert release.wait(timeout=60)
+        return read(task)
+
+    monkeypatch.setattr(prefix_store, "_read_task", held)
+    pool = ThreadPoolExecutor(4)  # a thread for the other reads while the first is held, on any machine
+    monkeypatch.setattr(prefix_store, "_io_pool", lambda: pool)
+    return reads, started, release
+
+
+def _two_segments(folder: Path) -> tuple[str, str]:
+    """Segments of pages 0-3 (conversation a) and 10-11 (b, written after a); their names."""
+    _saved(folder, {0: {"a"}, 1: {"a"}, 2: {"a"}, 3: {"a"}, 10: {"b"}, 11: {"b"}})
+    older, newer = sorted(_segments(folder), key=lambda p: p.stat().st_mtime_ns)
+    return older.name, newer.name
+
+
+def test_a_request_waits_for_the_segment_being_preloaded(tmp_path, monkeypatch):
+    _, newer = _two_segments(tmp_path)
+    reads, started, release = _held_first_read(monkeypatch)
+    store = _store(tmp_path, host_bytes=1 << 20)
+    store.attach_preload(Preload(tmp_path, "k", 1 << 20, pin=False))
+    assert started.wait(timeout=60) and reads == [newer]  # newest first
+    found = []
+    request = threading.Thread(target=lambda: found.extend(store.take([10, 11])))
+    request.start()  # its segment's read has begun: it waits for it
+    release.set()
+    request.join(timeout=60)
+    assert not request.is_alive() and [int(row[0]) for row, _ in found] == [10, 11]
+    assert store.counters.disk_read_bytes == 0 and store.counters.pages_preloaded >= 2
+    assert store.preload.wait(timeout=60)
+    store.settle_preload()
+    assert store.counters.pages_preloaded == 6 and len(reads) == 2  # each segment read once
+    assert [int(row[0]) for row, _ in store.take([0, 1, 2, 3])] == [0, 1, 2, 3]
+    assert store.counters.disk_read_bytes == 0
+
+
+def test_a_request_reads_a_segment_the_preload_has_not_begun_itself(tmp_path, monkeypatch):
+    older, newer = _two_segments(tmp_path)
+    reads, started, release = _held_first_read(monkeypatch)
+    store = _store(tmp_path, host_bytes=1 << 20)
+    store.attach_preload(Preload(tmp_path, "k", 1 << 20, pin=False))
+    assert started.wait(timeout=60)
+    assert [int(row[0]) for row, _ in store.take([0, 1, 2, 3])] == [0, 1, 2, 3]  # the older one, not begun
+    assert store.counters.disk_read_bytes == 4000
+    release.set()
+    assert store.preload.wait(timeout=60)
+    store.settle_preload()
+    assert reads == [newer, older]  # the preload skipped the segment the request read
+    assert store.counters.pages_preloaded == 2 and not store.preload_running
+    assert store.get(10)[0][0] == 10 and store.counters.disk_read_bytes == 4000
+
+
+def test_the_preload_fits_its_budget_and_never_evicts(tmp_path):
+    _two_segments(tmp_path)
+    store = _store(tmp_path, host_bytes=3000)
+    store.attach_preload(Preload(tmp_path, "k", 3000, pin=False))  # b's 2 pages fit, a's 4 more do not
+    assert store.preload.wait(timeout=60)
+    store.settle_preload()
+    assert store.counters.pages_preloaded == 2 and store.host_bytes == 2000
+    busy = _store(tmp_path, host_bytes=3000)
+    busy.put_many([(20, _page(20), {"c"}), (21, _page(21), {"c"})])  # RAM in use before the pages arrive
+    busy.attach_preload(Preload(tmp_path, "k", 3000, pin=False))
+    assert busy.preload.wait(timeout=60)
+    busy.settle_preload()
+    assert busy.counters.pages_preloaded == 0 and 20 in busy._host and 21 in busy._host
+    assert not busy.preload_running
