@@ -6,15 +6,19 @@ Keys (``PlannedKeys``, LeanSparse-style coarse-to-fine): the ``hot_pages`` most 
 a device ring (the partial tail page always); every page is written through to pinned host memory
 when it fills, and its compact summary (the mean key of every 16 tokens, e4m3 with an fp32 scale) is
 stored on the device in the indexer-cache layout, so the lightning indexer kernel scores summaries as
-it scores keys. A decode step (``select``):
+it scores keys. A decode step (``select``), every count (pages, cold pages, the fine table's tokens)
+derived inside the kernels from the context length on the device:
 
-1. coarse: the indexer kernel over the summaries of the cold pages, the best mean per page;
-2. the ``candidate_pages`` best cold pages by that score (single-pass top-k kernel);
-3. residency (``hearth.kernels.tiered``): candidates already in the device page cache are hits,
-   misses take cache slots no hit of this step holds and are copied from the mapped host pool by a
-   gather kernel;
-4. fine: the indexer kernel + radix top-k over a page table of [candidates | hot pages], the
-   logical positions mapped back to token positions.
+1. coarse: the indexer kernel over the summaries of the cold pages, writing each page's score (its
+   best mean);
+2. one program (``hearth.kernels.tiered.coarse_step``): the ``candidate_pages`` best cold pages by
+   that score (``candidate_topk``: the row sorted in registers, or the single-pass select), the fine
+   page table [candidates | hot pages] and its residency (``hearth.kernels.tiered``): candidates
+   already in the device page cache are hits, misses take cache slots no hit of this step holds,
+   hot pages map to their ring slots;
+3. the misses copied from the mapped host pool by a gather kernel;
+4. fine: the indexer kernel + radix top-k over the table, whose last pass writes token positions
+   (the logical positions read through the table's pages).
 
 Every cold page is a candidate when ``candidate_pages`` covers the cold pages (then the selection
 equals the full-cache one up to ties); beyond that a page whose best mean ranks outside the
@@ -23,7 +27,9 @@ candidates is never scored (recall < 1 by design).
 Latents (``PlannedLatents``, HiSparse-style): every row is written through to pinned host memory;
 the device holds a ring of the ``ring_rows`` most recent rows and ``cache_rows`` cached rows. A decode
 step maps its selection to device rows with the same residency plan (rows of the ring need nothing;
-misses are gathered from host memory), and sparse MLA reads the device buffer through them.
+misses are gathered from host memory), and sparse MLA reads the device buffer through them. A
+decode read (select + slots) is eleven launches and no torch op
+(tests/offload/test_planned_tiers_launches.py).
 
 Prefill chunks run the prefill kernels over the request's whole history of the layer on the device:
 streamed through the runner's two reusable buffers (``hearth.offload.history_buffers``: keys are
@@ -47,8 +53,15 @@ from dataclasses import dataclass
 import torch
 
 from hearth.kernels.indexer import lightning_indexer_decode
-from hearth.kernels.tiered import CandidateTopk, ResidencyPlan, coarse_step, copy_rows, gather_misses, plan_residency
-from hearth.kernels.tiered import sort_fits
+from hearth.kernels.tiered import (
+    CandidateTopk,
+    ResidencyPlan,
+    coarse_step,
+    copy_rows,
+    gather_misses,
+    plan_residency,
+    sort_fits,
+)
 from hearth.kernels.topk.radix import new_workspace, radix_topk_launch
 from hearth.kernels.topk.single_pass import new_scratch
 from hearth.offload.coarse_index import PagePool, quantize_means
