@@ -8,9 +8,12 @@ kernel derives n_pages = ceil(context / page), n_cold = max(n_pages - hot, 0), n
 (no host value: a CUDA graph replays it at every position), then:
 
 1. the C best cold pages (every cold page when n_cold <= C): ``sort`` keeps the row in registers
-   (``hearth.kernels.topk.short_row``, rows of at most MAX_SHORT_N pages; best first, ties to the
-   lower page), ``single_pass`` runs the single-pass select (``hearth.kernels.topk.single_pass``,
-   any length, unsorted, ties arbitrary);
+   (``hearth.kernels.topk.short_row``, rows of at most MAX_SHORT_N pages, ties to the lower page)
+   and lists them in page order, so the fine table's logical positions keep the token order and
+   the fine top-k meets ties in the order the full-cache kernel does (with every cold page a
+   candidate the table is the full cache's: tiny models' tied indexer logits then select the same
+   tokens as tiers off); ``single_pass`` runs the single-pass select (``hearth.kernels.topk.single_pass``,
+   any length; every cold page in order, else unsorted, ties arbitrary);
 2. the fine page table ``pages`` [C + hot]: the n_valid candidates, the hot pages n_cold..n_pages-1,
    then -1; and ``fine_len``, the tokens it covers: context - (n_cold - n_valid) * page;
 3. the residency plan of that table (``residency.plan_step``; the plan's ring is the hot pages, so a
@@ -79,6 +82,7 @@ def _coarse_step_kernel(
         m_n = o_n < n_cold
         b_best = short_row_topk(tl.load(scores_ptr + o_n, mask=m_n, other=0.0), m_n, N_P2, K_P2)
         o_k = tl.arange(0, K_P2)
+        b_best = tl.sort(tl.where(o_k < n_valid, b_best, 2**31 - 1))  # in page order (see the module doc)
         tl.store(pages_ptr + o_k, b_best, mask=o_k < n_valid)
     else:
         if n_cold <= C:

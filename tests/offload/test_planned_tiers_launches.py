@@ -12,7 +12,9 @@ import torch
 import triton.runtime.jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hearth.kernels.indexer import lightning_indexer_decode
 from hearth.kernels.indexer.reference import act_quant_ue8m0
+from hearth.kernels.topk.reference import topk_ref
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.planned_tiers import PlannedKeyConfig, PlannedKeys, PlannedLatentConfig, PlannedLatents
 
@@ -99,7 +101,7 @@ def test_one_decode_read_is_a_few_launches(monkeypatch, candidate_topk):
 def test_sort_and_single_pass_select_the_same_pages():
     """Few candidates (the single-pass select runs, not its short-row path) over moving queries:
     both candidate top-k kernels pick the same pages (distinct random page scores: no ties) and so
-    the same tokens, and the sorted one lists them best first."""
+    the same tokens; the sort lists them in page order."""
     (ka, _, q, w, _), (kb, _, _, _, _) = _tiers("sort", candidates=3), _tiers("single_pass", candidates=3)
     for step in range(6):
         qs = (q.float() + 0.3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(DEVICE)
@@ -108,7 +110,37 @@ def test_sort_and_single_pass_select_the_same_pages():
         got_a, got_b = ka.select(qs, w, n)[0].tolist(), kb.select(qs, w, n)[0].tolist()
         assert set(got_a) == set(got_b)
         cand_a, cand_b = ka._candidates[0].tolist(), kb._candidates[0].tolist()
-        assert set(cand_a) == set(cand_b) and -1 not in cand_a
+        assert set(cand_a) == set(cand_b) and -1 not in cand_a and cand_a == sorted(cand_a)
         assert ka._pages[0, 3:].tolist() == kb._pages[0, 3:].tolist()  # then the hot pages
     with pytest.raises(ValueError, match="candidate_topk"):
         PlannedKeyConfig(candidate_topk="radix")
+
+
+def test_coarse_scores_are_each_pages_best_summary_and_candidates_the_best_pages():
+    """Pages of 64 tokens (4 summaries each): the coarse indexer's fused page score equals the best
+    of the page's summary logits, and the candidates are torch's top pages by that score."""
+    g = torch.Generator().manual_seed(5)
+    n, ps, cand = 700, 64, 4
+    k8, ks = act_quant_ue8m0(torch.randn(n, 128, generator=g))
+    keys = PlannedKeys(PlannedKeyConfig(page_size=ps, hot_pages=2, candidate_pages=cand, cache_pages=cand, topk=K),
+                       DEVICE, initial_pages=4)
+    buf = keys.history(n)
+    view = PagePool(buf.shape[0], ps, 128, "fp8", DEVICE)
+    view.buf = buf
+    idx = torch.arange(n, device=DEVICE)
+    view.write(idx // ps, idx % ps, k8.to(DEVICE), ks.to(DEVICE))
+    keys.commit_chunk(buf, n)
+    q = (torch.randn(HEADS, 128, generator=g) / 10).to(torch.bfloat16).to(DEVICE)
+    w = (torch.rand(HEADS, generator=g) - 0.3).to(DEVICE)
+    qb, wb, n_cold = q[None, None], w[None, None], -(-n // ps) - 2
+    fused, lengths = lightning_indexer_decode(qb, wb, keys.means.buf, keys._mean_table,
+                                              torch.tensor([n], dtype=torch.int32, device=DEVICE), 16,
+                                              cold_pages=(ps, 2, 4))
+    plain, _ = lightning_indexer_decode(qb, wb, keys.means.buf, keys._mean_table,
+                                        torch.tensor([n_cold * 4], dtype=torch.int32, device=DEVICE), 16)
+    want = plain[0, : n_cold * 4].view(n_cold, 4).amax(dim=1)
+    assert int(lengths[0]) == n_cold and torch.equal(fused[0, :n_cold], want)
+    keys.select(q, w, torch.tensor([n], dtype=torch.int32, device=DEVICE))
+    best = topk_ref(want[None], torch.tensor([n_cold], dtype=torch.int32), cand)[0]
+    assert keys._candidates[0].tolist() == sorted(best.tolist())  # the best pages, in page order
+    assert keys._pages[0, cand:].tolist() == [n_cold, n_cold + 1]  # the hot pages
