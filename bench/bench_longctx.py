@@ -33,7 +33,8 @@ Sections, each printed as it finishes (the row format of docs/benchmarks.md) and
      context, this step's key and latent written) timed eagerly and as CUDA-graph replays against (a)
      graphed; recall against the full-cache selection; key bytes on the device. Replays repeat one
      step, so after the first its candidates are all cache hits: the eager steps over fresh queries
-     (the first 24 of --steps) report the miss rate and recall.
+     (the first 24 of --steps) report the miss rate and recall. --candidate-topk picks the candidate
+     pages' top-k kernel (sort: the row in registers, the default; single_pass) for an A/B.
   5. (--prefill-buffers: this section only) prefill of one long prompt in chunks (--prefill-chunk, the
      engine's max_num_batched_tokens) through --prefill-layers layers of tiered keys + latents on the
      kernel path: per layer the chunk's keys written into the layer's key history, the prefill indexer
@@ -447,6 +448,7 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
     latents = fp8_latents(n, device, seed=ctx)
     q, w = queries(heads, steps, device, seed=ctx)
     q8, qs = act_quant_ue8m0(q)  # the engine's FP8 queries, scale folded into the head weights
+    wq = (w * qs).float().contiguous()  # (steps, H), as the engine's indexer_q_fp8 hands them to select
     q_attn = (torch.randn(1, ATTN_HEADS, 576, device=device) / 8).to(torch.bfloat16)
     pool = key_pool(k8, ks, ps)
     table = torch.arange(pool.num_pages, device=device, dtype=torch.int32)[None]
@@ -455,7 +457,8 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
     for cand, hot_rows, cache, _, _ in budgets:
         if over_time(args, f"planned c{cand} ctx {ctx}"):
             break
-        kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=cand, cache_pages=cache or cand, topk=k)
+        kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=cand, cache_pages=cache or cand, topk=k,
+                                candidate_topk=args.candidate_topk)
         keys = PlannedKeys(kcfg, device, initial_pages=math.ceil(n / ps))
         buf = keys.history(ctx)
         view = PagePool(buf.shape[0], ps, 128, "fp8", device)
@@ -470,7 +473,7 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
         state = {}
 
         def read_side(s: int, keys=keys, lat=lat, state=state) -> tuple[torch.Tensor, torch.Tensor]:
-            sel = keys.select(q8[s], (w * qs[s]).float(), state["n"])
+            sel = keys.select(q8[s], wq[s], state["n"])
             slots = lat.slots(sel[0], state["n"])
             return sparse_mla_decode(q_attn, lat.paged(), slots[None], lat.table, lat.lens, SM_SCALE)[0], sel
 
@@ -494,7 +497,8 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
         if args.profile:
             kernel_breakdown(lambda: read_side(steps - 1)[0], f"planned c{cand} {ctx // 1024}K")
         key_b = keys.device_bytes()
-        emit("layer", f"(p) planned c{cand} cache{kcfg.cache_pages} hot{lcfg.ring_rows + lcfg.cache_rows}", shape,
+        emit("layer", f"(p) planned c{cand} cache{kcfg.cache_pages} hot{lcfg.ring_rows + lcfg.cache_rows} "
+             f"{kcfg.candidate_topk}", shape,
              t, t_base, kcfg.page_bytes * (cand + kcfg.hot_pages) + k * LAT_B, eager_us=t_eager * 1e6,
              graph_us=t_graph * 1e6 if t_graph else None, vs_all_graph=t / t_base, recall=min(recalls),
              recall_mean=sum(recalls) / len(recalls), key_mb=key_b / 2**20,
@@ -762,6 +766,8 @@ def main() -> None:
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--planned", action="store_true",
                     help="also time the kernel path of tiered keys + latents (section 1p, CUDA only)")
+    ap.add_argument("--candidate-topk", choices=("sort", "single_pass"), default="sort",
+                    help="section 1p's candidate-page top-k: the short-row sort in registers or the single-pass select")
     ap.add_argument("--profile", action="store_true",
                     help="print the GPU time of each kernel of the all-on-GPU and the planned steps (CUDA only)")
     ap.add_argument("--prefill-buffers", action="store_true",

@@ -6,15 +6,19 @@ Keys (``PlannedKeys``, LeanSparse-style coarse-to-fine): the ``hot_pages`` most 
 a device ring (the partial tail page always); every page is written through to pinned host memory
 when it fills, and its compact summary (the mean key of every 16 tokens, e4m3 with an fp32 scale) is
 stored on the device in the indexer-cache layout, so the lightning indexer kernel scores summaries as
-it scores keys. A decode step (``select``):
+it scores keys. A decode step (``select``), every count (pages, cold pages, the fine table's tokens)
+derived inside the kernels from the context length on the device:
 
-1. coarse: the indexer kernel over the summaries of the cold pages, the best mean per page;
-2. the ``candidate_pages`` best cold pages by that score (single-pass top-k kernel);
-3. residency (``hearth.kernels.tiered``): candidates already in the device page cache are hits,
-   misses take cache slots no hit of this step holds and are copied from the mapped host pool by a
-   gather kernel;
-4. fine: the indexer kernel + radix top-k over a page table of [candidates | hot pages], the
-   logical positions mapped back to token positions.
+1. coarse: the indexer kernel over the summaries of the cold pages, writing each page's score (its
+   best mean);
+2. one program (``hearth.kernels.tiered.coarse_step``): the ``candidate_pages`` best cold pages by
+   that score (``candidate_topk``: the row sorted in registers, or the single-pass select), the fine
+   page table [candidates | hot pages] and its residency (``hearth.kernels.tiered``): candidates
+   already in the device page cache are hits, misses take cache slots no hit of this step holds,
+   hot pages map to their ring slots;
+3. the misses copied from the mapped host pool by a gather kernel;
+4. fine: the indexer kernel + radix top-k over the table, whose last pass writes token positions
+   (the logical positions read through the table's pages).
 
 Every cold page is a candidate when ``candidate_pages`` covers the cold pages (then the selection
 equals the full-cache one up to ties); beyond that a page whose best mean ranks outside the
@@ -23,7 +27,9 @@ candidates is never scored (recall < 1 by design).
 Latents (``PlannedLatents``, HiSparse-style): every row is written through to pinned host memory;
 the device holds a ring of the ``ring_rows`` most recent rows and ``cache_rows`` cached rows. A decode
 step maps its selection to device rows with the same residency plan (rows of the ring need nothing;
-misses are gathered from host memory), and sparse MLA reads the device buffer through them.
+misses are gathered from host memory), and sparse MLA reads the device buffer through them. A
+decode read (select + slots) is eleven launches and no torch op
+(tests/offload/test_planned_tiers_launches.py).
 
 Prefill chunks run the prefill kernels over the request's whole history of the layer on the device:
 streamed through the runner's two reusable buffers (``hearth.offload.history_buffers``: keys are
@@ -46,9 +52,18 @@ from dataclasses import dataclass
 
 import torch
 
-from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode
-from hearth.kernels.tiered import ResidencyPlan, copy_rows, gather_misses, plan_residency
-from hearth.kernels.topk.single_pass import new_scratch, single_pass_topk_launch
+from hearth.kernels.indexer import lightning_indexer_decode
+from hearth.kernels.tiered import (
+    CandidateTopk,
+    ResidencyPlan,
+    coarse_step,
+    copy_rows,
+    gather_misses,
+    plan_residency,
+    sort_fits,
+)
+from hearth.kernels.topk.radix import new_workspace, radix_topk_launch
+from hearth.kernels.topk.single_pass import new_scratch
 from hearth.offload.coarse_index import PagePool, quantize_means
 
 MEAN_GROUP = 16  # tokens per summary mean; also the block size of the summary pool (kernel layout)
@@ -64,6 +79,9 @@ class PlannedKeyConfig:
     candidate_pages: int = 256  # cold pages scored exactly per decode step
     cache_pages: int = 256  # device cache of fetched cold pages (>= candidate_pages)
     topk: int = 2048
+    # candidate pages' top-k (hearth.kernels.tiered.coarse_step): "sort" (the page scores in registers,
+    # up to 4096 pages; past that "single_pass" runs) or "single_pass"
+    candidate_topk: CandidateTopk = "sort"
 
     def __post_init__(self) -> None:
         if self.page_size < MEAN_GROUP or self.page_size % MEAN_GROUP or self.page_size & (self.page_size - 1):
@@ -73,6 +91,8 @@ class PlannedKeyConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cache_pages < self.candidate_pages:
             raise ValueError(f"cache_pages ({self.cache_pages}) must be >= candidate_pages ({self.candidate_pages})")
+        if self.candidate_topk not in ("sort", "single_pass"):
+            raise ValueError(f"candidate_topk must be 'sort' or 'single_pass', got {self.candidate_topk!r}")
 
     @property
     def page_bytes(self) -> int:
@@ -86,13 +106,9 @@ class PlannedKeyConfig:
         """Device bytes at a context of num_tokens: pools, summaries (whole 16-mean blocks), residency."""
         pages = math.ceil(num_tokens / self.page_size)
         mean_blocks = math.ceil(pages * self.groups / MEAN_GROUP)
-        plan = 4 * (pages + 3 * self.cache_pages + 3 * self.candidate_pages + 3)
+        plan = 4 * (pages + 3 * self.cache_pages + 3 * self.candidate_pages + self.hot_pages + 3)
         return ((self.hot_pages + self.cache_pages) * self.page_bytes
                 + mean_blocks * MEAN_GROUP * (HEAD_DIM + 4) + plan)
-
-
-def _ceil_div(x: torch.Tensor, d: int) -> torch.Tensor:
-    return torch.div(x + d - 1, d, rounding_mode="floor")
 
 
 class PlannedKeys:
@@ -107,11 +123,19 @@ class PlannedKeys:
         self.host = PagePool(pages, c.page_size, HEAD_DIM, "fp8", torch.device("cpu"), pin=self._cuda)
         self.dev = PagePool(c.hot_pages + c.cache_pages, c.page_size, HEAD_DIM, "fp8", self.device)
         self.means = PagePool(self._mean_blocks(pages), MEAN_GROUP, HEAD_DIM, "fp8", self.device)
-        self.plan = ResidencyPlan.new(pages, c.cache_pages, c.candidate_pages, c.hot_pages, self.device)
+        # the plan names the fine table: the candidates (cold) and the hot pages (its ring)
+        self.plan = ResidencyPlan.new(pages, c.cache_pages, c.candidate_pages, c.hot_pages, self.device,
+                                      ring_entries=c.hot_pages)
         self._mean_table = torch.arange(self.means.num_pages, dtype=torch.int32, device=self.device)[None]
         self._topk_scratch = new_scratch(1, c.candidate_pages, self.device)
-        self._candidates = torch.full((1, c.candidate_pages), -1, dtype=torch.int32, device=self.device)
-        self._entries = torch.arange(c.candidate_pages + c.hot_pages, dtype=torch.int32, device=self.device)
+        # a step's buffers, allocated once in the dtype the kernels take (fixed addresses for CUDA graphs):
+        # the fine table's pages [candidates | hot pages | -1], its token count, the fine top-k's
+        # workspace (zeroed by the coarse step) and the selection
+        self._pages = torch.full((1, c.candidate_pages + c.hot_pages), -1, dtype=torch.int32, device=self.device)
+        self._candidates = self._pages[:, :c.candidate_pages]  # the first min(cold pages, candidate_pages)
+        self._fine_len = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._fine_ws = new_workspace(1, self.device)
+        self._selection = torch.full((1, c.topk), -1, dtype=torch.int32, device=self.device)
         self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # rows a write-through copies
         self._groups = torch.arange(c.groups, device=self.device)
         self.num_tokens = 0
@@ -125,7 +149,8 @@ class PlannedKeys:
         return math.ceil(self.num_tokens / self.config.page_size)
 
     def device_bytes(self) -> int:
-        held = [self.dev.buf, self.means.buf, self._mean_table, self._topk_scratch, self._candidates, self._entries]
+        held = [self.dev.buf, self.means.buf, self._mean_table, self._topk_scratch, self._pages, self._fine_len,
+                self._fine_ws, self._selection]
         return sum(t.numel() * t.element_size() for t in held) + self.plan.device_bytes()
 
     def _grow(self, pages: int) -> None:
@@ -231,33 +256,26 @@ class PlannedKeys:
     # ---- decode selection -------------------------------------------------------------------------
     def select(self, q: torch.Tensor, w: torch.Tensor, context_len: torch.Tensor) -> torch.Tensor:
         """Top-k token positions of one decode query: q (H, 128) e4m3 or bf16, w (H,) fp32 (q scale
-        and softmax scales folded in), context_len (1,) int32 on the device (= num_tokens, this
-        step's key written). Returns (1, topk) int32, -1 padded. Launches only: no host sync."""
+        and softmax scales folded in), both contiguous, context_len (1,) int32 on the device
+        (= num_tokens, this step's key written). Returns (1, topk) int32, -1 padded: the keys' own
+        buffer, rewritten by the next select. Five launches and the fine radix top-k's passes (four
+        histograms, one gather), every count derived on the device from context_len: no host sync."""
         c, ps = self.config, self.config.page_size
-        qb, wb = q[None, None].contiguous(), w.float()[None, None].contiguous()
-        n_pages = _ceil_div(context_len, ps)
-        n_cold = (n_pages - c.hot_pages).clamp(min=0).to(torch.int32)
-        # 1-2. coarse page scores over the summaries, the best candidate_pages cold pages
-        mean_logits, _ = lightning_indexer_decode(qb, wb, self.means.buf, self._mean_table,
-                                                  (n_cold * c.groups).to(torch.int32), MEAN_GROUP)
-        page_scores = mean_logits.view(1, -1, c.groups).amax(dim=2)
-        single_pass_topk_launch(page_scores, n_cold, c.candidate_pages, self._candidates, self._topk_scratch)
-        cand = self._candidates[0]
-        # 3. residency: hits in the page cache, misses copied from the host pool
-        slots = plan_residency(self.plan, cand, n_cold)
+        qb, wb = q[None, None], w[None, None]
+        # 1. coarse: the cold pages' scores (the best summary of each page)
+        page_scores, _ = lightning_indexer_decode(qb, wb, self.means.buf, self._mean_table, context_len, MEAN_GROUP,
+                                                  cold_pages=(ps, c.hot_pages, c.groups))
+        # 2-3. candidates, the fine table [candidates | hot pages] and its residency plan (one program);
+        # misses copied from the host pool
+        method = c.candidate_topk if sort_fits(page_scores) else "single_pass"
+        coarse_step(page_scores, context_len, self.plan, self._pages[0], self._fine_len, self._fine_ws,
+                    self._topk_scratch, ps, c.candidate_pages, method)
         gather_misses(self.plan, self.host.buf, self.dev.buf)
-        # 4. fine: [valid candidates | hot pages], logical positions back to token positions
-        n_valid = torch.minimum(n_cold, torch.full_like(n_cold, c.candidate_pages))
-        j = self._entries
-        is_cand = j < n_valid
-        hot_page = n_cold + j - n_valid
-        table_slots = torch.where(is_cand, slots[j.clamp(max=c.candidate_pages - 1)], hot_page % c.hot_pages)
-        table_pages = torch.where(is_cand, cand[j.clamp(max=c.candidate_pages - 1)], hot_page)
-        fine_len = (n_valid * ps + context_len - n_cold * ps).to(torch.int32)
-        logical = indexer_decode_topk(qb, wb, self.dev.buf, table_slots.to(torch.int32)[None], fine_len, ps,
-                                      c.topk).view(1, c.topk)
-        page = table_pages[(logical // ps).clamp(min=0).long()]
-        return torch.where(logical >= 0, page * ps + logical % ps, torch.full_like(logical, -1))
+        # 4. fine: the indexer over the table (plan.slot: its pages' device slots), the radix top-k
+        # writing token positions through the table's pages
+        logits, lengths = lightning_indexer_decode(qb, wb, self.dev.buf, self.plan.slot[None], self._fine_len, ps)
+        radix_topk_launch(logits, lengths, c.topk, self._selection, self._fine_ws, page_map=(self._pages, ps))
+        return self._selection
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every written key (tests): ((num_tokens, 128) e4m3, (num_tokens,) fp32) on the device."""
@@ -382,8 +400,7 @@ class PlannedLatents:
         """Device rows of one decode step's selection: selection (topk,) int32 positions (-1 = none),
         context_len (1,) int32 on the device (= num_tokens). Misses are copied from host memory.
         Returns (topk,) int32 rows of ``dev`` (-1 where -1), read through ``table``/``lens``. No host sync."""
-        ring_start = (context_len - self.config.ring_rows).to(torch.int32)
-        slots = plan_residency(self.plan, selection.to(torch.int32).contiguous(), ring_start)
+        slots = plan_residency(self.plan, selection.to(torch.int32).contiguous(), written=context_len)
         gather_misses(self.plan, self.host, self.dev)
         return slots
 

@@ -123,8 +123,11 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: Forward
 
 
 def _decode_context_len(ctx: ForwardContext, seq: SeqSlice) -> torch.Tensor:
-    """(1,) int32 context length of a decode token, from its position on the device (no host value:
-    the same launch serves every step of a captured graph)."""
+    """(1,) int32 context length of a decode token on the device (no host value: the same launch
+    serves every step of a captured graph): a view of the step's decode lengths when every request
+    decodes (token i = request i; no launch), else from the token's position."""
+    if ctx.decode is not None:
+        return ctx.decode.context_lens[seq.start:seq.start + 1]
     return (ctx.positions[seq.start:seq.start + 1] + 1).to(torch.int32)
 
 

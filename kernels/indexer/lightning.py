@@ -66,16 +66,21 @@ def _indexer_decode_kernel(
     WS_STRIDE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISE: tl.constexpr,
+    COLD_PAGE: tl.constexpr,
+    COLD_HOT: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     i_b = tl.program_id(0)
     i_s = tl.program_id(1)
     n_ctx = tl.load(ctx_ptr + i_b)
+    if COLD_PAGE > 0:  # the cache holds GROUP summaries per page of COLD_PAGE tokens: score the cold pages'
+        n_ctx = tl.maximum((n_ctx + COLD_PAGE - 1) // COLD_PAGE - COLD_HOT, 0) * GROUP
     o_j = tl.arange(0, NEXT_N_P2)
     m_j = o_j < NEXT_N
     o_qpos = n_ctx - NEXT_N + o_j  # position of query j
     i_row0 = i_b * NEXT_N
     if i_s == 0:
-        tl.store(len_ptr + i_row0 + o_j, tl.maximum(o_qpos + 1, 0), mask=m_j)
+        tl.store(len_ptr + i_row0 + o_j, (tl.maximum(o_qpos + 1, 0) + GROUP - 1) // GROUP, mask=m_j)
     i_t0 = i_s * (TILES * BLOCK_T)
     if i_t0 < n_ctx:
         M: tl.constexpr = NEXT_N_P2 * H
@@ -107,8 +112,14 @@ def _indexer_decode_kernel(
             b_l = tl.sum(tl.reshape(b_s, [NEXT_N_P2, H, BLOCK_T]), axis=1) * b_ks[None, :]  # (J, BLOCK_T)
             m_valid = m_j[:, None] & m_t[None, :] & (o_t[None, :] <= o_qpos[:, None])
             b_l = tl.where(m_valid, b_l, float("-inf"))
-            p_l = logits_ptr + (i_row0 + o_j)[:, None].to(tl.int64) * stride_logits + o_t[None, :]
-            tl.store(p_l, b_l, mask=m_j[:, None] & m_t[None, :])
+            if GROUP > 1:  # the best of every GROUP consecutive logits (a page's score from its summaries)
+                b_g = tl.max(tl.reshape(b_l, [NEXT_N_P2, BLOCK_T // GROUP, GROUP]), axis=2)
+                o_g = (i_t0 + i_tile * BLOCK_T) // GROUP + tl.arange(0, BLOCK_T // GROUP)
+                p_g = logits_ptr + (i_row0 + o_j)[:, None].to(tl.int64) * stride_logits + o_g[None, :]
+                tl.store(p_g, b_g, mask=m_j[:, None] & (o_g * GROUP < n_ctx)[None, :])
+            else:
+                p_l = logits_ptr + (i_row0 + o_j)[:, None].to(tl.int64) * stride_logits + o_t[None, :]
+                tl.store(p_l, b_l, mask=m_j[:, None] & m_t[None, :])
             if FUSE_HIST:
                 b_bin = o_j[:, None] * NBINS + radix_digit(float_order_key(b_l), 0, NBINS, BITS)
                 b_bin = tl.where(m_valid, b_bin, 0)
@@ -221,6 +232,7 @@ def lightning_indexer_decode(
     *,
     workspace: torch.Tensor | None = None,
     config: dict | None = None,
+    cold_pages: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode indexer logits over the paged FP8 key cache.
 
@@ -235,10 +247,17 @@ def lightning_indexer_decode(
         workspace: optional zeroed int32 top-k workspace [B*next_n, WS_STRIDE]: if given, the kernel adds
             the first radix-select histogram of each row to it (used by `indexer_decode_topk`).
         config: optional tuning override (block_t, tiles, num_warps, num_stages).
+        cold_pages: (page_size, hot_pages, groups): the cache holds page summaries (tiered keys: the
+            mean key of every block_size tokens, `groups` per page of page_size tokens) and
+            context_lens counts tokens; the kernel scores the summaries of the cold pages (all but
+            the last hot_pages of ceil(context_len / page_size)) and writes each page's score, the
+            best of its groups (next_n must be 1).
     Returns:
         logits: fp32 [B*next_n, max_blocks*block_size]; row b*next_n+j holds valid logits at t <= that
             query's position and -inf for later t < context_len; columns past context_len are unwritten.
-        lengths: int32 [B*next_n], valid entries per row (position + 1, >= 0).
+            With cold_pages: [B, max_blocks*block_size // groups] page scores, the cold pages' valid.
+        lengths: int32 [B*next_n], valid entries per row (position + 1, >= 0; with cold_pages the
+            cold pages).
     """
     check_tensor("q", q, dtypes=(FP8_E4M3, torch.bfloat16), ndim=4)
     n_req, next_n, heads, dim = q.shape
@@ -256,11 +275,17 @@ def lightning_indexer_decode(
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(n_req,), device=dev)
     n_cols = block_table.shape[1] * block_size
     rows = n_req * next_n
-    logits = torch.empty(rows, n_cols, dtype=torch.float32, device=dev)
+    cold_page, cold_hot, group = cold_pages or (0, 0, 1)
+    cfg = _decode_config(n_req, n_cols, heads, next_n) | (config or {})
+    if cold_pages is not None:
+        require(next_n == 1 and workspace is None, "cold_pages scores one query per request, without a workspace")
+        require(cold_page >= 1 and cold_hot >= 0, f"bad cold_pages {cold_pages}")
+        require(is_power_of_two(group) and cfg["block_t"] % group == 0 and n_cols % group == 0,
+                f"groups ({group}) must be a power of two dividing block_t and the table's tokens")
+    logits = torch.empty(rows, n_cols // group, dtype=torch.float32, device=dev)
     lengths = torch.empty(rows, dtype=torch.int32, device=dev)
     if workspace is not None:
         check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, WS_STRIDE), device=dev)
-    cfg = _decode_config(n_req, n_cols, heads, next_n) | (config or {})
     grid = (n_req, triton.cdiv(n_cols, cfg["tiles"] * cfg["block_t"]))
     _indexer_decode_kernel[grid](
         q,
@@ -289,6 +314,9 @@ def lightning_indexer_decode(
         WS_STRIDE=WS_STRIDE,
         UPCAST=is_interpreter(),
         PRECISE=cfg["fp8_precise"],
+        COLD_PAGE=cold_page,
+        COLD_HOT=cold_hot,
+        GROUP=group,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -41,9 +41,9 @@ from hearth.kernels._utils import check_tensor, require
 
 
 @triton.jit
-def _plan_kernel(
+def plan_step(
     cand_ptr,
-    ring_start_ptr,
+    ring_start,
     slot_of_ptr,
     owner_ptr,
     stamp_ptr,
@@ -59,10 +59,11 @@ def _plan_kernel(
     C_P2: tl.constexpr,
     S_P2: tl.constexpr,
 ):
+    """The plan of one step (module doc) for the C ids at cand_ptr, ring ids those >= ring_start
+    (a scalar): one program; also the tail of the tiered keys' candidate kernel."""
     o_c = tl.arange(0, C_P2)
     m_c = o_c < C
     b_id = tl.load(cand_ptr + o_c, mask=m_c, other=-1)
-    ring_start = tl.load(ring_start_ptr)
     m_valid = m_c & (b_id >= 0)
     m_ring = m_valid & (b_id >= ring_start)
     m_cold = m_valid & (b_id < ring_start)
@@ -100,6 +101,42 @@ def _plan_kernel(
     tl.store(miss_src_ptr + b_miss_rank, b_id, mask=m_miss)
     tl.store(miss_dst_ptr + b_miss_rank, b_new + RING, mask=m_miss)
     tl.store(n_miss_ptr, n_miss)
+
+
+@triton.jit
+def ring_start_of(written, UNIT: tl.constexpr, ring):
+    """First id held in a ring of the `ring` most recent ids once `written` items are written, UNIT
+    items an id (a page of UNIT tokens; 1: the items are the ids)."""
+    return tl.maximum((written + UNIT - 1) // UNIT - ring, 0)
+
+
+@triton.jit
+def _plan_kernel(
+    cand_ptr,
+    bound_ptr,
+    slot_of_ptr,
+    owner_ptr,
+    stamp_ptr,
+    victims_ptr,
+    clock_ptr,
+    slot_ptr,
+    miss_src_ptr,
+    miss_dst_ptr,
+    n_miss_ptr,
+    C,
+    SLOTS,
+    RING,
+    UNIT: tl.constexpr,
+    RING_FROM_WRITTEN: tl.constexpr,
+    C_P2: tl.constexpr,
+    S_P2: tl.constexpr,
+):
+    if RING_FROM_WRITTEN:
+        ring_start = ring_start_of(tl.load(bound_ptr), UNIT, RING)
+    else:
+        ring_start = tl.load(bound_ptr)
+    plan_step(cand_ptr, ring_start, slot_of_ptr, owner_ptr, stamp_ptr, victims_ptr, clock_ptr, slot_ptr,
+              miss_src_ptr, miss_dst_ptr, n_miss_ptr, C, SLOTS, RING, C_P2, S_P2)
 
 
 @triton.jit
@@ -143,15 +180,18 @@ class ResidencyPlan:
     ring: int
 
     @classmethod
-    def new(cls, capacity: int, slots: int, candidates: int, ring: int, device: torch.device) -> ResidencyPlan:
+    def new(cls, capacity: int, slots: int, candidates: int, ring: int, device: torch.device,
+            ring_entries: int = 0) -> ResidencyPlan:
+        """State for steps naming up to `candidates` cold ids plus up to `ring_entries` ring ids (a
+        ring id never misses, so only the cold ones need free slots)."""
         require(slots >= candidates >= 1, f"need slots ({slots}) >= candidates ({candidates}) >= 1")
-        require(ring >= 1, f"ring must be >= 1, got {ring}")
+        require(ring >= 1 and ring_entries >= 0, f"need ring >= 1 and ring_entries >= 0, got {ring}, {ring_entries}")
 
         def full(n: int, value: int) -> torch.Tensor:
             return torch.full((n,), value, dtype=torch.int32, device=device)
 
         return cls(full(capacity, -1), full(slots, -1), full(slots, 0), full(slots, 0), full(2, 0),
-                   full(candidates, -1), full(candidates, 0), full(candidates, 0), full(1, 0), ring)
+                   full(candidates + ring_entries, -1), full(candidates, 0), full(candidates, 0), full(1, 0), ring)
 
     @property
     def num_slots(self) -> int:
@@ -173,18 +213,25 @@ class ResidencyPlan:
                                             self.slot, self.miss_src, self.miss_dst, self.n_miss))
 
 
-def plan_residency(plan: ResidencyPlan, candidates: torch.Tensor, ring_start: torch.Tensor) -> torch.Tensor:
+def plan_residency(plan: ResidencyPlan, candidates: torch.Tensor, ring_start: torch.Tensor | None = None, *,
+                   written: torch.Tensor | None = None, unit: int = 1) -> torch.Tensor:
     """Map a step's candidate ids to combined-buffer slots and list the misses (module doc).
 
-    candidates: [C] int32, distinct ids < plan.capacity or -1 (C = plan.slot.shape[0]); ring_start:
-    [1] int32, the first id held in the ring. Returns plan.slot ([C] int32). No host sync."""
+    candidates: [C] int32, distinct ids < plan.capacity or -1 (C = plan.slot.shape[0]). The ring
+    holds the ids from ring_start ([1] int32) on, or, given written instead ([1] int32: items written,
+    `unit` items an id, e.g. tokens of pages of `unit` tokens), the plan.ring most recent ids:
+    from max(ceil(written / unit) - ring, 0). Returns plan.slot ([C] int32). No host sync."""
     dev = plan.slot.device
     n_cand = plan.slot.shape[0]
+    require((ring_start is None) != (written is None), "pass exactly one of ring_start and written")
+    bound = ring_start if written is None else written
     check_tensor("candidates", candidates, dtypes=(torch.int32,), shape=(n_cand,), device=dev)
-    check_tensor("ring_start", ring_start, dtypes=(torch.int32,), shape=(1,), device=dev)
+    check_tensor("ring_start" if written is None else "written", bound, dtypes=(torch.int32,), shape=(1,), device=dev)
+    require(unit >= 1, f"unit must be >= 1, got {unit}")
     _plan_kernel[(1,)](
-        candidates, ring_start, plan.slot_of, plan.owner, plan.hit_stamp, plan.victims, plan.clock,
+        candidates, bound, plan.slot_of, plan.owner, plan.hit_stamp, plan.victims, plan.clock,
         plan.slot, plan.miss_src, plan.miss_dst, plan.n_miss, n_cand, plan.num_slots, plan.ring,
+        UNIT=unit, RING_FROM_WRITTEN=written is not None,
         C_P2=triton.next_power_of_2(n_cand), S_P2=triton.next_power_of_2(plan.num_slots), num_warps=8,
     )
     return plan.slot

@@ -110,11 +110,22 @@ def _topk_hist_kernel(
 
 
 @triton.jit
+def _through_pages(map_ptr, o_t, m_t, MAP_PAGE: tl.constexpr):
+    """Indices o_t as they are, or (MAP_PAGE > 0) read through a page table: entry t of the row lies
+    on page map[t // MAP_PAGE], at offset t % MAP_PAGE."""
+    if MAP_PAGE > 0:
+        b_page = tl.load(map_ptr + o_t // MAP_PAGE, mask=m_t, other=0)
+        o_t = b_page * MAP_PAGE + o_t % MAP_PAGE
+    return o_t
+
+
+@triton.jit
 def _topk_gather_kernel(
     x_ptr,
     len_ptr,
     ws_ptr,
     out_ptr,
+    map_ptr,
     stride_x,
     stride_out,
     K,
@@ -125,6 +136,7 @@ def _topk_gather_kernel(
     BLOCK: tl.constexpr,
     WS_STRIDE: tl.constexpr,
     CNT_OFFSET: tl.constexpr,
+    MAP_PAGE: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -136,7 +148,8 @@ def _topk_gather_kernel(
         i_end = tl.minimum(i_start + SEG, K)
         for i0 in range(i_start, i_end, BLOCK):
             o_t = i0 + tl.arange(0, BLOCK)
-            tl.store(p_out + o_t, tl.where(o_t < n_len, o_t, -1), mask=o_t < i_end)
+            m_t = o_t < n_len
+            tl.store(p_out + o_t, tl.where(m_t, _through_pages(map_ptr, o_t, m_t, MAP_PAGE), -1), mask=o_t < i_end)
     else:
         p_ws = ws_ptr + i_r.to(tl.int64) * WS_STRIDE
         b_thr, k_rem = _threshold(p_ws, K, PASSES, NBINS, BITS)
@@ -149,16 +162,17 @@ def _topk_gather_kernel(
             b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
             m_gt = m_t & (b_key > b_thr)
             m_eq = m_t & (b_key == b_thr)
+            o_v = _through_pages(map_ptr, o_t, m_gt | m_eq, MAP_PAGE)
             n_gt = tl.sum(m_gt.to(tl.int32), 0)
             if n_gt > 0:
                 i_base = tl.atomic_add(p_ws + CNT_OFFSET, n_gt)
                 o_dst = i_base + tl.cumsum(m_gt.to(tl.int32), 0) - 1
-                tl.store(p_out + o_dst, o_t, mask=m_gt)
+                tl.store(p_out + o_dst, o_v, mask=m_gt)
             n_eq = tl.sum(m_eq.to(tl.int32), 0)
             if n_eq > 0:
                 i_base = tl.atomic_add(p_ws + CNT_OFFSET + 1, n_eq)
                 o_rank = i_base + tl.cumsum(m_eq.to(tl.int32), 0) - 1
-                tl.store(p_out + n_above + o_rank, o_t, mask=m_eq & (o_rank < k_rem))
+                tl.store(p_out + n_above + o_rank, o_v, mask=m_eq & (o_rank < k_rem))
 
 
 def _segments(n_rows: int, n_cols: int, block: int, target_programs: int = 1024) -> int:
@@ -175,9 +189,13 @@ def radix_topk_launch(
     workspace: torch.Tensor,
     first_pass_done: bool = False,
     block: int = 1024,
+    page_map: tuple[torch.Tensor, int] | None = None,
 ) -> None:
-    """Launch the radix passes on already validated buffers (see `topk_indices`)."""
+    """Launch the radix passes on already validated buffers (see `topk_indices`). page_map (table,
+    page_size): write each selected index t as table[t // page_size] * page_size + t % page_size
+    (a one-row table, int32: logical positions of a paged row back to token positions)."""
     n_rows, n_cols = scores.shape
+    require(page_map is None or n_rows == 1, "page_map maps the indices of one row")
     seg = _segments(n_rows, n_cols, block)
     grid = (n_rows, triton.cdiv(max(n_cols, 1), seg))
     for p in range(1 if first_pass_done else 0, PASSES):
@@ -201,6 +219,7 @@ def radix_topk_launch(
         lengths,
         workspace,
         out,
+        out if page_map is None else page_map[0],
         scores.stride(0),
         out.stride(0),
         k,
@@ -211,6 +230,7 @@ def radix_topk_launch(
         BLOCK=block,
         WS_STRIDE=WS_STRIDE,
         CNT_OFFSET=CNT_OFFSET,
+        MAP_PAGE=0 if page_map is None else page_map[1],
         num_warps=8,
     )
 

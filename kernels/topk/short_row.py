@@ -1,0 +1,88 @@
+"""Exact row-wise top-k of short rows (<= MAX_SHORT_N entries), one program per row, in registers.
+
+A program loads its whole row once and keeps its k largest entries with Triton's bitonic top-k
+(`tl.topk`), no histogram passes and no scratch memory: for a row of a few thousand entries (the
+candidate pages of tiered keys: ~2K page scores, k 256) the passes of the radix or single-pass
+selects cost more than the row.
+
+Each entry becomes one distinct int64 sort key: the score's order key (`float_order_key`, with -0
+made +0 so that signed zeros tie as they do in torch) in the high 32 bits and N_P2 - 1 - index in
+the low 32 bits. The selection is therefore torch's stable descending sort cut at k
+(`reference.topk_ref`), index for index: ties go to the lower index, and the output is sorted by
+score (descending, ties by index); rows with length L <= k give their L entries in that order, then
+-1. NaN is not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hearth.kernels._utils import float_order_key, require
+from hearth.kernels.topk.radix import checked_output
+
+MAX_SHORT_N = 4096  # row entries one program holds (the sort keys of a row live in registers)
+
+
+@triton.jit
+def short_row_topk(b_x, m_t, N_P2: tl.constexpr, K_P2: tl.constexpr):
+    """Indices [K_P2] int32 of the K_P2 largest of the row b_x [N_P2] fp32 where m_t holds (valid
+    entries only), best first, ties by lower index; ranks past the valid count are meaningless."""
+    o_t = tl.arange(0, N_P2)
+    b_x = tl.where(b_x == 0.0, 0.0, b_x)  # -0 == +0
+    b_key = (float_order_key(b_x).to(tl.int64) << 32) | (N_P2 - 1 - o_t).to(tl.int64)
+    b_key = tl.where(m_t, b_key, tl.full([N_P2], -(2**63), dtype=tl.int64))
+    b_top = tl.topk(b_key, K_P2)
+    return (N_P2 - 1 - (b_top & 0xFFFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def _topk_short_kernel(
+    x_ptr,
+    len_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    K,
+    N_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    n_len = tl.load(len_ptr + i_r)
+    o_t = tl.arange(0, N_P2)
+    m_t = o_t < n_len
+    b_x = tl.load(x_ptr + i_r.to(tl.int64) * stride_x + o_t, mask=m_t, other=0.0)
+    b_idx = short_row_topk(b_x, m_t, N_P2, K_P2)
+    o_k = tl.arange(0, K_P2)
+    tl.store(out_ptr + i_r.to(tl.int64) * stride_out + o_k, tl.where(o_k < n_len, b_idx, -1), mask=o_k < K)
+
+
+def short_row_sizes(n_cols: int, k: int) -> tuple[int, int]:
+    """(N_P2, K_P2) of `short_row_topk` for rows of n_cols entries and top-k k."""
+    k_p2 = triton.next_power_of_2(k)
+    return max(triton.next_power_of_2(max(n_cols, 1)), k_p2), k_p2
+
+
+def short_row_warps(n_p2: int) -> int:
+    return 4 if n_p2 <= 1024 else 8
+
+
+def topk_indices_short(
+    scores: torch.Tensor, lengths: torch.Tensor, k: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exact top-k indices of rows of at most MAX_SHORT_N entries, sorted (see the module doc).
+
+    Same arguments as `hearth.kernels.topk.topk_indices` (fp32 scores [R, N] with unit last stride,
+    int32 lengths [R], optional int32 out [R, k]) with N <= 4096 and k <= 4096; the result equals
+    `reference.topk_ref`."""
+    out = checked_output(scores, lengths, k, out)
+    require(scores.shape[1] <= MAX_SHORT_N, f"rows must have at most {MAX_SHORT_N} entries, got {scores.shape[1]}")
+    require(k <= MAX_SHORT_N, f"k must be at most {MAX_SHORT_N} for short rows, got {k}")
+    if out.shape[0] == 0:
+        return out
+    n_p2, k_p2 = short_row_sizes(scores.shape[1], k)
+    _topk_short_kernel[(out.shape[0],)](
+        scores, lengths, out, scores.stride(0), out.stride(0), k, N_P2=n_p2, K_P2=k_p2, num_warps=short_row_warps(n_p2)
+    )
+    return out
