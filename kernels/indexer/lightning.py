@@ -4,10 +4,13 @@ logits[q, t] = k_scale[t] * sum_h w[q, h] * relu(q[q, h] . k[t]) for t <= positi
 `w` carries the per-token q scale and the softmax / head scales (the caller folds them); q is e4m3
 (multiplied with the e4m3 keys on the tensor cores, fp32 accumulation) or bf16 (keys widened to bf16).
 
-Decode: B requests with `next_n` (1..4) queries each, the last `next_n` positions of the request;
-one program scores `TILES * BLOCK_T` cache tokens for all of a request's queries and heads at once
-(keys are read once), reduces over heads in registers, and may add the first radix-select histogram
-of its logits to the top-k workspace (`FUSE_HIST`), so top-k needs only two more histogram passes.
+Decode: B requests with `next_n` (1..4) queries each, the last `next_n` positions of the request.
+Two kernels, picked by `config["kernel"]`: "persistent" (the default; `decode_persistent.py`: a fixed
+grid of about two programs per SM, each streaming a balanced run of (request, split) work items with
+several pages in flight) and "tiled" (`_indexer_decode_kernel` below, kept for A/B timing: one program
+per `TILES * BLOCK_T` cache tokens of one request). Both score all of a request's queries and heads
+at once (keys are read once), reduce over heads in registers, and may add the first radix-select
+histogram of their logits to the top-k workspace (`FUSE_HIST`), so top-k needs only two more passes.
 Prefill: one request, a chunk of T queries (the last T positions) against its whole cache; one program
 per (BLOCK_Q queries, BLOCK_T keys) tile loops over the heads. Neither materialises [queries, heads, keys].
 Cache layout: see `hearth.kernels.indexer.cache_write`.
@@ -31,6 +34,7 @@ from hearth.kernels._utils import (
     mma_fp8,
     require,
 )
+from hearth.kernels.indexer.decode_persistent import persistent_config, persistent_decode_launch, sm_count
 from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, new_workspace, radix_digit, radix_topk_launch
 from hearth.kernels.topk.sampled import new_sampled_workspace, sampled_plan, sampled_topk_launch
 
@@ -38,6 +42,21 @@ INDEX_DIM = 128
 MAX_NEXT_N = 4
 
 
+# The tiled decode kernel reads keys at 23-29% of HBM bandwidth on the H200 at every batch and length
+# (docs/benchmarks.md). From its launch (read, not profiled), several costs add up:
+# - the grid is (B, max_blocks * block_size / (TILES * 64)), sized by the block table's width, not by
+#   the contexts, and TILES is picked to keep >= 1056 programs: at batch 1 (TILES = 1) each of ~2048
+#   programs scores one 64-token page (8.4 KB of keys) after loading context_lens, the 8 KB query tile
+#   and the weights, so per-program fixed work is as large as the streaming;
+# - per tile the key load depends on a block-table load of the same iteration; with TILES = 1 there
+#   is no next iteration to prefetch, so each program waits out two dependent memory latencies for
+#   its 8.4 KB, and at batch >= 8 (TILES 8-32) num_stages = 2 keeps at most one more tile in flight;
+# - the tile is small: the dot [H, 128] x [128, 64] puts the 64 tokens on N and the heads on M, so the
+#   weighted sum over heads reduces across the four warps through shared memory, a barrier per tile;
+# - 1056-2112 programs make a few waves of resident programs whose last one runs partly empty.
+# The fp32 logits write (4 of every 136 bytes) is not the issue. The persistent kernel
+# (`decode_persistent.py`) answers each: a fixed grid with balanced chunks, 128-token tiles through
+# three pipeline stages, keys as the M operand, the query tile loaded once per work item.
 @triton.jit
 def _indexer_decode_kernel(
     q_ptr,
@@ -196,7 +215,7 @@ def _check_cache(kv_cache: torch.Tensor, block_size: int, device: torch.device) 
     )
 
 
-def _decode_config(n_req: int, n_cols: int, heads: int, next_n: int) -> dict:
+def _tiled_config(n_req: int, n_cols: int, heads: int, next_n: int) -> dict:
     block_t = 64
     total = n_req * triton.cdiv(n_cols, block_t)
     tiles = 1
@@ -234,7 +253,9 @@ def lightning_indexer_decode(
         block_size: tokens per page, power of two >= 16.
         workspace: optional zeroed int32 top-k workspace [B*next_n, WS_STRIDE]: if given, the kernel adds
             the first radix-select histogram of each row to it (used by `indexer_decode_topk`).
-        config: optional tuning override (block_t, tiles, num_warps, num_stages).
+        config: optional launch override: "kernel" ("persistent", the default, or "tiled", the older
+            kernel kept for A/B timing) and that kernel's tuning keys (persistent: block_t, programs,
+            num_warps, num_stages, fp8_precise; tiled: block_t, tiles, num_warps, num_stages, fp8_precise).
     Returns:
         logits: fp32 [B*next_n, max_blocks*block_size]; row b*next_n+j holds valid logits at t <= that
             query's position and -inf for later t < context_len; columns past context_len are unwritten.
@@ -260,7 +281,15 @@ def lightning_indexer_decode(
     lengths = torch.empty(rows, dtype=torch.int32, device=dev)
     if workspace is not None:
         check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, WS_STRIDE), device=dev)
-    cfg = _decode_config(n_req, n_cols, heads, next_n) | (config or {})
+    kernel = (config or {}).get("kernel", "persistent")
+    require(kernel in ("persistent", "tiled"), f"config kernel must be 'persistent' or 'tiled', got {kernel!r}")
+    if kernel == "persistent":
+        cfg = persistent_config(n_req, n_cols, heads, next_n, sm_count(dev)) | (config or {})
+        persistent_decode_launch(
+            q, weights, kv_cache, block_table, context_lens, block_size, logits, lengths, workspace, cfg
+        )
+        return logits, lengths
+    cfg = _tiled_config(n_req, n_cols, heads, next_n) | config
     grid = (n_req, triton.cdiv(n_cols, cfg["tiles"] * cfg["block_t"]))
     _indexer_decode_kernel[grid](
         q,
