@@ -12,13 +12,18 @@ items: a split is a contiguous range of chunks of one request; the query tile [n
 the head weights are loaded once per work item, not once per chunk.
 
 Per chunk: the block-table entries of its tokens (one gathered load, served from L1), then the keys as
-one [BLOCK_T, 128] e4m3 tile and their fp32 scales. Nothing in the chunk body depends on the previous
-chunk, so Triton's software pipeliner issues the block-table load NUM_STAGES - 1 chunks ahead and the
-key loads after it (cp.async into shared memory): with 128-token chunks, 3 stages and 2 programs per
-SM about 4 x 17 KB of keys are in flight per SM, against ~30 KB that Little's law asks of an H200 SM
-(32 B/ns x ~1 us). The dot is keys x q^T -> [BLOCK_T, next_n * H] (keys as the M operand, both
-operands K-major as Hopper's fp8 MMA wants), so the weighted sum over heads is a reduction along the
-accumulator's N axis (within a thread and its quad) instead of across warps.
+one [BLOCK_T, 128] e4m3 tile and their fp32 scales. Triton's software pipeliner handles the keys: it
+sees the block-table load feeding the key addresses and the keys feeding the dot, issues the table
+load stages ahead of the key copy (cp.async into shared memory) and the copy ahead of the dot; with
+num_stages = 7 that is three 16 KB key buffers (two chunks in flight while one is scored; the
+sm_90 build checked offline with Triton 3.9: 60 KB of shared memory, 180 registers a thread at 4
+warps, no spills, so two programs fit an SM: ~50-70 KB in flight per SM against the ~30 KB that
+Little's law asks of an H200 SM at 32 B/ns and ~1 us). The pipeliner leaves loads that do not feed a
+dot synchronous, so the scales are prefetched by hand: each iteration loads the next chunk's scales
+(from page ids loaded one iteration earlier) and the page ids of the chunk after. The dot is keys x
+q^T -> [BLOCK_T, next_n * H] (keys as the M operand, both operands K-major as Hopper's fp8 MMA
+wants), so the weighted sum over heads is a reduction along the accumulator's N axis (within a
+thread and its quad) instead of across warps.
 
 Math, identical to `_indexer_decode_kernel`'s: s = q . k in fp32 (fp8 MMA, or bf16 for bf16 queries),
 logit = (sum_h w_h * relu(s_h)) * k_scale, -inf after the query's position, nothing written past the
@@ -70,6 +75,31 @@ def _work_item(b_start, b_end, i_b, g_lo, g_hi, REQ_P2: tl.constexpr):
     i_start = tl.sum(tl.where(o_r == i_b, b_start, 0), axis=0)
     i_end = tl.sum(tl.where(o_r == i_b, b_end, 0), axis=0)
     return tl.maximum(g_lo, i_start) - i_start, tl.minimum(g_hi, i_end) - i_start
+
+
+@triton.jit
+def _chunk_pages(p_table, i_c, t_end, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Physical page of each token of request-local chunk i_c; 0 from token t_end on (the end of the
+    work item or of the context)."""
+    o_t = i_c * BLOCK_T + tl.arange(0, BLOCK_T)
+    return tl.load(p_table + o_t // BLOCK_SIZE, mask=o_t < t_end, other=0)
+
+
+@triton.jit
+def _chunk_scales(
+    cache_f32_ptr,
+    b_page,
+    i_c,
+    t_end,
+    stride_blk,
+    BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Chunk i_c's key scales ([BLOCK_T] fp32) from its page ids; 0 from token t_end on."""
+    o_t = i_c * BLOCK_T + tl.arange(0, BLOCK_T)
+    p_ks = cache_f32_ptr + b_page.to(tl.int64) * (stride_blk // 4) + (BLOCK_SIZE * D // 4) + o_t % BLOCK_SIZE
+    return tl.load(p_ks, mask=o_t < t_end, other=0.0)
 
 
 # NOTE: n_req and n_progs change with the batch and the table width; like the prefill kernel's T and
@@ -132,15 +162,21 @@ def _indexer_decode_persistent_kernel(
         if FUSE_HIST:
             b_hist = tl.zeros([NEXT_N_P2 * NBINS], dtype=tl.int32)
             n_skip = 0
+        # the scales are not pipelined by Triton (they do not feed the dot): by hand, the next chunk's
+        # scales and the page ids of the one after are loaded while this chunk is scored
+        t_end = tl.minimum(n_ctx, c_hi * BLOCK_T)  # no read past the work item, none past the context
+        b_page = _chunk_pages(p_table, c_lo + 1, t_end, BLOCK_T, BLOCK_SIZE)
+        b_page_lo = _chunk_pages(p_table, c_lo, t_end, BLOCK_T, BLOCK_SIZE)
+        b_ksn = _chunk_scales(cache_f32_ptr, b_page_lo, c_lo, t_end, stride_blk, BLOCK_T, BLOCK_SIZE, D)
         for i_c in range(c_lo, c_hi):
+            b_ks = b_ksn
+            b_ksn = _chunk_scales(cache_f32_ptr, b_page, i_c + 1, t_end, stride_blk, BLOCK_T, BLOCK_SIZE, D)
+            b_page = _chunk_pages(p_table, i_c + 2, t_end, BLOCK_T, BLOCK_SIZE)
             o_t = i_c * BLOCK_T + tl.arange(0, BLOCK_T)
             m_t = o_t < n_ctx
-            b_page = tl.load(p_table + o_t // BLOCK_SIZE, mask=m_t, other=0).to(tl.int64)
-            o_off = o_t % BLOCK_SIZE
-            p_k = cache_u8_ptr + (b_page * stride_blk + o_off * D)[:, None] + o_d[None, :]
+            b_kpage = tl.load(p_table + o_t // BLOCK_SIZE, mask=m_t, other=0).to(tl.int64)
+            p_k = cache_u8_ptr + (b_kpage * stride_blk + (o_t % BLOCK_SIZE) * D)[:, None] + o_d[None, :]
             b_k = tl.load(p_k, mask=m_t[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-            p_ks = cache_f32_ptr + b_page * (stride_blk // 4) + (BLOCK_SIZE * D // 4) + o_off
-            b_ks = tl.load(p_ks, mask=m_t, other=0.0)
             b_acc = tl.zeros([BLOCK_T, M], dtype=tl.float32)
             if Q_FP8:
                 b_s = mma_fp8(b_k, b_qt, b_acc, UPCAST, PRECISE)
@@ -182,18 +218,19 @@ def _cuda_sm_count(index: int) -> int:
 
 def persistent_config(n_req: int, n_cols: int, heads: int, next_n: int, sms: int) -> dict:
     """Launch plan from host-known shapes only (the grid must not depend on context_lens, a device
-    tensor): 128-token chunks (64 with next_n > 2, whose [BLOCK_T, 4 * H] accumulator would not fit),
-    halved to 64 when the table cannot give every program two chunks; two programs per SM."""
+    tensor). One query (next_n * H <= 64): 128-token chunks, 4 warps, 7 stages (three 16 KB key
+    buffers), two programs per SM (182 registers a thread, 60 KB of shared memory each in the sm_90
+    build); more queries: 64-token chunks on 8 warps, one program per SM (the [BLOCK_T, next_n * H]
+    accumulator). Chunks drop to 64 tokens when the table cannot give every program two of them."""
     rows_m = triton.next_power_of_2(next_n) * heads
-    block_t = 128 if rows_m <= 128 else 64
-    per_sm = 2
+    block_t, num_warps, per_sm = (128, 4, 2) if rows_m <= 64 else (64, 8, 1)
     if n_req * triton.cdiv(n_cols, block_t) < 2 * per_sm * sms:
         block_t = 64
     return {
         "block_t": block_t,
         "programs": per_sm * sms,
-        "num_warps": 4,
-        "num_stages": 3,
+        "num_warps": num_warps,
+        "num_stages": 7,
         "fp8_precise": True,
     }
 

@@ -43,20 +43,22 @@ MAX_NEXT_N = 4
 
 
 # The tiled decode kernel reads keys at 23-29% of HBM bandwidth on the H200 at every batch and length
-# (docs/benchmarks.md). From its launch (read, not profiled), several costs add up:
+# (docs/benchmarks.md). From its launch and its sm_90 build (compiled offline with Triton 3.9; not
+# profiled on the GPU), several costs add up:
+# - little in flight: the pipeliner gives the keys a single shared-memory buffer (one 8.4 KB tile
+#   copied ahead), and the block-table load of the next tile and the scale load of this one stay
+#   synchronous (they do not feed the dot), so every tile waits out at least one full memory latency
+#   for 8.4 KB: ~8 KB per latency per program where an SM needs ~30 KB;
 # - the grid is (B, max_blocks * block_size / (TILES * 64)), sized by the block table's width, not by
-#   the contexts, and TILES is picked to keep >= 1056 programs: at batch 1 (TILES = 1) each of ~2048
-#   programs scores one 64-token page (8.4 KB of keys) after loading context_lens, the 8 KB query tile
-#   and the weights, so per-program fixed work is as large as the streaming;
-# - per tile the key load depends on a block-table load of the same iteration; with TILES = 1 there
-#   is no next iteration to prefetch, so each program waits out two dependent memory latencies for
-#   its 8.4 KB, and at batch >= 8 (TILES 8-32) num_stages = 2 keeps at most one more tile in flight;
+#   the contexts, and TILES keeps >= 1056 programs: at batch 1 (TILES = 1) each of ~2048 programs
+#   scores one 64-token page after loading context_lens, the 8 KB query tile and the weights, so its
+#   fixed work is as large as its streaming, and there is no next tile to prefetch at all;
 # - the tile is small: the dot [H, 128] x [128, 64] puts the 64 tokens on N and the heads on M, so the
 #   weighted sum over heads reduces across the four warps through shared memory, a barrier per tile;
 # - 1056-2112 programs make a few waves of resident programs whose last one runs partly empty.
 # The fp32 logits write (4 of every 136 bytes) is not the issue. The persistent kernel
-# (`decode_persistent.py`) answers each: a fixed grid with balanced chunks, 128-token tiles through
-# three pipeline stages, keys as the M operand, the query tile loaded once per work item.
+# (`decode_persistent.py`) answers each: three key buffers and prefetched scales, a fixed grid with
+# balanced chunks, 128-token tiles with keys as the M operand, the query tile once per work item.
 @triton.jit
 def _indexer_decode_kernel(
     q_ptr,
