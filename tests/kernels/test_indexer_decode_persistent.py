@@ -12,7 +12,7 @@ from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode
 from hearth.kernels.indexer.decode_persistent import _request_span, _split_chunks, _work_item, persistent_config
 from hearth.kernels.indexer.reference import indexer_decode_logits_ref
 from hearth.kernels.topk.reference import check_topk
-from tests.kernels.conftest import paged_table
+from tests.kernels.conftest import paged_table, requires_cuda
 from tests.kernels.test_lightning_indexer import _check_logits, _decode_magnitudes, _filled_cache, _queries
 
 
@@ -150,3 +150,22 @@ def test_rejects_unknown_kernel(device):
     cache, table = _filled_cache([4], 16, 1, device)
     with pytest.raises(ValueError, match="config kernel"):
         _logits(q, torch.zeros(1, 1, 16, device=device), cache, table, [4], 16, "fast")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_persistent_real_shapes_gpu(next_n):
+    """DeepSeek's 64 heads, batch 8 of mixed contexts up to 128K, the default launch plan: bit-equal to
+    the tiled kernel and the reference on exact sums."""
+    ctx, heads = [131072, 1, 4097, 20000, 63, 32000, 8192, 2049], 64
+    cache, table = _exact_cache(ctx, 64, 2048, "cuda")
+    q = torch.randint(-3, 4, (len(ctx), next_n, heads, 128), device="cuda").float().to(FP8_E4M3)
+    w = torch.randint(-16, 17, (len(ctx), next_n, heads), device="cuda").float() / 8
+    new, _ = _logits(q, w, cache, table, ctx, 64, "persistent")
+    old, _ = _logits(q, w, cache, table, ctx, 64, "tiled")
+    ref = indexer_decode_logits_ref(q, w, cache, table, torch.tensor(ctx, device="cuda"), 64)
+    for b, n in enumerate(ctx):
+        rows = slice(b * next_n, (b + 1) * next_n)
+        assert torch.equal(new[rows, :n], old[rows, :n]), f"request {b}: persistent != tiled"
+        assert torch.equal(new[rows, :n], ref[b]), f"request {b}: persistent != reference"
