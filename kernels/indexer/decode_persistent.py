@@ -16,8 +16,8 @@ one [BLOCK_T, 128] e4m3 tile and their fp32 scales. Triton's software pipeliner 
 sees the block-table load feeding the key addresses and the keys feeding the dot, issues the table
 load stages ahead of the key copy (cp.async into shared memory) and the copy ahead of the dot; with
 num_stages = 7 that is three 16 KB key buffers (two chunks in flight while one is scored; the
-sm_90 build checked offline with Triton 3.9: 60 KB of shared memory, 180 registers a thread at 4
-warps, no spills, so two programs fit an SM: ~50-70 KB in flight per SM against the ~30 KB that
+sm_90 build checked offline with Triton 3.6 and 3.9: 59-60 KB of shared memory, 180-182 registers
+a thread at 4 warps, no spills, so two programs fit an SM: ~50-70 KB in flight per SM against the ~30 KB that
 Little's law asks of an H200 SM at 32 B/ns and ~1 us). The pipeliner leaves loads that do not feed a
 dot synchronous, so the scales are prefetched by hand: each iteration loads the next chunk's scales
 (from page ids loaded one iteration earlier) and the page ids of the chunk after. The dot is keys x

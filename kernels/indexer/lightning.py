@@ -43,8 +43,8 @@ MAX_NEXT_N = 4
 
 
 # The tiled decode kernel reads keys at 23-29% of HBM bandwidth on the H200 at every batch and length
-# (docs/benchmarks.md). From its launch and its sm_90 build (compiled offline with Triton 3.9; not
-# profiled on the GPU), several costs add up:
+# (docs/benchmarks.md). From its launch and its sm_90 build (compiled offline with Triton 3.6 and 3.9;
+# not profiled on the GPU), several costs add up:
 # - little in flight: the pipeliner gives the keys a single shared-memory buffer (one 8.4 KB tile
 #   copied ahead), and the block-table load of the next tile and the scale load of this one stay
 #   synchronous (they do not feed the dot), so every tile waits out at least one full memory latency
