@@ -42,7 +42,7 @@ import triton.language as tl
 from hearth.kernels._utils import FP8_E4M3, float_order_key, is_interpreter, mma, mma_fp8
 from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, radix_digit
 
-H200_SMS = 132
+CPU_SMS = 4
 
 
 @triton.jit
@@ -205,9 +205,10 @@ def _indexer_decode_persistent_kernel(
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device; the CPU interpreter plans as for an H200."""
+    """Streaming multiprocessors of the device. The CPU interpreter plans for CPU_SMS: it pays per
+    program, idle or not, and a few programs still split requests across programs."""
     if device.type != "cuda":
-        return H200_SMS
+        return CPU_SMS
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
