@@ -2,13 +2,16 @@
 plain-torch baselines of the same math, measured in the same run, after a correctness check.
 
     python bench/bench_dsa.py [--out DIR] [--quick] [--sweep] [--only decode_indexer,decode_mla,prefill]
-    TRITON_INTERPRET=1 python bench/bench_dsa.py --dry-run   (no GPU: the decode sparse MLA rows at tiny
-                                                              shapes, checks only)
+    TRITON_INTERPRET=1 python bench/bench_dsa.py --dry-run   (no GPU: the decode indexer and sparse MLA
+                                                              rows at tiny shapes, checks only)
 
 Prints one line per result (median time, GB/s or TFLOP/s, % of ceiling, torch time, ratio) and writes
-`dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .). Decode sparse
-MLA runs at batch 1, 8 and 64 with a bf16 cache (current and old launch plan) and an FP8 cache on the
-old per-element path and the tile path, and reports FP8 / bf16 TFLOP/s ratios per batch.
+`dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .). Decode
+indexer logits time the tiled kernel (the default) and the persistent one (not yet timed) in the same run,
+GB/s counting the key bytes read (132 per token), plus a few persistent configs at batch >= 8 x 128K
+(more with --sweep), and report the persistent / tiled ratio per shape. Decode sparse MLA runs at
+batch 1, 8 and 64 with a bf16 cache (current and old launch plan) and an FP8 cache on the old
+per-element path and the tile path, and reports FP8 / bf16 TFLOP/s ratios per batch.
 Ceilings from docs/benchmarks.md: 4.28 TB/s copy, ~790 TFLOP/s bf16 matmul.
 """
 
@@ -33,6 +36,7 @@ from hearth.kernels.indexer import (
     lightning_indexer_decode,
     lightning_indexer_prefill,
 )
+from hearth.kernels.indexer.decode_persistent import sm_count
 from hearth.kernels.indexer.reference import gather_request_keys, indexer_logits_ref
 from hearth.kernels.sparse_mla import quantize_latent_fp8, sparse_mla_decode, sparse_mla_prefill
 from hearth.kernels.sparse_mla.reference import sparse_mla_ref
@@ -46,6 +50,7 @@ BS = 64
 K = 2048
 ROWS: list[dict] = []
 RATIOS: list[dict] = []  # decode sparse MLA: FP8 cache TFLOP/s over bf16 cache TFLOP/s, per batch
+IDX_RATIOS: list[dict] = []  # decode indexer logits: the persistent kernel against the tiled one, per shape
 DEVICE = "cuda"
 
 
@@ -87,10 +92,10 @@ def dry_bench(fn, graph: bool = False, rep: int = 60) -> float:
 
 def random_indexer_cache(num_blocks: int) -> torch.Tensor:
     """Random FP8 keys (no NaN codes) and power-of-two scales in the paged layout."""
-    cache = torch.randint(0, 256, (num_blocks, BS * 132), dtype=torch.uint8, device="cuda")
+    cache = torch.randint(0, 256, (num_blocks, BS * 132), dtype=torch.uint8, device=DEVICE)
     data = cache[:, : BS * 128]
     data[(data & 0x7F) == 0x7F] = 0x10
-    scales = torch.exp2(torch.randint(-10, -4, (num_blocks, BS), device="cuda").float())
+    scales = torch.exp2(torch.randint(-10, -4, (num_blocks, BS), device=DEVICE).float())
     cache[:, BS * 128 :] = scales.view(torch.uint8).view(num_blocks, BS * 4)
     return cache
 
@@ -109,67 +114,107 @@ def torch_indexer_topk(q, w, cache, table, ctx_len: int, k: int):
     return torch.topk(logits, min(k, ctx_len), dim=-1).indices
 
 
-def decode_indexer(batch: int, ctx_len: int, heads: int = 64, sweep: bool = False, check: bool = False):
+def indexer_sweep(batch: int, ctx_len: int, full: bool) -> list[dict]:
+    """Persistent-kernel configs timed beside its default: a few at the K2 target shapes (batch >= 8,
+    128K) in every run, more with --sweep. Chunk tokens x pipeline stages x programs per SM x warps."""
+    if batch < 8 or (ctx_len < 131072 and not full):
+        return []
+    sms = sm_count(torch.device(DEVICE))
+    # num_stages 5 / 7 / 9 / 11 give the keys 2 / 3 / 4 / 5 buffers (the page-id load takes two stages)
+    # (the sm_90 builds fit two programs of 4 warps or one of 8 per SM: 180-210 registers a thread)
+    picks = [(128, 5, 2, 4), (128, 9, 2, 4), (64, 11, 2, 4), (64, 7, 2, 4), (256, 7, 1, 8), (128, 7, 1, 4)]
+    if full:
+        picks += [(128, 11, 2, 4), (64, 9, 2, 4), (256, 9, 1, 8), (256, 5, 1, 8), (128, 7, 3, 4), (64, 5, 2, 4)]
+    return [
+        {"kernel": "persistent", "block_t": bt, "num_stages": ns, "programs": per_sm * sms, "num_warps": nw}
+        for bt, ns, per_sm, nw in picks
+    ]
+
+
+def decode_indexer(
+    batch: int, ctx_len: int, heads: int = 64, k: int = K, sweep: bool = False, check: bool = False
+) -> None:
+    """Decode indexer logits with the tiled kernel (the default) and the persistent one (not yet timed) on
+    the same inputs, GB/s counting the key bytes read (132 per token; the 4-byte logit write aside),
+    then indexer + top-k and the top-k alone on the default kernel."""
     max_blocks = ctx_len // BS
     cache = random_indexer_cache(batch * max_blocks)
-    table = torch.randperm(batch * max_blocks, device="cuda").int().view(batch, max_blocks)
-    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")
-    q = (torch.randn(batch, 1, heads, 128, device="cuda") * 2).to(FP8_E4M3)
-    w = torch.randn(batch, 1, heads, device="cuda") * 0.05
-    shape = f"B{batch} ctx{ctx_len // 1024}K H{heads} k{K}"
+    table = torch.randperm(batch * max_blocks, device=DEVICE).int().view(batch, max_blocks)
+    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device=DEVICE)
+    q = (torch.randn(batch, 1, heads, 128, device=DEVICE) * 2).to(FP8_E4M3)
+    w = torch.randn(batch, 1, heads, device=DEVICE) * 0.05
+    shape = f"B{batch} ctx{ctx_len // 1024}K H{heads} k{k}"
+    kernels = {"tiled": {"kernel": "tiled"}, "persistent": {"kernel": "persistent"}}
     if check:
-        logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx, BS)
-        for b in range(min(batch, 2)):
-            kk, ks = gather_request_keys(cache, table[b], ctx_len, BS)
-            last = torch.tensor([ctx_len - 1], device="cuda")
-            ref = indexer_logits_ref(q[b], w[b], kk, ks, last)[0]
-            mag = indexer_logits_ref(q[b].float().abs(), w[b].abs(), kk.abs(), ks, last)[0]
-            err = float(((logits[b, :ctx_len] - ref).abs() / (mag + 1e-6)).max())
-            assert err < 1e-3, f"decode indexer logits err {err} (relative to sum |w| |q||k| ks)"
-        idx = indexer_decode_topk(q, w, cache, table, ctx, BS, K)
-        check_topk(idx[:2, 0], logits[:2], lengths[:2], K)
-        print(f"  check ok: decode indexer {shape}", flush=True)
+        kk, ks = gather_request_keys(cache, table[0], ctx_len, BS)
+        last = torch.tensor([ctx_len - 1], device=DEVICE)
+        ref = indexer_logits_ref(q[0], w[0], kk, ks, last)[0]
+        mag = indexer_logits_ref(q[0].float().abs(), w[0].abs(), kk.abs(), ks, last)[0]
+        for name, cfg in kernels.items():
+            logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx, BS, config=cfg)
+            err = float(((logits[0, :ctx_len] - ref).abs() / (mag + 1e-6)).max())
+            assert err < 1e-3, f"decode indexer ({name}) logits err {err} (relative to sum |w| |q||k| ks)"
+            print(f"  check ok: decode indexer {name} {shape} (err {err:.1e})", flush=True)
+        idx = indexer_decode_topk(q, w, cache, table, ctx, BS, k)
+        check_topk(idx[:2, 0], logits[:2], lengths[:2], k)
     n_bytes_keys = batch * ctx_len * 132
     t_base = (
-        bench(lambda: torch_indexer_topk(q, w, cache, table, ctx_len, K), rep=40)
+        bench(lambda: torch_indexer_topk(q, w, cache, table, ctx_len, k), rep=40)
         if batch * ctx_len <= 64 * 131072
         else None
     )
-    cfgs = [None]
-    if sweep:
-        cfgs += [{"tiles": t, "num_warps": nw} for t in (1, 2, 4, 8, 16) for nw in (4, 8)]
-        cfgs += [{"fp8_precise": True}]
-    best = None
-    for cfg in cfgs:
-        t_idx = bench(lambda cfg=cfg: lightning_indexer_decode(q, w, cache, table, ctx, BS, config=cfg), graph=True)
-        if best is None or t_idx < best[0]:
-            best = (t_idx, cfg)
-        if sweep:
-            print(f"    sweep {cfg}: {t_idx * 1e6:.1f} us", flush=True)
-    t_idx, cfg = best
-    emit("decode indexer logits", shape, t_idx, None, nbytes=n_bytes_keys + batch * ctx_len * 4, cfg=str(cfg))
-    t_full = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, fuse_hist=True, config=cfg), graph=True)
+
+    def time_logits(cfg: dict) -> float:
+        return bench(lambda: lightning_indexer_decode(q, w, cache, table, ctx, BS, config=cfg), graph=True)
+
+    times = {name: time_logits(cfg) for name, cfg in kernels.items()}
+    for name, cfg in kernels.items():
+        emit(f"decode indexer logits ({name})", shape, times[name], None, nbytes=n_bytes_keys, cfg=str(cfg))
+    best = (times["persistent"], kernels["persistent"])
+    for cfg in indexer_sweep(batch, ctx_len, sweep):
+        try:
+            t = time_logits(cfg)
+        except Exception as e:  # a config can exceed shared memory or registers on this GPU
+            print(f"    sweep {cfg}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+            continue
+        print(f"    sweep {cfg}: {t * 1e6:.1f} us ({100 * n_bytes_keys / t / BW:.0f}% of HBM)", flush=True)
+        best = min(best, (t, cfg), key=lambda b: b[0])
+    if best[1] is not kernels["persistent"]:
+        emit("decode indexer logits (persistent, best)", shape, best[0], None, nbytes=n_bytes_keys, cfg=str(best[1]))
+    IDX_RATIOS.append(
+        dict(
+            shape=shape,
+            tiled_us=times["tiled"] * 1e6,
+            persistent_us=times["persistent"] * 1e6,
+            best_us=best[0] * 1e6,
+            speedup=times["tiled"] / times["persistent"],
+            pct_hbm=100 * n_bytes_keys / times["persistent"] / BW,
+            best_cfg=str(best[1]),
+        )
+    )
+    print(f"  {shape}: persistent / tiled = x{times['tiled'] / times['persistent']:.2f}", flush=True)
+    t_full = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, k, fuse_hist=True), graph=True)
     emit("decode indexer+topk (fused hist)", shape, t_full, t_base, nbytes=n_bytes_keys)
-    t_nf = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, fuse_hist=False, config=cfg), graph=True)
+    t_nf = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, k, fuse_hist=False), graph=True)
     emit("decode indexer+topk (unfused)", shape, t_nf, t_base, nbytes=n_bytes_keys)
     # the sampled top-k keeps its workspace across calls (zeroed once, as a graph-captured caller would)
-    ws = new_sampled_workspace(batch, sampled_plan(ctx_len, K), q.device)
+    ws = new_sampled_workspace(batch, sampled_plan(ctx_len, k), q.device)
     t_sa = bench(
-        lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, config=cfg, topk="sampled", topk_workspace=ws),
+        lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, k, topk="sampled", topk_workspace=ws),
         graph=True,
     )
     check_topk(
-        indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="sampled", topk_workspace=ws)[:, 0],
+        indexer_decode_topk(q, w, cache, table, ctx, BS, k, topk="sampled", topk_workspace=ws)[:, 0],
         *lightning_indexer_decode(q, w, cache, table, ctx, BS),
-        K,
+        k,
     )
     emit("decode indexer+topk (sampled)", shape, t_sa, t_base, nbytes=n_bytes_keys)
-    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx, BS, config=cfg)
-    t_tk = bench(lambda: topk_indices(logits, lengths, K), graph=True)
-    t_tt = bench(lambda: torch.topk(logits, K, dim=-1))
+    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx, BS)
+    t_tk = bench(lambda: topk_indices(logits, lengths, k), graph=True)
+    t_tt = bench(lambda: torch.topk(logits, k, dim=-1))
     emit("decode topk only (radix)", f"{batch}x{ctx_len}", t_tk, t_tt, nbytes=batch * ctx_len * 4)
-    out = torch.empty(batch, K, dtype=torch.int32, device=q.device)
-    plan = sampled_plan(logits.shape[1], K)
+    out = torch.empty(batch, k, dtype=torch.int32, device=q.device)
+    plan = sampled_plan(logits.shape[1], k)
     t_ts = bench(lambda: sampled_topk_launch(logits, lengths, out, ws, plan), graph=True)
     emit("decode topk only (sampled)", f"{batch}x{ctx_len}", t_ts, t_tt, nbytes=batch * ctx_len * 4)
 
@@ -379,7 +424,8 @@ def main() -> None:
     ap.add_argument(
         "--dry-run",
         action="store_true",
-        help="no GPU: decode sparse MLA only (batch 1, 3; tiny shapes) under TRITON_INTERPRET=1, checks only",
+        help="no GPU: decode indexer (batch 1, 8) and decode sparse MLA (batch 1, 3) at tiny shapes under "
+        "TRITON_INTERPRET=1, checks only",
     )
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -387,7 +433,7 @@ def main() -> None:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--dry-run needs TRITON_INTERPRET=1 in the environment (Triton reads it at import)")
         global DEVICE, bench
-        DEVICE, bench, only = "cpu", dry_bench, only & {"decode_mla"}
+        DEVICE, bench, only = "cpu", dry_bench, only & {"decode_indexer", "decode_mla"}
     device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU interpreter (dry run)"
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M')} {device_name} torch {torch.__version__} triton {triton.__version__}",
@@ -395,7 +441,10 @@ def main() -> None:
     )
     t0 = time.time()
     jobs = []
-    if "decode_indexer" in only:
+    if "decode_indexer" in only and args.dry_run:  # both kernels, the checks and (batch 8) the sweep
+        jobs += [(decode_indexer, (1, 1024), dict(heads=16, k=64, check=True))]
+        jobs += [(decode_indexer, (8, 1024), dict(heads=16, k=64, sweep=True))]
+    elif "decode_indexer" in only:
         for batch in (1, 8, 64):
             for ctx_len in (131072,) if args.quick else (8192, 32768, 131072):
                 check = ctx_len == 8192 or (args.quick and batch == 1)
@@ -435,6 +484,21 @@ def main() -> None:
             f"| {r['what']} | {r['shape']} | {r['us']:.1f} | {fmt(r['gbs'], 0)} | {fmt(r['tflops'], 1)} | "
             f"{r['pct']:.1f} | {fmt(r['torch_us'], 1)} | {fmt(r['speedup'], 1)} |"
         )
+    if IDX_RATIOS:
+        lines += [
+            "",
+            "| decode indexer logits | tiled us | persistent us | persistent % of HBM (keys) | speedup | best us "
+            "| best config |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['shape']} | {r['tiled_us']:.1f} | {r['persistent_us']:.1f} | {r['pct_hbm']:.0f}% | "
+            f"x{r['speedup']:.2f} | {r['best_us']:.1f} | {r['best_cfg']} |"
+            for r in IDX_RATIOS
+        ]
+        with open(out / "dsa_bench.jsonl", "a") as f:
+            for r in IDX_RATIOS:
+                f.write(json.dumps(r) + "\n")
     if RATIOS:
         lines += [
             "",

@@ -4,10 +4,14 @@ logits[q, t] = k_scale[t] * sum_h w[q, h] * relu(q[q, h] . k[t]) for t <= positi
 `w` carries the per-token q scale and the softmax / head scales (the caller folds them); q is e4m3
 (multiplied with the e4m3 keys on the tensor cores, fp32 accumulation) or bf16 (keys widened to bf16).
 
-Decode: B requests with `next_n` (1..4) queries each, the last `next_n` positions of the request;
-one program scores `TILES * BLOCK_T` cache tokens for all of a request's queries and heads at once
-(keys are read once), reduces over heads in registers, and may add the first radix-select histogram
-of its logits to the top-k workspace (`FUSE_HIST`), so top-k needs only two more histogram passes.
+Decode: B requests with `next_n` (1..4) queries each, the last `next_n` positions of the request.
+Two kernels, picked by `config["kernel"]`: "tiled" (the default, `_indexer_decode_kernel` below: one
+program per `TILES * BLOCK_T` cache tokens of one request; also the only one for tiered keys' page
+summaries) and "persistent" (`decode_persistent.py`: a fixed grid of about two programs per SM, each
+streaming a balanced run of (request, split) work items with several pages in flight; the default
+once it is timed on the GPU). Both score all of a request's queries and heads
+at once (keys are read once), reduce over heads in registers, and may add the first radix-select
+histogram of their logits to the top-k workspace (`FUSE_HIST`), so top-k needs only two more passes.
 Prefill: one request, a chunk of T queries (the last T positions) against its whole cache; one program
 per (BLOCK_Q queries, BLOCK_T keys) tile loops over the heads. Neither materialises [queries, heads, keys].
 Cache layout: see `hearth.kernels.indexer.cache_write`.
@@ -31,6 +35,7 @@ from hearth.kernels._utils import (
     mma_fp8,
     require,
 )
+from hearth.kernels.indexer.decode_persistent import persistent_config, persistent_decode_launch, sm_count
 from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, new_workspace, radix_digit, radix_topk_launch
 from hearth.kernels.topk.sampled import new_sampled_workspace, sampled_plan, sampled_topk_launch
 
@@ -38,6 +43,23 @@ INDEX_DIM = 128
 MAX_NEXT_N = 4
 
 
+# The tiled decode kernel reads keys at 23-29% of HBM bandwidth on the H200 at every batch and length
+# (docs/benchmarks.md). From its launch and its sm_90 build (compiled offline with Triton 3.6 and 3.9;
+# not profiled on the GPU), several costs add up:
+# - little in flight: the pipeliner gives the keys a single shared-memory buffer (one 8.4 KB tile
+#   copied ahead), and the block-table load of the next tile and the scale load of this one stay
+#   synchronous (they do not feed the dot), so every tile waits out at least one full memory latency
+#   for 8.4 KB: ~8 KB per latency per program where an SM needs ~30 KB;
+# - the grid is (B, max_blocks * block_size / (TILES * 64)), sized by the block table's width, not by
+#   the contexts, and TILES keeps >= 1056 programs: at batch 1 (TILES = 1) each of ~2048 programs
+#   scores one 64-token page after loading context_lens, the 8 KB query tile and the weights, so its
+#   fixed work is as large as its streaming, and there is no next tile to prefetch at all;
+# - the tile is small: the dot [H, 128] x [128, 64] puts the 64 tokens on N and the heads on M, so the
+#   weighted sum over heads reduces across the four warps through shared memory, a barrier per tile;
+# - 1056-2112 programs make a few waves of resident programs whose last one runs partly empty.
+# The fp32 logits write (4 of every 136 bytes) is not the issue. The persistent kernel
+# (`decode_persistent.py`) answers each: three key buffers and prefetched scales, a fixed grid with
+# balanced chunks, 128-token tiles with keys as the M operand, the query tile once per work item.
 @triton.jit
 def _indexer_decode_kernel(
     q_ptr,
@@ -207,7 +229,7 @@ def _check_cache(kv_cache: torch.Tensor, block_size: int, device: torch.device) 
     )
 
 
-def _decode_config(n_req: int, n_cols: int, heads: int, next_n: int) -> dict:
+def _tiled_config(n_req: int, n_cols: int, heads: int, next_n: int) -> dict:
     block_t = 64
     total = n_req * triton.cdiv(n_cols, block_t)
     tiles = 1
@@ -246,12 +268,14 @@ def lightning_indexer_decode(
         block_size: tokens per page, power of two >= 16.
         workspace: optional zeroed int32 top-k workspace [B*next_n, WS_STRIDE]: if given, the kernel adds
             the first radix-select histogram of each row to it (used by `indexer_decode_topk`).
-        config: optional tuning override (block_t, tiles, num_warps, num_stages).
+        config: optional launch override: "kernel" ("tiled", the default, or "persistent", not yet timed on a
+            GPU; see the module doc) and that kernel's tuning keys (persistent: block_t, programs,
+            num_warps, num_stages, fp8_precise; tiled: block_t, tiles, num_warps, num_stages, fp8_precise).
         cold_pages: (page_size, hot_pages, groups): the cache holds page summaries (tiered keys: the
             mean key of every block_size tokens, `groups` per page of page_size tokens) and
             context_lens counts tokens; the kernel scores the summaries of the cold pages (all but
             the last hot_pages of ceil(context_len / page_size)) and writes each page's score, the
-            best of its groups (next_n must be 1).
+            best of its groups (next_n must be 1; the tiled kernel).
     Returns:
         logits: fp32 [B*next_n, max_blocks*block_size]; row b*next_n+j holds valid logits at t <= that
             query's position and -inf for later t < context_len; columns past context_len are unwritten.
@@ -276,7 +300,7 @@ def lightning_indexer_decode(
     n_cols = block_table.shape[1] * block_size
     rows = n_req * next_n
     cold_page, cold_hot, group = cold_pages or (0, 0, 1)
-    cfg = _decode_config(n_req, n_cols, heads, next_n) | (config or {})
+    cfg = _tiled_config(n_req, n_cols, heads, next_n) | {k: v for k, v in (config or {}).items() if k != "kernel"}
     if cold_pages is not None:
         require(next_n == 1 and workspace is None, "cold_pages scores one query per request, without a workspace")
         require(cold_page >= 1 and cold_hot >= 0, f"bad cold_pages {cold_pages}")
@@ -286,6 +310,16 @@ def lightning_indexer_decode(
     lengths = torch.empty(rows, dtype=torch.int32, device=dev)
     if workspace is not None:
         check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, WS_STRIDE), device=dev)
+    # NOTE: "tiled" stays the default until the persistent kernel is timed on the GPU (bench_dsa --only decode_indexer)
+    kernel = (config or {}).get("kernel", "tiled")
+    require(kernel in ("persistent", "tiled"), f"config kernel must be 'persistent' or 'tiled', got {kernel!r}")
+    require(kernel == "tiled" or cold_pages is None, "page summaries (cold_pages) are scored by the tiled kernel only")
+    if kernel == "persistent":
+        cfg = persistent_config(n_req, n_cols, heads, next_n, sm_count(dev)) | (config or {})
+        persistent_decode_launch(
+            q, weights, kv_cache, block_table, context_lens, block_size, logits, lengths, workspace, cfg
+        )
+        return logits, lengths
     grid = (n_req, triton.cdiv(n_cols, cfg["tiles"] * cfg["block_t"]))
     _indexer_decode_kernel[grid](
         q,

@@ -14,13 +14,14 @@ import inspect
 import pytest
 
 from hearth.kernels.fp8_linear import kernel as fp8_linear
-from hearth.kernels.indexer import cache_write, lightning
+from hearth.kernels.indexer import cache_write, decode_persistent, lightning
 from hearth.kernels.moe import gemv, mma
 from hearth.kernels.sparse_mla import kernel as sparse_mla
 
 PER_REQUEST = [
     (lightning._indexer_prefill_kernel, {"T", "n_ctx"}),  # a prefill chunk's queries and context
     (cache_write._indexer_k_write_kernel, {"N"}),  # the step's tokens
+    (decode_persistent._indexer_decode_persistent_kernel, {"n_req", "n_progs"}),  # the batch, the grid
     (fp8_linear.gemv_kernel, {"M"}),  # the step's rows
     (fp8_linear.gemm_kernel, {"M"}),
     (sparse_mla._sparse_mla_combine_kernel, {"S"}),  # splits, chosen from the step's rows
