@@ -42,11 +42,11 @@ for step in "${steps[@]}"; do
             --configs resident offload-sync --concurrency 1 8 --ttft 2048 > "$OUT/e2e-gpt_oss.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-gpt_oss.log" | tail -8 ;;
     kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
-        timeout 200 python3 bench/bench_moe.py --dtypes mxfp4 --sweep --budget 90 --out "$OUT/l" > "$OUT/moe.log" 2>&1
-        grep -E "BEST|ratio|x[0-9]" "$OUT/moe.log" | tail -15
-        timeout 150 python3 bench/bench_dsa.py --only decode_mla --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
+        timeout 150 python3 bench/bench_moe.py --dtypes mxfp4 --sweep --budget 60 --out "$OUT/l" > "$OUT/moe.log" 2>&1
+        grep -E "BEST|new/old" "$OUT/moe.log" | tail -15
+        timeout 120 python3 bench/bench_dsa.py --only decode_mla --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
         grep -E "TFLOP|FP8 tile" "$OUT/dsa-mla.log" | tail -15
-        timeout 100 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
+        timeout 200 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
         tail -15 "$OUT/dsa-indexer.log" ;;
     c2)
         wait  # the checkpoint
