@@ -5,6 +5,7 @@ Triton's CPU interpreter (whose float -> fp8 cast mis-rounds at binade edges).""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,6 +20,19 @@ UE8M0_AMAX_FLOOR = 1e-4
 def is_interpreter() -> bool:
     """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def sm_count(device: torch.device, cpu: int) -> int:
+    """Streaming multiprocessors of a CUDA device; ``cpu``: how many a launch plans for under the CPU
+    interpreter (each caller says why its number)."""
+    if device.type != "cuda":
+        return cpu
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def is_power_of_two(n: int) -> bool:

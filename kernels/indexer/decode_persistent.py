@@ -33,12 +33,11 @@ with the tiled kernel and the reference within fp32 rounding, bit for bit where 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from hearth.kernels import _utils
 from hearth.kernels._utils import FP8_E4M3, float_order_key, is_interpreter, mma, mma_fp8
 from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, radix_digit
 
@@ -207,14 +206,7 @@ def _indexer_decode_persistent_kernel(
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the device. The CPU interpreter plans for CPU_SMS: it pays per
     program, idle or not, and a few programs still split requests across programs."""
-    if device.type != "cuda":
-        return CPU_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return _utils.sm_count(device, CPU_SMS)
 
 
 def persistent_config(n_req: int, n_cols: int, heads: int, next_n: int, sms: int) -> dict:

@@ -28,14 +28,13 @@ Design notes (FP8 latents and small batches):
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from hearth.kernels._utils import check_tensor, is_interpreter, is_power_of_two, mma, require
+from hearth.kernels._utils import check_tensor, is_interpreter, is_power_of_two, mma, require, sm_count
 
 D_LATENT = 512
 D_ROPE = 64
@@ -214,14 +213,7 @@ def _check_cache(kv_cache: torch.Tensor, device: torch.device) -> tuple[int, boo
 
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the device; the CPU interpreter plans as for an H200 (132)."""
-    if device.type != "cuda":
-        return H200_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return sm_count(device, H200_SMS)
 
 
 def launch_plan(n_rows: int, heads: int, topk: int, is_fp8: bool, sm_count: int, config: dict | None = None) -> dict:

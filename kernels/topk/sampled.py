@@ -37,14 +37,13 @@ indices, k tie indices. path: 1 = candidates, 2 = ties at the sampled cutoff, 3 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from hearth.kernels._utils import check_tensor, float_order_key, require
+from hearth.kernels._utils import check_tensor, float_order_key, require, sm_count
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS, checked_output, radix_digit
 from hearth.kernels.topk.single_pass import pick_bin, select_row
 
@@ -276,9 +275,8 @@ def new_sampled_workspace(n_rows: int, plan: SampledPlan, device: torch.device) 
     return torch.zeros(n_rows, plan.ws_stride, dtype=torch.int32, device=device)
 
 
-@functools.cache
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return sm_count(device, 4)
 
 
 def _programs_per_row(n_rows: int, n_cols: int, block: int, device: torch.device) -> int:
