@@ -300,7 +300,14 @@ def lightning_indexer_decode(
     n_cols = block_table.shape[1] * block_size
     rows = n_req * next_n
     cold_page, cold_hot, group = cold_pages or (0, 0, 1)
-    cfg = _tiled_config(n_req, n_cols, heads, next_n) | {k: v for k, v in (config or {}).items() if k != "kernel"}
+    # NOTE: "tiled" stays the default until the persistent kernel is timed on the GPU (bench_dsa --only decode_indexer)
+    kernel = (config or {}).get("kernel", "tiled")
+    require(kernel in ("persistent", "tiled"), f"config kernel must be 'persistent' or 'tiled', got {kernel!r}")
+    require(kernel == "tiled" or cold_pages is None, "page summaries (cold_pages) are scored by the tiled kernel only")
+    if kernel == "persistent":
+        cfg = persistent_config(n_req, n_cols, heads, next_n, sm_count(dev)) | (config or {})
+    else:
+        cfg = _tiled_config(n_req, n_cols, heads, next_n) | (config or {})
     if cold_pages is not None:
         require(next_n == 1 and workspace is None, "cold_pages scores one query per request, without a workspace")
         require(cold_page >= 1 and cold_hot >= 0, f"bad cold_pages {cold_pages}")
@@ -310,12 +317,7 @@ def lightning_indexer_decode(
     lengths = torch.empty(rows, dtype=torch.int32, device=dev)
     if workspace is not None:
         check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, WS_STRIDE), device=dev)
-    # NOTE: "tiled" stays the default until the persistent kernel is timed on the GPU (bench_dsa --only decode_indexer)
-    kernel = (config or {}).get("kernel", "tiled")
-    require(kernel in ("persistent", "tiled"), f"config kernel must be 'persistent' or 'tiled', got {kernel!r}")
-    require(kernel == "tiled" or cold_pages is None, "page summaries (cold_pages) are scored by the tiled kernel only")
     if kernel == "persistent":
-        cfg = persistent_config(n_req, n_cols, heads, next_n, sm_count(dev)) | (config or {})
         persistent_decode_launch(
             q, weights, kv_cache, block_table, context_lens, block_size, logits, lengths, workspace, cfg
         )
