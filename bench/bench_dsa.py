@@ -7,11 +7,11 @@ plain-torch baselines of the same math, measured in the same run, after a correc
 
 Prints one line per result (median time, GB/s or TFLOP/s, % of ceiling, torch time, ratio) and writes
 `dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .). Decode
-indexer logits time the tiled kernel (the default) and the persistent one (not yet timed) in the same run,
+indexer logits time the persistent kernel (the default) and the tiled one in the same run,
 GB/s counting the key bytes read (132 per token), plus a few persistent configs at batch >= 8 x 128K
 (more with --sweep), and report the persistent / tiled ratio per shape. Decode sparse MLA runs at
-batch 1, 8 and 64 with a bf16 cache (current and old launch plan) and an FP8 cache on the old
-per-element path and the tile path, and reports FP8 / bf16 TFLOP/s ratios per batch.
+batch 1, 8 and 64 with a bf16 cache (the one-wave launch plan, the default, and the earlier H200 plan)
+and an FP8 cache on the old per-element path and the tile path, and reports FP8 / bf16 TFLOP/s ratios per batch.
 Ceilings from docs/benchmarks.md: 4.28 TB/s copy, ~790 TFLOP/s bf16 matmul.
 """
 
@@ -134,7 +134,7 @@ def indexer_sweep(batch: int, ctx_len: int, full: bool) -> list[dict]:
 def decode_indexer(
     batch: int, ctx_len: int, heads: int = 64, k: int = K, sweep: bool = False, check: bool = False
 ) -> None:
-    """Decode indexer logits with the tiled kernel (the default) and the persistent one (not yet timed) on
+    """Decode indexer logits with the persistent kernel (the default) and the tiled one on
     the same inputs, GB/s counting the key bytes read (132 per token; the 4-byte logit write aside),
     then indexer + top-k and the top-k alone on the default kernel."""
     max_blocks = ctx_len // BS
@@ -261,7 +261,7 @@ def mla_sweep(batch: int) -> list[dict]:
 
 
 def decode_sparse_mla(batch: int, heads: int = 128, ctx_len: int = 32768, k: int = K, sweep: bool = False):
-    """One batch size: bf16 cache (the measured plan, the engine's default, and the one-wave plan), FP8
+    """One batch size: bf16 cache (the one-wave plan, the engine's default, and the earlier H200 plan), FP8
     cache on the old path and on the tile path, all on the same latents (the FP8 cache quantises the
     bf16 one), then the ratios of the default launches; with `sweep` also the best config of the current
     plan for each cache."""
@@ -275,8 +275,8 @@ def decode_sparse_mla(batch: int, heads: int = 128, ctx_len: int = 32768, k: int
     sm = 0.1352
     flops = batch * heads * k * (576 + 512) * 2
     variants = [  # (label, cache format, base config, sweep it)
-        ("bf16", "bf16", None, True),  # the engine's default: the plan measured before (see launch_plan)
-        ("bf16 wave plan", "bf16", {"plan": "wave"}, True),
+        ("bf16", "bf16", None, True),  # the engine's default: the one-wave plan (see launch_plan)
+        ("bf16 h200 plan", "bf16", {"plan": "h200"}, True),
         ("fp8 old path", "fp8", old_mla_plan(batch, heads, k, True), False),
         ("fp8 tile path", "fp8", None, True),
     ]

@@ -7,7 +7,7 @@ tl.dot, BLOCK_M 16, BLOCK_N 64, 4 warps, 3 stages) measured in the same run.
 Shapes: T tokens, top-8 over S=64 cache slots (distinct random slots per token), D=7168, I=2048, FP8
 e4m3 with 128x128 block scales and bf16 weights. ``--dtypes mxfp4``: gpt-oss-120b's experts instead
 (D = I = 2880, 128 slots, top-4, MXFP4 with biases, the clamped SwiGLU and interleaved gate/up rows),
-three rows a shape: the bits decode, the arithmetic decode (default until timed), and the same experts dequantised
+three rows a shape: the bits decode (the default), the first arithmetic decode, and the same experts dequantised
 to bf16, with the ratios new/old and new/bf16 (``--sweep``: GEMV tiles for the bits decode).
 Each line: median time replayed from a CUDA graph (as
 the engine's decode step runs) and eager, GB/s of the weight bytes touched (distinct slots x expert
@@ -292,10 +292,10 @@ def bench_mxfp4(tokens: list[int], opts, best_lines: list[str]) -> None:
                              interleaved=True)  # fmt: skip
         distinct = int(ids.unique().numel())
         shape = f"mxfp4 T={t} slots={distinct}"
-        old = default_launch(ids.numel(), S, fp8=False)
-        new = dataclasses.replace(old, mxfp4_decode="bits")
+        new = default_launch(ids.numel(), S, "mxfp4")
+        old = dataclasses.replace(new, mxfp4_decode="arith")
         runs = (("bits", (x, ids, weights, *mx), new), ("arith", (x, ids, weights, *mx), old),
-                ("bf16", (x, ids, weights, *bf, None, None), new))  # fmt: skip
+                ("bf16", (x, ids, weights, *bf, None, None), default_launch(ids.numel(), S, "float")))  # fmt: skip
         times = {}
         for name, args, launch in runs:
             err = check(args, want, launch, extras)
@@ -354,7 +354,7 @@ def main() -> None:
             distinct = int(ids.unique().numel())
             nbytes, flops = distinct * expert_bytes, 6 * t * TOPK * D * I
             shape = f"{dname} T={t} slots={distinct}"
-            launch, base = default_launch(ids.numel(), S, fp8), old_launch(fp8)
+            launch, base = default_launch(ids.numel(), S, "fp8" if fp8 else "float"), old_launch(fp8)
             for name, cfg in (("new", launch), ("old", base)):
                 err = check(args, want, cfg)
                 if not err < 2e-2:

@@ -35,6 +35,9 @@ SCALE_BLOCK = 128
 _FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
 # Estimated pairs per distinct slot up to which the GEMV path runs (else the tl.dot path).
 GEMV_MAX_PAIRS_PER_SLOT = 1.1  # measured on the H200 (bench_moe --sweep): tl.dot wins from T=4 x top-8 on
+# MXFP4 experts decoded in registers: the GEMV path won up to T=32 x top-4 of 128 (1.68 pairs a slot: 961 us
+# against 1,910 for tl.dot) and lost at T=128 (4.06) on the H200 (bench_moe --dtypes mxfp4 --sweep, 2026-12-02).
+GEMV_MAX_PAIRS_PER_SLOT_MXFP4 = 2.0
 _SUM_BLOCK = 1024
 
 WeightFormat = Literal["float", "fp8", "mxfp4"]
@@ -87,15 +90,14 @@ class TileConfig:
 class MoeLaunch:
     """How :func:`fused_moe_launch` runs: ``gemv`` picks the path; ``block_m`` pairs per block (1 on
     the GEMV path means one pair per program in pair order, with no grouping pass). ``mxfp4_decode``:
-    how MXFP4 weights are decoded in registers, ``bits`` (see ``mxfp4.py``; GEMV tiles then need
-    block_k >= 32) or ``arith``, the first decode. NOTE: ``arith`` stays the default until ``bits`` has
-    passed the GPU tests and ``bench_moe --dtypes mxfp4`` timed both (only the CPU interpreter ran it)."""
+    how MXFP4 weights are decoded in registers, ``bits`` (the default, see ``mxfp4.py``; GEMV tiles then
+    need block_k >= 32; 3.9x faster at T=1 on the H200) or ``arith``, the first decode, kept for A/B rows."""
 
     gemv: bool
     block_m: int
     gate_up: TileConfig
     down: TileConfig
-    mxfp4_decode: Mxfp4Decode = "arith"
+    mxfp4_decode: Mxfp4Decode = "bits"
 
     def __post_init__(self):
         lo, hi = (1, 8) if self.gemv else (16, 64)
@@ -120,16 +122,17 @@ def pairs_per_slot(num_pairs: int, num_slots: int) -> float:
     return num_pairs / max(distinct, 1.0)
 
 
-def default_launch(num_pairs: int, num_slots: int, fp8: bool) -> MoeLaunch:
-    """The launch :func:`fused_moe` uses for ``num_pairs`` routed pairs over ``num_slots`` slots."""
+def default_launch(num_pairs: int, num_slots: int, fmt: WeightFormat) -> MoeLaunch:
+    """The launch :func:`fused_moe` uses for ``num_pairs`` routed pairs over ``num_slots`` slots of
+    experts in format ``fmt``."""
     per_slot = pairs_per_slot(num_pairs, num_slots)
-    if per_slot <= GEMV_MAX_PAIRS_PER_SLOT:
+    if per_slot <= (GEMV_MAX_PAIRS_PER_SLOT_MXFP4 if fmt == "mxfp4" else GEMV_MAX_PAIRS_PER_SLOT):
         # H200 sweep (2026-11-29): 8 x 512 tiles, 2 warps, 2 stages streamed 352 MB of FP8 experts in
         # 145 us (57% of HBM) at T=1 and bf16 at 87%; 2-4 rows per block lost to the tl.dot path.
         tile = TileConfig(block_n=8, block_k=512, num_warps=2, num_stages=2)
         return MoeLaunch(gemv=True, block_m=1, gate_up=tile, down=tile)
     block_m = 16 if per_slot <= 16 else 32 if per_slot <= 32 else 64
-    tile = TileConfig(block_n=64, block_k=128 if fp8 else 64, num_warps=4, num_stages=3)
+    tile = TileConfig(block_n=64, block_k=128 if fmt == "fp8" else 64, num_warps=4, num_stages=3)
     return MoeLaunch(gemv=False, block_m=block_m, gate_up=tile, down=tile)
 
 
@@ -226,7 +229,7 @@ def fused_moe(
     out: optional [T, D] fp32 accumulator. Returns it (or a new one), [T, D] fp32.
     extras: biases, clamped SwiGLU, interleaved rows (gpt-oss; see :class:`ExpertExtras`).
     """
-    launch = default_launch(slot_ids.numel(), w13.shape[0], weight_format(w13, s13) == "fp8")
+    launch = default_launch(slot_ids.numel(), w13.shape[0], weight_format(w13, s13))
     return fused_moe_launch(x, slot_ids, weights, w13, w2, s13, s2, out, launch=launch, extras=extras)
 
 

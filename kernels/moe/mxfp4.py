@@ -70,7 +70,8 @@ def _e2m1_value(code):
     mantissa = code & 1
     twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
     magnitude = twice.to(tl.float32) * 0.5
-    return tl.where(code >= 8, -magnitude, magnitude)
+    # the sign as a bit: -0.0 for code 8 (a negation compiled on the GPU gave +0.0)
+    return (magnitude.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -188,11 +189,12 @@ def dequantize_mxfp4_kernel(
 _DEQUANT_BLOCK = 512  # code bytes per program: 1,024 values
 
 
-def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: bool = False) -> None:
+def dequantize_mxfp4_into(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, bits: bool = True) -> None:
     """:func:`dequantize_mxfp4` on the device into ``out``, one launch for ``n`` matrices of R rows:
     ``blocks`` uint8 [n, R, G, 16], ``scales`` uint8 [n, R, G], ``out`` float [n, R, G * 32]. Rows and
     matrices may be strided (views into expert records); each row's bytes must be contiguous. Allocates
-    nothing, so it may run on any stream. ``bits``: :func:`e2m1_pair`, else the arithmetic decode (tests)."""
+    nothing, so it may run on any stream. ``bits``: :func:`e2m1_pair` (the default), else the arithmetic
+    decode (A/B rows)."""
     n, rows, groups = scales.shape
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or out.dtype not in _FLOAT_OUT:
         raise ValueError(f"expected uint8 blocks and scales and a float out, got {blocks.dtype}, {scales.dtype}, "

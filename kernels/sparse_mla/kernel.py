@@ -225,11 +225,10 @@ def launch_plan(n_rows: int, heads: int, topk: int, is_fp8: bool, sm_count: int,
     for the same split count (and 4x fewer fp32 partials to merge than 64-head blocks with 4x the
     splits); their dot falls back from wgmma to mma.sync, which at one or two tiles per program costs
     less than the extra partial traffic."""
-    # NOTE: the one-wave plan is not yet timed on a GPU; the bf16 cache (the engine's default) keeps
-    # the plan measured on the H200 (64-head blocks, splits aiming at 264 programs) until an A/B
-    # (bench_dsa's "bf16" and "bf16 wave plan" rows) says otherwise. plan="wave" / "h200" forces either.
-    cfg = {"block_n": 64, "num_warps": 8, "q_reload": False, "fp8_tile": True,
-           "plan": "wave" if is_fp8 else "h200"} | (config or {})
+    # The one-wave plan is the default for both caches: on the H200 (bench_dsa --only decode_mla,
+    # 2026-12-02) it beat the earlier plan (64-head blocks, splits aiming at 264 programs; plan="h200",
+    # kept for A/B rows) with the bf16 cache at batch 1 (13.8 vs 16.4 us) and 8 (45.7 vs 58.3), equal at 64.
+    cfg = {"block_n": 64, "num_warps": 8, "q_reload": False, "fp8_tile": True, "plan": "wave"} | (config or {})
     if cfg["plan"] not in ("wave", "h200"):
         raise ValueError(f"plan must be 'wave' or 'h200', got {cfg['plan']!r}")
     wave = cfg["plan"] == "wave"

@@ -107,12 +107,13 @@ def test_tiered_decode_through_the_graph_path_has_no_host_sync(kernel_model, ker
 def test_tiered_decode_in_cuda_graphs_equals_tiers_off(kernel_model, kernel_path):
     """Real captures: long enough that the tiers' host pools grow while decoding, so the step's tier
     layout changes and its graphs are dropped and captured again (into a new memory pool once none is
-    left), with tokens equal to tiers off."""
+    left), with tokens equal to tiers off. The 12 candidate pages cover every cold page of the 148-token
+    run (10 pages of 16, one hot), so the coarse-to-fine selection is the exact one throughout."""
     sampling = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     config = dict(device=TEST_DEVICE, dtype="bfloat16", block_size=16, max_num_batched_tokens=64)
     expected = run_to_completion(Engine.load(str(kernel_model), EngineConfig(**config)), PROMPTS, sampling)
-    tiered = Engine.load(str(kernel_model), EngineConfig(**config, index_key_hot_pages=1, index_key_candidate_pages=8,
-                                                         index_key_cache_pages=8, latent_hot_rows=96))
+    tiered = Engine.load(str(kernel_model), EngineConfig(**config, index_key_hot_pages=1, index_key_candidate_pages=12,
+                                                         index_key_cache_pages=12, latent_hot_rows=96))
     graphs = tiered.runner.graphs
     assert graphs is not None and tiered.runner.decode_tiers is not None
     assert run_to_completion(tiered, PROMPTS, sampling) == expected

@@ -30,20 +30,20 @@ def _split_probe_kernel(ctx_ptr, out_ptr, n_req, n_progs, BLOCK_T: tl.constexpr,
         tl.store(p_out + 1, c_hi)
 
 
-def _work_items(ctx: list[int], n_progs: int, block_t: int) -> torch.Tensor:
-    ctx_t = torch.tensor(ctx, dtype=torch.int32)
-    out = torch.full((n_progs, len(ctx), 2), -7, dtype=torch.int32)  # -7: not visited
+def _work_items(ctx: list[int], n_progs: int, block_t: int, device: torch.device) -> torch.Tensor:
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
+    out = torch.full((n_progs, len(ctx), 2), -7, dtype=torch.int32, device=device)  # -7: not visited
     req_p2 = triton.next_power_of_2(max(len(ctx), 2))
     _split_probe_kernel[(n_progs,)](ctx_t, out, len(ctx), n_progs, BLOCK_T=block_t, REQ_P2=req_p2)
-    return out
+    return out.cpu()
 
 
 @pytest.mark.parametrize("n_progs", [1, 2, 3, 7, 132, 301])
 @pytest.mark.parametrize(
     "ctx,block_t", [([0, 5, 0, 0, 300, 1, 64, 65, 0], 64), ([131072, 1, 8191], 128), ([1], 64), ([0, 0], 64)]
 )
-def test_work_split_covers_every_chunk_once(ctx, block_t, n_progs):
-    items = _work_items(ctx, n_progs, block_t)  # (P, B, 2)
+def test_work_split_covers_every_chunk_once(ctx, block_t, n_progs, device):
+    items = _work_items(ctx, n_progs, block_t, device)  # (P, B, 2)
     chunks = torch.tensor([-(-n // block_t) for n in ctx], dtype=torch.int32)
     visited = items[..., 0] != -7
     lo, hi = items[..., 0], items[..., 1]

@@ -161,10 +161,13 @@ def test_unwritten_buffers_stay_out(monkeypatch):
 
 
 def test_default_launch_picks_gemv_for_decode():
-    assert default_launch(8, 64, fp8=True).gemv and default_launch(8, 64, fp8=True).block_m == 1
-    assert not default_launch(8 * 4, 64, fp8=True).gemv  # from 4 tokens the tl.dot path measured faster
-    assert not default_launch(8 * 32, 64, fp8=True).gemv
-    assert not default_launch(8 * 128, 64, fp8=True).gemv
+    assert default_launch(8, 64, "fp8").gemv and default_launch(8, 64, "fp8").block_m == 1
+    assert not default_launch(8 * 4, 64, "fp8").gemv  # from 4 tokens the tl.dot path measured faster
+    assert not default_launch(8 * 32, 64, "fp8").gemv
+    assert not default_launch(8 * 128, 64, "fp8").gemv
+    # MXFP4 experts (top-4 of 128, gpt-oss): the GEMV path up to 32 tokens, tl.dot at 128
+    assert default_launch(4 * 32, 128, "mxfp4").gemv and not default_launch(4 * 128, 128, "mxfp4").gemv
+    assert default_launch(4, 128, "mxfp4").mxfp4_decode == "bits"
     with pytest.raises(ValueError, match="block_m"):
         MoeLaunch(gemv=True, block_m=16, gate_up=TileConfig(16, 64), down=TileConfig(16, 64))
     with pytest.raises(ValueError, match="block_n"):
@@ -293,7 +296,7 @@ def _dequantised(w13, w2, s13, s2):
 @pytest.mark.parametrize("decode", ["bits", "arith"])
 def test_mxfp4_weights(t, k, d, i, s, launch, decode):
     x, ids, w, w13, w2, s13, s2 = _mxfp4_inputs(t, k, d, i, s)
-    launch = dataclasses.replace(launch or default_launch(ids.numel(), s, fp8=False), mxfp4_decode=decode)
+    launch = dataclasses.replace(launch or default_launch(ids.numel(), s, "mxfp4"), mxfp4_decode=decode)
     f13, f2 = _dequantised(w13, w2, s13, s2)
     want = moe_reference(x, ids, w, f13, f2)
     assert torch.equal(moe_reference(x, ids, w, w13, w2, s13, s2), want)  # the reference reads MXFP4 too
@@ -371,7 +374,8 @@ def test_mxfp4_decode_every_code_and_scale(bits):
     want = dequantize_mxfp4(blocks, scales, torch.float32)
     out = torch.empty((1, 255, 64), device=DEVICE)
     dequantize_mxfp4_into(blocks[None].to(DEVICE), scales[None].to(DEVICE), out, bits=bits)
-    assert torch.equal(out[0].cpu().view(torch.int32), want.view(torch.int32))  # bits: -0.0 vs 0.0 counts
+    wrong = (out[0].cpu().view(torch.int32) != want.view(torch.int32)).nonzero().tolist()  # bits: -0.0 vs 0.0 counts
+    assert not wrong, [(scales[r, c // 32].item(), c, out[0, r, c].item(), want[r, c].item()) for r, c in wrong[:8]]
     low_first = [0.0, -6.0, 0.5, -4.0, 1.0, -3.0, 1.5, -2.0, 2.0, -1.5, 3.0, -1.0, 4.0, -0.5, 6.0, -0.0]
     assert want[127, :16].tolist() == low_first
     assert want[0, 2] == 2.0**-128 and want[254, 6] == 1.5 * 2.0**127 and want[254, 8] == float("inf")

@@ -125,14 +125,14 @@ def test_launch_plan_fills_one_wave(batch, sm_count):
     assert cfg["fp8_tile"] and cfg["num_stages"] == 2
 
 
-def test_bf16_cache_keeps_the_measured_plan_until_the_wave_plan_is_timed():
-    """The engine's bf16 latent cache keeps the H200-measured plan (64-head blocks, splits aiming at
-    264 programs); plan="wave" picks the one-wave plan the FP8 tile path uses."""
-    cfg = launch_plan(1, 128, 2048, False, 132)
+def test_both_caches_default_to_the_wave_plan_and_h200_keeps_the_earlier_one():
+    """The one-wave plan is the default for the bf16 cache too (16-head blocks at batch 1, one wave of
+    splits); plan="h200" picks the earlier plan (64-head blocks, splits aiming at 264 programs)."""
+    wave = launch_plan(1, 128, 2048, False, 132)
+    assert wave["plan"] == "wave" and wave["block_h"] == 16 and 66 < 8 * wave["splits"] <= 132
+    cfg = launch_plan(1, 128, 2048, False, 132, {"plan": "h200"})
     assert (cfg["block_h"], cfg["splits"], cfg["plan"]) == (64, 32, "h200")
-    assert launch_plan(64, 128, 2048, False, 132)["splits"] == 1
-    wave = launch_plan(1, 128, 2048, False, 132, {"plan": "wave"})
-    assert wave["block_h"] == 16 and 66 < 8 * wave["splits"] <= 132
+    assert launch_plan(64, 128, 2048, False, 132, {"plan": "h200"})["splits"] == 1
     with pytest.raises(ValueError, match="plan"):
         launch_plan(1, 128, 2048, False, 132, {"plan": "fast"})
 

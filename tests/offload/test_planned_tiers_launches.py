@@ -137,10 +137,11 @@ def test_coarse_scores_are_each_pages_best_summary_and_candidates_the_best_pages
                                               torch.tensor([n], dtype=torch.int32, device=DEVICE), 16,
                                               cold_pages=(ps, 2, 4))
     plain, _ = lightning_indexer_decode(qb, wb, keys.means.buf, keys._mean_table,
-                                        torch.tensor([n_cold * 4], dtype=torch.int32, device=DEVICE), 16)
+                                        torch.tensor([n_cold * 4], dtype=torch.int32, device=DEVICE), 16,
+                                        config={"kernel": "tiled"})  # the kernel scoring summaries
     want = plain[0, : n_cold * 4].view(n_cold, 4).amax(dim=1)
     assert int(lengths[0]) == n_cold and torch.equal(fused[0, :n_cold], want)
     keys.select(q, w, torch.tensor([n], dtype=torch.int32, device=DEVICE))
-    best = topk_ref(want[None], torch.tensor([n_cold], dtype=torch.int32), cand)[0]
+    best = topk_ref(want[None], torch.tensor([n_cold], dtype=torch.int32, device=DEVICE), cand)[0]
     assert keys._candidates[0].tolist() == sorted(best.tolist())  # the best pages, in page order
     assert keys._pages[0, cand:].tolist() == [n_cold, n_cold + 1]  # the hot pages
