@@ -54,6 +54,7 @@ import torch
 
 from hearth.kernels.indexer import lightning_indexer_decode
 from hearth.kernels.tiered import (
+    CANDIDATE_TOPKS,
     CandidateTopk,
     ResidencyPlan,
     coarse_step,
@@ -79,8 +80,8 @@ class PlannedKeyConfig:
     candidate_pages: int = 256  # cold pages scored exactly per decode step
     cache_pages: int = 256  # device cache of fetched cold pages (>= candidate_pages)
     topk: int = 2048
-    # candidate pages' top-k (hearth.kernels.tiered.coarse_step): "sort" (the page scores in registers,
-    # up to 4096 pages; past that "single_pass" runs) or "single_pass"
+    # candidate pages' top-k (hearth.kernels.tiered.coarse_step): "sort" or "select" (the page scores in
+    # registers, up to 4096 pages; past that "single_pass" runs) or "single_pass"
     candidate_topk: CandidateTopk = "sort"
 
     def __post_init__(self) -> None:
@@ -91,8 +92,8 @@ class PlannedKeyConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cache_pages < self.candidate_pages:
             raise ValueError(f"cache_pages ({self.cache_pages}) must be >= candidate_pages ({self.candidate_pages})")
-        if self.candidate_topk not in ("sort", "single_pass"):
-            raise ValueError(f"candidate_topk must be 'sort' or 'single_pass', got {self.candidate_topk!r}")
+        if self.candidate_topk not in CANDIDATE_TOPKS:
+            raise ValueError(f"candidate_topk must be one of {CANDIDATE_TOPKS}, got {self.candidate_topk!r}")
 
     @property
     def page_bytes(self) -> int:

@@ -57,7 +57,7 @@ for step in "${steps[@]}"; do
         timeout 160 "${E[@]}" --configs chat-cache --chat-context 65536 --reps 2 > "$OUT/e2e-chat.log" 2>&1
         grep -E "TTFT|target" "$OUT/e2e-chat.log" | tail -12
         timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
-            --time-limit 60 --profile --out "$OUT/l" > "$OUT/longctx.log" 2>&1
+            --time-limit 60 --profile --candidate-topk sort select single_pass --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;
     esac
 done

@@ -2,7 +2,8 @@
 already sit in a device cache, which slots the others take, and their copy from host memory, with
 no host synchronisation (so the step can be captured in a CUDA graph)."""
 
-from hearth.kernels.tiered.coarse_step import CandidateTopk, coarse_step, sort_fits
+from hearth.kernels.tiered.coarse_step import CANDIDATE_TOPKS, CandidateTopk, coarse_step, sort_fits
 from hearth.kernels.tiered.residency import ResidencyPlan, copy_rows, gather_misses, plan_residency
 
-__all__ = ["CandidateTopk", "ResidencyPlan", "coarse_step", "copy_rows", "gather_misses", "plan_residency", "sort_fits"]
+__all__ = ["CANDIDATE_TOPKS", "CandidateTopk", "ResidencyPlan", "coarse_step", "copy_rows", "gather_misses",
+           "plan_residency", "sort_fits"]

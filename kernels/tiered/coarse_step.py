@@ -8,12 +8,15 @@ kernel derives n_pages = ceil(context / page), n_cold = max(n_pages - hot, 0), n
 (no host value: a CUDA graph replays it at every position), then:
 
 1. the C best cold pages (every cold page when n_cold <= C): ``sort`` keeps the row in registers
-   (``hearth.kernels.topk.short_row``, rows of at most MAX_SHORT_N pages, ties to the lower page)
-   and lists them in page order, so the fine table's logical positions keep the token order and
-   the fine top-k meets ties in the order the full-cache kernel does (with every cold page a
-   candidate the table is the full cache's: tiny models' tied indexer logits then select the same
-   tokens as tiers off); ``single_pass`` runs the single-pass select (``hearth.kernels.topk.single_pass``,
-   any length; every cold page in order, else unsorted, ties arbitrary);
+   (``hearth.kernels.topk.short_row``, rows of at most MAX_SHORT_N pages, ties to the lower page),
+   selects with Triton's bitonic top-k and sorts the winners back into page order; ``select``
+   selects the same pages in registers by bisecting the k-th largest score (``short_row_select``)
+   and lists them in page order with one cumsum, no sort network. Page order keeps the fine
+   table's logical positions in token order, so the fine top-k meets ties in the order the
+   full-cache kernel does (with every cold page a candidate the table is the full cache's: tiny
+   models' tied indexer logits then select the same tokens as tiers off); ``single_pass`` runs
+   the single-pass select (``hearth.kernels.topk.single_pass``, any length; every cold page in
+   order, else unsorted, ties arbitrary);
 2. the fine page table ``pages`` [C + hot]: the n_valid candidates, the hot pages n_cold..n_pages-1,
    then -1; and ``fine_len``, the tokens it covers: context - (n_cold - n_valid) * page;
 3. the residency plan of that table (``residency.plan_step``; the plan's ring is the hot pages, so a
@@ -32,10 +35,17 @@ import triton.language as tl
 from hearth.kernels._utils import check_tensor, require
 from hearth.kernels.tiered.residency import ResidencyPlan, plan_step, ring_start_of
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS
-from hearth.kernels.topk.short_row import MAX_SHORT_N, short_row_sizes, short_row_topk, short_row_warps
+from hearth.kernels.topk.short_row import (
+    MAX_SHORT_N,
+    short_row_select,
+    short_row_sizes,
+    short_row_topk,
+    short_row_warps,
+)
 from hearth.kernels.topk.single_pass import select_row
 
-CandidateTopk = Literal["sort", "single_pass"]
+CandidateTopk = Literal["sort", "select", "single_pass"]
+CANDIDATE_TOPKS = ("sort", "select", "single_pass")
 
 
 @triton.jit
@@ -61,6 +71,7 @@ def _coarse_step_kernel(
     PAGE: tl.constexpr,
     HOT: tl.constexpr,
     SORT: tl.constexpr,
+    SELECT: tl.constexpr,
     N_P2: tl.constexpr,
     K_P2: tl.constexpr,
     T_P2: tl.constexpr,
@@ -77,7 +88,11 @@ def _coarse_step_kernel(
     n_cold = ring_start_of(n_tok, PAGE, HOT)
     n_valid = tl.minimum(n_cold, C)
     # 1. candidates -> pages[0:n_valid]
-    if SORT:
+    if SELECT:
+        o_n = tl.arange(0, N_P2)
+        m_best = short_row_select(tl.load(scores_ptr + o_n, mask=o_n < n_cold, other=0.0), o_n < n_cold, C)
+        tl.store(pages_ptr + tl.cumsum(m_best.to(tl.int32), 0) - 1, o_n, mask=m_best)  # in page order
+    elif SORT:
         o_n = tl.arange(0, N_P2)
         m_n = o_n < n_cold
         b_best = short_row_topk(tl.load(scores_ptr + o_n, mask=m_n, other=0.0), m_n, N_P2, K_P2)
@@ -107,7 +122,7 @@ def _coarse_step_kernel(
 
 
 def sort_fits(scores: torch.Tensor) -> bool:
-    """Whether ``sort`` can hold a page-score row of this width (else ``single_pass`` must run)."""
+    """Whether ``sort`` / ``select`` can hold a page-score row of this width (else ``single_pass`` must run)."""
     return scores.shape[-1] <= MAX_SHORT_N
 
 
@@ -130,9 +145,9 @@ def coarse_step(
     pages: [candidates + ring] int32 out (the fine table's pages); fine_len: (1,) int32 out;
     fine_workspace: int32, zeroed here; scratch: the single-pass survivors ([1, 2 * capacity] int32,
     ``single_pass.new_scratch``; unused by ``sort``). No host sync."""
-    require(method in ("sort", "single_pass"), f"candidate top-k must be 'sort' or 'single_pass', got {method!r}")
+    require(method in CANDIDATE_TOPKS, f"candidate top-k must be one of {CANDIDATE_TOPKS}, got {method!r}")
     require(method == "single_pass" or sort_fits(page_scores),
-            f"sort holds at most {MAX_SHORT_N} pages, the scores have {page_scores.shape[-1]}")
+            f"{method} holds at most {MAX_SHORT_N} pages, the scores have {page_scores.shape[-1]}")
     hot, n_table = plan.ring, candidates + plan.ring
     dev = plan.slot.device
     check_tensor("page_scores", page_scores, dtypes=(torch.float32,), ndim=2, device=dev)
@@ -140,14 +155,15 @@ def coarse_step(
     require(plan.slot.shape == (n_table,), f"the plan must name {n_table} entries, it names {plan.slot.shape[0]}")
     for name, t in (("context_len", context_len), ("fine_len", fine_len)):
         check_tensor(name, t, dtypes=(torch.int32,), shape=(1,), device=dev)
-    sort = method == "sort"
-    n_p2, k_p2 = short_row_sizes(page_scores.shape[-1], candidates) if sort else (1, 1)
+    in_registers = method != "single_pass"
+    n_p2, k_p2 = short_row_sizes(page_scores.shape[-1], candidates) if in_registers else (1, 1)
     _coarse_step_kernel[(1,)](
         page_scores, context_len, pages, fine_len, fine_workspace, scratch,
         plan.slot_of, plan.owner, plan.hit_stamp, plan.victims, plan.clock, plan.slot, plan.miss_src,
         plan.miss_dst, plan.n_miss, candidates, plan.num_slots, scratch.shape[-1] // 2,
-        PAGE=page_size, HOT=hot, SORT=sort, N_P2=n_p2, K_P2=k_p2, T_P2=triton.next_power_of_2(n_table),
+        PAGE=page_size, HOT=hot, SORT=method == "sort", SELECT=method == "select", N_P2=n_p2, K_P2=k_p2,
+        T_P2=triton.next_power_of_2(n_table),
         S_P2=triton.next_power_of_2(plan.num_slots), WS_N=fine_workspace.numel(),
         WS_P2=triton.next_power_of_2(fine_workspace.numel()), NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES,
-        BLOCK=2048, num_warps=short_row_warps(n_p2) if sort else 16,
+        BLOCK=2048, num_warps=short_row_warps(n_p2) if in_registers else 16,
     )

@@ -11,6 +11,11 @@ the low 32 bits. The selection is therefore torch's stable descending sort cut a
 (`reference.topk_ref`), index for index: ties go to the lower index, and the output is sorted by
 score (descending, ties by index); rows with length L <= k give their L entries in that order, then
 -1. NaN is not supported.
+
+`short_row_select` picks the same entries without the bitonic network (which costs O(N log^2 N)
+compare-exchanges of int64 keys across warps): it bisects the k-th largest order key with 32 counts
+of the row and returns a mask, which a caller lists in index order with one cumsum (the tiered coarse
+step's candidate pages).
 """
 
 from __future__ import annotations
@@ -35,6 +40,29 @@ def short_row_topk(b_x, m_t, N_P2: tl.constexpr, K_P2: tl.constexpr):
     b_key = tl.where(m_t, b_key, tl.full([N_P2], -(2**63), dtype=tl.int64))
     b_top = tl.topk(b_key, K_P2)
     return (N_P2 - 1 - (b_top & 0xFFFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def short_row_select(b_x, m_t, k):
+    """Mask [N] of the k largest valid entries of the row b_x [N] fp32 (valid where m_t holds): the
+    same set as `short_row_topk` (torch's stable descending sort cut at k, ties to the lower index;
+    every valid entry when fewer than k), as a mask, so a caller lists them in index order with one
+    cumsum and no sort. The k-th largest order key is found by bisection over the int32 key range
+    (32 counts of the row in registers, no bitonic network); entries equal to it are taken lowest
+    index first."""
+    b_key = float_order_key(tl.where(b_x == 0.0, 0.0, b_x))  # -0 == +0
+    lo = tl.full([], -(2**31), dtype=tl.int64)  # the largest key t with count(key >= t) >= k so far
+    hi = tl.full([], 2**31 - 1, dtype=tl.int64)
+    for _ in tl.static_range(32):
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((m_t & (b_key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    cut = lo.to(tl.int32)
+    m_above = m_t & (b_key > cut)
+    m_tie = m_t & (b_key == cut)
+    room = k - tl.sum(m_above.to(tl.int32), 0)
+    return m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= room))
 
 
 @triton.jit

@@ -4,9 +4,12 @@ index and the output is sorted; its scores are torch.topk's."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from hearth.kernels.topk import topk_indices_short
 from hearth.kernels.topk.reference import check_topk, topk_ref
+from hearth.kernels.topk.short_row import short_row_select
 
 SIZES = [(1, 1), (3, 5), (63, 17), (257, 256), (1000, 3), (2049, 256), (4095, 511), (4096, 512)]
 
@@ -31,3 +34,32 @@ def test_short_rows_refuse_long_rows(device):
     s = torch.zeros(1, 4097, device=device)
     with pytest.raises(ValueError, match="4096"):
         topk_indices_short(s, torch.tensor([4097], dtype=torch.int32, device=device), 8)
+
+
+@triton.jit
+def _select_in_order_kernel(x_ptr, len_ptr, out_ptr, stride, K, N_P2: tl.constexpr):
+    """Row r's short_row_select, its entries listed in index order (as the tiered coarse step does)."""
+    i_r = tl.program_id(0)
+    o_t = tl.arange(0, N_P2)
+    m_t = o_t < tl.load(len_ptr + i_r)
+    m_best = short_row_select(tl.load(x_ptr + i_r * stride + o_t, mask=m_t, other=0.0), m_t, K)
+    tl.store(out_ptr + i_r * stride + tl.cumsum(m_best.to(tl.int32), 0) - 1, o_t, mask=m_best)
+
+
+@pytest.mark.parametrize("n,k", SIZES)
+def test_select_in_registers_picks_the_sorted_selection_in_index_order(n, k, device):
+    """short_row_select (bisection, no sort network) picks the same set as the sorted top-k, ties to
+    the lower index, every valid entry when fewer than k; listed in index order."""
+    s = torch.randn(6, n, device=device) * 10
+    s[1] = torch.randint(0, 4, (n,), device=device).float()  # ties across the cut
+    s[2] = torch.where(torch.rand(n, device=device) < 0.5, 0.0, -0.0)  # signed zeros tie
+    s[3, ::3] = float("-inf")
+    s[4] = float("inf")  # all tied at the top of the key range
+    s[5] = -torch.finfo(torch.float32).max  # all tied near its bottom
+    lengths = torch.tensor([n, max(n - 2, 0), n, n // 2 + 1, min(k, n), n], dtype=torch.int32, device=device)
+    out = torch.full((6, n), -1, dtype=torch.int32, device=device)
+    _select_in_order_kernel[(6,)](s, lengths, out, n, k, N_P2=triton.next_power_of_2(n))
+    want = topk_ref(s, lengths, k).cpu()
+    for r in range(6):
+        picked = sorted(i for i in want[r].tolist() if i >= 0)
+        assert out[r, : len(picked)].cpu().tolist() == picked and (out[r, len(picked):] == -1).all()

@@ -86,7 +86,7 @@ def _tiers(candidate_topk: str, candidates: int, seed: int = 0):
     return keys, lat, q, w, torch.tensor([n], dtype=torch.int32, device=DEVICE)
 
 
-@pytest.mark.parametrize("candidate_topk", ["sort", "single_pass"])
+@pytest.mark.parametrize("candidate_topk", ["sort", "select", "single_pass"])
 def test_one_decode_read_is_a_few_launches(monkeypatch, candidate_topk):
     keys, lat, q, w, n = _tiers(candidate_topk, candidates=4)
     launches = _Launches(monkeypatch)
@@ -114,6 +114,18 @@ def test_sort_and_single_pass_select_the_same_pages():
         assert ka._pages[0, 3:].tolist() == kb._pages[0, 3:].tolist()  # then the hot pages
     with pytest.raises(ValueError, match="candidate_topk"):
         PlannedKeyConfig(candidate_topk="radix")
+
+
+def test_select_lists_the_same_candidate_pages_as_sort():
+    """The in-register bisection select and the bitonic sort give the same fine table, page for page
+    (ties included: both are torch's stable order cut at the candidate count), over moving queries."""
+    (ka, _, q, w, _), (kb, _, _, _, _) = _tiers("sort", candidates=3), _tiers("select", candidates=3)
+    for step in range(6):
+        qs = (q.float() + 0.3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+              ).to(torch.bfloat16)
+        n = torch.tensor([300 - step], dtype=torch.int32, device=DEVICE)
+        assert ka.select(qs, w, n)[0].tolist() == kb.select(qs, w, n)[0].tolist()
+        assert ka._pages.tolist() == kb._pages.tolist()
 
 
 def test_coarse_scores_are_each_pages_best_summary_and_candidates_the_best_pages():
