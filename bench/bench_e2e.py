@@ -15,7 +15,9 @@ own process, timed from the official OpenAI client.
      (``--device cpu``).
 2. For each configuration (``--configs``) starts ``hearth --cli serve`` (``python -m hearth.app.main``)
    with that configuration's flags and measures: load time (process start to
-   listening), the first request after start (Triton compiles and graph captures included), TTFT of 2K
+   listening, which includes the engine's warm-up, ``--warm-up``: the server answers once it ran; its
+   own duration is printed beside it), the first request after start (what Triton compiles and graph
+   captures the warm-up left to it), TTFT of 2K
    and 16K-token prompts, decode tok/s per request and aggregate at 1 / 8 / 32 concurrent streams
    (``ignore_eos`` so every stream decodes ``--decode-tokens`` tokens), and the engine's own split of a
    decode step (``decode_step_ms``: the whole engine step; ``decode_run_gpu_ms``: the model's GPU time).
@@ -24,7 +26,8 @@ own process, timed from the official OpenAI client.
    TTFT of a follow-up turn in a ``--chat-context``-token chat (64K by default) with its cache pages on the
    device, after switching chats (restored from host RAM), after restarting the server (its warm start
    reads the saved pages back into RAM; the follow-up says whether it found them there or read the
-   disk), once more sent the moment a restarted server is ready (no warm-up), and of a full re-prefill
+   disk), once more sent the moment a restarted server is ready (no warm-up chat, only the engine's own
+   warm-up at start), and of a full re-prefill
    of the same turn, with ``usage.prompt_tokens_details.cached_tokens`` and the server's
    ``prefix_cache_*`` counters.
 3. Prints each row beside its floor: the bytes one decode step must read at 4.28 TB/s: the weights as the
@@ -369,6 +372,11 @@ class Server:
 
         return httpx.get(self.url + "/hearth/stats", timeout=30).json()
 
+    def load_text(self) -> str:
+        """The load time as printed: with the engine's warm-up at start (part of it) when it ran one."""
+        warm_up_s = self.stats().get("warm_up_s")
+        return f"load {self.load_s:.1f} s" + ("" if warm_up_s is None else f" (engine warm-up {warm_up_s:.1f} s of it)")
+
     def stop(self, timeout: float = 60) -> float:
         """End the server as a user's Ctrl-C does (it saves its chat cache on the way out); returns how
         long that took."""
@@ -579,7 +587,8 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     t0 = time.perf_counter()
     streams([256], 16)
     res["first_request_s"] = time.perf_counter() - t0
-    print(f"  load {server.load_s:.1f} s; first request (compiles, graph captures) {res['first_request_s']:.1f} s",
+    res["warm_up_s"] = server.stats().get("warm_up_s")
+    print(f"  {server.load_text()}; first request (compiles, graph captures) {res['first_request_s']:.1f} s",
           flush=True)
     # Warm every batch bucket (graph captures) before timing.
     for c in args.concurrency:
@@ -763,8 +772,9 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
     model loads and while the server warms up, and the row says whether the follow-up found them
     there or read the disk), and against a full re-prefill of the same turn (the same words with a
     changed first letter: no page matches). Last, the cold case: the server restarted once more (files
-    dropped again) and the follow-up sent the moment it is ready, before any warm-up, so its TTFT
-    includes the first request's compiles and whatever the warm start has not read yet.
+    dropped again) and the follow-up sent the moment it is ready, before any warm-up chat, so its TTFT
+    includes whatever compiles the engine's warm-up at start (``--warm-up``) left to the first request
+    and whatever the warm start has not read yet.
 
     The server holds one request (``--max-num-seqs 1``) and a device cache of one chat
     (``--num-cache-blocks``: its context in pages, unless ``--chat-cache-blocks`` says otherwise), so
@@ -782,11 +792,12 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
                  "--prefix-cache-offload", "true", "--prefix-cache-dir", store, *device_flags]
         print(f"  server flags: {' '.join(flags)} --max-model-len {max_len} --max-num-seqs 1", flush=True)
 
-        def start(log: str, warm_up: bool = True) -> Server:
+        def start(log: str, warm_up_chat: bool = True) -> Server:
             server = Server(folder, flags, max_len, 1, args.logs / log)
             try:
                 server.wait()
-                if warm_up:
+                print(f"  server ready: {server.load_text()}", flush=True)
+                if warm_up_chat:
                     warm = bench.new_chat()
                     bench.first_turn(server, warm)
                     bench.follow_up(server, warm, "warm-up chat (untimed)")
@@ -828,10 +839,11 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
                     for i in range(args.reps)]
         finally:
             stop(server)
-        server = start("server-chat-cache-cold.log", warm_up=False)
+        server = start("server-chat-cache-cold.log", warm_up_chat=False)
         try:
             res["cold_load_s"] = server.load_s
-            res["cold"] = bench.follow_up(server, chat, "follow-up sent when a restarted server is ready (no warm-up)")
+            res["cold"] = bench.follow_up(server, chat,
+                                          "follow-up sent when a restarted server is ready (no warm-up chat)")
         finally:
             server.stop(timeout=900)
     res["full"] = {"ttft_s": statistics.median(r["ttft_s"] for r in full), "runs": full}
@@ -845,7 +857,7 @@ def report_chat_cache(res: dict) -> None:
     print(f"  full re-prefill: TTFT {full:.3f} s (median of {len(res['full']['runs'])})", flush=True)
     for stage, what in (("gpu", "in the device cache"), ("host", "after switching chats"),
                         ("disk", "after a restart (warm start, warm-up chat)"),
-                        ("cold", "after a restart, sent at ready (no warm-up)")):
+                        ("cold", "after a restart, sent at ready (no warm-up chat)")):
         row = res[stage]
         row["x_full"] = row["ttft_s"] / full
         target = ""

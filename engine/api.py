@@ -147,6 +147,8 @@ class EngineConfig:
     overlap_decode: a step where every request decodes one token leaves its sampled tokens on the
         device as the next step's input and launches that step before reading them back
         (hearth.engine.engine's module doc); tokens are the same as with it off.
+    warm_up: hearth.engine.warm_up; the engine host runs it after loading, before the model is ready.
+        "auto" skips it on the CPU, where nothing is compiled or captured.
     mli: on CUDA the layer's own indexer runs on a side stream, overlapping its attention; the
         selections shift by one indexer layer, which changes the math slightly.
     index_key_hot_pages: the cold pages sit behind a compact per-page summary (coarse-to-fine
@@ -220,6 +222,10 @@ class EngineConfig:
         True, "Overlapped decode",
         "While the GPU computes the next token of every answer, the host reads back, detokenises and checks "
         "the previous one; steps with prompt chunks, penalties or the runahead scheduler run one at a time.")
+    warm_up: Literal["auto", "true", "false"] = _option(
+        "auto", "Warm up at start",
+        "Before the model is reported ready, run a few short requests that compile the GPU kernels and record the "
+        "decode graphs, so the first real request does not wait for them (auto: on a GPU).")
     offload: Literal["auto", "always", "never"] = _option(
         "auto", "Experts in RAM",
         "Keep the experts in RAM behind a GPU cache: auto when they do not fit on the GPU, always, or never.")

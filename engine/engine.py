@@ -48,10 +48,15 @@ A request may name its conversation (``conversation_id``): its cache pages are t
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
 ``drop_conversation``. ``Engine.load`` with a cache folder starts the warm start first
 (``prefix_store.Preload``): the newest saved pages are read back into RAM while the weights load.
+
+``warm_up`` runs synthetic requests before the first user request (``hearth.engine.warm_up``), so
+that request finds the kernels compiled and the decode graphs captured; the engine host calls it
+when ``EngineConfig.warm_up`` asks for it (``wants_warm_up``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -74,6 +79,7 @@ from hearth.engine.api import (
     Event,
     Finished,
     FinishReason,
+    HearthError,
     RequestError,
     RequestStats,
     SamplingParams,
@@ -93,6 +99,7 @@ from hearth.engine.step_timer import StepTimer
 from hearth.engine.text.detokenizer import IncrementalDetokenizer, StopChecker
 from hearth.engine.text.harmony import uses_harmony
 from hearth.engine.text.tokenizer import Tokenizer
+from hearth.engine.warm_up import ANSWER_TOKENS, CONVERSATION, Limits, warm_up_rounds, warm_up_token_ids
 
 
 @dataclass
@@ -173,6 +180,7 @@ class Engine:
         # step with no flight before it (after prompts, penalties, overlap off).
         self.decode_steps: Counter[str] = Counter()
         self._readback = TokenReadback(device, config.max_num_seqs) if device is not None else None
+        self.warm_up_s: float | None = None  # how long ``warm_up`` took (None: it did not run)
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
@@ -321,6 +329,67 @@ class Engine:
         tier.store.save_prompts({c: record for c in self._prompt_tokens.conversations()
                                  if (record := self._prompt_tokens.to_bytes(c)) is not None})
         return written
+
+    @property
+    def wants_warm_up(self) -> bool:
+        """Whether ``config.warm_up`` asks for ``warm_up`` on this engine ("auto": on CUDA, where the first
+        request would compile kernels and capture graphs; on the CPU there is nothing to pay ahead)."""
+        device = getattr(self.runner, "device", None)
+        return self.config.warm_up == "true" or (self.config.warm_up == "auto" and device is not None
+                                                 and device.type == "cuda")
+
+    def warm_up(self) -> float:
+        """Run the warm-up's requests (``hearth.engine.warm_up``) through the ordinary step loop before any
+        user request; returns its duration, which ``stats()`` reports as ``warm_up_s``.
+
+        Nothing of it remains: its requests finish and free their pages; its pages leave the prefix
+        cache (a user's prompt cannot hit them); the RAM and disk tiers behind the prefix cache are
+        detached meanwhile, so nothing is spilled, restored or written and a warm start's pages are
+        left alone; the counters ``stats()`` reports start from zero after it. Raises HearthError when
+        a warm-up request fails (the GPU ran out of memory)."""
+        if self._generated or self.has_unfinished():
+            raise RuntimeError("the warm-up runs before the engine's first request")
+        start = time.perf_counter()
+        limits = Limits(self.runner.block_size, self.max_model_len, self.blocks.num_blocks, self.config.max_num_seqs)
+        with self._set_aside():
+            for prompts in warm_up_rounds(warm_up_token_ids(self.tokenizer, self.model_config.vocab_size), limits):
+                self._run_aside(prompts)
+        self.warm_up_s = time.perf_counter() - start
+        return self.warm_up_s
+
+    @contextlib.contextmanager
+    def _set_aside(self) -> Iterator[None]:
+        """Work that is not the users' (``warm_up``): see its doc for what this keeps apart."""
+        tier, self.blocks.tier = self.blocks.tier, None
+        try:
+            yield
+        finally:
+            self.blocks.tier = tier
+            self.blocks.drop_conversation(CONVERSATION)
+            self._generated = 0
+            self._recent.clear()
+            self.decode_steps.clear()
+            self.timer = StepTimer(enabled=self.timer.enabled)
+            self.blocks.hit_tokens = self.blocks.restored_tokens = 0
+            self.runner.reset_stats()
+
+    def _run_aside(self, prompts: list[list[int]]) -> None:
+        """Run ``prompts`` together to their end, greedy; raises HearthError if one fails."""
+        params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+        for ids in prompts:
+            self.add_request(prompt_token_ids=ids, sampling=params, conversation_id=CONVERSATION)
+        try:
+            while self.has_unfinished():
+                for event in self.step():
+                    if isinstance(event, Finished) and event.reason == "error":
+                        raise HearthError(f"the engine's warm-up failed: {event.error}")
+        except torch.OutOfMemoryError:  # (outside the model's forward, whose OOM fails its requests instead)
+            raise HearthError(f"the engine's warm-up failed: {_OOM_MESSAGE}") from None
+
+    def discard(self) -> None:
+        """Stop the engine's background work without saving anything (its load failed after it was built)."""
+        if self.prefix_tier is not None:
+            self.prefix_tier.store.cancel_preload()
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -644,7 +713,8 @@ class Engine:
             decode_tokens_per_s=rate,
             extra={**{f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
                    **self.timer.summary(), **{f"decode_steps_{k}": float(v) for k, v in self.decode_steps.items()},
-                   **self.prefix_cache_stats()},
+                   **self.prefix_cache_stats(),
+                   **({} if self.warm_up_s is None else {"warm_up_s": self.warm_up_s})},
         )
 
     def prefix_cache_stats(self) -> dict[str, float]:

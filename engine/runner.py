@@ -267,6 +267,13 @@ class ModelRunner:
                          streamed_layer_steps=self.pieces.fallbacks)
         return stats
 
+    def reset_stats(self) -> None:
+        """Zero what ``expert_stats`` counts (after the engine's warm-up: the counters describe users' work)."""
+        if self.expert_cache is not None:
+            self.expert_cache.reset_stats()
+        if self.pieces is not None:
+            self.pieces.replays = self.pieces.eager_pieces = self.pieces.fallbacks = 0
+
     @torch.inference_mode()
     def run(self, inputs: list[StepInput], all_logits: bool = False, use_graphs: bool = True,
             input_ids: torch.Tensor | None = None) -> torch.Tensor:

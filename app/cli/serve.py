@@ -195,6 +195,8 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"speed      {stats.get('decode_tokens_per_s', 0.0):.1f} tok/s (last 5 s), "
         f"{stats.get('generated_tokens', 0)} tokens generated",
     ]
+    if "warm_up_s" in stats:
+        lines.append(f"warm-up    {stats['warm_up_s']:.2f} s at start (kernels compiled, decode graphs captured)")
     if "cache_blocks_total" in stats:
         lines.append(f"kv cache   {stats['cache_blocks_free']} of {stats['cache_blocks_total']} pages free, "
                      f"context {stats.get('max_model_len')} tokens")

@@ -19,6 +19,7 @@ import gc
 import logging
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -157,7 +158,8 @@ class EngineHost:
         return "ready" if self._model is not None else "no_model"
 
     def load(self, path: str | Path, served_name: str | None = None, max_model_len: int | None = None) -> LoadedModel:
-        """Replace the current model with the one in ``path`` (blocking; minutes for big models)."""
+        """Replace the current model with the one in ``path`` (blocking; minutes for big models), ready
+        once its warm-up (``EngineConfig.warm_up``) ran."""
         folder = Path(path).expanduser()
         with self._lock:
             if self._loading is not None:
@@ -169,7 +171,7 @@ class EngineHost:
             config = self.config
             if max_model_len is not None:
                 config = EngineConfig(**{**asdict(config), "max_model_len": max_model_len})
-            engine = Engine.load(str(folder), config)
+            engine = _start_engine(folder, config)
             model = LoadedModel(served_name or folder.resolve().name, folder.resolve(), engine.max_model_len,
                                 engine.model_config.model_type)
             with self._lock:
@@ -196,9 +198,7 @@ class EngineHost:
         if model is not None:
             snapshot, self._snapshot = self._snapshot, None
             self._retired_tokens += snapshot.generated_tokens if snapshot is not None else 0
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _free_memory()
             logger.info("unloaded %s", model.name)
         return model.name if model else None
 
@@ -359,6 +359,37 @@ def _preflight(folder: Path) -> None:
         raise CheckpointError(f"{folder}: not a model folder")
     ModelConfig.from_file(folder)
     CheckpointFiles(folder).close()
+
+
+def _start_engine(folder: Path, config: EngineConfig) -> Engine:
+    """The engine of the model in ``folder``, warmed up when its config asks (``Engine.warm_up``: the
+    host says "loading" until then). A warm-up that fails fails the load in one line, its engine freed."""
+    engine = Engine.load(str(folder), config)
+    if not engine.wants_warm_up:
+        return engine
+    try:
+        seconds = engine.warm_up()
+    except HearthError as err:  # (a warm-up request failed: the GPU ran out of memory)
+        problem = str(err)
+    except Exception as err:  # a bug, or a kernel that cannot build for this model: the log has the traceback
+        # (as text: a handler that keeps records would keep the engine alive through the traceback's frames)
+        logger.error("the engine's warm-up failed:\n%s", "".join(traceback.format_exception(err)).rstrip())
+        problem = f"the engine's warm-up failed: {type(err).__name__}: {' '.join(str(err).split()) or 'no details'}"
+    else:
+        logger.info("warmed up in %.2f s (kernels compiled, decode graphs captured)", seconds)
+        return engine
+    # NOTE: out of the except block, so the error raised here holds no frame that holds the engine.
+    engine.discard()
+    del engine
+    _free_memory()
+    raise HearthError(problem)
+
+
+def _free_memory() -> None:
+    """Give the memory of an engine that is gone back (Python's cycles, then PyTorch's cached GPU blocks)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _failed(request_id: str, reason: str, message: str) -> Finished:

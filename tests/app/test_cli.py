@@ -120,6 +120,13 @@ def test_settings_backend_url_and_stats(backend, monkeypatch, capsys):
     assert "tok/s" in out and "chat cache " in out and " chats, " in out
 
 
+def test_stats_show_the_warm_up_when_the_engine_ran_one():
+    from hearth.app.cli.serve import format_stats
+
+    assert "warm-up    1.23 s at start" in format_stats({"model": "m", "state": "ready", "warm_up_s": 1.234})
+    assert "warm-up" not in format_stats({"model": "m", "state": "ready"})
+
+
 def test_unreachable_backend_is_one_line(capsys):
     assert cli(["run", "--backend", "http://127.0.0.1:9", "--model", "x", "--prompt", "hi"]) == 1
     assert "cannot connect to http://127.0.0.1:9" in _one_error_line(capsys.readouterr().err)
