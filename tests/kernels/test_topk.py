@@ -26,6 +26,7 @@ def _one_launch_tight(scores, lengths, k, *, out=None):
     """The one-launch select with room for only k survivors: crowded cutoff bins take the row fallback."""
     return topk_indices_one_launch(scores, lengths, k, out=out, capacity=k, programs=2, block=64)
 
+
 # capacity=1 sends every row longer than k through the single-pass kernel's overflow fallback; the
 # sampled variants split rows over several programs of 64-128 keys, sample 64 keys (rows of a few
 # hundred are then chunk-sampled) or, with capacity 1, take the ties path or the exact fallback; the
