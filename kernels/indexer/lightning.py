@@ -10,8 +10,9 @@ grid of about two programs per SM, each streaming a balanced run of (request, sp
 several pages in flight; 2.6-2.8x the tiled kernel at batch >= 8 on the H200, 64-69% of HBM bandwidth at
 128K) and "tiled" (`_indexer_decode_kernel` below: one program per `TILES * BLOCK_T` cache tokens of one
 request; the one for tiered keys' page summaries). Both score all of a request's queries and heads
-at once (keys are read once), reduce over heads in registers, and may add the first radix-select
-histogram of their logits to the top-k workspace (`FUSE_HIST`), so top-k needs only two more passes.
+at once (keys are read once), reduce over heads in registers, and may add the first histogram of their
+logits to the top-k workspace (`FUSE_HIST`): the radix select's top byte, or with `FINE_HIST` the first
+digit of the one-launch select (`hearth.kernels.topk.one_launch`), which then needs one launch only.
 Prefill: one request, a chunk of T queries (the last T positions) against its whole cache; one program
 per (BLOCK_Q queries, BLOCK_T keys) tile loops over the heads. Neither materialises [queries, heads, keys].
 Cache layout: see `hearth.kernels.indexer.cache_write`.
@@ -325,6 +326,7 @@ def lightning_indexer_decode(
                 f"groups ({group}) must be a power of two dividing block_t and the table's tokens")
     logits = torch.empty(rows, n_cols // group, dtype=torch.float32, device=dev)
     lengths = torch.empty(rows, dtype=torch.int32, device=dev)
+    require(workspace is not None or not fine_hist, "fine_hist needs a workspace")
     if workspace is not None:
         ws_cols = None if fine_hist else WS_STRIDE
         check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, ws_cols), device=dev)
