@@ -9,7 +9,9 @@ Prints one line per result (median time, GB/s or TFLOP/s, % of ceiling, torch ti
 `dsa_bench.md` (a markdown table) and `dsa_bench.jsonl` into --out (default: $OUT or .). Decode
 indexer logits time the persistent kernel (the default) and the tiled one in the same run,
 GB/s counting the key bytes read (132 per token), plus a few persistent configs at batch >= 8 x 128K
-(more with --sweep), and report the persistent / tiled ratio per shape. Decode sparse MLA runs at
+(more with --sweep), and report the persistent / tiled ratio per shape; decode indexer + top-k and
+top-k alone with the radix select (the default), the sampled one and the one-launch one, and a closing
+table of one-launch / radix per shape (with the finishing path each row took). Decode sparse MLA runs at
 batch 1, 8 and 64 with a bf16 cache (the one-wave launch plan, the default, and the earlier H200 plan)
 and an FP8 cache on the old per-element path and the tile path, and reports FP8 / bf16 TFLOP/s ratios per batch.
 Ceilings from docs/benchmarks.md: 4.28 TB/s copy, ~790 TFLOP/s bf16 matmul.
@@ -40,7 +42,8 @@ from hearth.kernels.indexer.decode_persistent import sm_count
 from hearth.kernels.indexer.reference import gather_request_keys, indexer_logits_ref
 from hearth.kernels.sparse_mla import quantize_latent_fp8, sparse_mla_decode, sparse_mla_prefill
 from hearth.kernels.sparse_mla.reference import sparse_mla_ref
-from hearth.kernels.topk import topk_indices
+from hearth.kernels.topk import topk_indices, topk_indices_one_launch
+from hearth.kernels.topk.one_launch import HEADER, PATH, new_one_launch_workspace, one_launch_plan
 from hearth.kernels.topk.reference import check_topk
 from hearth.kernels.topk.sampled import new_sampled_workspace, sampled_plan, sampled_topk_launch
 
@@ -51,6 +54,7 @@ K = 2048
 ROWS: list[dict] = []
 RATIOS: list[dict] = []  # decode sparse MLA: FP8 cache TFLOP/s over bf16 cache TFLOP/s, per batch
 IDX_RATIOS: list[dict] = []  # decode indexer logits: the persistent kernel against the tiled one, per shape
+TOPK_RATIOS: list[dict] = []  # decode top-k: the one-launch select against the radix select, per shape
 DEVICE = "cuda"
 
 
@@ -217,6 +221,44 @@ def decode_indexer(
     plan = sampled_plan(logits.shape[1], k)
     t_ts = bench(lambda: sampled_topk_launch(logits, lengths, out, ws, plan), graph=True)
     emit("decode topk only (sampled)", f"{batch}x{ctx_len}", t_ts, t_tt, nbytes=batch * ctx_len * 4)
+    decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base, t_tt, dict(full=t_nf, topk=t_tk))
+
+
+def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base, t_tt, radix_us: dict) -> None:
+    """The one-launch top-k after the fused indexer (one workspace kept across calls, as a
+    graph-captured caller would), and on the same logits alone (its histogram launch + the select),
+    against the default radix select's times of the same run (radix_us: "full" and "topk")."""
+    batch, ctx_len = q.shape[0], int(logits.shape[1])
+    ws = new_one_launch_workspace(batch, one_launch_plan(k), q.device)
+
+    def full():
+        return indexer_decode_topk(q, w, cache, table, ctx, BS, k, topk="one_launch", topk_workspace=ws)
+
+    check_topk(full()[:, 0], logits, lengths, k)
+    paths = ws[:, HEADER + PATH].tolist()  # the finishing path of each row (one_launch.PATH_*)
+    t_full = bench(full, graph=True)
+    emit("decode indexer+topk (one launch)", shape, t_full, t_base, nbytes=batch * ctx_len * 132)
+    out = torch.empty(batch, k, dtype=torch.int32, device=q.device)
+    t_topk = bench(lambda: topk_indices_one_launch(logits, lengths, k, out=out, workspace=ws), graph=True)
+    emit("decode topk only (one launch)", f"{batch}x{ctx_len}", t_topk, t_tt, nbytes=batch * ctx_len * 4)
+    check_topk(out, logits, lengths, k)
+    TOPK_RATIOS.append(
+        dict(
+            shape=shape,
+            radix_full_us=radix_us["full"] * 1e6,
+            one_launch_full_us=t_full * 1e6,
+            full_speedup=radix_us["full"] / t_full,
+            radix_topk_us=radix_us["topk"] * 1e6,
+            one_launch_topk_us=t_topk * 1e6,
+            topk_speedup=radix_us["topk"] / t_topk,
+            paths={p: paths.count(p) for p in sorted(set(paths))},
+        )
+    )
+    print(
+        f"  {shape}: one launch / radix: indexer+topk x{radix_us['full'] / t_full:.2f}, "
+        f"topk only x{radix_us['topk'] / t_topk:.2f}; paths {TOPK_RATIOS[-1]['paths']}",
+        flush=True,
+    )
 
 
 def random_latent(num_blocks: int, fp8: bool) -> torch.Tensor:
@@ -498,6 +540,21 @@ def main() -> None:
         ]
         with open(out / "dsa_bench.jsonl", "a") as f:
             for r in IDX_RATIOS:
+                f.write(json.dumps(r) + "\n")
+    if TOPK_RATIOS:
+        lines += [
+            "",
+            "| decode top-k | radix indexer+topk us | one launch us | speedup | radix topk only us "
+            "| one launch topk only us (hist + select) | speedup | one-launch paths (path: rows) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['shape']} | {r['radix_full_us']:.1f} | {r['one_launch_full_us']:.1f} | x{r['full_speedup']:.2f} | "
+            f"{r['radix_topk_us']:.1f} | {r['one_launch_topk_us']:.1f} | x{r['topk_speedup']:.2f} | {r['paths']} |"
+            for r in TOPK_RATIOS
+        ]
+        with open(out / "dsa_bench.jsonl", "a") as f:
+            for r in TOPK_RATIOS:
                 f.write(json.dumps(r) + "\n")
     if RATIOS:
         lines += [

@@ -39,7 +39,8 @@ import triton.language as tl
 
 from hearth.kernels import _utils
 from hearth.kernels._utils import FP8_E4M3, float_order_key, is_interpreter, mma, mma_fp8
-from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, radix_digit
+from hearth.kernels.topk.one_launch import fine_hist_digit
+from hearth.kernels.topk.radix import NBINS, RADIX_BITS
 
 CPU_SMS = 4
 
@@ -129,6 +130,7 @@ def _indexer_decode_persistent_kernel(
     REQ_P2: tl.constexpr,
     Q_FP8: tl.constexpr,
     FUSE_HIST: tl.constexpr,
+    FINE_HIST: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     WS_STRIDE: tl.constexpr,
@@ -191,7 +193,7 @@ def _indexer_decode_persistent_kernel(
             b_l = tl.where(m_valid, b_l, float("-inf"))
             tl.store(p_rows + o_t[:, None], b_l, mask=m_t[:, None] & m_j[None, :])
             if FUSE_HIST:
-                b_bin = o_j[None, :] * NBINS + radix_digit(float_order_key(b_l), 0, NBINS, BITS)
+                b_bin = o_j[None, :] * NBINS + fine_hist_digit(float_order_key(b_l), FINE_HIST, NBINS, BITS)
                 b_bin = tl.where(m_valid, b_bin, 0)
                 b_hist += tl.histogram(tl.reshape(b_bin, [BLOCK_T * NEXT_N_P2]), NEXT_N_P2 * NBINS)
                 n_skip += tl.sum(tl.sum((~m_valid).to(tl.int32), axis=1), axis=0)
@@ -239,9 +241,11 @@ def persistent_decode_launch(
     lengths: torch.Tensor,
     workspace: torch.Tensor | None,
     cfg: dict,
+    fine_hist: bool = False,
 ) -> None:
     """Launch on inputs validated by `lightning_indexer_decode`; cfg from `persistent_config` (keys
-    block_t, programs, num_warps, num_stages, fp8_precise)."""
+    block_t, programs, num_warps, num_stages, fp8_precise); fine_hist: the workspace's histogram is
+    `one_launch.fine_bin`'s, else the radix select's top byte."""
     n_req, next_n, heads, dim = q.shape
     block_t = cfg["block_t"]
     # at most one program per chunk of the widest possible context: more would only idle
@@ -270,9 +274,10 @@ def persistent_decode_launch(
         REQ_P2=triton.next_power_of_2(max(n_req, 2)),
         Q_FP8=q.dtype == FP8_E4M3,
         FUSE_HIST=workspace is not None,
+        FINE_HIST=fine_hist,
         NBINS=NBINS,
         BITS=RADIX_BITS,
-        WS_STRIDE=WS_STRIDE,
+        WS_STRIDE=workspace.stride(0) if workspace is not None else 0,
         UPCAST=is_interpreter(),
         PRECISE=cfg["fp8_precise"],
         num_warps=cfg["num_warps"],

@@ -10,8 +10,9 @@ grid of about two programs per SM, each streaming a balanced run of (request, sp
 several pages in flight; 2.6-2.8x the tiled kernel at batch >= 8 on the H200, 64-69% of HBM bandwidth at
 128K) and "tiled" (`_indexer_decode_kernel` below: one program per `TILES * BLOCK_T` cache tokens of one
 request; the one for tiered keys' page summaries). Both score all of a request's queries and heads
-at once (keys are read once), reduce over heads in registers, and may add the first radix-select
-histogram of their logits to the top-k workspace (`FUSE_HIST`), so top-k needs only two more passes.
+at once (keys are read once), reduce over heads in registers, and may add the first histogram of their
+logits to the top-k workspace (`FUSE_HIST`): the radix select's top byte, or with `FINE_HIST` the first
+digit of the one-launch select (`hearth.kernels.topk.one_launch`), which then needs one launch only.
 Prefill: one request, a chunk of T queries (the last T positions) against its whole cache; one program
 per (BLOCK_Q queries, BLOCK_T keys) tile loops over the heads. Neither materialises [queries, heads, keys].
 Cache layout: see `hearth.kernels.indexer.cache_write`.
@@ -36,7 +37,14 @@ from hearth.kernels._utils import (
     require,
 )
 from hearth.kernels.indexer.decode_persistent import persistent_config, persistent_decode_launch, sm_count
-from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, new_workspace, radix_digit, radix_topk_launch
+from hearth.kernels.topk.one_launch import (
+    check_workspace,
+    fine_hist_digit,
+    new_one_launch_workspace,
+    one_launch_plan,
+    one_launch_topk_launch,
+)
+from hearth.kernels.topk.radix import NBINS, RADIX_BITS, WS_STRIDE, new_workspace, radix_topk_launch
 from hearth.kernels.topk.sampled import new_sampled_workspace, sampled_plan, sampled_topk_launch
 
 INDEX_DIM = 128
@@ -83,6 +91,7 @@ def _indexer_decode_kernel(
     TILES: tl.constexpr,
     Q_FP8: tl.constexpr,
     FUSE_HIST: tl.constexpr,
+    FINE_HIST: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     WS_STRIDE: tl.constexpr,
@@ -143,7 +152,7 @@ def _indexer_decode_kernel(
                 p_l = logits_ptr + (i_row0 + o_j)[:, None].to(tl.int64) * stride_logits + o_t[None, :]
                 tl.store(p_l, b_l, mask=m_j[:, None] & m_t[None, :])
             if FUSE_HIST:
-                b_bin = o_j[:, None] * NBINS + radix_digit(float_order_key(b_l), 0, NBINS, BITS)
+                b_bin = o_j[:, None] * NBINS + fine_hist_digit(float_order_key(b_l), FINE_HIST, NBINS, BITS)
                 b_bin = tl.where(m_valid, b_bin, 0)
                 b_hist += tl.histogram(tl.reshape(b_bin, [NEXT_N_P2 * BLOCK_T]), NEXT_N_P2 * NBINS)
                 n_skip += tl.sum(tl.sum((~m_valid).to(tl.int32), axis=1), axis=0)
@@ -255,6 +264,7 @@ def lightning_indexer_decode(
     workspace: torch.Tensor | None = None,
     config: dict | None = None,
     cold_pages: tuple[int, int, int] | None = None,
+    fine_hist: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode indexer logits over the paged FP8 key cache.
 
@@ -268,6 +278,8 @@ def lightning_indexer_decode(
         block_size: tokens per page, power of two >= 16.
         workspace: optional zeroed int32 top-k workspace [B*next_n, WS_STRIDE]: if given, the kernel adds
             the first radix-select histogram of each row to it (used by `indexer_decode_topk`).
+        fine_hist: the workspace is the one-launch top-k's ([B*next_n, any stride >= 256], see
+            `hearth.kernels.topk.one_launch`) and gets the histogram of its first digit (`fine_bin`).
         config: optional launch override: "kernel" ("persistent", the default, or "tiled", the default
             with cold_pages; see the module doc) and that kernel's tuning keys (persistent: block_t, programs,
             num_warps, num_stages, fp8_precise; tiled: block_t, tiles, num_warps, num_stages, fp8_precise).
@@ -314,11 +326,14 @@ def lightning_indexer_decode(
                 f"groups ({group}) must be a power of two dividing block_t and the table's tokens")
     logits = torch.empty(rows, n_cols // group, dtype=torch.float32, device=dev)
     lengths = torch.empty(rows, dtype=torch.int32, device=dev)
+    require(workspace is not None or not fine_hist, "fine_hist needs a workspace")
     if workspace is not None:
-        check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, WS_STRIDE), device=dev)
+        ws_cols = None if fine_hist else WS_STRIDE
+        check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(rows, ws_cols), device=dev)
+        require(workspace.shape[1] >= NBINS, f"workspace rows must hold {NBINS} histogram bins")
     if kernel == "persistent":
         persistent_decode_launch(
-            q, weights, kv_cache, block_table, context_lens, block_size, logits, lengths, workspace, cfg
+            q, weights, kv_cache, block_table, context_lens, block_size, logits, lengths, workspace, cfg, fine_hist
         )
         return logits, lengths
     grid = (n_req, triton.cdiv(n_cols, cfg["tiles"] * cfg["block_t"]))
@@ -344,9 +359,10 @@ def lightning_indexer_decode(
         TILES=cfg["tiles"],
         Q_FP8=q.dtype == FP8_E4M3,
         FUSE_HIST=workspace is not None,
+        FINE_HIST=fine_hist,
         NBINS=NBINS,
         BITS=RADIX_BITS,
-        WS_STRIDE=WS_STRIDE,
+        WS_STRIDE=workspace.stride(0) if workspace is not None else 0,
         UPCAST=is_interpreter(),
         PRECISE=cfg["fp8_precise"],
         COLD_PAGE=cold_page,
@@ -369,23 +385,33 @@ def indexer_decode_topk(
     *,
     fuse_hist: bool = False,
     config: dict | None = None,
-    topk: Literal["radix", "sampled"] = "radix",
+    topk: Literal["radix", "sampled", "one_launch"] = "radix",
     topk_workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode indexer + exact top-k: int32 [B, next_n, k] logical token positions, -1 padded.
 
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
-    topk picks the selection: "radix" (default; the radix select, whose workspace is zeroed per call)
-    or "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
+    topk picks the selection: "radix" (default; the radix select, whose workspace is zeroed per call),
+    "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
     `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
-    across calls, else one is zeroed here).
+    across calls, else one is zeroed here) or "one_launch" (`hearth.kernels.topk.one_launch`: the
+    indexer adds the first histogram, then one selection launch; pass `topk_workspace` from
+    `new_one_launch_workspace(B * next_n, one_launch_plan(k), device)` to keep it across calls: the
+    selection leaves it clean, so it needs no zeroing after its allocation).
     fuse_hist=True (radix only) adds the first radix histogram inside the indexer kernel instead of a
     separate pass (measured slower on the H200 with Triton 3.6's tl.histogram, so off by default)."""
-    require(topk in ("radix", "sampled"), f"topk must be 'radix' or 'sampled', got {topk!r}")
+    require(topk in ("radix", "sampled", "one_launch"), f"topk must be radix, sampled or one_launch, got {topk!r}")
     require(topk == "radix" or not fuse_hist, "fuse_hist applies to the radix select only")
     n_req, next_n = q.shape[0], q.shape[1]
-    ws = new_workspace(n_req * next_n, q.device) if topk == "radix" else None
+    rows = n_req * next_n
+    ws = None  # the workspace the indexer adds its histogram to, if any
+    if topk == "radix":
+        ws = new_workspace(rows, q.device)
+    elif topk == "one_launch":
+        plan = one_launch_plan(k)
+        ws = topk_workspace if topk_workspace is not None else new_one_launch_workspace(rows, plan, q.device)
+        check_workspace(ws, rows, plan, q.device)
     logits, lengths = lightning_indexer_decode(
         q,
         weights,
@@ -393,17 +419,20 @@ def indexer_decode_topk(
         block_table,
         context_lens,
         block_size,
-        workspace=ws if fuse_hist else None,
+        workspace=ws if fuse_hist or topk == "one_launch" else None,
         config=config,
+        fine_hist=topk == "one_launch",
     )
-    out = torch.empty(n_req * next_n, k, dtype=torch.int32, device=q.device)
-    if ws is not None:
+    out = torch.empty(rows, k, dtype=torch.int32, device=q.device)
+    if topk == "radix":
         radix_topk_launch(logits, lengths, k, out, ws, first_pass_done=fuse_hist)
+    elif topk == "one_launch":
+        one_launch_topk_launch(logits, lengths, out, ws, plan)
     else:
-        plan = sampled_plan(logits.shape[1], k)
+        sampled = sampled_plan(logits.shape[1], k)
         if topk_workspace is None:
-            topk_workspace = new_sampled_workspace(n_req * next_n, plan, q.device)
-        sampled_topk_launch(logits, lengths, out, topk_workspace, plan)
+            topk_workspace = new_sampled_workspace(rows, sampled, q.device)
+        sampled_topk_launch(logits, lengths, out, topk_workspace, sampled)
     return out.view(n_req, next_n, k)
 
 

@@ -80,7 +80,7 @@ def test_decode_logits_and_topk(block_size, next_n, q_dtype, device):
             n_valid = max(n - next_n + j + 1, 0)
             assert int(lengths[row]) == n_valid
             _check_logits(logits[row, :n], ref[b][j], mag[b][j], n_valid)
-    for fuse, topk in ((True, "radix"), (False, "radix"), (False, "sampled")):
+    for fuse, topk in ((True, "radix"), (False, "radix"), (False, "sampled"), (False, "one_launch")):
         idx = indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k, fuse_hist=fuse, topk=topk)
         assert idx.shape == (len(ctx), next_n, k)
         check_topk(idx.view(-1, k), logits, lengths, k)
@@ -92,7 +92,7 @@ def test_decode_topk_k_exceeds_context_and_ties(device):
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
     q = torch.zeros(2, 1, 16, 128, device=device).to(FP8_E4M3)  # all logits 0: one big tie
     w = torch.randn(2, 1, 16, device=device)
-    for topk in ("radix", "sampled"):
+    for topk in ("radix", "sampled", "one_launch"):
         idx = indexer_decode_topk(q, w, cache, table, ctx_t, block_size, 32, topk=topk)
         assert sorted(idx[0, 0, :5].tolist()) == list(range(5)) and bool((idx[0, 0, 5:] == -1).all())
         sel = idx[1, 0]
@@ -155,7 +155,7 @@ def test_decode_real_shapes_gpu(heads):
     mag = _decode_magnitudes(q, w, cache, table, ctx, 64)
     for b, n in enumerate(ctx):
         _check_logits(logits[b, :n], ref[b][0], mag[b][0], n)
-    for topk in ("radix", "sampled"):
+    for topk in ("radix", "sampled", "one_launch"):
         idx = indexer_decode_topk(q, w, cache, table, ctx_t, 64, 2048, topk=topk)
         check_topk(idx.view(-1, 2048), logits, lengths, 2048)
 

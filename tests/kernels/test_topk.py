@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 import torch
 
-from hearth.kernels.topk import topk_indices, topk_indices_sampled, topk_indices_single_pass
+from hearth.kernels.topk import topk_indices, topk_indices_one_launch, topk_indices_sampled, topk_indices_single_pass
 from hearth.kernels.topk.reference import check_topk, topk_ref
 from hearth.kernels.topk.sampled import (
     PATH_CANDIDATES,
@@ -20,9 +20,17 @@ from hearth.kernels.topk.single_pass import new_scratch, single_pass_topk_launch
 from tests.kernels.conftest import requires_cuda
 
 POISON = 0x5A5A5A5A
+
+
+def _one_launch_tight(scores, lengths, k, *, out=None):
+    """The one-launch select with room for only k survivors: crowded cutoff bins take the row fallback."""
+    return topk_indices_one_launch(scores, lengths, k, out=out, capacity=k, programs=2, block=64)
+
+
 # capacity=1 sends every row longer than k through the single-pass kernel's overflow fallback; the
 # sampled variants split rows over several programs of 64-128 keys, sample 64 keys (rows of a few
-# hundred are then chunk-sampled) or, with capacity 1, take the ties path or the exact fallback
+# hundred are then chunk-sampled) or, with capacity 1, take the ties path or the exact fallback; the
+# one-launch variants split rows over 3 programs, or 2 with a survivor buffer of only k entries
 IMPLS = {
     "radix": topk_indices,
     "single_pass": topk_indices_single_pass,
@@ -30,6 +38,8 @@ IMPLS = {
     "sampled": partial(topk_indices_sampled, programs=3, block=128),
     "sampled_small_sample": partial(topk_indices_sampled, programs=5, block=64, sample=64),
     "sampled_fallback": partial(topk_indices_sampled, programs=2, block=128, capacity=1),
+    "one_launch": partial(topk_indices_one_launch, programs=3, block=128),
+    "one_launch_tight": _one_launch_tight,
 }
 
 

@@ -1,0 +1,539 @@
+"""Exact row-wise top-k of decode rows in one launch after the indexer: the indexer's histogram, one
+streaming pass per row split, and an exact finish by the row's last program.
+
+Why one launch. The radix select (`radix.py`) costs a fixed ~21-23 µs per decode step on the H200 at
+every length from 8K to 128K: six launches (a memset, four histogram passes, a gather), each paying
+its launch and tail, not bandwidth. Here the decode indexer already adds the first histogram of each
+row to the workspace while it writes the logits (`FUSE_HIST` with `FINE_HIST`), so one more launch can
+finish the selection: grid (rows, splits), about two programs per SM in all.
+
+1. Every program of a row picks the cutoff bin from the row's histogram (256 bins, a few hundred
+   cycles, the same answer in every program) and streams its slice of the row once: the indices of
+   keys above the cutoff bin go straight to the output (they are all in the top-k) through a per-row
+   atomic counter; the cutoff bin's (key, index) pairs are compacted into a per-row scratch (CAP
+   entries) through another, and, when the bin is a quarter binade (below), each survivor adds one
+   to a second 256-bin histogram of its next 8 key bits (scattered atomics: only survivors pay).
+   Each program also folds its survivors' min and max key into the row's header.
+2. The program that arrives last on the row's arrival counter (acquire/release; the stores made before
+   each arrival are visible to it, as in `sampled.py`) finishes the row, then zeroes its histograms and
+   counters, so the workspace is initialised once at allocation and never again (no memset launch):
+   - all of the cutoff bin is taken, or all its survivors are equal (e.g. a ReLU row whose k-th
+     largest is a 0 shared by thousands of entries): copy the first compacted ones (PATH_TAKE);
+   - the second histogram names the sub-bin holding the k-th largest: one pass over the compacted
+     survivors writes those above the sub-bin and moves the sub-bin's few (CAP2 at most; ~S / 256 for
+     smooth scores) into a second scratch, where each one's exact rank is counted against the others
+     (ties by position), no histogram pass at all (PATH_SECOND);
+   - otherwise (the cutoff bin is a clamped edge bin, or the sub-bin holds more than CAP2): four
+     8-bit radix passes over the compacted survivors, one program, exact (PATH_SCRATCH);
+   - the survivors overflowed the scratch: the same radix passes over the row itself, filtered to the
+     cutoff bin; always exact, only slower (hundreds of µs at 128K; PATH_ROW).
+   The path word in the header records the case of each row (tests and the bench read it).
+
+The first digit (`fine_bin`) is not the radix select's top byte (sign and 7 exponent bits, a bin spans
+two binades: at 128K and k = 2048 a Gaussian row leaves up to ~28% of the row in the cutoff bin) but
+the key's sign, exponent and two mantissa bits clamped to a 32-binade window around 1 (like the top byte
+of an fp16): quarter-binade bins for |x| in [1.25 * 2^-16, 1.75 * 2^15), two edge bins per sign for the rest (0 and
+-inf included). The same histogram cost (256 bins), ~1-2% of a Gaussian 128K row in the cutoff bin. The
+map is monotone in the key, so every bin is a key range and the selection stays exact for any scores;
+scores far outside the window only crowd the edge bins (slower paths, same result).
+
+Output contract as `radix.topk_indices`: the indices of k largest entries, unsorted, ties at the k-th
+value broken arbitrarily; rows with L <= k give 0..L-1 then -1. No host sync; CUDA-graph capturable
+(grid from shapes only, lengths read on the device) with a workspace held across calls.
+
+Workspace per row (int32): the first histogram [NBINS] (filled by the indexer or `fine_hist_launch`),
+the second [NBINS], the header [n_gt, n_surv, arrived, key_min, key_max, path], then CAP survivor keys,
+CAP survivor indices, CAP2 sub-bin keys, CAP2 sub-bin indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hearth.kernels._utils import check_tensor, float_order_key, require, sm_count
+from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS, checked_output, radix_digit
+from hearth.kernels.topk.single_pass import pick_bin
+
+HIST2 = NBINS  # offset of the second histogram
+HEADER = 2 * NBINS
+N_GT, N_SURV, ARRIVED, KEY_MIN, KEY_MAX, PATH = range(6)
+SCRATCH = HEADER + 32  # survivors start on their own 128-byte line
+PATH_TAKE, PATH_SECOND, PATH_SCRATCH, PATH_ROW = 1, 2, 3, 4
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+# fine_bin's window: quarter-binade index q = (exponent field << 2) | top 2 mantissa bits; q in
+# (FINE_LO, FINE_LO + 127) get their own bin, q = 508 is [1, 1.25)
+FINE_LO = 444
+SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
+CAPACITY2 = 512  # sub-bin entries ranked pairwise by the finish
+RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
+# the same numbers for the kernels (Triton reads module globals only when they are tl.constexpr)
+_HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
+_N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in range(6))
+_PATH_TAKE, _PATH_SECOND, _PATH_SCRATCH, _PATH_ROW = (tl.constexpr(v) for v in (1, 2, 3, 4))
+_INT_MIN, _INT_MAX = tl.constexpr(INT_MIN), tl.constexpr(INT_MAX)
+
+
+@triton.jit
+def fine_bin(b_key):
+    """First digit (0..255) of an order key, monotone in the key: the sign, exponent and two mantissa
+    bits (u, a signed quarter-binade index) with the magnitude clamped to a 32-binade window. Bins 1..126
+    and 129..254 hold one quarter binade each (their keys share their top 11 bits); 0, 127, 128 and 255
+    are the clamped edges (-inf and very negative, -0 and tiny negative, +0 and tiny positive, large)."""
+    u = b_key >> 21
+    mag = tl.minimum(tl.maximum(tl.where(u >= 0, u, -1 - u) - _FINE_LO, 0), 127)
+    return tl.where(u >= 0, 128 + mag, 127 - mag)
+
+
+@triton.jit
+def _shares_prefix(i_bin):
+    """Whether the keys of bin i_bin share their top 11 bits (not a clamped edge bin)."""
+    return (i_bin % 128 != 0) & (i_bin % 128 != 127)
+
+
+@triton.jit
+def _second_digit(b_key):
+    """The 8 key bits after the 11 that a quarter-binade bin shares."""
+    return (b_key >> 13) & 0xFF
+
+
+@triton.jit
+def _copy(p_src, p_dst, n):
+    """p_dst[0:n] = p_src[0:n] (int32), reading what other programs wrote (bypassing L1)."""
+    BLOCK: tl.constexpr = 1024
+    for i0 in range(0, n, BLOCK):
+        o_t = i0 + tl.arange(0, BLOCK)
+        m_t = o_t < n
+        tl.store(p_dst + o_t, tl.load(p_src + o_t, mask=m_t, other=0, cache_modifier=".cg"), mask=m_t)
+
+
+@triton.jit
+def _source_keys(p_x, p_keys, o_t, m_t, FROM_ROW: tl.constexpr):
+    if FROM_ROW:
+        b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+    else:
+        b_key = tl.load(p_keys + o_t, mask=m_t, other=0, cache_modifier=".cg")
+    return b_key
+
+
+@triton.jit
+def _select_stream(
+    p_x,
+    p_keys,
+    p_idx,
+    p_out,
+    n_src,
+    i_cut,
+    k_rem,
+    K,
+    FROM_ROW: tl.constexpr,
+    NBINS: tl.constexpr,
+    BITS: tl.constexpr,
+    PASSES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Write the indices of the k_rem largest keys of bin i_cut to p_out[K - k_rem: K]; the source is
+    the compacted survivors (n_src of them, all in the bin) or the row (n_src = its length, filtered to
+    the bin). Exact radix select on the full key in one program: PASSES histogram passes, then a write
+    pass (keys above the threshold first, then as many equal to it as are still needed)."""
+    o_b = tl.arange(0, NBINS)
+    n_gt = K - k_rem  # output slots before the bin's share
+    prefix = 0
+    for p in tl.static_range(PASSES):
+        b_hist = tl.zeros([NBINS], dtype=tl.int32)
+        n_skip = 0
+        for i0 in range(0, n_src, BLOCK):
+            o_t = i0 + tl.arange(0, BLOCK)
+            m_t = o_t < n_src
+            b_key = _source_keys(p_x, p_keys, o_t, m_t, FROM_ROW)
+            m_hit = m_t & (fine_bin(b_key) == i_cut)
+            if p > 0:
+                m_hit = m_hit & ((b_key >> (32 - BITS * p)) == prefix)
+            # misses go to bin 0 and are subtracted once at the end (no masked histogram in older Triton)
+            b_hist += tl.histogram(tl.where(m_hit, radix_digit(b_key, p, NBINS, BITS), 0), NBINS)
+            n_skip += tl.sum((~m_hit).to(tl.int32), 0)
+        b_hist -= tl.where(o_b == 0, n_skip, 0)
+        i_sel, k_rem = pick_bin(b_hist, k_rem, NBINS)
+        if p == 0:
+            prefix = i_sel - NBINS // 2
+        else:
+            prefix = prefix * NBINS + i_sel
+    # prefix is the exact threshold key; k_rem keys equal to it are still needed
+    n_above = K - k_rem
+    n_eq = 0
+    for i0 in range(0, n_src, BLOCK):
+        o_t = i0 + tl.arange(0, BLOCK)
+        m_t = o_t < n_src
+        b_key = _source_keys(p_x, p_keys, o_t, m_t, FROM_ROW)
+        if FROM_ROW:
+            b_idx = o_t
+        else:
+            b_idx = tl.load(p_idx + o_t, mask=m_t, other=0, cache_modifier=".cg")
+        m_bin = m_t & (fine_bin(b_key) == i_cut)
+        m_gt = m_bin & (b_key > prefix)
+        m_eq = m_bin & (b_key == prefix)
+        tl.store(p_out + n_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1, b_idx, mask=m_gt)
+        n_gt += tl.sum(m_gt.to(tl.int32), 0)
+        o_rank = n_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+        tl.store(p_out + n_above + o_rank, b_idx, mask=m_eq & (o_rank < k_rem))
+        n_eq += tl.sum(m_eq.to(tl.int32), 0)
+
+
+@triton.jit
+def _finish_second(
+    p_out,
+    p_keys,
+    p_idx,
+    p_keys2,
+    p_idx2,
+    n_surv,
+    i_sub,
+    n_sub,
+    k_rem,
+    k_rem2,
+    K,
+    CAP2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+):
+    """With the sub-bin i_sub of the second digit known (n_sub <= CAP2 survivors, k_rem2 of them
+    wanted): write the survivors above it after the bin's share, move the sub-bin into the second
+    scratch, and place each of its keys by its exact rank among them (ties by position)."""
+    n_w = K - k_rem
+    n_c = 0
+    for i0 in range(0, n_surv, BLOCK):
+        o_t = i0 + tl.arange(0, BLOCK)
+        m_t = o_t < n_surv
+        b_key = tl.load(p_keys + o_t, mask=m_t, other=0, cache_modifier=".cg")
+        b_idx = tl.load(p_idx + o_t, mask=m_t, other=0, cache_modifier=".cg")
+        b_d = _second_digit(b_key)
+        m_gt = m_t & (b_d > i_sub)
+        tl.store(p_out + n_w + tl.cumsum(m_gt.to(tl.int32), 0) - 1, b_idx, mask=m_gt)
+        n_w += tl.sum(m_gt.to(tl.int32), 0)
+        m_eq = m_t & (b_d == i_sub)
+        o_dst = n_c + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+        tl.store(p_keys2 + o_dst, b_key, mask=m_eq)
+        tl.store(p_idx2 + o_dst, b_idx, mask=m_eq)
+        n_c += tl.sum(m_eq.to(tl.int32), 0)
+    tl.debug_barrier()  # the second scratch was written by every thread of this program
+    o_i = tl.arange(0, CAP2)
+    m_i = o_i < n_sub
+    b_key_i = tl.load(p_keys2 + o_i, mask=m_i, other=0, cache_modifier=".cg")
+    b_rank = tl.zeros([CAP2], dtype=tl.int32)
+    for j0 in range(0, n_sub, RANK_BLOCK):
+        o_j = j0 + tl.arange(0, RANK_BLOCK)
+        b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0, cache_modifier=".cg")
+        m_beats = (b_key_j[None, :] > b_key_i[:, None]) | (
+            (b_key_j[None, :] == b_key_i[:, None]) & (o_j[None, :] < o_i[:, None])
+        )
+        b_rank += tl.sum((m_beats & (o_j < n_sub)[None, :]).to(tl.int32), 1)
+    b_idx_i = tl.load(p_idx2 + o_i, mask=m_i, other=0, cache_modifier=".cg")
+    tl.store(p_out + K - k_rem2 + b_rank, b_idx_i, mask=m_i & (b_rank < k_rem2))
+
+
+@triton.jit
+def _finish_row(
+    p_x,
+    n_len,
+    p_out,
+    p_ws,
+    i_cut,
+    k_rem,
+    K,
+    CAP: tl.constexpr,
+    CAP2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    NBINS: tl.constexpr,
+    BITS: tl.constexpr,
+    PASSES: tl.constexpr,
+):
+    """The row's last program: append the cutoff bin's k_rem best to out[K - k_rem: K], then clean the
+    row's workspace for the next call."""
+    p_hdr = p_ws + _HEADER
+    p_keys = p_ws + _SCRATCH
+    p_idx = p_keys + CAP
+    n_surv = tl.load(p_hdr + _N_SURV, volatile=True)
+    k_min = tl.load(p_hdr + _KEY_MIN, volatile=True)
+    k_max = tl.load(p_hdr + _KEY_MAX, volatile=True)
+    o_b = tl.arange(0, NBINS)
+    if (n_surv == k_rem) | (k_min == k_max):
+        # all of the bin, or any k_rem of equal keys: the first ones compacted (CAP >= K >= k_rem)
+        _copy(p_idx, p_out + K - k_rem, k_rem)
+        path = _PATH_TAKE
+    elif n_surv <= CAP:
+        b_hist2 = tl.load(p_ws + _HIST2 + o_b, cache_modifier=".cg")
+        i_sub, k_rem2 = pick_bin(b_hist2, k_rem, NBINS)
+        n_sub = tl.sum(tl.where(o_b == i_sub, b_hist2, 0), 0)
+        if _shares_prefix(i_cut) & (n_sub <= CAP2):
+            p_keys2 = p_idx + CAP
+            _finish_second(
+                p_out, p_keys, p_idx, p_keys2, p_keys2 + CAP2, n_surv, i_sub, n_sub, k_rem, k_rem2, K,
+                CAP2, BLOCK, RANK_BLOCK,
+            )  # fmt: skip
+            path = _PATH_SECOND
+        else:
+            _select_stream(p_x, p_keys, p_idx, p_out, n_surv, i_cut, k_rem, K, False, NBINS, BITS, PASSES, BLOCK)
+            path = _PATH_SCRATCH
+    else:
+        _select_stream(p_x, p_keys, p_idx, p_out, n_len, i_cut, k_rem, K, True, NBINS, BITS, PASSES, BLOCK)
+        path = _PATH_ROW
+    tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
+    tl.store(p_ws + _HIST2 + o_b, tl.zeros([NBINS], dtype=tl.int32))
+    tl.store(p_hdr + _N_GT, 0)
+    tl.store(p_hdr + _N_SURV, 0)
+    tl.store(p_hdr + _ARRIVED, 0)
+    tl.store(p_hdr + _KEY_MIN, _INT_MAX)
+    tl.store(p_hdr + _KEY_MAX, _INT_MIN)
+    tl.store(p_hdr + _PATH, path)
+
+
+@triton.jit
+def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Stream keys [i_start, i_end) of the row: indices above bin i_cut to the output, the bin's
+    (key, index) pairs to the scratch, their second digits to the second histogram (quarter-binade
+    bins only), their min and max key to the header."""
+    p_hdr = p_ws + _HEADER
+    p_keys = p_ws + _SCRATCH
+    second = _shares_prefix(i_cut)
+    k_min = _INT_MAX
+    k_max = _INT_MIN
+    for i0 in range(i_start, i_end, BLOCK):
+        o_t = i0 + tl.arange(0, BLOCK)
+        m_t = o_t < i_end
+        b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+        b_bin = fine_bin(b_key)
+        m_gt = m_t & (b_bin > i_cut)
+        n_gt = tl.sum(m_gt.to(tl.int32), 0)
+        if n_gt > 0:
+            o_dst = tl.atomic_add(p_hdr + _N_GT, n_gt, sem="relaxed") + tl.cumsum(m_gt.to(tl.int32), 0) - 1
+            tl.store(p_out + o_dst, o_t, mask=m_gt)
+        m_eq = m_t & (b_bin == i_cut)
+        n_eq = tl.sum(m_eq.to(tl.int32), 0)
+        if n_eq > 0:
+            o_dst = tl.atomic_add(p_hdr + _N_SURV, n_eq, sem="relaxed") + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+            tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < CAP))
+            tl.store(p_keys + CAP + o_dst, o_t, mask=m_eq & (o_dst < CAP))
+            if second:
+                tl.atomic_add(p_ws + _HIST2 + _second_digit(b_key), 1, mask=m_eq, sem="relaxed")
+            k_min = tl.minimum(k_min, tl.min(tl.where(m_eq, b_key, _INT_MAX), 0))
+            k_max = tl.maximum(k_max, tl.max(tl.where(m_eq, b_key, _INT_MIN), 0))
+    if k_min <= k_max:  # this slice had survivors
+        tl.atomic_min(p_hdr + _KEY_MIN, k_min, sem="relaxed")
+        tl.atomic_max(p_hdr + _KEY_MAX, k_max, sem="relaxed")
+
+
+@triton.jit
+def _topk_one_launch_kernel(
+    x_ptr,
+    len_ptr,
+    out_ptr,
+    ws_ptr,
+    stride_x,
+    stride_out,
+    stride_ws,
+    K,
+    SEG,
+    CAP: tl.constexpr,
+    CAP2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    NBINS: tl.constexpr,
+    BITS: tl.constexpr,
+    PASSES: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    n_len = tl.load(len_ptr + i_r)
+    p_out = out_ptr + i_r.to(tl.int64) * stride_out
+    p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
+    o_b = tl.arange(0, NBINS)
+    if n_len <= K:
+        if i_s == 0:
+            # every valid entry is selected: out[t] = t for t < L, -1 up to k; no other program of the
+            # row reads the histogram the indexer added, so this one clears it
+            for i0 in range(0, K, BLOCK):
+                o_t = i0 + tl.arange(0, BLOCK)
+                tl.store(p_out + o_t, tl.where(o_t < n_len, o_t, -1), mask=o_t < K)
+            tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
+    else:
+        i_cut, k_rem = pick_bin(tl.load(p_ws + o_b), K, NBINS)
+        i_start = i_s * SEG
+        if i_start < n_len:
+            p_x = x_ptr + i_r.to(tl.int64) * stride_x
+            _scan_slice(p_x, p_out, p_ws, i_start, tl.minimum(i_start + SEG, n_len), i_cut, CAP, BLOCK)
+        # every thread's stores are done before the (single-thread) release of the arrival
+        tl.debug_barrier()
+        n_before = tl.atomic_add(p_ws + _HEADER + _ARRIVED, 1, sem="acq_rel")
+        if n_before == tl.num_programs(1) - 1:
+            tl.debug_barrier()
+            _finish_row(
+                x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, i_cut, k_rem, K,
+                CAP, CAP2, BLOCK, RANK_BLOCK, NBINS, BITS, PASSES,
+            )  # fmt: skip
+
+
+@triton.jit
+def fine_hist_digit(b_key, FINE: tl.constexpr, NBINS: tl.constexpr, BITS: tl.constexpr):
+    """The first-histogram digit a fused indexer adds: `fine_bin` (FINE, for this module) or the radix
+    select's top byte."""
+    if FINE:
+        b_d = fine_bin(b_key)
+    else:
+        b_d = radix_digit(b_key, 0, NBINS, BITS)
+    return b_d
+
+
+@triton.jit
+def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    n_len = tl.load(len_ptr + i_r)
+    i_start = i_s * SEG
+    if (n_len > K) & (i_start < n_len):
+        o_b = tl.arange(0, NBINS)
+        i_end = tl.minimum(i_start + SEG, n_len)
+        p_x = x_ptr + i_r.to(tl.int64) * stride_x
+        b_hist = tl.zeros([NBINS], dtype=tl.int32)
+        n_skip = 0
+        for i0 in range(i_start, i_end, BLOCK):
+            o_t = i0 + tl.arange(0, BLOCK)
+            m_t = o_t < i_end
+            b_bin = fine_bin(float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0)))
+            b_hist += tl.histogram(tl.where(m_t, b_bin, 0), NBINS)
+            n_skip += tl.sum((~m_t).to(tl.int32), 0)
+        b_hist -= tl.where(o_b == 0, n_skip, 0)
+        tl.atomic_add(ws_ptr + i_r.to(tl.int64) * stride_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
+
+
+@dataclass(frozen=True)
+class OneLaunchPlan:
+    """Sizes of the one-launch top-k for one k."""
+
+    k: int
+    capacity: int  # cutoff-bin survivors kept per row (>= k)
+    capacity2: int = CAPACITY2  # sub-bin survivors ranked pairwise (power of two)
+
+    @property
+    def ws_stride(self) -> int:
+        """int32 words of workspace per row (padded to 128 bytes)."""
+        return triton.cdiv(SCRATCH + 2 * self.capacity + 2 * self.capacity2, 32) * 32
+
+
+def one_launch_plan(k: int, *, capacity: int | None = None) -> OneLaunchPlan:
+    """Plan for top-k k; capacity: survivors kept per row before the row fallback (default 4 k, at
+    least k: the tie path copies k_rem <= k of them)."""
+    require(1 <= k <= 1 << 16, f"k must be in [1, 65536], got {k}")
+    cap = SCRATCH_PER_K * k if capacity is None else capacity
+    require(cap >= k, f"capacity must be >= k ({k}), got {cap}")
+    return OneLaunchPlan(k=k, capacity=cap)
+
+
+def new_one_launch_workspace(n_rows: int, plan: OneLaunchPlan, device: torch.device) -> torch.Tensor:
+    """Initialised int32 workspace [n_rows, plan.ws_stride]; every call leaves it as it found it, so one
+    allocation serves every later call (and CUDA-graph replay) with the same plan."""
+    ws = torch.zeros(n_rows, plan.ws_stride, dtype=torch.int32, device=device)
+    ws[:, HEADER + KEY_MIN] = INT_MAX
+    ws[:, HEADER + KEY_MAX] = INT_MIN
+    return ws
+
+
+def check_workspace(workspace: torch.Tensor, n_rows: int, plan: OneLaunchPlan, device: torch.device) -> None:
+    check_tensor("workspace", workspace, dtypes=(torch.int32,), shape=(n_rows, plan.ws_stride), device=device)
+
+
+def _programs_per_row(n_rows: int, n_cols: int, block: int, device: torch.device) -> int:
+    """About two programs per SM over all rows, at least one block per program."""
+    return max(1, min(triton.cdiv(max(n_cols, 1), block), triton.cdiv(2 * sm_count(device, 4), max(n_rows, 1))))
+
+
+def _segment(n_rows: int, n_cols: int, block: int, programs: int | None, device: torch.device) -> int:
+    if programs is None:
+        programs = _programs_per_row(n_rows, n_cols, block, device)
+    return triton.cdiv(triton.cdiv(max(n_cols, 1), programs), block) * block
+
+
+def fine_hist_launch(
+    scores: torch.Tensor, lengths: torch.Tensor, k: int, workspace: torch.Tensor, *, block: int = 1024
+) -> None:
+    """Add each row's `fine_bin` histogram (rows longer than k) to the workspace: what a fused decode
+    indexer does, for scores from elsewhere."""
+    n_rows, n_cols = scores.shape
+    seg = _segment(n_rows, n_cols, block, None, scores.device)
+    _fine_hist_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
+        scores, lengths, workspace, scores.stride(0), workspace.stride(0), k, seg, NBINS=NBINS, BLOCK=block,
+        num_warps=8,
+    )  # fmt: skip
+
+
+def one_launch_topk_launch(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    plan: OneLaunchPlan,
+    *,
+    programs: int | None = None,
+    block: int = 1024,
+    num_warps: int = 8,
+) -> None:
+    """The selection launch on validated scores / lengths / out whose first histograms are already in
+    the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
+    per SM in all)."""
+    n_rows, n_cols = scores.shape
+    check_workspace(workspace, n_rows, plan, scores.device)
+    require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
+    seg = _segment(n_rows, n_cols, block, programs, scores.device)
+    _topk_one_launch_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
+        scores,
+        lengths,
+        out,
+        workspace,
+        scores.stride(0),
+        out.stride(0),
+        workspace.stride(0),
+        plan.k,
+        seg,
+        CAP=plan.capacity,
+        CAP2=plan.capacity2,
+        BLOCK=block,
+        RANK_BLOCK=RANK_BLOCK,
+        NBINS=NBINS,
+        BITS=RADIX_BITS,
+        PASSES=PASSES,
+        num_warps=num_warps,
+    )
+
+
+def topk_indices_one_launch(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    capacity: int | None = None,
+    programs: int | None = None,
+    block: int = 1024,
+) -> torch.Tensor:
+    """Exact top-k indices per row, unsorted: the first histogram (`fine_hist_launch`) and the
+    one-launch selection, two launches (after the fused indexer only the second runs).
+
+    Same contract as `hearth.kernels.topk.topk_indices` (fp32 scores [R, N] with unit last stride,
+    int32 lengths [R], optional int32 out [R, k]; ties broken arbitrarily; rows with L <= k give 0..L-1
+    then -1). workspace: from `new_one_launch_workspace(R, one_launch_plan(k, capacity=capacity))`,
+    reused across calls (else one is allocated per call); capacity / programs / block: the survivor
+    buffer, programs per row and keys per step (tests use them to force every path)."""
+    out = checked_output(scores, lengths, k, out)
+    plan = one_launch_plan(k, capacity=capacity)
+    if out.shape[0] == 0:
+        return out
+    if workspace is None:
+        workspace = new_one_launch_workspace(out.shape[0], plan, scores.device)
+    check_workspace(workspace, out.shape[0], plan, scores.device)
+    fine_hist_launch(scores, lengths, k, workspace, block=block)
+    one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block)
+    return out

@@ -1,0 +1,222 @@
+"""One-launch decode top-k (`kernels/topk/one_launch.py`): its first digit, each finishing path, the
+self-cleaning workspace across calls, and the fused indexer path; exactness by `check_topk` (any tie
+order). The general random / ties / strided / layout cases run in test_topk.py's IMPLS."""
+
+import pytest
+import torch
+
+from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode
+from hearth.kernels.topk import topk_indices_one_launch
+from hearth.kernels.topk.one_launch import (
+    FINE_LO,
+    HEADER,
+    HIST2,
+    INT_MAX,
+    INT_MIN,
+    KEY_MAX,
+    KEY_MIN,
+    PATH,
+    PATH_ROW,
+    PATH_SCRATCH,
+    PATH_SECOND,
+    PATH_TAKE,
+    fine_hist_launch,
+    new_one_launch_workspace,
+    one_launch_plan,
+    one_launch_topk_launch,
+)
+from hearth.kernels.topk.radix import NBINS
+from hearth.kernels.topk.reference import check_topk
+from tests.kernels.conftest import requires_cuda
+from tests.kernels.test_lightning_indexer import _filled_cache, _queries
+
+POISON = 0x5A5A5A5A
+
+
+def _order_key(x: torch.Tensor) -> torch.Tensor:
+    bits = x.float().contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _fine_bin_ref(key: torch.Tensor) -> torch.Tensor:
+    """Torch twin of `fine_bin` (of order keys)."""
+    u = key >> 21
+    mag = (torch.where(u >= 0, u, -1 - u) - FINE_LO).clamp(0, 127)
+    return torch.where(u >= 0, 128 + mag, 127 - mag)
+
+
+def _assert_clean(ws: torch.Tensor) -> None:
+    """What every call must leave behind: zero histograms and counters, min / max sentinels."""
+    ws = ws.cpu()
+    assert bool((ws[:, : 2 * NBINS] == 0).all()), "histograms must be cleared for the next call"
+    assert bool((ws[:, HEADER : HEADER + KEY_MIN] == 0).all()), "counters must be zeroed"
+    assert bool((ws[:, HEADER + KEY_MIN] == INT_MAX).all()) and bool((ws[:, HEADER + KEY_MAX] == INT_MIN).all())
+
+
+def test_fine_bin_is_monotone_with_quarter_binades_inside_its_window(device):
+    """The twin is monotone over every float class, its inner bins share the top 11 key bits, and the
+    kernel's histogram equals the twin's bin counts."""
+    specials = torch.tensor([float("-inf"), -3e38, -1e5, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1e-5, 1.0, 1e5, 3e38])
+    x = torch.cat([specials, torch.randn(3000) * torch.exp2(torch.randint(-30, 30, (3000,)).float())])
+    keys = _order_key(x).sort().values  # -0 before +0, unlike a float sort
+    bins = _fine_bin_ref(keys)
+    assert bool((bins[1:] >= bins[:-1]).all()), "fine_bin must not decrease with the key"
+    assert bins.min() == 0 and bins.max() == 255
+    inner = (bins % 128 != 0) & (bins % 128 != 127)
+    for b in bins[inner].unique():
+        assert (keys[bins == b] >> 21).unique().numel() == 1, f"bin {int(b)} spans more than a quarter binade"
+    one, half = _fine_bin_ref(_order_key(torch.tensor([1.0, 0.5]))).tolist()
+    assert one - half == 4  # four bins per binade
+    scores = x[torch.randperm(x.numel())][None].to(device)
+    ws = new_one_launch_workspace(1, one_launch_plan(16), device)
+    fine_hist_launch(scores, torch.tensor([x.numel()], dtype=torch.int32, device=device), 16, ws, block=256)
+    want = torch.bincount(_fine_bin_ref(_order_key(scores.cpu()[0])).long(), minlength=NBINS)
+    assert torch.equal(ws[0, :NBINS].cpu().long(), want)
+
+
+def _rows_for_every_path(n: int, k: int, device) -> tuple[torch.Tensor, list[int]]:
+    """Rows of n scores and the finishing path each takes with the default capacity (4 k)."""
+    s = torch.randn(7, n, device=device)
+    # n distinct scores 0.001 apart in [1, 4): the cutoff bin [3.5, 4) keeps ~500, two per sub-bin
+    s[0] = 1.0 + 0.001 * torch.randperm(n, device=device).float()
+    paths = [PATH_SECOND]
+    s[1] = torch.relu(s[1] - 2.5)  # the k-th largest is a 0 tied thousands of times: overflow, all equal
+    paths.append(PATH_TAKE)
+    s[2] = -torch.arange(n, device=device).float()  # the top-k in the first split only: others keep nothing
+    paths.append(PATH_SECOND)
+    s[3] = 1.0 + 0.2 * torch.rand(n, device=device)  # every key in the bin [1, 1.25): distinct, overflow
+    paths.append(PATH_ROW)
+    s[4] = float("-inf")
+    s[4, : k // 2] = torch.randn(k // 2, device=device)  # the k-th largest is -inf: equal survivors
+    paths.append(PATH_TAKE)
+    s[5] = -10.0 + torch.randn(n, device=device)
+    s[5, 7 : 7 + 3 * k] = torch.rand(3 * k, device=device) * 1e-6  # cutoff in the clamped edge bin [0, 2^-16)
+    paths.append(PATH_SCRATCH)
+    s[6] = -10.0 + torch.randn(n, device=device)
+    # 700 distinct keys one ulp apart: one sub-bin of the second digit, more than CAP2 = 512 of them
+    s[6, 100:800] = (torch.arange(700, device=device, dtype=torch.int32) + 0x3F800000).view(torch.float32)
+    paths.append(PATH_SCRATCH)
+    return s, paths
+
+
+def test_every_path_exact_and_the_workspace_cleans_itself(device):
+    n, k = 3000, 200
+    s, paths = _rows_for_every_path(n, k, device)
+    plan = one_launch_plan(k)  # capacity 800
+    ws = new_one_launch_workspace(s.shape[0], plan, device)
+    lengths = torch.full((s.shape[0],), n, dtype=torch.int32, device=device)
+    for call in range(2):
+        lengths[0] = n - 17 * call  # decode moves the lengths; the workspace is never re-zeroed
+        out = torch.full((s.shape[0], k), POISON, dtype=torch.int32, device=device)
+        fine_hist_launch(s, lengths, k, ws, block=128)
+        one_launch_topk_launch(s, lengths, out, ws, plan, programs=3, block=128)
+        check_topk(out, s, lengths, k)
+        assert ws[:, HEADER + PATH].tolist() == paths
+        _assert_clean(ws)
+
+
+def test_sub_bin_path_matches_torch_topk(device):
+    """Distinct scores: the second-histogram path selects torch.topk's index set exactly."""
+    n, k = 2500, 64
+    # distinct scores 0.001 apart in [1, 3.5): the cutoff bin [3, 3.5) holds <= 500
+    s = 1.0 + 0.001 * torch.stack([torch.randperm(n, device=device) for _ in range(3)]).float()
+    lengths = torch.tensor([n, n - 1, 1000], dtype=torch.int32, device=device)
+    ws = new_one_launch_workspace(3, one_launch_plan(k, capacity=1024), device)
+    out = topk_indices_one_launch(s, lengths, k, workspace=ws, capacity=1024, programs=4, block=128)
+    assert ws[:, HEADER + PATH].tolist() == [PATH_SECOND] * 3
+    for r in range(3):
+        want = torch.topk(s[r, : lengths[r]].cpu(), k).indices.sort().values
+        assert torch.equal(out[r].cpu().long().sort().values, want)
+    assert bool((ws[:, HIST2 : HIST2 + NBINS] == 0).all())
+
+
+def test_short_rows_odd_sizes_and_capacity(device):
+    """L <= k rows (0..L-1 then -1), L = 0, L = k + 1, an odd width, and a capacity of exactly k."""
+    n, k = 777, 300
+    s = torch.randn(6, n, device=device)
+    s[2] = 3.0  # all equal
+    s[3, 9:] = float("-inf")
+    lengths = torch.tensor([n, k + 1, n, n, k, 0], dtype=torch.int32, device=device)
+    for capacity in (None, k):
+        out = torch.full((6, k), POISON, dtype=torch.int32, device=device)
+        topk_indices_one_launch(s, lengths, k, out=out, capacity=capacity, programs=5, block=64)
+        check_topk(out, s, lengths, k)
+        assert out[4].tolist() == list(range(k)) and out[5].tolist() == [-1] * k
+
+
+def test_plan_and_workspace_errors(device):
+    with pytest.raises(ValueError, match="capacity"):
+        one_launch_plan(64, capacity=63)
+    with pytest.raises(ValueError, match="k must"):
+        one_launch_plan(0)
+    s = torch.randn(2, 100, device=device)
+    lengths = torch.full((2,), 100, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="workspace"):
+        topk_indices_one_launch(s, lengths, 8, workspace=torch.zeros(2, 10, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("kernel", ["persistent", "tiled"])
+def test_indexer_one_launch_next_n_2_reuses_its_workspace(kernel, device):
+    """The fused indexer adds the fine histogram, one launch selects; next_n = 2, different lengths per
+    request (one shorter than k), two decode steps on one workspace."""
+    ctx, block_size, next_n, heads, k = [700, 30, 333], 16, 2, 16, 40
+    max_blocks = -(-max(ctx) // block_size) + 2
+    cache, table = _filled_cache(ctx, block_size, max_blocks, device)
+    q = _queries((len(ctx), next_n, heads, 128), "fp8", device)
+    w = torch.randn(len(ctx), next_n, heads, device=device)
+    rows = len(ctx) * next_n
+    ws = new_one_launch_workspace(rows, one_launch_plan(k), device)
+    for step in range(2):
+        ctx_t = torch.tensor([n + step for n in ctx], dtype=torch.int32, device=device)
+        logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, block_size, config={"kernel": kernel})
+        idx = indexer_decode_topk(
+            q, w, cache, table, ctx_t, block_size, k, config={"kernel": kernel}, topk="one_launch", topk_workspace=ws
+        )
+        assert idx.shape == (len(ctx), next_n, k)
+        check_topk(idx.view(rows, k), logits, lengths, k)
+        _assert_clean(ws)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows,n", [(1, 131072), (8, 131072), (64, 131072), (64, 8192)])
+@pytest.mark.parametrize("kind", ["randn", "relu_zeros", "narrow"])
+def test_one_launch_real_shapes_gpu(rows, n, kind):
+    k = 2048
+    s = torch.randn(rows, n, device="cuda")
+    if kind == "relu_zeros":
+        s = torch.relu(s - 3.0)
+    elif kind == "narrow":
+        s = 1.0 + torch.rand(rows, n, device="cuda")  # every key in four quarter-binade bins
+    lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
+    lengths[0] = n
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(rows, plan, s.device)
+    for _ in range(2):
+        out = torch.full((rows, k), POISON, dtype=torch.int32, device="cuda")
+        topk_indices_one_launch(s, lengths, k, out=out, workspace=ws)
+        check_topk(out, s, lengths, k)
+        _assert_clean(ws)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_one_launch_graph_replay_gpu():
+    """Captured once (histogram + selection), replayed over new scores and lengths on one workspace."""
+    rows, n, k = 4, 131072, 2048
+    s = torch.randn(rows, n, device="cuda")
+    lengths = torch.full((rows,), n, dtype=torch.int32, device="cuda")
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(rows, plan, s.device)
+    out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+    topk_indices_one_launch(s, lengths, k, out=out, workspace=ws)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk_indices_one_launch(s, lengths, k, out=out, workspace=ws)
+    for step in range(5):
+        fresh = torch.randn(rows, n, device="cuda")
+        s.copy_(fresh if step % 2 else torch.relu(fresh - 3))  # odd steps: ties at 0 across the cutoff
+        lengths.copy_(torch.randint(k // 2, n + 1, (rows,), dtype=torch.int32, device="cuda"))
+        graph.replay()
+        check_topk(out, s, lengths, k)
+    _assert_clean(ws)
