@@ -39,10 +39,11 @@ plus the partial ring page; latents the host rows).
 Appends launch copies only (the host knows every position); growing a host pool waits for the
 write-through copies in flight (once per doubling). A decode token runs in two phases: ``reserve``
 on the host before the step (room, counts; bumps ``version`` when a buffer moves, which makes a
-captured graph stale), then launches only, every index computed on the device from the token's
-position (``decode_write`` / ``decode_append``: the ring row, the write-through of its page or row
-to the pinned host pool by a copy kernel, the page's summary), so the same launches replay from a
-CUDA graph at every position.
+captured graph stale), then launches only, every index computed inside the kernels from the
+token's position on the device, so the same launches replay from a CUDA graph at every position:
+``decode_write`` is two (the cache-write kernel into the key's ring slot; ``write_through_page``:
+the page, once the token fills it, to the pinned host pool and its summary), ``decode_append`` one
+(``write_row``: the ring row and the host row), with no torch op (tests/offload/test_planned_tiers_launches.py).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ from hearth.kernels.tiered import (
     CandidateTopk,
     ResidencyPlan,
     coarse_step,
-    copy_rows,
     gather_misses,
     plan_residency,
     sort_fits,
+    write_row,
+    write_through_page,
 )
 from hearth.kernels.topk.radix import new_workspace, radix_topk_launch
 from hearth.kernels.topk.single_pass import new_scratch
@@ -137,8 +139,6 @@ class PlannedKeys:
         self._fine_len = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._fine_ws = new_workspace(1, self.device)
         self._selection = torch.full((1, c.topk), -1, dtype=torch.int32, device=self.device)
-        self._one = torch.ones(1, dtype=torch.int32, device=self.device)  # rows a write-through copies
-        self._groups = torch.arange(c.groups, device=self.device)
         self.num_tokens = 0
         self.version = 0  # bumped whenever a buffer a decode step reads is reallocated (captured graphs go stale)
 
@@ -198,22 +198,16 @@ class PlannedKeys:
         self.num_tokens = position + 1
 
     def decode_write(self, k_raw: torch.Tensor, position: torch.Tensor, write) -> None:
-        """Device phase of the decode token at position ((1,) int64 on the device, reserved): write
-        its key with write(k_raw, slots, pool, page_size, positions=...) (the cache-write kernel) into
-        the ring, then write its ring page through to the host pool and refresh that page's summary.
-        Only the full page's copy and summary are ever read (cold pages are full); a partial page's
-        are rewritten by each later token of the page. Launches only: no host sync, no host value."""
-        c, ps = self.config, self.config.page_size
-        page = torch.div(position, ps, rounding_mode="floor")
-        ring_row = page % c.hot_pages
-        write(k_raw, ring_row * ps + position % ps, self.dev.buf, ps, positions=position)
-        copy_rows(self.dev.buf, self.host.buf, ring_row.to(torch.int32), page.to(torch.int32), self._one)
-        pool = PagePool(1, ps, HEAD_DIM, "fp8", self.device)
-        pool.buf = self.dev.buf.index_select(0, ring_row)
-        keys = pool.dequantized(torch.zeros(1, dtype=torch.long, device=self.device))  # (1, ps, D) fp32
-        means, scales = quantize_means(keys.view(1, c.groups, MEAN_GROUP, HEAD_DIM).mean(dim=2))
-        idx = page * c.groups + self._groups
-        self.means.write(idx // MEAN_GROUP, idx % MEAN_GROUP, means.reshape(-1, HEAD_DIM), scales.reshape(-1))
+        """Device phase of the decode token at position ((1,) int32/int64 on the device, reserved):
+        two launches. write(k_raw, position, pool, page_size, positions=position, ring_pages=hot_pages)
+        (the cache-write kernel, ``hearth.kernels.indexer.indexer_k_cache_write``) stores its key in
+        the ring, the kernel mapping the position to its ring slot; then, if the token fills its page,
+        ``write_through_page`` stores the page to the host pool and writes its summary (a partial
+        page's copy and summary would never be read: cold pages are full). No host sync, no host value."""
+        c = self.config
+        write(k_raw, position, self.dev.buf, c.page_size, positions=position, ring_pages=c.hot_pages)
+        write_through_page(self.dev.buf, self.host.buf, self.means.buf, position, c.page_size, c.hot_pages,
+                           MEAN_GROUP)
 
     def history(self, n_new: int) -> torch.Tensor:
         """A device buffer of every page of the request once n_new more tokens are written (pages
@@ -334,8 +328,6 @@ class PlannedLatents:
         n_blocks = self.dev.shape[0] // c.block
         self.table = torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None]
         self.lens = torch.full((1,), self.dev.shape[0], dtype=torch.int32, device=self.device)
-        self._one = torch.ones(1, dtype=torch.int32, device=self.device)
-        self._zero = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.num_tokens = 0
         self.version = 0  # bumped whenever a buffer a decode step reads is reallocated
         self._stage: torch.Tensor | None = None
@@ -385,12 +377,10 @@ class PlannedLatents:
         self.num_tokens = position + 1
 
     def decode_append(self, row: torch.Tensor, position: torch.Tensor) -> None:
-        """Device phase of the decode row (1, width) at position ((1,) int64 on the device, reserved):
-        into the ring and through to the host pool. Launches only."""
-        row = row.to(self.config.dtype).contiguous()
-        ring_row = position % self.config.ring_rows
-        self.dev.index_copy_(0, ring_row, row)
-        copy_rows(row, self.host, self._zero, position.to(torch.int32), self._one)
+        """Device phase of the decode row (1, width) at position ((1,) int32/int64 on the device,
+        reserved): into the ring and through to the host pool, one launch (``write_row``; a row in
+        another dtype or layout is converted first)."""
+        write_row(row.to(self.config.dtype).contiguous(), position, self.dev, self.config.ring_rows, self.host)
 
     def stage(self, history: torch.Tensor | None) -> None:
         """The next append also writes its rows into history (rows, width) on the device, position p

@@ -3,7 +3,9 @@ Hadamard -> ue8m0 FP8 quantisation -> store into the paged uint8 indexer cache.
 
 Cache layout (vLLM / DeepGEMM `fp8_paged_mqa_logits`): `kv_cache` is uint8 `[num_blocks, block_size*132]`;
 within a page the `block_size*128` e4m3 key bytes come first, token-major (token o at byte `o*128`),
-then `block_size` fp32 scales (token o at byte `block_size*128 + 4*o`). slot = block*block_size + offset.
+then `block_size` fp32 scales (token o at byte `block_size*128 + 4*o`). slot = block*block_size + offset;
+or, for a device ring of `ring_pages` pages (tiered keys), the kernel maps a token position p to the slot
+(p // block_size) % ring_pages * block_size + p % block_size itself.
 Scale = 2^ceil(log2(max(amax, 1e-4) / 448)) per token (one 128-element group).
 """
 
@@ -43,6 +45,7 @@ def _indexer_k_write_kernel(
     stride_k,
     stride_cos,
     stride_blk,
+    ring_pages,
     BLOCK_SIZE: tl.constexpr,
     D: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -50,6 +53,7 @@ def _indexer_k_write_kernel(
     INTERLEAVED: tl.constexpr,
     HADAMARD: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    RING: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -104,6 +108,8 @@ def _indexer_k_write_kernel(
     b_code = e4m3_encode(b_y).to(tl.uint8)
     b_slot = tl.load(slot_ptr + o_n, mask=m_n, other=-1).to(tl.int64)
     m_w = m_n & (b_slot >= 0)
+    if RING:  # slot_ptr holds positions: page p // BLOCK_SIZE sits in ring block page % ring_pages
+        b_slot = (b_slot // BLOCK_SIZE) % ring_pages * BLOCK_SIZE + b_slot % BLOCK_SIZE
     b_blk = b_slot // BLOCK_SIZE
     b_off = b_slot % BLOCK_SIZE
     p_c = cache_u8_ptr + b_blk[:, None] * stride_blk + b_off[:, None] * D + o_d[None, :]
@@ -123,6 +129,7 @@ def indexer_k_cache_write(
     sin: torch.Tensor | None = None,
     rope_interleaved: bool = False,
     hadamard: bool = False,
+    ring_pages: int = 0,
 ) -> None:
     """Rope + (Hadamard) + FP8-quantise indexer keys and store them in the paged cache, in place.
 
@@ -136,6 +143,10 @@ def indexer_k_cache_write(
         cos, sin: fp32 [max_pos, R/2] contiguous rope tables (R = rope dims, even, <= 128), rotating the
             first R dims: pairs (2i, 2i+1) when rope_interleaved (GLM) else (i, i+R/2) (DeepSeek-V3.2).
         hadamard: apply the orthonormal 128x128 Sylvester Hadamard (scale 128^-0.5) before quantising.
+        ring_pages: if > 0, slot_mapping holds token positions in a ring of the cache's first ring_pages
+            blocks (the tiered keys' device ring): position p goes to slot
+            (p // block_size) % ring_pages * block_size + p % block_size, computed in the kernel, so a
+            caller holding only device-side positions needs no slot arithmetic (no extra launches).
     bf16 inputs are rounded to bf16 after rope and after the Hadamard, as the reference model does.
     """
     require(
@@ -153,6 +164,7 @@ def indexer_k_cache_write(
         kv_cache.shape[1] == block_size * (INDEX_DIM + 4),
         f"kv_cache must be [num_blocks, {block_size * 132}] for block_size {block_size}, got {tuple(kv_cache.shape)}",
     )
+    require(0 <= ring_pages <= kv_cache.shape[0], f"ring_pages must be in [0, {kv_cache.shape[0]}], got {ring_pages}")
     has_rope = cos is not None
     rope_dim = 0
     if has_rope:
@@ -179,6 +191,7 @@ def indexer_k_cache_write(
         k.stride(0),
         cos.stride(0) if has_rope else 0,
         kv_cache.stride(0),
+        max(ring_pages, 1),
         BLOCK_SIZE=block_size,
         D=INDEX_DIM,
         ROPE_DIM=max(rope_dim, 2),
@@ -186,6 +199,7 @@ def indexer_k_cache_write(
         INTERLEAVED=rope_interleaved,
         HADAMARD=hadamard,
         ROUND_BF16=k.dtype == torch.bfloat16,
+        RING=ring_pages > 0,
         BLOCK_N=block_n,
         UPCAST=is_interpreter(),
         num_warps=4,

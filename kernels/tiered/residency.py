@@ -237,7 +237,7 @@ def plan_residency(plan: ResidencyPlan, candidates: torch.Tensor, ring_start: to
     return plan.slot
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
+def row_words(t: torch.Tensor) -> torch.Tensor:
     """A 2-D row buffer as [rows, words]: int32 words when a row's bytes allow, else bytes."""
     raw = t.view(t.shape[0], -1).view(torch.uint8)
     return raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
@@ -254,7 +254,7 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_
     if src.is_cuda or dst.is_cuda:
         for t in (src, dst):
             require(t.is_cuda or t.is_pinned(), "a host row buffer must be pinned CPU memory")
-    a, b = _words(src), _words(dst)
+    a, b = row_words(src), row_words(dst)
     row = a.shape[1]
     block = min(1024, triton.next_power_of_2(row))
     grid = (src_rows.shape[0], triton.cdiv(row, block))

@@ -86,6 +86,29 @@ def test_tiny_values_hit_the_amax_floor(device):
     assert torch.allclose(s[slots], torch.full((3,), 2.0**-22, device=device))  # 2^ceil(log2(1e-4/448))
 
 
+@pytest.mark.parametrize("ring_pages", [1, 3])
+def test_ring_slots_from_positions_equal_explicit_slots(ring_pages, device):
+    """ring_pages: the kernel maps positions to ring slots itself, storing what the explicit slot
+    mapping (page % ring_pages) * block_size + offset stores; the blocks after the ring are left alone."""
+    bs, n = 16, 9
+    k = torch.randn(n, 128, device=device).to(torch.bfloat16)
+    pos = torch.tensor([1, 5, 15, 16, 31, 40, 47, 48, 100], device=device)  # across pages and ring wraps
+    keep = torch.arange(n, device=device)  # distinct slots in a ring of 3 pages
+    if ring_pages == 1:  # one ring page: keep distinct offsets
+        keep = torch.tensor([0, 1, 2, 8], device=device)  # offsets 1, 5, 15, 4
+    cos, sin = _rope_tables(128, 32, device)
+    kw = dict(cos=cos, sin=sin, hadamard=True)
+    ring = torch.full((ring_pages + 2, bs * 132), POISON, dtype=torch.uint8, device=device)
+    explicit = ring.clone()
+    indexer_k_cache_write(k[keep], pos[keep], ring, bs, positions=pos[keep], ring_pages=ring_pages, **kw)
+    slots = (pos[keep] // bs) % ring_pages * bs + pos[keep] % bs
+    indexer_k_cache_write(k[keep], slots, explicit, bs, positions=pos[keep], **kw)
+    assert torch.equal(ring, explicit) and bool((ring[ring_pages:] == POISON).all())
+    assert not torch.equal(ring, torch.full_like(ring, POISON))
+    with pytest.raises(ValueError, match="ring_pages"):
+        indexer_k_cache_write(k, pos, ring, bs, positions=pos, ring_pages=ring_pages + 3, **kw)
+
+
 def test_hadamard_reference_is_orthogonal():
     h = hadamard_matrix(128)
     assert torch.equal(h @ h.T, 128 * torch.eye(128))

@@ -1,16 +1,18 @@
 """Planned tiers (hearth.offload.planned_tiers): with every cold page a candidate the device-planned
 decode selection equals the indexer kernel over the whole key cache; with few candidates it equals the
 exact top-k over the pages it chose plus the hot pages (no token of a chosen page is lost through the
-page cache, whatever it evicted); latent rows read through the plan equal the rows written."""
+page cache, whatever it evicted); latent rows read through the plan equal the rows written; decode
+writes (keys and latent rows) leave what a prefill of the same keys and rows leaves."""
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
 
-from hearth.kernels.indexer import indexer_decode_topk
+from hearth.kernels.indexer import indexer_decode_topk, indexer_k_cache_write
 from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.planned_tiers import PlannedKeyConfig, PlannedKeys, PlannedLatentConfig, PlannedLatents
@@ -90,6 +92,65 @@ def test_few_candidates_score_their_pages_exactly():
         want = {pages[i // PS] * PS + i % PS for i in logical.tolist() if i >= 0}
         assert set(got.tolist()) - {-1} == want
     assert misses > 3  # pages were fetched from host memory across steps, not only once
+
+
+@pytest.mark.parametrize("page_size,hot_pages", [(16, 1), (32, 3)])
+def test_decode_writes_equal_a_prefill_of_the_same_keys(page_size, hot_pages):
+    """Keys written token by token through the capturable decode path (the cache-write kernel into the
+    ring, the write-through kernel) leave the same host pages, summaries, ring and keys as the same
+    keys prefilled (the torch path's summaries): from a partial page, across several pages."""
+    g = torch.Generator().manual_seed(page_size + hot_pages)
+    n0, n = 3 * page_size + 5, 7 * page_size + 3
+    k_raw = torch.randn(n, 128, generator=g).to(DEVICE)
+    cos, sin = torch.randn(n, 32, generator=g).to(DEVICE), torch.randn(n, 32, generator=g).to(DEVICE)
+    write = partial(indexer_k_cache_write, cos=cos, sin=sin, hadamard=True)
+    cfg = PlannedKeyConfig(page_size=page_size, hot_pages=hot_pages, candidate_pages=4, cache_pages=4, topk=K)
+
+    def prefill(tiers: PlannedKeys, first: int, last: int) -> None:
+        buf = tiers.history(last - first)
+        positions = torch.arange(first, last, device=DEVICE)
+        write(k_raw[first:last], positions, buf, page_size, positions=positions)
+        tiers.commit_chunk(buf, last - first)
+
+    decoded = PlannedKeys(cfg, DEVICE, initial_pages=2)
+    prefill(decoded, 0, n0)
+    for pos in range(n0, n):
+        decoded.reserve(pos)  # grows the pools past page 2 on the way
+        decoded.decode_write(k_raw[pos:pos + 1], torch.tensor([pos], device=DEVICE), write)
+    prefilled = PlannedKeys(cfg, DEVICE, initial_pages=2)
+    prefill(prefilled, 0, n)
+    if DEVICE.type == "cuda":  # the host pools are written by the stream (pinned CPU tensors: no implicit sync)
+        torch.cuda.synchronize(DEVICE)
+    full = n // page_size
+    assert torch.equal(decoded.host.buf[:full], prefilled.host.buf[:full])
+    summaries = full * cfg.groups  # whole summary blocks of 16 means, then the tail block's first entries
+    blocks, tail = divmod(summaries, 16)
+    got, want = decoded.means.buf, prefilled.means.buf
+    assert torch.equal(got[:blocks], want[:blocks])
+    assert torch.equal(got[blocks, :tail * 128], want[blocks, :tail * 128])
+    assert torch.equal(got[blocks, 16 * 128:16 * 128 + 4 * tail], want[blocks, 16 * 128:16 * 128 + 4 * tail])
+    for page in range(max(full + 1 - hot_pages, 0), full):  # the ring's full pages (read() reads the partial one)
+        assert torch.equal(decoded.dev.buf[page % hot_pages], prefilled.dev.buf[page % hot_pages])
+    keys, scales = decoded.read()
+    want_keys, want_scales = prefilled.read()
+    assert torch.equal(keys.view(torch.uint8), want_keys.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert decoded.version > 0  # the decode tokens' reserve grew the pools: the kernels wrote the new ones
+
+
+def test_decode_rows_equal_appended_rows():
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(90, 576, generator=g).to(torch.bfloat16).to(DEVICE)
+    cfg = PlannedLatentConfig(ring_rows=16, cache_rows=48, topk=40, block=16)
+    decoded, appended = PlannedLatents(cfg, DEVICE, initial_rows=8), PlannedLatents(cfg, DEVICE, initial_rows=8)
+    decoded.append(rows[:21])
+    for pos in range(21, 90):
+        decoded.reserve(pos)
+        decoded.decode_append(rows[pos:pos + 1], torch.tensor([pos], device=DEVICE))
+    appended.append(rows)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    assert torch.equal(decoded.host[:90], rows) and torch.equal(decoded.dev[:16], appended.dev[:16])
+    assert torch.equal(decoded.history().view(-1, 576)[:90], rows)
 
 
 @pytest.mark.parametrize("ring,cache,block", [(16, 48, 16), (64, 64, 64)])

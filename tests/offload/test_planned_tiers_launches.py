@@ -1,18 +1,20 @@
-"""One planned decode read (``PlannedKeys.select`` + ``PlannedLatents.slots``, misses gathered) is a
-fixed, short list of kernel launches: Triton launches and torch ops that produce a tensor (views
-and bare allocations launch nothing) are counted, so a torch glue op or an extra launch that
-creeps back into the step fails here. The candidate top-k's two kernels select the same pages."""
+"""One planned decode read (``PlannedKeys.select`` + ``PlannedLatents.slots``, misses gathered) and a
+decode token's writes (``decode_write`` + ``decode_append``) are fixed, short lists of kernel
+launches: Triton launches and torch ops that produce a tensor (views and bare allocations launch
+nothing) are counted, so a torch glue op or an extra launch that creeps back into the step fails here.
+The candidate top-k's two kernels select the same pages."""
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
 import triton.runtime.jit
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hearth.kernels.indexer import lightning_indexer_decode
+from hearth.kernels.indexer import indexer_k_cache_write, lightning_indexer_decode
 from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.kernels.topk.reference import topk_ref
 from hearth.offload.coarse_index import PagePool
@@ -96,6 +98,30 @@ def test_one_decode_read_is_a_few_launches(monkeypatch, candidate_topk):
     assert not launches.torch, f"torch glue in the decode read: {launches.torch}"
     assert len(launches.triton) <= MAX_LAUNCHES, launches.triton
     assert int(keys.plan.n_miss) == 4 and int(lat.plan.n_miss) > 0  # the read did fetch from both host pools
+
+
+def test_a_decode_token_writes_with_three_launches(monkeypatch):
+    """A decode token's writes: its key into the ring (the cache-write kernel) and the write-through
+    of its page with the page's summary (one kernel), its latent row into the ring and host pool (one
+    kernel): no torch op, also for the token that fills its page. Before: 30 torch ops and 3 launches."""
+    keys, lat, _, _, _ = _tiers("sort", candidates=4)
+    g = torch.Generator().manual_seed(1)
+    cos, sin = torch.randn(400, 32, generator=g).to(DEVICE), torch.randn(400, 32, generator=g).to(DEVICE)
+    write = partial(indexer_k_cache_write, cos=cos, sin=sin, hadamard=True)
+    launches = _Launches(monkeypatch)
+    for pos in range(300, 300 + PS + 2):  # 300 = 18 * PS + 12: through the end of page 18
+        keys.reserve(pos)
+        lat.reserve(pos)
+        k_raw = torch.randn(1, 128, generator=g).to(torch.bfloat16).to(DEVICE)
+        row = torch.randn(1, 576, generator=g).to(torch.bfloat16).to(DEVICE)
+        position = torch.tensor([pos], device=DEVICE)
+        launches.torch.clear()
+        launches.triton.clear()
+        with launches:
+            keys.decode_write(k_raw, position, write)
+            lat.decode_append(row, position)
+        assert not launches.torch, f"torch glue in a decode token's writes: {launches.torch}"
+        assert launches.triton == ["_indexer_k_write_kernel", "_page_write_kernel", "_row_write_kernel"]
 
 
 def test_sort_and_single_pass_select_the_same_pages():
