@@ -65,6 +65,7 @@ class Row:
 
 # A step's tiered requests: (their ids in row order, their tier layout from DecodeTiers.prepare / layout)
 Tiers = tuple[Sequence[str | None], tuple[int, ...]]
+TierKey = tuple[tuple[str | None, ...], tuple[int, ...]]
 Outputs = dict[str, torch.Tensor]
 
 
@@ -142,7 +143,7 @@ class PiecewiseDecode:
                             for i in self.offloaded}
         self._pieces: dict[tuple[str, int, int], Piece] = {}
         self._contexts: dict[int, ForwardContext] = {}
-        self._tiered: OrderedDict[tuple, TierPieces] = OrderedDict()  # tier key -> its attn pieces
+        self._tiered: OrderedDict[TierKey, TierPieces] = OrderedDict()
         self._tier: TierPieces | None = None  # the step's, when its requests keep tiers
         self._ctx: ForwardContext | None = None  # the step's context (eager pieces on the plain path)
         self.pool = None
@@ -253,7 +254,7 @@ class PiecewiseDecode:
             return self.bucket(n) if pad else n
         if not self.static:
             raise ValueError("tiered requests run in pieces on the kernel path only (the planned tiers)")
-        key = (tuple(tiers[0]), tuple(tiers[1]))
+        key: TierKey = (tuple(tiers[0]), tuple(tiers[1]))
         entry = self._tiered.get(key)
         if entry is None:
             for stale in [k for k in self._tiered if k[1][0] != key[1][0]]:  # a request's tiers were dropped since

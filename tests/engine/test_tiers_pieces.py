@@ -109,8 +109,8 @@ def test_tiered_decode_with_offloaded_experts_runs_in_pieces(kernel_model, kerne
 def test_runahead_runs_tiered_attention_pieces_per_group(kernel_model, kernel_path, monkeypatch):
     """Two requests under the runahead decoder: each attention micro-step stages its group of tiered
     requests into the pieces of that group's tier key (no padding rows), tokens equal tiers off."""
-    prompts = [PROMPT, PROMPT[:90]]
-    expected = run_to_completion(_engine(kernel_model, scheduler="runahead"), prompts, GREEDY)
+    prompts, sampling = [PROMPT, PROMPT[:90]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = run_to_completion(_engine(kernel_model, scheduler="runahead"), prompts, sampling)
     tiered = _engine(kernel_model, scheduler="runahead", **TIERS)
     pieces = tiered.runner.pieces
     assert tiered.decoder is not None and tiered.decoder.pieces is pieces
@@ -123,7 +123,7 @@ def test_runahead_runs_tiered_attention_pieces_per_group(kernel_model, kernel_pa
         return attend_rows(layer, rows, hidden, selections, tiers)
 
     pieces.attend_rows = recording
-    assert run_to_completion(tiered, prompts, GREEDY) == expected
+    assert run_to_completion(tiered, prompts, sampling) == expected
     assert tiered.decoder.micro_steps > 0 and groups and all(t is not None and len(t[0]) == n for n, t in groups)
     assert max(n for n, _ in groups) == 2  # both requests in one attention piece
     assert all(piece.graph is not None for piece in pieces._all_pieces())
