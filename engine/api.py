@@ -141,9 +141,11 @@ class EngineConfig:
     max_model_len: None is the model's limit, capped at 8192 until the user asks for more.
     keep_fp8: FP8 weights keep their 128x128 block scales and are dequantised on the fly.
     cuda_graphs: one graph per batch-size bucket up to max_num_seqs, captured on first use, where
-        the step allows: the DSA kernel path with every request decoding one token, no tiers. With
+        the step allows: the kernel path with every request decoding one token. With
         offloaded experts or MLI the step runs as per-layer pieces, each captured per bucket, the
-        routed experts between them (hearth.engine.piecewise); every scheduler replays them.
+        routed experts between them (hearth.engine.piecewise); every scheduler replays them. With
+        tiered keys / latents the step (or its attention pieces) is captured per set of decoding
+        requests and recaptured when their tier buffers move or a request leaves.
     overlap_decode: a step where every request decodes one token leaves its sampled tokens on the
         device as the next step's input and launches that step before reading them back
         (hearth.engine.engine's module doc); tokens are the same as with it off.

@@ -24,6 +24,14 @@ A step of ``n`` requests runs in the smallest bucket ``b >= n`` (``cuda_graphs.b
 same pieces serve the runahead decoder (``hearth.engine.runahead``), which stages any subset of its
 requests into a bucket, one layer at a time.
 
+Requests with tiered keys or latents (``hearth.engine.tiers``, the kernel path's planned tiers) are
+read through their own tier buffers, so their ``attn`` pieces are captured per *tier key*: the
+requests in row order and the step's tier layout (``DecodeTiers.layout``), without padding rows (a
+padding row has no tiers), as ``cuda_graphs.DecodeGraphs`` captures whole tiered steps. The tiers'
+host phase (``DecodeTiers.prepare``) runs before the step; a new layout (a host pool grew, a request
+left) makes new pieces, the last ``TIER_GRAPHS`` tier keys' kept. The other pieces read no tiers and
+stay keyed by (piece, layer, rows).
+
 With the DSA kernels (``ForwardContext.decode``) the pieces read one static context per bucket and
 pass selections between layers (IndexCache shared layers, MLI) through a static buffer, so each piece
 can be captured. Elsewhere (the plain-PyTorch path, the CPU) the same pieces run eagerly ("eager
@@ -33,12 +41,13 @@ the same, which is how the CPU tests check it token for token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from hearth.engine.cuda_graphs import batch_buckets
+from hearth.engine.cuda_graphs import TIER_GRAPHS, batch_buckets
 from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice, build_context
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.dsa_kernels import stacked_selections
@@ -54,15 +63,21 @@ class Row:
     token: int = 0  # read by the ``embed`` piece only
 
 
+# A step's tiered requests: (their ids in row order, their tier layout from DecodeTiers.prepare / layout)
+Tiers = tuple[Sequence[str | None], tuple[int, ...]]
+TierKey = tuple[tuple[str | None, ...], tuple[int, ...]]
+Outputs = dict[str, torch.Tensor]
+
+
 class Piece:
     """One function of static buffers, run eagerly or captured on first use and replayed after."""
 
-    def __init__(self, fn: Callable[[], dict[str, torch.Tensor]], owner: PiecewiseDecode, capture: bool) -> None:
+    def __init__(self, fn: Callable[[], Outputs], owner: PiecewiseDecode, capture: bool) -> None:
         self.fn, self.owner, self.capture = fn, owner, capture
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: dict[str, torch.Tensor] = {}
+        self.out: Outputs = {}
 
-    def __call__(self) -> dict[str, torch.Tensor]:
+    def __call__(self) -> Outputs:
         owner = self.owner
         if self.graph is not None:
             self.graph.replay()
@@ -71,21 +86,16 @@ class Piece:
         owner.eager_pieces += 1
         if not self.capture:
             return self.fn()
-        # The first run is this step's real work, on a side stream (Triton compiles, cuBLAS picks its
-        # algorithms); the capture after it only records, so nothing runs twice. Pieces talk through
-        # static buffers only, so the capture's outputs are the ones later replays fill.
-        device = owner.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            out = self.fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=owner.pool):
-            self.out = self.fn()
-        owner.pool = graph.pool()
-        self.graph = graph
+        out, self.graph, self.out = owner.record(self.fn)
         return out
+
+
+@dataclass
+class TierPieces:
+    """The ``attn`` pieces of one tier key and the static context they read (its rows name the requests)."""
+
+    ctx: ForwardContext
+    pieces: dict[tuple[str, int, int], Piece] = field(default_factory=dict)
 
 
 class PiecewiseDecode:
@@ -133,6 +143,8 @@ class PiecewiseDecode:
                             for i in self.offloaded}
         self._pieces: dict[tuple[str, int, int], Piece] = {}
         self._contexts: dict[int, ForwardContext] = {}
+        self._tiered: OrderedDict[TierKey, TierPieces] = OrderedDict()
+        self._tier: TierPieces | None = None  # the step's, when its requests keep tiers
         self._ctx: ForwardContext | None = None  # the step's context (eager pieces on the plain path)
         self.pool = None
         self.replays = self.eager_pieces = self.fallbacks = 0
@@ -149,10 +161,12 @@ class PiecewiseDecode:
 
     # ---- the sync step ----------------------------------------------------------------------
 
-    def run(self, rows: list[Row], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, rows: list[Row], input_ids: torch.Tensor | None = None, tiers: Tiers | None = None) -> torch.Tensor:
         """One decode step, every request one token: logits (n, vocab) fp32 (a view, valid until the next step).
-        ``input_ids`` (n,) on the device replace the rows' ``token`` values (overlapped decode)."""
-        n, b = len(rows), self.bucket(len(rows))
+        ``input_ids`` (n,) on the device replace the rows' ``token`` values (overlapped decode). ``tiers``:
+        the rows' requests keep tiers (see the module doc; their host phase is done)."""
+        n = len(rows)
+        b = self.enter(n, tiers, pad=True)
         self.stage(rows, b)
         if input_ids is not None:
             self.ids[:n].copy_(input_ids)
@@ -198,14 +212,15 @@ class PiecewiseDecode:
 
     # ---- the runahead decoder's micro-steps --------------------------------------------------
 
-    def attend_rows(self, layer: int, rows: list[Row], hidden: torch.Tensor,
-                    selections: list[torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor] | None]:
+    def attend_rows(self, layer: int, rows: list[Row], hidden: torch.Tensor, selections: list[torch.Tensor] | None,
+                    tiers: Tiers | None = None) -> tuple[Outputs, list[torch.Tensor] | None]:
         """The ``attn`` piece of ``layer`` for any requests: ``rows`` with their residual rows ``hidden``
-        (n, D) and, where the layer reads one, the top-k each request's last indexer layer chose. Returns
-        this step's rows (own tensors: ``hidden``, and for an offloaded MoE layer ``normed``, ``ids``,
-        ``weights`` and ``shared`` when it has shared experts) and each request's top-k after the layer."""
+        (n, D) and, where the layer reads one, the top-k each request's last indexer layer chose; ``tiers``
+        as in ``run``. Returns this step's rows (own tensors: ``hidden``, and for an offloaded MoE layer
+        ``normed``, ``ids``, ``weights`` and ``shared`` when it has shared experts) and each request's
+        top-k after the layer."""
         n = len(rows)
-        b = self.bucket(n) if self.static else n  # eager pieces gain nothing from padding rows
+        b = self.enter(n, tiers, pad=self.static)  # eager pieces gain nothing from padding rows
         self.stage(rows, b)
         self.hidden[:n].copy_(hidden)
         reads = self.reads_selection(layer)
@@ -231,6 +246,31 @@ class PiecewiseDecode:
 
     # ---- staging ----------------------------------------------------------------------------
 
+    def enter(self, n: int, tiers: Tiers | None, pad: bool) -> int:
+        """Start a step (or micro-step) of ``n`` rows: the rows it runs (the bucket with ``pad``, ``n``
+        for tiered requests: a padding row has no tiers) and, with ``tiers``, the tier key's pieces."""
+        if tiers is None:
+            self._tier = None
+            return self.bucket(n) if pad else n
+        if not self.static:
+            raise ValueError("tiered requests run in pieces on the kernel path only (the planned tiers)")
+        key: TierKey = (tuple(tiers[0]), tuple(tiers[1]))
+        entry = self._tiered.get(key)
+        if entry is None:
+            for stale in [k for k in self._tiered if k[1][0] != key[1][0]]:  # a request's tiers were dropped since
+                del self._tiered[stale]
+            while len(self._tiered) >= TIER_GRAPHS:
+                self._tiered.popitem(last=False)
+            if not any(piece.graph is not None for piece in self._all_pieces()):
+                self.pool = None  # NOTE: as DecodeGraphs.run: a pool no graph lives in cannot be captured into
+            entry = self._tiered[key] = TierPieces(self._static_context(n, key[0]))
+        self._tiered.move_to_end(key)
+        self._tier = entry
+        return n
+
+    def _all_pieces(self) -> list[Piece]:
+        return [*self._pieces.values(), *(p for entry in self._tiered.values() for p in entry.pieces.values())]
+
     def stage(self, rows: list[Row], b: int) -> None:
         """Rows 0..n-1 of bucket ``b`` are ``rows``; the others pad (token 0 at position 0 of the scratch page)."""
         bs, scratch, n = self.block_size, self.scratch_block, len(rows)
@@ -255,28 +295,53 @@ class PiecewiseDecode:
             self._ctx = build_context(self.cache, [(r.table, r.position, 1) for r in rows] + padding, self.device)
 
     def context(self, b: int) -> ForwardContext:
+        if self._tier is not None:
+            return self._tier.ctx
         if not self.static:
             return self._ctx
         ctx = self._contexts.get(b)
         if ctx is None:
-            seqs = [SeqSlice(start=i, q_len=1, context_len=1, slots=self.slots[i:i + 1]) for i in range(b)]
-            ctx = self._contexts[b] = ForwardContext(
-                positions=self.positions[:b], slot_mapping=self.slots[:b], seqs=seqs, cache=self.cache,
-                decode=DecodeMeta(self.tables[:b], self.lens[:b], self.max_context))
+            ctx = self._contexts[b] = self._static_context(b)
         return ctx
+
+    def _static_context(self, b: int, seq_ids: Sequence[str | None] = ()) -> ForwardContext:
+        """The context of rows [0, b) over the static buffers; ``seq_ids`` name the tiered requests' rows."""
+        ids = list(seq_ids) + [None] * (b - len(seq_ids))
+        seqs = [SeqSlice(start=i, q_len=1, context_len=1, slots=self.slots[i:i + 1], seq_id=ids[i]) for i in range(b)]
+        return ForwardContext(positions=self.positions[:b], slot_mapping=self.slots[:b], seqs=seqs, cache=self.cache,
+                              decode=DecodeMeta(self.tables[:b], self.lens[:b], self.max_context))
 
     # ---- the pieces -------------------------------------------------------------------------
 
     def piece(self, kind: str, layer: int, b: int) -> Piece:
+        # attention reads the tiered requests' own buffers: the tier key's piece
+        pieces = self._tier.pieces if kind == "attn" and self._tier is not None else self._pieces
         key = (kind, layer, b)
-        piece = self._pieces.get(key)
+        piece = pieces.get(key)
         if piece is None:
             fn = {"embed": self._embed, "attn": self._attn, "experts": self._experts, "logits": self._logits}[kind]
             capture = self.capture and (kind != "experts" or self.offloaded[layer].capturable)
-            piece = self._pieces[key] = Piece(lambda: fn(layer, b), self, capture)
+            piece = pieces[key] = Piece(lambda: fn(layer, b), self, capture)
         return piece
 
-    def _embed(self, layer: int, b: int) -> dict[str, torch.Tensor]:
+    def record(self, fn: Callable[[], Outputs]) -> tuple[Outputs, torch.cuda.CUDAGraph, Outputs]:
+        """Run a piece's ``fn`` and capture it: (this run's outputs, the graph, the outputs its replays fill).
+
+        The run is this step's real work, on a side stream (Triton compiles, cuBLAS picks its
+        algorithms); the capture after it only records, so nothing runs twice. Pieces talk through
+        static buffers only, so the capture's outputs are the ones later replays fill."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            captured = fn()
+        self.pool = graph.pool()
+        return out, graph, captured
+
+    def _embed(self, layer: int, b: int) -> Outputs:
         del layer
         self.hidden[:b].copy_(self.model.embed(self.ids[:b]))
         return {}
@@ -288,7 +353,7 @@ class PiecewiseDecode:
             return False
         return attn.indexer is None or (attn.mli and layer != self._first_indexer)
 
-    def _attn(self, layer: int, b: int) -> dict[str, torch.Tensor]:
+    def _attn(self, layer: int, b: int) -> Outputs:
         block = self.model.layers[layer]
         ctx = self.context(b)
         if self.static:  # selections pass between pieces through the static buffer only
@@ -310,7 +375,7 @@ class PiecewiseDecode:
             self.shared[:b].copy_(shared(normed))
         return {}
 
-    def _experts(self, layer: int, b: int) -> dict[str, torch.Tensor]:
+    def _experts(self, layer: int, b: int) -> Outputs:
         backend = self.offloaded[layer]
         rows = torch.arange(b, device=self.device) < self.valid  # (b,): padding rows route nowhere
         slots = torch.where(rows[:, None], self.slot_tables[layer][self.expert_ids[:b]], -1)  # (b, K) int32
@@ -322,6 +387,6 @@ class PiecewiseDecode:
         self.hidden[:b].add_(y)
         return {}
 
-    def _logits(self, layer: int, b: int) -> dict[str, torch.Tensor]:
+    def _logits(self, layer: int, b: int) -> Outputs:
         del layer
         return {"logits": self.model.logits(self.hidden[:b])}

@@ -437,8 +437,10 @@ class RunaheadDecoder:
         pieces = self.pieces
         if pieces is not None and pieces.fits(len(group), [f.block_table for f in group]):
             selections = [f.selection for f in group] if all(f.selection is not None for f in group) else None
+            ids = [f.request_id for f in group]  # tiered requests: their tokens were reserved by ``start``
+            tiers = None if self.tiers is None else (ids, self.tiers.layout(ids))
             out, chosen = pieces.attend_rows(index, [Row(f.block_table, f.position) for f in group],
-                                             self._hidden(group), selections)
+                                             self._hidden(group), selections, tiers)
             for i, flight in enumerate(group):
                 flight.selection = chosen[i] if chosen is not None else flight.selection
             if "ids" not in out:

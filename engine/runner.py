@@ -101,12 +101,15 @@ class RunnerFeatures:
     fused_experts: resident experts on CUDA run as one grouped kernel (gpt-oss's MXFP4 experts load
         as MXFP4 for it).
     piecewise: decode steps run as pieces between the routed-expert calls (hearth.engine.piecewise):
-        with offloaded experts, or MLI on the kernel path; not with tiers (per-request buffers).
+        with offloaded experts, or MLI on the kernel path. With tiered keys / latents on the kernel
+        path too (the attention pieces per set of requests); the plain path's tiers read their own
+        host-synchronising selection, so tiered steps there run whole and eagerly.
     cuda_graphs: decode steps replayed from CUDA graphs (the kernel path): the whole step in one
         graph (hearth.engine.cuda_graphs), or each piece in its own graph when ``piecewise``; with
         every scheduler (the runahead decoder replays the same pieces). With tiered keys / latents
-        the whole step, one graph per set of decoding requests (``DecodeGraphs.run``'s ``tiers``),
-        unless experts are offloaded or MLI is on (then tiered steps run eagerly).
+        the whole step is one graph per set of decoding requests (``DecodeGraphs.run``'s ``tiers``),
+        and with offloaded experts or MLI each piece, the attention pieces captured per set of
+        requests and tier layout (``PiecewiseDecode.run``'s ``tiers``).
     """
 
     attention: AttentionPaths
@@ -134,10 +137,10 @@ class RunnerFeatures:
                        and decode_kernels_apply(model_config, block_size, device, dtype))
         fused = not offload and fused_experts.applies(device) and config.use_kernels == "auto"
         tiers = key_tiers or latent_tiers
-        piecewise = (offload or (config.mli and use_kernels)) and not tiers
-        # Tiered steps are captured whole, one graph per set of requests (their tiers are their own
-        # buffers); with offloaded experts or MLI, which need pieces, they run eagerly.
-        graphs = config.cuda_graphs and use_kernels and (piecewise or not (tiers and (offload or config.mli)))
+        # Tiered requests' attention reads their own tier buffers: whole steps and pieces are captured
+        # per set of requests. Only the kernel path's tiers are planned on the device (capturable).
+        piecewise = (offload or (config.mli and use_kernels)) and (use_kernels or not tiers)
+        graphs = config.cuda_graphs and use_kernels
         return cls(AttentionPaths(use_kernels=use_kernels, mli=config.mli), offload, key_tiers, latent_tiers,
                    fused, piecewise, graphs)
 
@@ -283,17 +286,17 @@ class ModelRunner:
         (benchmarks compare both paths). ``input_ids``: the step's token ids already on the device (N,),
         in place of the inputs' ``token_ids`` values (overlapped decode feeds the previous step's samples
         without reading them back)."""
-        layout = None
+        tiers = None
         if self.decode_tiers is not None:  # tiered decode tokens: their host phase, before any launch
             layout = self.decode_tiers.prepare([(s.seq_id, s.first_position) for s in inputs if len(s.token_ids) == 1])
+            tiers = ([s.seq_id for s in inputs], layout)
         decode = use_graphs and not all_logits and all(len(s.token_ids) == 1 for s in inputs)
         tables = [s.block_table for s in inputs]
         if decode and self.pieces is not None and self.pieces.fits(len(inputs), tables):
             rows = [Row(s.block_table, s.first_position, s.token_ids[0]) for s in inputs]
-            return self.pieces.run(rows, input_ids)
+            return self.pieces.run(rows, input_ids, tiers)
         if decode and self.graphs is not None and self.graphs.fits(len(inputs), tables):
             ids = input_ids if input_ids is not None else [s.token_ids[0] for s in inputs]
-            tiers = None if layout is None else ([s.seq_id for s in inputs], layout)
             return self.graphs.run(tables, [s.first_position for s in inputs], ids, tiers)
         ctx = build_context(self.cache, [(s.block_table, s.first_position, len(s.token_ids)) for s in inputs],
                             self.device, [s.seq_id for s in inputs])

@@ -18,7 +18,8 @@ layout, but a decode step's coarse stage, candidate selection, page and row resi
 pinned host memory, fine indexer and sparse MLA all run as kernels, with no host synchronisation:
 a decode token's host bookkeeping (room in the host pools, the token counts) runs before the step
 (``DecodeTiers``), so the step itself only launches and is captured whole in a CUDA graph per set
-of decoding requests (``hearth.engine.cuda_graphs.DecodeGraphs``).
+of decoding requests (``hearth.engine.cuda_graphs.DecodeGraphs``), or, with offloaded experts or MLI,
+as pieces whose attention pieces are captured per set of requests (``hearth.engine.piecewise``).
 Their prefill chunks stream each layer's history through the runner's two reusable device buffers
 (``PrefillHistories``, ``hearth.offload.history_buffers``), so admitting a long prompt needs no
 device memory beyond its decode's and the two buffers: 2 x one layer's history at max_model_len,
@@ -163,15 +164,17 @@ class DecodeTiers:
         self.epoch = 0
 
     def prepare(self, decodes: Sequence[tuple[str | None, int]]) -> tuple[int, ...]:
-        """Reserve the decode tokens [(request id, position)]. Returns the step's tier layout: the
-        drop epoch and every touched tier's buffer version (equal layouts: the same buffers, so a
-        graph captured for one replays the other)."""
-        layout = [self.epoch]
+        """Reserve the decode tokens [(request id, position)]. Returns the step's tier layout (``layout``)."""
         for seq_id, position in decodes:
             for tiers in self._tiers_of(seq_id):
                 tiers.reserve(position)
-                layout.append(tiers.version)
-        return tuple(layout)
+        return self.layout([seq_id for seq_id, _ in decodes])
+
+    def layout(self, seq_ids: Sequence[str | None]) -> tuple[int, ...]:
+        """The tier layout of a step of these requests (their tokens reserved): the drop epoch and
+        every tier's buffer version (equal layouts: the same buffers, so a graph captured for one
+        replays the other)."""
+        return (self.epoch, *(tiers.version for seq_id in seq_ids for tiers in self._tiers_of(seq_id)))
 
     def _tiers_of(self, seq_id: str | None) -> list[PlannedKeys | PlannedLatents]:
         keys = [self.key_tiers.get(seq_id, layer) for layer in self.key_layers] if self.key_tiers is not None else []

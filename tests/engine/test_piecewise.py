@@ -71,9 +71,9 @@ def test_runahead_micro_steps_run_the_pieces(model_dir, resident_tokens):
     calls = []
     attend_rows = pieces.attend_rows
 
-    def recording(layer, rows, hidden, selections):
+    def recording(layer, rows, hidden, selections, tiers=None):
         calls.append(len(rows))
-        return attend_rows(layer, rows, hidden, selections)
+        return attend_rows(layer, rows, hidden, selections, tiers)
 
     pieces.attend_rows = recording
     assert run_to_completion(engine, PROMPTS, GREEDY) == resident_tokens

@@ -38,15 +38,18 @@ def test_kernels_and_graphs_by_default_on_a_gpu():
 
 @pytest.mark.parametrize(("offload", "changes", "kernels", "graphs", "pieces"), [
     # tiered keys / latents keep the kernels (decode planned on the device) and whole-step graphs, no pieces;
-    # with MLI or offloaded experts (which need pieces) they run eagerly
+    # with MLI or offloaded experts, graphs per piece (the attention pieces per set of requests)
     (False, {"index_key_hot_pages": 4}, True, True, False),
     (False, {"latent_hot_rows": 4096}, True, True, False),
     (False, {"index_key_hot_pages": 4, "latent_hot_rows": 4096, "cuda_graphs": False}, True, False, False),
-    (False, {"index_key_hot_pages": 4, "latent_hot_rows": 4096, "mli": True}, True, False, False),
-    (True, {"index_key_hot_pages": 4, "latent_hot_rows": 4096}, True, False, False),
-    # the plain path's exact or lagged key selection has no kernel version: plain PyTorch
+    (False, {"index_key_hot_pages": 4, "latent_hot_rows": 4096, "mli": True}, True, True, True),
+    (True, {"index_key_hot_pages": 4, "latent_hot_rows": 4096}, True, True, True),
+    (True, {"latent_hot_rows": 4096, "mli": True, "scheduler": "runahead"}, True, True, True),
+    # the plain path's exact or lagged key selection has no kernel version: plain PyTorch, whole eager
+    # steps (its tiers read their selection back), offloaded experts included
     (False, {"index_key_hot_pages": 4, "index_key_exact": True}, False, False, False),
     (False, {"index_key_hot_pages": 4, "index_key_lagged_fetch": True}, False, False, False),
+    (True, {"index_key_hot_pages": 4, "index_key_exact": True}, False, False, False),
     (False, {"use_kernels": "never"}, False, False, False),
     (False, {"cuda_graphs": False}, True, False, False),
     (False, {"mli": True}, True, True, True),  # MLI: graphs per piece

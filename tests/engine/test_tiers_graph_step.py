@@ -7,8 +7,6 @@ that passed here has no host synchronisation to bake into a graph."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -16,13 +14,12 @@ from hearth.engine import Engine, EngineConfig, SamplingParams
 from hearth.engine.cuda_graphs import DecodeGraphs
 from hearth.engine.models import fused_experts
 from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
-from hearth.offload.planned_tiers import PlannedKeys, PlannedLatents
 from tests.engine.conftest import TEST_DEVICE, run_to_completion
+from tests.engine.no_host_sync import NoHostSync
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # index_topk 64 at block 16: 100-token prompts reach past the 1-page key ring and the 96-row latent window
 PROMPTS = [[(13 * j + 7) % 460 + 20 for j in range(100)]]
-_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
 
 
 @pytest.fixture(scope="module")
@@ -40,37 +37,10 @@ def _engine(path, **tiers) -> Engine:
     return engine
 
 
-class _NoHostSync:
-    """Within the block, Tensor methods that read device values on the host raise when hearth code
-    calls them (the Triton interpreter's own calls, which stand for the GPU, pass), and so does the
-    tiers' host phase."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.monkeypatch, self.active = monkeypatch, False
-        for name in _SYNCS:
-            monkeypatch.setattr(torch.Tensor, name, self._guard(name, getattr(torch.Tensor, name)))
-        for cls in (PlannedKeys, PlannedLatents):
-            monkeypatch.setattr(cls, "reserve", self._guard("reserve", cls.reserve))
-
-    def _guard(self, name, real):
-        def guarded(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if self.active and "triton" not in caller:
-                raise AssertionError(f"{name} inside a tiered decode step (from {caller})")
-            return real(*args, **kwargs)
-        return guarded
-
-    def __enter__(self) -> None:
-        self.active = True
-
-    def __exit__(self, *exc) -> None:
-        self.active = False
-
-
 class _EmulatedGraph:
     """A capture's stand-in on the CPU: replay runs the captured function again into its output."""
 
-    def __init__(self, fn, out: torch.Tensor, guard: _NoHostSync) -> None:
+    def __init__(self, fn, out: torch.Tensor, guard: NoHostSync) -> None:
         self.fn, self.out, self.guard = fn, out, guard
 
     def replay(self) -> None:
@@ -87,7 +57,7 @@ def test_tiered_decode_through_the_graph_path_has_no_host_sync(kernel_model, ker
     assert runner.use_kernels and runner.decode_tiers is not None and runner.graphs is None
     graphs = runner.graphs = DecodeGraphs(runner.model, runner.cache, tiered.config.max_num_seqs,
                                           runner.max_model_len, scratch_block=runner.num_blocks, device=runner.device)
-    guard = _NoHostSync(monkeypatch)
+    guard = NoHostSync(monkeypatch)
 
     def capture(b, seq_ids=()):  # as DecodeGraphs._capture: two warm-up runs, then the recorded one
         graphs.captures += 1

@@ -1,0 +1,157 @@
+"""Tiered decode steps with offloaded experts (and MLI) run as pieces (hearth.engine.piecewise), the
+attention pieces per set of requests and tier layout.
+
+On the CPU nothing can be captured: ``PiecewiseDecode.record`` is replaced by an emulation whose first
+run is the step's real work and whose "replays" run the same piece again into its outputs, with every
+piece's expert-cache backend in the fused kernel as on CUDA (so every piece, the experts piece
+included, is "captured"). Inside every run of a piece the host-sync guard is active
+(tests/engine/no_host_sync.py): a piece that passed has no host synchronisation for a real capture to
+bake in. Greedy tokens equal tiers off: the 8 candidate pages cover every cold page of these short
+runs (6 pages of 16 at most, one hot), so the coarse-to-fine selection is the exact one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearth.engine import Engine, EngineConfig, SamplingParams
+from hearth.engine.piecewise import PiecewiseDecode
+from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
+from hearth.offload.experts import OffloadedExperts
+from tests.engine.conftest import TEST_DEVICE, run_to_completion
+from tests.engine.no_host_sync import NoHostSync
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+# index_topk 64 at block 16: 100-token prompts reach past the 1-page key ring and the 96-row latent window
+PROMPT = [(13 * j + 7) % 460 + 20 for j in range(100)]
+TIERS = dict(index_key_hot_pages=1, index_key_candidate_pages=8, index_key_cache_pages=8, latent_hot_rows=96)
+
+
+@pytest.fixture(scope="module")
+def kernel_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiers_p") / "deepseek_v32", "deepseek_v32", seed=3,
+                            overrides=KERNEL_SHAPES)
+
+
+def _engine(path, **options) -> Engine:
+    """Experts offloaded behind a 4-slot cache per layer (of 8 experts), the kernel path (the fixture),
+    the offloaded experts in the fused kernel as on CUDA (the CPU default, one expert at a time, reads
+    expert counts back: a host sync by design)."""
+    config = EngineConfig(device=TEST_DEVICE, dtype="bfloat16", block_size=16, max_num_batched_tokens=64,
+                          cuda_graphs=False, offload="always", expert_cache_slots=4, host_experts="off", **options)
+    engine = Engine.load(str(path), config)
+    pieces = engine.runner.pieces
+    assert pieces is not None and pieces.offloaded
+    for backend in pieces.offloaded.values():
+        backend.use_kernel = True
+    return engine
+
+
+class _EmulatedGraph:
+    """A piece's capture on the CPU: replay runs the piece again into the outputs the capture returned."""
+
+    def __init__(self, fn, out: dict[str, torch.Tensor], guard: NoHostSync) -> None:
+        self.fn, self.out, self.guard = fn, out, guard
+
+    def replay(self) -> None:
+        with self.guard:
+            for name, value in self.fn().items():
+                self.out[name].copy_(value)
+
+
+def _emulate_captures(pieces: PiecewiseDecode, monkeypatch) -> list[int]:
+    """Every piece "captured" (``record`` emulated, the guard active in every run of a piece); returns
+    the list the number of pieces recorded so far is kept in (one entry)."""
+    guard = NoHostSync(monkeypatch)
+    recorded = [0]
+
+    def record(fn):
+        recorded[0] += 1
+        with guard:
+            out = fn()  # the step's real work, as the side-stream run before the real capture
+        captured = {name: value.clone() for name, value in out.items()}
+        return out, _EmulatedGraph(fn, captured, guard), captured
+
+    monkeypatch.setattr(OffloadedExperts, "capturable", property(lambda self: self.use_kernel))
+    monkeypatch.setattr(pieces, "record", record)
+    pieces.capture = True
+    return recorded
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="emulates capture on the CPU (CUDA captures for real)")
+@pytest.mark.parametrize("mli", [False, True])
+def test_tiered_decode_with_offloaded_experts_runs_in_pieces(kernel_model, kernel_path, monkeypatch, mli):
+    expected = run_to_completion(_engine(kernel_model, mli=mli), [PROMPT], GREEDY)
+    tiered = _engine(kernel_model, mli=mli, **TIERS)
+    runner, pieces = tiered.runner, tiered.runner.pieces
+    assert runner.decode_tiers is not None and runner.graphs is None and runner.features.attention.mli == mli
+    recorded = _emulate_captures(pieces, monkeypatch)
+    keys = []
+    enter = pieces.enter
+
+    def entering(n, tiers, pad):
+        keys.append(None if tiers is None else (tuple(tiers[0]), tiers[1]))
+        return enter(n, tiers, pad)
+
+    pieces.enter = entering
+    assert run_to_completion(tiered, [PROMPT], GREEDY) == expected
+    # every decode step went through the pieces as one tiered request (the first token is the prefill's)
+    assert len(keys) == GREEDY.max_tokens - 1 and None not in keys
+    layers = runner.model_config.num_hidden_layers
+    assert pieces.replays > 0 and recorded[0] >= layers + 2  # embed, every attention, logits at least
+    assert all(piece.graph is not None for piece in pieces._all_pieces())  # none ran outside a "graph"
+    assert pieces.fallbacks == 0  # a 4-slot pool holds a token's two experts: the experts piece ran
+    assert not runner.key_tiers.tiers and not runner.latent_tiers.tiers  # released with the request
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="emulates capture on the CPU (CUDA captures for real)")
+def test_runahead_runs_tiered_attention_pieces_per_group(kernel_model, kernel_path, monkeypatch):
+    """Two requests under the runahead decoder: each attention micro-step stages its group of tiered
+    requests into the pieces of that group's tier key (no padding rows), tokens equal tiers off."""
+    prompts, sampling = [PROMPT, PROMPT[:90]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = run_to_completion(_engine(kernel_model, scheduler="runahead"), prompts, sampling)
+    tiered = _engine(kernel_model, scheduler="runahead", **TIERS)
+    pieces = tiered.runner.pieces
+    assert tiered.decoder is not None and tiered.decoder.pieces is pieces
+    _emulate_captures(pieces, monkeypatch)
+    groups = []
+    attend_rows = pieces.attend_rows
+
+    def recording(layer, rows, hidden, selections, tiers=None):
+        groups.append((len(rows), tiers))
+        return attend_rows(layer, rows, hidden, selections, tiers)
+
+    pieces.attend_rows = recording
+    assert run_to_completion(tiered, prompts, sampling) == expected
+    assert tiered.decoder.micro_steps > 0 and groups and all(t is not None and len(t[0]) == n for n, t in groups)
+    assert max(n for n, _ in groups) == 2  # both requests in one attention piece
+    assert all(piece.graph is not None for piece in pieces._all_pieces())
+    assert tiered.decoder.num_held == 0
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need a GPU (the CPU tests above emulate them)")
+@pytest.mark.parametrize("mli", [False, True])
+def test_tiered_pieces_in_cuda_graphs_equal_tiers_off(kernel_model, kernel_path, mli):
+    """Real captures: long enough that the tiers' host pools grow while decoding, so the step's tier
+    layout changes and its attention pieces are captured again, with tokens equal to tiers off. The 12
+    candidate pages cover every cold page of the 148-token run (10 pages of 16, one hot)."""
+    sampling = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    config = dict(device=TEST_DEVICE, dtype="bfloat16", block_size=16, max_num_batched_tokens=64, mli=mli,
+                  offload="always", expert_cache_slots=4, host_experts="off")
+    expected = run_to_completion(Engine.load(str(kernel_model), EngineConfig(**config)), [PROMPT], sampling)
+    tiered = Engine.load(str(kernel_model), EngineConfig(**config, index_key_hot_pages=1, index_key_candidate_pages=12,
+                                                         index_key_cache_pages=12, latent_hot_rows=96))
+    pieces = tiered.runner.pieces
+    assert pieces is not None and pieces.capture and tiered.runner.decode_tiers is not None
+    layouts = set()
+    enter = pieces.enter
+
+    def entering(n, tiers, pad):
+        layouts.add(None if tiers is None else tiers[1])
+        return enter(n, tiers, pad)
+
+    pieces.enter = entering
+    assert run_to_completion(tiered, [PROMPT], sampling) == expected
+    assert None not in layouts and len(layouts) >= 2, layouts  # the layout changed: attention recaptured
+    assert pieces.replays > 0 and all(piece.graph is not None for piece in pieces._all_pieces())
