@@ -526,46 +526,24 @@ def main() -> None:
             f"| {r['what']} | {r['shape']} | {r['us']:.1f} | {fmt(r['gbs'], 0)} | {fmt(r['tflops'], 1)} | "
             f"{r['pct']:.1f} | {fmt(r['torch_us'], 1)} | {fmt(r['speedup'], 1)} |"
         )
-    if IDX_RATIOS:
-        lines += [
-            "",
-            "| decode indexer logits | tiled us | persistent us | persistent % of HBM (keys) | speedup | best us "
-            "| best config |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['shape']} | {r['tiled_us']:.1f} | {r['persistent_us']:.1f} | {r['pct_hbm']:.0f}% | "
-            f"x{r['speedup']:.2f} | {r['best_us']:.1f} | {r['best_cfg']} |"
-            for r in IDX_RATIOS
-        ]
-        with open(out / "dsa_bench.jsonl", "a") as f:
-            for r in IDX_RATIOS:
-                f.write(json.dumps(r) + "\n")
-    if TOPK_RATIOS:
-        lines += [
-            "",
-            "| decode top-k | radix indexer+topk us | one launch us | speedup | radix topk only us "
-            "| one launch topk only us (hist + select) | speedup | one-launch paths (path: rows) |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['shape']} | {r['radix_full_us']:.1f} | {r['one_launch_full_us']:.1f} | x{r['full_speedup']:.2f} | "
-            f"{r['radix_topk_us']:.1f} | {r['one_launch_topk_us']:.1f} | x{r['topk_speedup']:.2f} | {r['paths']} |"
-            for r in TOPK_RATIOS
-        ]
-        with open(out / "dsa_bench.jsonl", "a") as f:
-            for r in TOPK_RATIOS:
-                f.write(json.dumps(r) + "\n")
-    if RATIOS:
-        lines += [
-            "",
-            "| decode sparse MLA batch | FP8 tile path / bf16 (TFLOP/s) | FP8 old path / bf16 |",
-            "|---|---|---|",
-        ]
-        lines += [f"| {r['batch']} | {r['fp8_tile_vs_bf16']:.2f} | {r['fp8_old_vs_bf16']:.2f} |" for r in RATIOS]
-        with open(out / "dsa_bench.jsonl", "a") as f:
-            for r in RATIOS:
-                f.write(json.dumps(r) + "\n")
+    ratio_tables = (
+        (IDX_RATIOS, "| decode indexer logits | tiled us | persistent us | persistent % of HBM (keys) | speedup "
+         "| best us | best config |",
+         lambda r: f"| {r['shape']} | {r['tiled_us']:.1f} | {r['persistent_us']:.1f} | {r['pct_hbm']:.0f}% | "
+                   f"x{r['speedup']:.2f} | {r['best_us']:.1f} | {r['best_cfg']} |"),
+        (TOPK_RATIOS, "| decode top-k | radix indexer+topk us | one launch us | speedup | radix topk only us "
+         "| one launch topk only us (hist + select) | speedup | one-launch paths (path: rows) |",
+         lambda r: f"| {r['shape']} | {r['radix_full_us']:.1f} | {r['one_launch_full_us']:.1f} | "
+                   f"x{r['full_speedup']:.2f} | {r['radix_topk_us']:.1f} | {r['one_launch_topk_us']:.1f} | "
+                   f"x{r['topk_speedup']:.2f} | {r['paths']} |"),
+        (RATIOS, "| decode sparse MLA batch | FP8 tile path / bf16 (TFLOP/s) | FP8 old path / bf16 |",
+         lambda r: f"| {r['batch']} | {r['fp8_tile_vs_bf16']:.2f} | {r['fp8_old_vs_bf16']:.2f} |"),
+    )
+    for records, header, row in ratio_tables:  # each table also appended to the JSON lines
+        if records:
+            lines += ["", header, "|---" * header.count(" | ") + "|---|", *map(row, records)]
+            with open(out / "dsa_bench.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
     (out / "dsa_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
