@@ -3,7 +3,7 @@
 # the GPU tests of code merged since the last GPU run, then the user's-path rows that code changes.
 # Results under $OUT: tests.txt (pass/fail lines), e2e-*.log/json, all.tgz (full logs, server logs).
 #   usage: bash scripts/gpu_verify.sh tests   (one call, ~5-6 min on a fresh machine), then bash scripts/gpu_verify.sh e2e (~6 min),
-#   then `kernels` (~7 min: the A/B rows of kernel variants merged untimed) and `c2` (~5 min: tiered decode
+#   then `kernels` (~9 min: the A/B rows of kernel variants merged untimed, the sparse MLA sweep) and `c2` (~5 min: tiered decode
 #   through the server, the chat cache across a restart, planned tiers by kernel), one call each.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -24,7 +24,7 @@ write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done
 for step in "${steps[@]}"; do
     case $step in
     tests)
-        HEARTH_TEST_DEVICE=cuda timeout 420 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+        HEARTH_TEST_DEVICE=cuda timeout 500 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
             -p no:cacheprovider -n 8 tests/kernels tests/offload tests/engine/test_gpt_oss.py \
             tests/engine/test_fused_experts.py tests/engine/test_offload_engine.py tests/engine/test_piecewise.py \
             tests/engine/test_runahead.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_engine.py \
@@ -43,12 +43,10 @@ for step in "${steps[@]}"; do
             --configs resident offload-sync --concurrency 1 8 --ttft 2048 > "$OUT/e2e-gpt_oss.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-gpt_oss.log" | tail -8 ;;
     kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
-        timeout 150 python3 bench/bench_moe.py --dtypes mxfp4 --sweep --budget 60 --out "$OUT/l" > "$OUT/moe.log" 2>&1
-        grep -E "BEST|new/old" "$OUT/moe.log" | tail -15
-        timeout 120 python3 bench/bench_dsa.py --only decode_mla --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
-        grep -E "TFLOP|FP8 tile" "$OUT/dsa-mla.log" | tail -15
-        timeout 200 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
-        tail -15 "$OUT/dsa-indexer.log" ;;
+        timeout 300 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
+        grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12
+        timeout 250 python3 bench/bench_dsa.py --only decode_mla --sweep --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
+        grep -E "TFLOP|FP8 tile|BEST|best" "$OUT/dsa-mla.log" | tail -15 ;;
     c2)
         wait  # the checkpoint
         E=(python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 1)
