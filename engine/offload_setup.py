@@ -132,7 +132,13 @@ class CacheResidency:
         self.eviction_plan = plan or EvictionPlan()  # the cache's policy must read this same plan
 
     def plan(self, layer: int, tiers: dict[int, int]) -> None:
-        self.eviction_plan.tiers[layer] = tiers
+        if tiers:
+            self.eviction_plan.tiers[layer] = tiers
+        else:  # an empty plan leaves the layer to the base policy (and the cache's fast path when all are empty)
+            self.eviction_plan.tiers.pop(layer, None)
+
+    def copies(self) -> int:
+        return self.cache.copies
 
     def fetch_depth(self) -> int:
         return max(2, -(-FETCH_AHEAD_BYTES // self.cache.store.record_bytes))

@@ -19,8 +19,19 @@ gets logits; the engine samples and starts its next token at layer 0 at once.
 Progress is counted in *rounds* (the decoder's own token count, shared by all requests: a request
 joins at the round of the most lagging one) times layers plus the layer.
 
+*Lock-step rounds*: when every request is about to start the same round at layer 0 and it is alone,
+or the link carried no expert since the last round boundary (every expert was resident: running ahead
+has no copies to overlap), the whole round runs as one call of the layer-synchronous step (the sync
+scheduler's code path: its pieces, graphs and fetch plan), so runahead costs what sync costs there.
+
 Choice of micro-step: the one holding the most lagging request (experts before attention at equal
-progress), which bounds every request's wait. Attention batches every request that may start that
+progress), which bounds every request's wait. *Coalescing*: a layer's landed pairs wait until every
+copy the layer's pairs wait for has landed, so its requests are computed in one call and go on
+together as sync's lock-step runs them, unless computing part of them pays: the layer's pool has no
+room for an expert a pair needs (computing frees slots), or the link has fewer than ``fetch_depth``
+copies to carry (requests that finish the layer early reveal their next layer's experts, which keeps
+the link busy: the only reason to run ahead). A wait blocks until the first copy whose landing lets
+something run, not the next copy. Attention batches every request that may start that
 layer, so shared weights are read once per batch; with every expert resident this is plain
 layer-by-layer batching. *Self-balancing*: attention of requests that ran ahead is held back while
 requests behind them are still coming and the link has at least ``fetch_depth`` copies of known needs
@@ -33,15 +44,19 @@ Cache cooperation:
   layer is computed; then it is released at once, which frees room for the next fetches.
 - *Fetch order and depth*: experts that are resident or already in flight are held as soon as a
   request routes to them. Missing ones are fetched in the scheduler's order (most lagging request
-  first, then most waiting pairs first), and only ``fetch_depth`` copies are queued on the link at a
-  time: the copy stream is first-in first-out, so a deeper queue would let requests that ran ahead
-  put their copies in front of a lagging request's.
+  first, then most waiting pairs first). The most lagging requests' copies are queued all at once (as
+  sync queues a layer's: nobody is behind them); copies for requests ahead only while fewer than
+  ``fetch_depth`` are queued: the copy stream is first-in first-out, so a deeper queue would let
+  requests that ran ahead put their copies in front of a lagging request's.
 - *Lead bound*: a request may start a layer only while it is fewer than ``max_lead`` layers ahead of
   the most lagging request (default: one token), so a request running ahead cannot evict the
   experts a lagging one is about to use for the same token.
 - *Eviction plan*: before fetching at a layer, the residency is told which experts of that layer
   requests still expect there: tier 2 for experts that routed requests wait for, tier 1 for the
-  experts each request that has not reached the layer yet used there on its previous token.
+  experts each request that has not reached the layer yet used there on its previous token. When the
+  decoder has no flight left its plans are cleared, so the sync steps after it evict by the cache's
+  own policy (a stale plan protected experts of finished requests: a lone request after several
+  fetched more than under sync).
 - *Room*: a copy is queued only when the layer's pool has a slot nobody holds; otherwise the expert
   waits until pairs computed at that layer release theirs. Every held expert belongs to a waiting pair
   that can be computed once its copy lands, so holds always drain and the most lagging request's
@@ -82,6 +97,10 @@ class Residency(Protocol):
 
     def fetch_depth(self) -> int:
         """How many copies to keep queued on the link: enough to cover one micro-step."""
+
+    def copies(self) -> int:
+        """Experts copied over the link so far, by anyone (only differences are read: did the link carry
+        anything between two moments?)."""
 
     def is_free(self, layer: int, experts: list[int]) -> list[bool]:
         """For each expert: can it be held without a new copy (resident, or its copy already queued)?"""
@@ -161,7 +180,12 @@ class RunaheadDecoder:
             raise ValueError(f"max_lead must be at least 1 layer, got {max_lead}")
         self.fetch_depth = fetch_depth
         self.micro_steps = self.expert_steps = self.waits = self.deferred = self.sync_steps = 0
+        self.rows = 0  # requests' tokens the micro-steps ran, summed (rows per call = rows / micro_steps)
+        self.sync_rows = 0  # of them, in sync steps
         self._unfetched = 0  # experts waiting pairs need that are neither held nor queued
+        self._blocked: set[int] = set()  # layers whose pool had no room for an expert a waiting pair needs
+        self._planned: set[int] = set()  # layers whose eviction plan this decoder set
+        self._copies_mark = -1  # the residency's copy count at the last round boundary (-1: none yet)
         self.max_lead_seen = 0  # the largest lead (in layers) a request started a layer with
         self._next_round: dict[str, int] = {}  # request -> round of its next token
         self._used: dict[str, dict[int, list[int]]] = {}  # request -> layer -> experts of its last token
@@ -187,6 +211,8 @@ class RunaheadDecoder:
         flight = self.flights.pop(request_id, None)
         if flight is not None and flight.phase == "moe":
             self._release_unneeded(flight.layer)
+        if not self.flights:
+            self._clear_plans()
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -211,9 +237,9 @@ class RunaheadDecoder:
     @torch.inference_mode()
     def step(self) -> list[tuple[str, torch.Tensor]]:
         """One micro-step; returns (request_id, logits (vocab,)) of requests that finished a token."""
-        alone = self._alone()
-        if alone is not None:
-            return self._run_sync(alone)
+        lockstep = self._lockstep()
+        if lockstep:
+            return self._run_sync(lockstep)
         self._hold_and_fetch()
         kind, layer, group = self._pick()
         if kind is None:
@@ -222,27 +248,40 @@ class RunaheadDecoder:
         self.micro_steps += 1
         if kind == "attn":
             self.max_lead_seen = max(self.max_lead_seen, max(self._lead(f) for f in group))
+            self.rows += len(group)
             self._run_attention(group)
             return self._finish_tokens(group)
         self.expert_steps += 1
         return self._finish_tokens(self._run_experts(layer))
 
-    def _alone(self) -> Flight | None:
-        """The one flight, when it is alone and about to start its token (the sync step can run it)."""
-        if self.sync_step is None or len(self.flights) != 1:
-            return None
-        flight = next(iter(self.flights.values()))
-        return flight if flight.layer == 0 and flight.phase == "attn" else None
+    def _lockstep(self) -> list[Flight]:
+        """The flights, when the sync step should run their whole token round as one call: every flight
+        is about to start the same round at layer 0, and either it is alone (nothing to run ahead of) or
+        the link carried no expert since the last round boundary (every expert was resident: running
+        ahead would only split the round into more, smaller calls). [] otherwise."""
+        if self.sync_step is None or not self.flights:
+            return []
+        flights = list(self.flights.values())
+        first = flights[0]
+        if any(f.layer != 0 or f.phase != "attn" or f.round != first.round for f in flights):
+            return []
+        copies = self.residency.copies() if self.residency is not None else 0
+        idle, self._copies_mark = copies == self._copies_mark, copies
+        return flights if len(flights) == 1 or idle else []
 
-    def _run_sync(self, flight: Flight) -> list[tuple[str, torch.Tensor]]:
-        self.release_holds()  # (none of its own: it has not routed yet) the sync step may need every slot
+    def _run_sync(self, flights: list[Flight]) -> list[tuple[str, torch.Tensor]]:
+        self.release_holds()  # (none of their own: they have not routed yet) the sync step may need every slot
         self.micro_steps += 1
         self.sync_steps += 1
-        logits = self.sync_step([StepInput(flight.block_table, flight.position, [flight.token], flight.request_id)])
-        del self.flights[flight.request_id]
-        self._next_round[flight.request_id] = flight.round + 1
-        self._used.pop(flight.request_id, None)  # its experts were not recorded: predict nothing from them
-        return [(flight.request_id, logits[0])]
+        self.rows += len(flights)
+        self.sync_rows += len(flights)
+        logits = self.sync_step([StepInput(f.block_table, f.position, [f.token], f.request_id) for f in flights])
+        for flight in flights:
+            del self.flights[flight.request_id]
+            self._next_round[flight.request_id] = flight.round + 1
+            self._used.pop(flight.request_id, None)  # its experts were not recorded: predict nothing from them
+        self._clear_plans()
+        return [(f.request_id, logits[i]) for i, f in enumerate(flights)]
 
     # ---- choosing ---------------------------------------------------------------------------
 
@@ -262,6 +301,7 @@ class RunaheadDecoder:
     def _pick(self) -> tuple[str | None, int, list[Flight]]:
         """The micro-step holding the most lagging request that can run now."""
         floor = self._floor()
+        ready = self._expert_layers()
         best: tuple[int, int] | None = None
         choice: tuple[str | None, int, list[Flight]] = (None, -1, [])
         for flight in self.flights.values():
@@ -269,7 +309,7 @@ class RunaheadDecoder:
                 if flight.progress(self.num_layers) - floor >= self.max_lead:
                     continue  # NOTE: only starting a layer is bounded; held experts are always computed
                 key = (flight.progress(self.num_layers), 1)
-            elif self._computable(flight):
+            elif flight.layer in ready and self._computable(flight):
                 key = (flight.progress(self.num_layers), 0)
             else:
                 continue
@@ -282,7 +322,7 @@ class RunaheadDecoder:
                  and f.progress(self.num_layers) - floor < self.max_lead]
         if self._should_batch(group):
             self.deferred += 1
-            moe = [f for f in self.flights.values() if f.phase == "moe" and self._computable(f)]
+            moe = [f for f in self.flights.values() if f.phase == "moe" and f.layer in ready and self._computable(f)]
             if not moe:
                 return None, -1, []
             lagging = min(moe, key=lambda f: f.progress(self.num_layers))
@@ -299,15 +339,45 @@ class RunaheadDecoder:
         start = min(f.progress(self.num_layers) for f in group)
         if not any(f.progress(self.num_layers) < start for f in self.flights.values()):
             return False  # nobody is behind: the group is the most lagging
-        backlog = len(self._queued) + self._unfetched
-        return bool(self._queued) and backlog >= (self.fetch_depth or self.residency.fetch_depth())
+        return self._link_fed()
+
+    def _depth(self) -> int:
+        return self.fetch_depth or self.residency.fetch_depth()
+
+    def _link_fed(self) -> bool:
+        """Does the link have at least ``fetch_depth`` copies of known needs to carry (queued or waiting
+        for room)? Then nothing a micro-step could reveal now would reach the link sooner."""
+        return bool(self._queued) and len(self._queued) + self._unfetched >= self._depth()
+
+    def _expert_layers(self) -> set[int]:
+        """Layers whose landed pairs may be computed now. *Coalescing*: a layer's pairs wait until every
+        copy they wait for has landed, so the layer's requests are computed in one call and go on
+        together (as sync's lock-step runs them), unless computing part of them pays: the layer's pool has
+        no room for an expert a pair needs (computing frees slots), or the link has fewer than
+        ``fetch_depth`` copies to carry (requests that finish the layer early reveal their next layer's
+        experts, which keeps the link busy)."""
+        landed = {layer for layer, _ in self._landed}
+        if not self._link_fed():
+            return landed
+        pending = {layer for layer, _ in self._queued}
+        return {layer for layer in landed if layer not in pending or layer in self._blocked}
 
     def _wait(self) -> None:
-        """Nothing can run: block until the next queued copy lands (copies land in queue order)."""
+        """Nothing can run: block until the first queued copy whose landing lets something run (copies
+        land in queue order): the last one of a layer (its pairs are then whole), the first one of a
+        layer short of room, or the one after which the link has fewer than ``fetch_depth`` to carry."""
         self._queued = [key for key in self._queued if key[1] in self._held.get(key[0], {})]
-        if self.residency is not None and self._queued:
-            self.waits += 1
-            self.residency.wait_any([self._held[layer][expert] for layer, expert in self._queued])
+        if self.residency is None or not self._queued:
+            return
+        self.waits += 1
+        wake = max(0, len(self._queued) + self._unfetched - self._depth())
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, (layer, _) in enumerate(self._queued):
+            first.setdefault(layer, i)
+            last[layer] = i
+        wake = min([wake, *last.values(), *(first[layer] for layer in self._blocked if layer in first)])
+        self.residency.wait_any([self._held[layer][expert] for layer, expert in self._queued[wake:]])
 
     # ---- expert residency ---------------------------------------------------------------------
 
@@ -339,27 +409,30 @@ class RunaheadDecoder:
                 progress, pairs = wanted.get((flight.layer, expert), (flight.progress(self.num_layers), 0))
                 wanted[(flight.layer, expert)] = (min(progress, flight.progress(self.num_layers)), pairs - 1)
         self._unfetched = len(wanted)
+        self._blocked = set()
         if not wanted:
             return
         order = sorted(wanted, key=lambda key: (wanted[key], key))
         layers = list(dict.fromkeys(layer for layer, _ in order))
         for layer in layers:
             self.residency.plan(layer, self._plan(layer))
+            self._planned.add(layer)
             experts = [e for l, e in order if l == layer]
             free = [e for e, is_free in zip(experts, self.residency.is_free(layer, experts)) if is_free]
             if free and self._take(layer, free):  # no copy needed, so no room beyond their own slots
                 self._unfetched -= len(free)
-        depth = self.fetch_depth or self.residency.fetch_depth()
-        full: set[int] = set()
+        depth, floor = self._depth(), self._floor()
         for layer, expert in order:
-            if len(self._queued) >= depth:
+            # The most lagging requests' copies all go at once, as sync queues a layer's: nobody is behind
+            # them to overtake. Only copies for requests ahead are kept ``depth`` deep.
+            if len(self._queued) >= depth and wanted[(layer, expert)][0] > floor:
                 break
-            if layer in full or expert in self._held[layer]:
+            if layer in self._blocked or expert in self._held[layer]:
                 continue
             if self._take(layer, [expert]):
                 self._unfetched -= 1
             else:
-                full.add(layer)  # the pool is held by waiting pairs: retry after some are computed
+                self._blocked.add(layer)  # the pool is held by waiting pairs: retry after some are computed
 
     def _take(self, layer: int, experts: list[int]) -> bool:
         try:
@@ -385,6 +458,13 @@ class RunaheadDecoder:
             else:
                 still.append((layer, expert))
         self._queued = still
+
+    def _clear_plans(self) -> None:
+        """No flight left: the eviction plans it set would outlive their requests (a later sync step
+        would keep experts nobody expects any more), so every layer goes back to the base policy."""
+        for layer in self._planned:
+            self.residency.plan(layer, {})
+        self._planned.clear()
 
     def _release_unneeded(self, layer: int) -> None:
         if self.residency is None:
@@ -489,6 +569,7 @@ class RunaheadDecoder:
                 flat.append(i * k_total + k)
                 ks_all.append(k)
                 handles.append(self._held[layer_idx][flight.experts[k]])
+        self.rows += len(flights)
         index = _to_device([rows, flat, ks_all], self.device)  # (3, P)
         x = torch.cat([f.normed for f, _ in flights])[index[0]]  # (P, D)
         weights = torch.cat([f.weights for f, _ in flights]).reshape(-1)[index[1]]  # (P,)
@@ -521,6 +602,8 @@ class RunaheadDecoder:
         for flight in done:
             del self.flights[flight.request_id]
             self._next_round[flight.request_id] = flight.round + 1
+        if not self.flights:
+            self._clear_plans()
         return [(f.request_id, logits[i]) for i, f in enumerate(done)]
 
 

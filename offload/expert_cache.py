@@ -198,6 +198,7 @@ class ExpertCache:
         self._num_released = 0
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._stats = {layer: LayerCacheStats() for layer in store.layers}
+        self.copies = 0  # experts copied into slots since the cache was built (never reset: callers compare)
         self._copy_events: list = []  # (layer, start event, end event), resolved in stats()
 
     def _pool(self, layer: int) -> _Pool:
@@ -311,6 +312,7 @@ class ExpertCache:
         if src is None:
             src = self._expert_rows[layer] = self.store.layer_buffer(layer).unbind(0)
         stats.misses += len(todo)
+        self.copies += len(todo)
         stats.bytes_fetched += len(todo) * self.store.record_bytes
         if not self.is_cuda:
             for i, slot in todo:

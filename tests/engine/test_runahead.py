@@ -32,13 +32,16 @@ class SlowResidency:
         self.model = engine.runner.model
         self.delay = delay
         self.outstanding: dict[int, dict] = {}
-        self.acquired = self.released = 0
+        self.acquired = self.released = self.copied = 0
 
     def plan(self, layer: int, tiers: dict[int, int]) -> None:
         pass
 
     def fetch_depth(self) -> int:
         return 4
+
+    def copies(self) -> int:
+        return self.copied
 
     def is_free(self, layer: int, experts: list[int]) -> list[bool]:
         return [self.delay(layer, e) == 0 for e in experts]
@@ -48,6 +51,7 @@ class SlowResidency:
         for expert in experts:
             self.acquired += 1
             handle = {"layer": layer, "expert": expert, "polls": 0, "needed": self.delay(layer, expert)}
+            self.copied += handle["needed"] > 0
             self.outstanding[id(handle)] = handle
             handles.append(handle)
         return handles
@@ -430,3 +434,37 @@ def test_runahead_decoder_calls_are_counted(model_dir):
     assert stats["runahead_tokens"] == 5 * (GREEDY.max_tokens - 1)
     assert stats["runahead_steps"] == engine.decoder.micro_steps > 0  # one micro-step a call
     assert stats["runahead_step_ms_sum"] > 0
+
+
+def test_one_request_after_several_costs_what_sync_costs(model_dir):
+    """A lone request after several decodes through the sync step, one model call per token and no
+    micro-step, and the eviction plan the decoder set for the several is gone (a stale plan kept
+    experts nobody expected any more and cost the lone request extra fetches)."""
+    engine = _engine(model_dir, "runahead", offload="always", expert_cache_slots=4, host_experts="off")
+    _run(engine, _prompts()[:4])
+    assert engine.decoder.micro_steps > 0 and engine.runner.residency.eviction_plan.tiers == {}
+    calls = []
+    run = engine.runner.run
+    engine.runner.run = lambda inputs, *args, **kwargs: calls.append(len(inputs)) or run(inputs, *args, **kwargs)
+    micro_steps = engine.decoder.micro_steps
+    tokens, _, _ = _run(engine, _prompts()[4:])
+    assert engine.decoder.micro_steps == micro_steps
+    assert len(calls) == len(tokens[0])  # the prompt's step (its first token), then one per token
+    assert engine.runner.residency.eviction_plan.tiers == {}
+
+
+def test_rounds_with_every_expert_resident_run_as_one_sync_step(model_dir, sync_tokens):
+    """Once a round copied nothing over the link (every expert resident), the next round of all the
+    requests runs as one sync step (one call, as sync runs it), not one micro-step per layer and phase."""
+    engine = _engine(model_dir, "runahead", offload="always", expert_cache_slots=8, host_experts="off")
+    engine.decoder.residency = LinkResidency(engine, LINKS["slow_even"])
+    tokens, _, _ = _run(engine, _prompts())
+    assert tokens == sync_tokens
+    decoder = engine.decoder
+    layers = engine.model_config.num_hidden_layers
+    per_round = layers + sum(engine.model_config.is_moe_layer(i) for i in range(layers))
+    rounds = GREEDY.max_tokens - 1  # every request decodes in every round (their prompts share one step)
+    # The first round copies experts the prompts did not use and runs in micro-steps; none after it does.
+    assert decoder.sync_steps == rounds - 1
+    assert decoder.micro_steps - decoder.sync_steps == per_round
+    assert decoder.sync_rows == 5 * (rounds - 1)
