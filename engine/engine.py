@@ -48,6 +48,8 @@ A request may name its conversation (``conversation_id``): its cache pages are t
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
 ``drop_conversation``. ``Engine.load`` with a cache folder starts the warm start first
 (``prefix_store.Preload``): the newest saved pages are read back into RAM while the weights load.
+With tiered keys or latents a request's state outside the pages is parked in RAM when it ends and
+adopted by the chat's next turn (``hearth.engine.tier_cache``; RAM only, not saved by ``close``).
 
 ``warm_up`` runs synthetic requests before the first user request (``hearth.engine.warm_up``), so
 that request finds the kernels compiled and the decode graphs captured; the engine host calls it
