@@ -164,9 +164,11 @@ class EngineConfig:
         and the sync step overlaps the host's work), the decoder takes over from two requests on;
         "prefetch" is a baseline for measurements; "auto" picks per step with :func:`auto_scheduler`.
     prefix_cache_*: hearth.engine.prefix_store. Pages are spilled when the device reuses them and
-        when the engine stops, restored when a new prompt starts with them; off with tiered keys or
-        latents (their pages are not shared). prefix_cache_preload: ``Preload``, started by
-        ``Engine.load`` before the weights load.
+        when the engine stops, restored when a new prompt starts with them. With tiered latents off
+        (their pages are not shared); with tiered keys only the pages hold latents, kept in RAM but not
+        on disk. prefix_cache_preload: ``Preload``, started by ``Engine.load`` before the weights load.
+    tier_cache_host_gib: hearth.engine.tier_cache (tiered keys or latents only): finished requests'
+        tiers parked in RAM for their chat's next turn.
     """
 
     device: str = _option(
@@ -206,6 +208,12 @@ class EngineConfig:
         True, "Warm chat caches at start",
         "When the engine starts, read the most recently used chats' cache pages from the chat cache folder into RAM "
         "in the background (up to the RAM size above), so the next turn of those chats does not wait for the disk.")
+    tier_cache_host_gib: float | None = _option(
+        None, "Long chat cache in RAM",
+        "With GPU key pages or latent rows: RAM that keeps the keys and latents of finished answers, so a chat's "
+        "next turn continues from them instead of reading the whole chat again; the least recently used chats "
+        "are dropped first, and nothing of it survives a restart (auto: 32 GiB, at most a quarter of the "
+        "machine's RAM).", unit=" GiB")
     keep_fp8: bool | None = _option(
         None, "Keep FP8 weights",
         "Keep FP8 checkpoints in FP8, half the memory of bfloat16, and expand them as they are used "

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BlockManager", "PageHashes", "SpillTier", "hash_block"]
+__all__ = ["BlockManager", "PageHashes", "SpillTier", "common_pages", "hash_block"]
 
 _RECENT_PROMPTS = 16  # prompts whose page hashes PageHashes keeps (~0.5 MB each at 64K tokens)
 
@@ -70,7 +70,7 @@ class PageHashes:
         tokens = list(token_ids[:count * size])
         key = tuple(tokens[:size])
         known, known_hashes = self._recent.get(key, ([], []))
-        same = _common_pages(known, tokens, size)
+        same = common_pages(known, tokens, size)
         hashes = known_hashes[:same]
         parent = hashes[-1] if hashes else None
         values = array("q", tokens[same * size:])
@@ -89,7 +89,7 @@ class PageHashes:
         return list(hashes)
 
 
-def _common_pages(a: list[int], b: list[int], size: int) -> int:
+def common_pages(a: list[int], b: list[int], size: int) -> int:
     """How many leading whole pages of ``size`` tokens ``a`` and ``b`` share."""
     limit = min(len(a), len(b)) // size
     if a[:limit * size] == b[:limit * size]:
@@ -178,9 +178,9 @@ class BlockManager:
     def num_tokens(self, seq_id: str) -> int:
         return len(self._seq(seq_id).token_ids)
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], max_cached: int | None = None) -> bool:
         """Whether ``allocate`` would find enough blocks for this prompt right now."""
-        hits, _, _ = self._prefix_hits(token_ids)
+        hits, _, _ = self._prefix_hits(token_ids, max_cached)
         return self._fits(len(token_ids), hits)
 
     def _fits(self, num_tokens: int, hits: list[tuple[int, int]]) -> bool:
@@ -198,15 +198,18 @@ class BlockManager:
 
     # ---- actions ---------------------------------------------------------------------------
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int], conversation: str | None = None) -> int:
+    def allocate(self, seq_id: str, token_ids: Sequence[int], conversation: str | None = None,
+                 max_cached: int | None = None) -> int:
         """Give a new request blocks for its prompt; returns the number of leading prompt tokens
-        whose cache was reused (whole blocks only, always < len(token_ids)), from the device or
-        restored from the lower tier. ``conversation`` tags the blocks the request uses."""
+        whose cache was reused (whole blocks only, always < len(token_ids), at most ``max_cached``),
+        from the device or restored from the lower tier. ``conversation`` tags the blocks the request
+        uses. ``max_cached``: the request's state outside the pages (tiered keys, parked between
+        turns) covers only that many tokens, so more reused pages would be useless."""
         if seq_id in self._seqs:
             raise RuntimeError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("cannot allocate an empty prompt")
-        hits, lower, hashes = self._prefix_hits(token_ids)
+        hits, lower, hashes = self._prefix_hits(token_ids, max_cached)
         if not self._fits(len(token_ids), hits):
             raise RuntimeError(f"out of cache blocks for {seq_id!r} (call can_allocate first)")
         for _, block_id in hits:
@@ -314,15 +317,20 @@ class BlockManager:
     def _blocks_to_grow(self, seq: _Sequence, num_new_tokens: int) -> int:
         return self._blocks_for(len(seq.token_ids) + num_new_tokens) - len(seq.block_table)
 
-    def _prefix_hits(self, token_ids: Sequence[int]) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    def _prefix_hits(self, token_ids: Sequence[int],
+                     max_cached: int | None = None) -> tuple[list[tuple[int, int]], list[int], list[int]]:
         """(hash, block id) of the device's cached blocks that serve the prompt's leading full
         blocks, then the hashes of the blocks after them that the lower tier holds, leaving at
-        least the prompt's last token to compute; and the hashes of all those full blocks."""
+        least the prompt's last token to compute (and at most ``max_cached`` tokens served); and
+        the hashes of all those full blocks."""
         hits: list[tuple[int, int]] = []
         lower: list[int] = []
         if not self.enable_prefix_caching:
             return hits, lower, []
-        hashes = self.page_hashes(token_ids, (len(token_ids) - 1) // self.block_size)
+        count = (len(token_ids) - 1) // self.block_size
+        if max_cached is not None:
+            count = min(count, max_cached // self.block_size)
+        hashes = self.page_hashes(token_ids, count)
         for block_hash in hashes:
             block_id = self._cached.get(block_hash)
             if block_id is not None and not lower:

@@ -48,6 +48,8 @@ A request may name its conversation (``conversation_id``): its cache pages are t
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
 ``drop_conversation``. ``Engine.load`` with a cache folder starts the warm start first
 (``prefix_store.Preload``): the newest saved pages are read back into RAM while the weights load.
+With tiered keys or latents a request's state outside the pages is parked in RAM when it ends and
+adopted by the chat's next turn (``hearth.engine.tier_cache``; RAM only, not saved by ``close``).
 
 ``warm_up`` runs synthetic requests before the first user request (``hearth.engine.warm_up``), so
 that request finds the kernels compiled and the decode graphs captured; the engine host calls it
@@ -99,6 +101,7 @@ from hearth.engine.step_timer import StepTimer
 from hearth.engine.text.detokenizer import IncrementalDetokenizer, StopChecker
 from hearth.engine.text.harmony import uses_harmony
 from hearth.engine.text.tokenizer import Tokenizer
+from hearth.engine.tier_cache import TierCache
 from hearth.engine.warm_up import ANSWER_TOKENS, CONVERSATION, Limits, warm_up_rounds, warm_up_token_ids
 
 
@@ -123,6 +126,7 @@ _RATE_WINDOW_S = 5.0  # tok/s in stats averages the steps of the last 5 s
 _CONVERSATION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _GIB = 1 << 30
 _AUTO_HOST_CACHE_GIB = 4.0
+_AUTO_TIER_CACHE_GIB = 32.0  # parked long chats: about six at 64K tokens on DeepSeek-V3.2 (keys + latents)
 _PERSIST_BATCH = 64  # pages copied to the host at once when the engine stops
 _IN_FLIGHT = (-1,)  # a token sampled on the device and not read back yet (a StepInput's placeholder)
 
@@ -141,14 +145,20 @@ class Engine:
         self.generation_defaults = dict(generation_defaults or {})
         self.model_config = runner.model_config
         self.max_model_len = runner.max_model_len
-        # Tiered indexer keys live per request outside the pages, so pages cannot be shared.
+        # Tiered keys and latents live per request outside the pages: a finished request's are parked
+        # in RAM for its chat's next turn (hearth.engine.tier_cache). With tiered keys only, the pages
+        # hold the latents and stay a prefix cache (RAM behind it, no disk: the keys are not saved).
         tiered = runner.key_tiers is not None or runner.latent_tiers is not None
-        self.prefix_tier = None if tiered else _prefix_tier(runner, config, preload)
+        self.tier_cache = TierCache(runner.model_config, runner.key_tiers, runner.latent_tiers, runner.block_size,
+                                    _tier_cache_bytes(config)) if tiered else None
+        self.prefix_tier = None if runner.latent_tiers is not None else \
+            _prefix_tier(runner, config, preload, disk=not tiered)
         if preload is not None and (self.prefix_tier is None or self.prefix_tier.store.preload is not preload):
             preload.cancel(wait=False)  # (no tier on disk to warm: tiered keys or latents)
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=not tiered,
-                                   tier=self.prefix_tier)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
+                                   enable_prefix_caching=runner.latent_tiers is None, tier=self.prefix_tier)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   states=self.tier_cache)
         self._prompt_tokens = tokenizer.prompt_tokens()
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
@@ -172,7 +182,7 @@ class Engine:
                                            pieces=getattr(runner, "pieces", None), sync_step=runner.run,
                                            tiers=getattr(runner, "decode_tiers", None))
             self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
-        self.scheduler.on_preempt.append(lambda seq: self._forget(seq.request_id))
+        self.scheduler.on_preempt.append(lambda seq: self._release(seq, park=True))
         self._auto_choice = auto_scheduler(1, self._several)
         self._flight: Flight | None = None  # overlapped decode: the step launched and not yet landed
         # Steps by how they ran: "overlapped"; "sync_<why>" for a step after a flight that could not
@@ -312,6 +322,8 @@ class Engine:
         dropped = self.blocks.drop_conversation(conversation_id)
         if self.prefix_tier is not None:
             dropped += self.prefix_tier.store.drop(conversation_id)
+        if self.tier_cache is not None:
+            dropped += self.tier_cache.drop_conversation(conversation_id)
         return dropped
 
     def close(self) -> int:
@@ -366,6 +378,9 @@ class Engine:
         finally:
             self.blocks.tier = tier
             self.blocks.drop_conversation(CONVERSATION)
+            if self.tier_cache is not None:
+                self.tier_cache.drop_conversation(CONVERSATION)
+                self.tier_cache.hit_tokens = self.tier_cache.evictions = 0
             self._generated = 0
             self._recent.clear()
             self.decode_steps.clear()
@@ -656,7 +671,7 @@ class Engine:
         seq = request.seq
         if self.decoder is not None:
             self.decoder.drop(seq.request_id)
-        self._forget(seq.request_id)
+        self._release(seq, park=reason != "error")
         self.scheduler.finish(seq)
         self._requests.pop(seq.request_id, None)
         now = time.perf_counter()
@@ -669,8 +684,12 @@ class Engine:
         )
         return Finished(seq.request_id, reason, request.text, stats, error)
 
-    def _forget(self, request_id: str) -> None:
-        self.runner.forget(request_id)
+    def _release(self, seq: Seq, park: bool) -> None:
+        """Drop the request's state outside the pages; its tiers are parked for its chat's next turn
+        first (``park``: not after an error, which may have cut a step short)."""
+        if park and self.tier_cache is not None:
+            self.tier_cache.park(seq)
+        self.runner.forget(seq.request_id)
 
     def _fail_all(self, seqs: list[Seq], message: str) -> list[Event]:
         requests = [self._requests[s.request_id] for s in seqs if s.request_id in self._requests]
@@ -719,7 +738,8 @@ class Engine:
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Cached prompt tokens served and what the RAM / disk tiers hold (conversations: those
-        with pages on the device, in RAM or on disk)."""
+        with pages on the device, in RAM or on disk, or parked tiers); with tiered keys or latents
+        the parked chats (``tier_cache_*``, hearth.engine.tier_cache)."""
         out = {"prefix_cache_hits_tokens": float(self.blocks.hit_tokens),
                "prefix_cache_restored_tokens": float(self.blocks.restored_tokens)}
         conversations = self.blocks.conversations()
@@ -737,6 +757,9 @@ class Engine:
                        prefix_cache_preloaded_bytes=float(counters.pages_preloaded * store.page_bytes),
                        prefix_cache_preload_running=float(store.preload_running),
                        prefix_cache_preload_wait_ms=1e3 * counters.preload_wait_s)
+        if self.tier_cache is not None:
+            conversations |= self.tier_cache.conversations()
+            out.update(self.tier_cache.stats())
         out["prefix_cache_conversations"] = float(len(conversations))
         return out
 
@@ -769,6 +792,12 @@ def _host_cache_bytes(config: EngineConfig) -> int:
     return min(int(_AUTO_HOST_CACHE_GIB * _GIB), psutil.virtual_memory().total // 10)
 
 
+def _tier_cache_bytes(config: EngineConfig) -> int:
+    if config.tier_cache_host_gib is not None:
+        return int(config.tier_cache_host_gib * _GIB)
+    return min(int(_AUTO_TIER_CACHE_GIB * _GIB), psutil.virtual_memory().total // 4)
+
+
 def _start_preload(checkpoint: str | Path, config: EngineConfig) -> Preload | None:
     """The warm start of the chat cache's RAM tier from its folder (``Preload``), when ``config``
     keeps chat caches on disk and asks for it."""
@@ -778,12 +807,14 @@ def _start_preload(checkpoint: str | Path, config: EngineConfig) -> Preload | No
     return Preload(config.prefix_cache_dir, model_key(checkpoint), _host_cache_bytes(config), pin=pin)
 
 
-def _prefix_tier(runner: ModelRunner, config: EngineConfig, preload: Preload | None = None) -> PageTier | None:
+def _prefix_tier(runner: ModelRunner, config: EngineConfig, preload: Preload | None = None,
+                 disk: bool = True) -> PageTier | None:
     """RAM and disk behind the device's prefix cache, as ``config`` asks (disk only for a model
-    loaded from a folder: the files are tied to it), warmed by ``preload`` or a preload started here."""
+    loaded from a folder: the files are tied to it, and not when ``disk`` is False), warmed by
+    ``preload`` or a preload started here."""
     if not config.prefix_cache_offload:
         return None
-    folder = config.prefix_cache_dir if runner.checkpoint is not None else None
+    folder = config.prefix_cache_dir if runner.checkpoint is not None and disk else None
     checkpoint = runner.checkpoint or ""
     store = PrefixStore(
         runner.cache.page_bytes, _host_cache_bytes(config), folder=folder,

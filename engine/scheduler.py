@@ -6,6 +6,10 @@ in their prompt get the next chunk (chunked prefill) from the remaining token bu
 requests are admitted in arrival order while cache blocks, the sequence limit and the budget
 allow. When a decoding request's cache page cannot grow, the most recently admitted request is
 preempted (its pages freed; it re-enters the queue and recomputes its tokens later).
+
+Requests whose state partly lives outside the pages (tiered keys and latents) are admitted through
+``PrefixStates`` (``hearth.engine.tier_cache``): a parked state of an earlier turn may cover the
+prompt's start, which then counts as cached like a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from hearth.engine.api import SamplingParams
 from hearth.engine.block_manager import BlockManager
@@ -67,9 +72,25 @@ class ScheduledChunk:
     num_tokens: int  # tokens of this sequence computed in the step, starting at seq.num_computed
 
 
+class PrefixStates(Protocol):
+    """Per-request state kept outside the pages between requests (``hearth.engine.tier_cache``)."""
+
+    def match(self, seq: Sequence) -> int:
+        """How many leading tokens of seq a kept state could serve (0: none); takes nothing."""
+
+    def adopt(self, seq: Sequence, offered: int, paged_hit: int) -> int:
+        """Start seq from a kept state: ``offered`` as ``match`` said, ``paged_hit`` the tokens the
+        pages served (``BlockManager.allocate`` capped at ``offered``). Returns the tokens seq
+        starts with (its cached prefix)."""
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 states: PrefixStates | None = None) -> None:
+        """states: where requests with state outside the pages find their cached prefix (then the
+        pages serve at most what it covers)."""
         self.blocks = blocks
+        self.states = states
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -104,10 +125,9 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq.token_ids):
+            if not self._admit(seq):
                 break
             self.waiting.popleft()
-            seq.num_cached_prefix = self.blocks.allocate(seq.request_id, seq.token_ids, seq.conversation)
             seq.num_computed = seq.num_cached_prefix
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -115,6 +135,15 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Allocate seq's pages and set its cached prefix, if the pages it needs are free."""
+        offered = self.states.match(seq) if self.states is not None else None
+        if not self.blocks.can_allocate(seq.token_ids, offered):
+            return False
+        hit = self.blocks.allocate(seq.request_id, seq.token_ids, seq.conversation, offered)
+        seq.num_cached_prefix = hit if self.states is None else self.states.adopt(seq, offered, hit)
+        return True
 
     def make_room(self, seq: Sequence) -> bool:
         """Ensure seq's block table covers its newest token, preempting later requests if needed."""
@@ -130,14 +159,15 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Free seq's pages and put it back at the head of the queue; it recomputes later."""
+        """Free seq's pages and put it back at the head of the queue; it recomputes later. The
+        callbacks see seq's ``num_computed`` before it is reset (what its kept state covers)."""
         self.blocks.free(seq.request_id)
         self.running.remove(seq)
         seq.status = Status.WAITING
-        seq.num_computed = 0
-        self.waiting.appendleft(seq)
         for callback in self.on_preempt:
             callback(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
 
     def after_step(self, chunks: list[ScheduledChunk]) -> None:
         """Record what the step computed (so full pages become reusable prefixes)."""

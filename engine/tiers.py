@@ -11,7 +11,8 @@ cache) and fetches its own for the next step, so it never waits for its candidat
 Latents (``LatentTiers``, HiSparse-style): every MLA latent row of a request lives in host RAM; the
 device keeps a hot buffer of rows; a decode step gathers only the rows its top-k selected (hits reused
 across steps, misses copied from the host). Prefill chunks read the history back.
-Prefix caching is off in these modes (a reused page would have nothing in the request's tiers).
+A finished request's tiers are parked in host RAM (``park``, ``hearth.engine.tier_cache``) and the
+next turn of its chat resumes them (``resume``) instead of computing the conversation again.
 
 On the DSA kernel path (``planned=True``) the tiers are ``hearth.offload.planned_tiers``'s: the same
 layout, but a decode step's coarse stage, candidate selection, page and row residency, fetches from
@@ -67,6 +68,22 @@ class _PerRequestTiers:
     def drop(self, seq_id: str) -> None:
         for key in [k for k in self.tiers if k[0] == seq_id]:
             del self.tiers[key]
+
+    def held(self, seq_id: str) -> dict[int, int]:
+        """Tokens each layer's tiers of the request hold (layers it has used)."""
+        return {layer: tiers.num_tokens for (sid, layer), tiers in self.tiers.items() if sid == seq_id}
+
+    def park(self, seq_id: str, num_tokens: int) -> dict[int, Any]:
+        """The request's first num_tokens tokens of every layer as host-only states
+        (hearth.offload.parked), by layer; its tiers are dropped."""
+        parked = {layer: tiers.park(num_tokens) for (sid, layer), tiers in self.tiers.items() if sid == seq_id}
+        self.drop(seq_id)
+        return parked
+
+    def resume(self, seq_id: str, parked: dict[int, Any], num_tokens: int) -> None:
+        """New tiers of the request, by layer, continuing from parked states' first num_tokens tokens."""
+        for layer, state in parked.items():
+            self.get(seq_id, layer).resume(state, num_tokens)
 
     def stats(self) -> dict[str, float]:
         """Every request's counters added up."""

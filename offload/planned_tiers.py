@@ -68,6 +68,7 @@ from hearth.kernels.tiered import (
 from hearth.kernels.topk.radix import new_workspace, radix_topk_launch
 from hearth.kernels.topk.single_pass import new_scratch
 from hearth.offload.coarse_index import PagePool, quantize_means
+from hearth.offload.parked import ParkedPages, ParkedRows, whole_pages
 
 MEAN_GROUP = 16  # tokens per summary mean; also the block size of the summary pool (kernel layout)
 HEAD_DIM = 128
@@ -248,6 +249,35 @@ class PlannedKeys:
         idx = torch.arange(first_page * c.groups, (first_page + n) * c.groups, device=self.device)
         self.means.write(idx // MEAN_GROUP, idx % MEAN_GROUP, means.reshape(-1, HEAD_DIM), scales.reshape(-1))
 
+    # ---- between turns (hearth.offload.parked) ----------------------------------------------------
+    def park(self, num_tokens: int) -> ParkedPages:
+        """The first num_tokens tokens (whole pages) as a host-only state: the host pool as it is and
+        a host copy of those pages' summary blocks. This object is dropped afterwards."""
+        pages = whole_pages(num_tokens, self.config.page_size, self.num_tokens)
+        means = self.means.buf[: self._mean_blocks(pages)].to("cpu")  # (stream-ordered after their writes)
+        return ParkedPages(self.host, pages, (means,))
+
+    def resume(self, parked: ParkedPages, num_tokens: int) -> None:
+        """Continue from a parked state's first num_tokens tokens (whole pages, at most its own) in
+        this new object: the host pool becomes this object's, the summaries and the hot ring's pages
+        go back to the device; the page cache starts empty."""
+        c = self.config
+        pages = whole_pages(num_tokens, c.page_size, parked.pages * c.page_size)
+        if self.num_tokens:
+            raise RuntimeError("only a new tiered-key object can resume a parked state")
+        self.host = parked.host
+        cap = self.host.num_pages
+        if self._mean_blocks(cap) > self.means.num_pages:
+            self.means.grow(self._mean_blocks(cap))
+            self._mean_table = torch.arange(self.means.num_pages, dtype=torch.int32, device=self.device)[None]
+        blocks = self._mean_blocks(pages)
+        self.means.buf[:blocks] = parked.summaries[0][:blocks].to(self.device, non_blocking=True)
+        self.plan.grow(cap)
+        ring = torch.arange(max(0, pages - c.hot_pages), pages)
+        self.dev.buf[(ring % c.hot_pages).to(self.device)] = self.host.buf[ring].to(self.device)
+        self.num_tokens = pages * c.page_size
+        self.version += 1
+
     # ---- decode selection -------------------------------------------------------------------------
     def select(self, q: torch.Tensor, w: torch.Tensor, context_len: torch.Tensor) -> torch.Tensor:
         """Top-k token positions of one decode query: q (H, 128) e4m3 or bf16, w (H,) fp32 (q scale
@@ -394,6 +424,26 @@ class PlannedLatents:
         slots = plan_residency(self.plan, selection.to(torch.int32).contiguous(), written=context_len)
         gather_misses(self.plan, self.host, self.dev)
         return slots
+
+    def park(self, num_tokens: int) -> ParkedRows:
+        """The first num_tokens rows as a host-only state (the host pool as it is); this object is
+        dropped afterwards."""
+        if num_tokens > self.num_tokens:
+            raise ValueError(f"cannot park {num_tokens} rows of {self.num_tokens}")
+        return ParkedRows(self.host, num_tokens)
+
+    def resume(self, parked: ParkedRows, num_tokens: int) -> None:
+        """Continue from a parked state's first num_tokens rows in this new object: the host pool
+        becomes this object's and the ring is refilled from it; the row cache starts empty."""
+        c = self.config
+        if self.num_tokens or num_tokens > parked.rows:
+            raise RuntimeError(f"cannot resume {num_tokens} of {parked.rows} parked rows in a used latent tier")
+        self.host = parked.host
+        self.plan.grow(self.host.shape[0])
+        ring = torch.arange(max(0, num_tokens - c.ring_rows), num_tokens)
+        self.dev[(ring % c.ring_rows).to(self.device)] = self.host[ring].to(self.device)
+        self.num_tokens = num_tokens
+        self.version += 1
 
     def paged(self) -> torch.Tensor:
         """The device buffer as a paged latent cache [blocks, block, width] (rows through ``table``)."""

@@ -67,6 +67,7 @@ from hearth.offload.coarse_index import (
     summarize_pages,
     to_device,
 )
+from hearth.offload.parked import ParkedPages, whole_pages
 
 CANDIDATE_FACTOR = 8  # default candidate pages: page_size tokens each, for 8x the selected tokens
 
@@ -322,6 +323,34 @@ class TieredKeys:
         scales = scales.to(self.device)
         scales[hot.to(self.device)] = hot_scales
         return keys, scales
+
+    # ---- between turns (hearth.offload.parked) ------------------------------------------------
+    def park(self, num_tokens: int) -> ParkedPages:
+        """The first num_tokens tokens (whole pages) as a host-only state: the host pool as it is and
+        host copies of those pages' summaries (means, mean scales, boxes). This object is dropped
+        afterwards."""
+        pages = whole_pages(num_tokens, self.config.page_size, self.num_tokens)
+        self._sync()  # a later owner gathers pages from the pool on the host: its writes must have landed
+        summaries = tuple(None if t is None else t[:pages].to("cpu") for t in (self.means, self.mean_scales, self.box))
+        return ParkedPages(self.host, pages, summaries)
+
+    def resume(self, parked: ParkedPages, num_tokens: int) -> None:
+        """Continue from a parked state's first num_tokens tokens (whole pages, at most its own) in
+        this new object: the host pool becomes this object's, the summaries and the hot pages go back
+        to the device; the page cache starts empty."""
+        c = self.config
+        pages = whole_pages(num_tokens, c.page_size, parked.pages * c.page_size)
+        if self.num_tokens:
+            raise RuntimeError("only a new tiered-key object can resume a parked state")
+        self.host = parked.host
+        self._slot_of_page = torch.full((self.host.num_pages,), -1, dtype=torch.long)
+        self._grow_summary(pages)
+        for mine, saved in zip((self.means, self.mean_scales, self.box), parked.summaries):
+            if mine is not None and saved is not None:
+                mine[:pages] = saved[:pages].to(self.device)
+        ring = torch.arange(max(0, pages - c.hot_pages), pages)
+        self.dev.buf[(ring % c.hot_pages).to(self.device)] = self.host.buf[ring].to(self.device)
+        self.num_tokens = pages * c.page_size
 
     # ---- decode -----------------------------------------------------------------------------
     def select(self, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

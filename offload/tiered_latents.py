@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.offload.coarse_index import new_stream, to_device
+from hearth.offload.parked import ParkedRows
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,23 @@ class TieredLatents:
         positions = torch.arange(first + n - keep, first + n)
         slots = self._claim(positions, protected=torch.zeros(0, dtype=torch.long))
         self.hot[to_device(slots, self.device)] = rows[n - keep:].to(self.config.dtype)
+
+    def park(self, num_tokens: int) -> ParkedRows:
+        """The first num_tokens rows as a host-only state (the host pool as it is); this object is
+        dropped afterwards."""
+        if num_tokens > self.num_tokens:
+            raise ValueError(f"cannot park {num_tokens} rows of {self.num_tokens}")
+        self._sync()  # a later owner gathers rows from the pool on the host: its writes must have landed
+        return ParkedRows(self.host, num_tokens)
+
+    def resume(self, parked: ParkedRows, num_tokens: int) -> None:
+        """Continue from a parked state's first num_tokens rows in this new object: the host pool
+        becomes this object's; the hot buffer starts empty (a step's misses come from the pool)."""
+        if self.num_tokens or num_tokens > parked.rows:
+            raise RuntimeError(f"cannot resume {num_tokens} of {parked.rows} parked rows in a used latent tier")
+        self.host = parked.host
+        self._slot_of_pos = torch.full((self.host.shape[0],), -1, dtype=torch.long)
+        self.num_tokens = num_tokens
 
     def _claim(self, positions: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         """Slots for new positions (host int64), evicting least recently used unprotected rows."""

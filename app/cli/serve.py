@@ -205,6 +205,10 @@ def format_stats(stats: dict[str, Any]) -> str:
                      f"{stats.get('prefix_cache_host_bytes', 0) / gib:.2f} GiB in RAM, "
                      f"{stats.get('prefix_cache_disk_bytes', 0) / gib:.2f} GiB on disk, "
                      f"{int(stats.get('prefix_cache_hits_tokens', 0))} prompt tokens reused")
+    if "tier_cache_chats" in stats:
+        lines.append(f"long chats {int(stats['tier_cache_chats'])} parked, "
+                     f"{stats.get('tier_cache_bytes', 0) / gib:.2f} GiB in RAM, "
+                     f"{int(stats.get('tier_cache_hits_tokens', 0))} prompt tokens reused")
     if memory:
         lines.append(f"memory     {memory.get('process_rss_bytes', 0) / gib:.2f} GiB resident, "
                      f"{memory.get('host_available_bytes', 0) / gib:.1f} GiB of host RAM free")

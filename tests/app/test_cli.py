@@ -311,3 +311,12 @@ class _Piped:
 
     def read(self) -> str:
         return self._text
+
+
+def test_stats_show_parked_long_chats_when_the_engine_parks_tiers():
+    from hearth.app.cli.serve import format_stats
+
+    out = format_stats({"model": "m", "state": "ready", "tier_cache_chats": 2.0, "tier_cache_bytes": 3 * 2**30,
+                        "tier_cache_hits_tokens": 4096.0})
+    assert "long chats 2 parked, 3.00 GiB in RAM, 4096 prompt tokens reused" in out
+    assert "long chats" not in format_stats({"model": "m", "state": "ready"})

@@ -107,3 +107,11 @@ def isolated_settings(tmp_path: Path, **changes: object) -> Settings:
     return Settings(hf_cache_dir=str(tmp_path / "hf-cache"), offline=True).replace(**changes)
 
 
+
+
+def test_the_chat_cache_text_counts_parked_long_chats_bytes():
+    from hearth.app.gui.status_bar import chat_cache_text
+
+    stats = {"prefix_cache_conversations": 2.0, "prefix_cache_host_bytes": 2**30, "prefix_cache_disk_bytes": 0.0,
+             "tier_cache_bytes": 2 * 2**30}
+    assert chat_cache_text(stats) == "Cached chats 2 · 3.2 GB"  # 1 GiB of pages + 2 GiB of parked tiers
