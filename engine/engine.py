@@ -293,6 +293,11 @@ class Engine:
         max_tokens = min(chosen.pop("max_tokens", room), room)
         return SamplingParams(**{**self.generation_defaults, **chosen}, max_tokens=max_tokens)
 
+    @property
+    def _cache_tokens(self) -> int:
+        """Tokens the cache's pages hold: what one request can grow to (with every other preempted)."""
+        return self.blocks.num_blocks * self.runner.block_size
+
     def _validate(self, ids: list[int]) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
@@ -654,7 +659,9 @@ class Engine:
         text, hit = request.stop.feed(request.detok.push(token))
         if hit:
             return self._emit(request, (token,), text) + [self._finish(request, "stop")]
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        # The cache's pages bound a request as the context does: past them it could only preempt
+        # itself and recompute forever.
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= min(self.max_model_len, self._cache_tokens):
             return self._emit_tail(request, token, "length", text)
         return self._emit(request, (token,), text)
 

@@ -87,6 +87,20 @@ def test_preemption_when_cache_runs_out_keeps_outputs_exact(model_dir):
     assert tight.blocks.num_free_blocks == 7
 
 
+def test_answer_longer_than_the_cache_ends_with_length_not_a_preemption_loop(model_dir):
+    """4 pages of 16 tokens and a 40-token prompt: the answer stops where the cache is full (64
+    tokens), with the tokens a roomy cache gives up to there; before, the request preempted itself
+    and recomputed forever."""
+    sampling = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    expected = _tokens(_engine(model_dir), _prompt(0, 40), sampling)
+    tight = _engine(model_dir, num_cache_blocks=4)
+    rid = tight.add_request(prompt_token_ids=_prompt(0, 40), sampling=sampling)
+    finished = _run_all(tight)[rid]
+    assert finished.reason == "length" and finished.stats.completion_tokens == 64 - 40
+    assert _tokens(tight, _prompt(0, 40), sampling) == expected[: 64 - 40]
+    assert tight.blocks.num_free_blocks == 4
+
+
 def test_abort_frees_everything(model_dir):
     engine = _engine(model_dir)
     rid = engine.add_request(prompt_token_ids=_prompt(3), sampling=SamplingParams(max_tokens=1000, ignore_eos=True))
