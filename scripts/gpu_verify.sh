@@ -30,7 +30,8 @@ for step in "${steps[@]}"; do
             tests/engine/test_runahead.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_engine.py \
             tests/engine/test_tiers_graph_step.py tests/engine/test_prefix_store.py tests/engine/test_runner.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_conformance.py tests/engine/test_warm_up.py \
-            tests/engine/test_tiers_pieces.py tests/engine/test_mli.py > "$OUT/l/tests.log" 2>&1
+            tests/engine/test_tiers_pieces.py tests/engine/test_mli.py tests/engine/test_tier_cache.py \
+            tests/engine/test_tiers_kernels_engine.py > "$OUT/l/tests.log" 2>&1
         echo "rc $?" >> "$OUT/l/tests.log"
         grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -25 ;;
     e2e)
