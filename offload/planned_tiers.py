@@ -85,7 +85,7 @@ class PlannedKeyConfig:
     topk: int = 2048
     # candidate pages' top-k (hearth.kernels.tiered.coarse_step): "sort" or "select" (the page scores in
     # registers, up to 4096 pages; past that "single_pass" runs) or "single_pass"
-    candidate_topk: CandidateTopk = "sort"
+    candidate_topk: CandidateTopk = "select"
 
     def __post_init__(self) -> None:
         if self.page_size < MEAN_GROUP or self.page_size % MEAN_GROUP or self.page_size & (self.page_size - 1):

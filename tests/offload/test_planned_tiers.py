@@ -128,7 +128,10 @@ def test_decode_writes_equal_a_prefill_of_the_same_keys(page_size, hot_pages):
     got, want = decoded.means.buf, prefilled.means.buf
     assert torch.equal(got[:blocks], want[:blocks])
     assert torch.equal(got[blocks, :tail * 128], want[blocks, :tail * 128])
-    assert torch.equal(got[blocks, 16 * 128:16 * 128 + 4 * tail], want[blocks, 16 * 128:16 * 128 + 4 * tail])
+    # the tail block's fp32 scales: the decode kernel and torch may round a scale differently in its last bit on the GPU
+    got_scales = got[blocks, 16 * 128:16 * 128 + 4 * tail].view(torch.float32)
+    want_scales = want[blocks, 16 * 128:16 * 128 + 4 * tail].view(torch.float32)
+    torch.testing.assert_close(got_scales, want_scales, rtol=2e-7, atol=0)
     for page in range(max(full + 1 - hot_pages, 0), full):  # the ring's full pages (read() reads the partial one)
         assert torch.equal(decoded.dev.buf[page % hot_pages], prefilled.dev.buf[page % hot_pages])
     keys, scales = decoded.read()
@@ -149,7 +152,7 @@ def test_decode_rows_equal_appended_rows():
     appended.append(rows)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize(DEVICE)
-    assert torch.equal(decoded.host[:90], rows) and torch.equal(decoded.dev[:16], appended.dev[:16])
+    assert torch.equal(decoded.host[:90].to(DEVICE), rows) and torch.equal(decoded.dev[:16], appended.dev[:16])
     assert torch.equal(decoded.history().view(-1, 576)[:90], rows)
 
 
