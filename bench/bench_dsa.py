@@ -199,8 +199,8 @@ def decode_indexer(
     print(f"  {shape}: persistent / tiled = x{times['tiled'] / times['persistent']:.2f}", flush=True)
     t_full = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, k, fuse_hist=True), graph=True)
     emit("decode indexer+topk (fused hist)", shape, t_full, t_base, nbytes=n_bytes_keys)
-    t_nf = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, k, fuse_hist=False), graph=True)
-    emit("decode indexer+topk (unfused)", shape, t_nf, t_base, nbytes=n_bytes_keys)
+    t_nf = bench(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, k, fuse_hist=False, topk="radix"), graph=True)
+    emit("decode indexer+topk (radix, unfused)", shape, t_nf, t_base, nbytes=n_bytes_keys)
     # the sampled top-k keeps its workspace across calls (zeroed once, as a graph-captured caller would)
     ws = new_sampled_workspace(batch, sampled_plan(ctx_len, k), q.device)
     t_sa = bench(

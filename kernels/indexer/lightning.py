@@ -374,6 +374,27 @@ def lightning_indexer_decode(
     return logits, lengths
 
 
+# Decode top-k: the one-launch select against the radix select after the persistent indexer, indexer +
+# top-k on the H200 (bench_dsa.py --only decode_indexer, 2026-12-02, k 2048): x1.69 / x1.55 / x1.38 at batch
+# 1 and 8K / 32K / 128K, x1.42 / x1.29 / x1.18 at batch 8, x1.09 at 64 x 8K, x0.96 at 64 x 32K, x0.84 at
+# 64 x 128K. It wins up to about a million (row, token) pairs.
+ONE_LAUNCH_MAX_WORK = 1 << 20
+
+# Kept one-launch workspaces per (device, stream): the select leaves its workspace as it found it, so one
+# allocation serves every later call on that stream (calls on one stream run in order). Outgrown ones stay
+# referenced: a CUDA graph captured with one keeps its address.
+_KEPT_ONE_LAUNCH: dict[tuple[torch.device, int, int, int], list[torch.Tensor]] = {}
+
+
+def kept_one_launch_workspace(rows: int, plan, device: torch.device) -> torch.Tensor:
+    """A clean one-launch workspace of `rows` rows for `plan`, kept for later calls on the current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    kept = _KEPT_ONE_LAUNCH.setdefault((device, stream, plan.k, plan.ws_stride), [])
+    if not kept or kept[-1].shape[0] < rows:
+        kept.append(new_one_launch_workspace(max(rows, 2 * kept[-1].shape[0] if kept else 8), plan, device))
+    return kept[-1][:rows]
+
+
 def indexer_decode_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -385,32 +406,39 @@ def indexer_decode_topk(
     *,
     fuse_hist: bool = False,
     config: dict | None = None,
-    topk: Literal["radix", "sampled", "one_launch"] = "radix",
+    topk: Literal["auto", "radix", "sampled", "one_launch"] = "auto",
     topk_workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode indexer + exact top-k: int32 [B, next_n, k] logical token positions, -1 padded.
 
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
-    topk picks the selection: "radix" (default; the radix select, whose workspace is zeroed per call),
+    topk picks the selection: "auto" (the default: "one_launch" where rows x the block table's token
+    capacity is at most `ONE_LAUNCH_MAX_WORK`, else "radix"; "radix" with fuse_hist), "radix" (the radix
+    select, whose workspace is zeroed per call),
     "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
     `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
     across calls, else one is zeroed here) or "one_launch" (`hearth.kernels.topk.one_launch`: the
     indexer adds the first histogram, then one selection launch; pass `topk_workspace` from
     `new_one_launch_workspace(B * next_n, one_launch_plan(k), device)` to keep it across calls: the
-    selection leaves it clean, so it needs no zeroing after its allocation).
+    selection leaves it clean, so it needs no zeroing after its allocation; without one, a workspace kept
+    per device and stream serves every call, see `kept_one_launch_workspace`).
     fuse_hist=True (radix only) adds the first radix histogram inside the indexer kernel instead of a
     separate pass (measured slower on the H200 with Triton 3.6's tl.histogram, so off by default)."""
-    require(topk in ("radix", "sampled", "one_launch"), f"topk must be radix, sampled or one_launch, got {topk!r}")
-    require(topk == "radix" or not fuse_hist, "fuse_hist applies to the radix select only")
+    require(topk in ("auto", "radix", "sampled", "one_launch"),
+            f"topk must be auto, radix, sampled or one_launch, got {topk!r}")
+    require(topk in ("auto", "radix") or not fuse_hist, "fuse_hist applies to the radix select only")
     n_req, next_n = q.shape[0], q.shape[1]
     rows = n_req * next_n
+    if topk == "auto":
+        capacity = block_table.shape[-1] * block_size  # host-known: one choice for every replay of a graph
+        topk = "one_launch" if not fuse_hist and rows * capacity <= ONE_LAUNCH_MAX_WORK else "radix"
     ws = None  # the workspace the indexer adds its histogram to, if any
     if topk == "radix":
         ws = new_workspace(rows, q.device)
     elif topk == "one_launch":
         plan = one_launch_plan(k)
-        ws = topk_workspace if topk_workspace is not None else new_one_launch_workspace(rows, plan, q.device)
+        ws = topk_workspace if topk_workspace is not None else kept_one_launch_workspace(rows, plan, q.device)
         check_workspace(ws, rows, plan, q.device)
     logits, lengths = lightning_indexer_decode(
         q,
