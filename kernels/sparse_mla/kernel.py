@@ -232,9 +232,6 @@ def launch_plan(n_rows: int, heads: int, topk: int, is_fp8: bool, sm_count: int,
     if cfg["plan"] not in ("wave", "h200"):
         raise ValueError(f"plan must be 'wave' or 'h200', got {cfg['plan']!r}")
     wave = cfg["plan"] == "wave"
-    if cfg.get("num_stages") is None:
-        # the element-wise FP8 path (fp8_tile=False) only fits one stage in shared memory
-        cfg["num_stages"] = 1 if is_fp8 and not cfg["fp8_tile"] else 2
     if cfg.get("block_h") is None:
         few_rows = wave and n_rows * triton.cdiv(heads, 64) * 16 <= sm_count
         cfg["block_h"] = 16 if few_rows else 64
@@ -249,6 +246,11 @@ def launch_plan(n_rows: int, heads: int, topk: int, is_fp8: bool, sm_count: int,
     chunk = max(triton.cdiv(triton.cdiv(topk, splits), cfg["block_n"]), 1) * cfg["block_n"]
     cfg["chunk"] = chunk
     cfg["splits"] = max(1, triton.cdiv(topk, chunk))
+    if cfg.get("num_stages") is None:
+        # the element-wise FP8 path (fp8_tile=False) only fits one stage in shared memory. Where the rows fill
+        # the GPU without splits, 3 stages: batch 64 on the H200 (bench_dsa --only decode_mla --sweep,
+        # 2026-12-02) 167 vs 179 us with the bf16 cache and 201 vs 216 us with the FP8 tile path
+        cfg["num_stages"] = 1 if is_fp8 and not cfg["fp8_tile"] else 3 if cfg["splits"] == 1 else 2
     return cfg
 
 

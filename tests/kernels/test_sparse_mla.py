@@ -122,7 +122,7 @@ def test_launch_plan_fills_one_wave(batch, sm_count):
         assert cfg["splits"] == 1
     else:
         assert sm_count // 2 < programs <= sm_count
-    assert cfg["fp8_tile"] and cfg["num_stages"] == 2
+    assert cfg["fp8_tile"] and cfg["num_stages"] == (3 if cfg["splits"] == 1 else 2)  # 3 where rows fill the GPU
 
 
 def test_both_caches_default_to_the_wave_plan_and_h200_keeps_the_earlier_one():
