@@ -34,8 +34,8 @@ Sections, each printed as it finishes (the row format of docs/benchmarks.md) and
      graphed; recall against the full-cache selection; key bytes on the device. Replays repeat one
      step, so after the first its candidates are all cache hits: the eager steps over fresh queries
      (the first 24 of --steps) report the miss rate and recall. --candidate-topk picks the candidate
-     pages' top-k kernels, one run each (sort, the default, and select: the row in registers;
-     single_pass) for an A/B in one call.
+     pages' top-k kernels, one run each (sort; select, the default: the row in registers;
+     single_pass) for an A/B in one call, --fine-topk the fine top-k (radix, one_launch) the same way.
   5. (--prefill-buffers: this section only) prefill of one long prompt in chunks (--prefill-chunk, the
      engine's max_num_batched_tokens) through --prefill-layers layers of tiered keys + latents on the
      kernel path: per layer the chunk's keys written into the layer's key history, the prefill indexer
@@ -439,7 +439,7 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], a
 
 
 def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], args, device: torch.device,
-                base: dict, candidate_topk: str) -> None:
+                base: dict, candidate_topk: str, fine_topk: str = "radix") -> None:
     """Section 1p at one context (CUDA): planned tiers against all on the GPU (base = run_layer's result),
     the candidate pages picked by ``candidate_topk``."""
     from hearth.kernels.sparse_mla import sparse_mla_decode
@@ -458,10 +458,10 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
     shape = f"ctx{ctx // 1024}K H{heads} k{k} p{ps}"
     t_base = base["all_graph"] or base["all_eager"]
     for cand, hot_rows, cache, _, _ in budgets:
-        if over_time(args, f"planned c{cand} {candidate_topk} ctx {ctx}"):
+        if over_time(args, f"planned c{cand} {candidate_topk} {fine_topk} ctx {ctx}"):
             break
         kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=cand, cache_pages=cache or cand, topk=k,
-                                candidate_topk=candidate_topk)
+                                candidate_topk=candidate_topk, fine_topk=fine_topk)
         keys = PlannedKeys(kcfg, device, initial_pages=math.ceil(n / ps))
         buf = keys.history(ctx)
         view = PagePool(buf.shape[0], ps, 128, "fp8", device)
@@ -498,10 +498,11 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
         t_graph = graph_time(lambda: read_side(steps - 1)[0], reps=50)
         t = t_graph or t_eager
         if args.profile:
-            kernel_breakdown(lambda: read_side(steps - 1)[0], f"planned c{cand} {candidate_topk} {ctx // 1024}K")
+            kernel_breakdown(lambda: read_side(steps - 1)[0],
+                             f"planned c{cand} {candidate_topk} {fine_topk} {ctx // 1024}K")
         key_b = keys.device_bytes()
         emit("layer", f"(p) planned c{cand} cache{kcfg.cache_pages} hot{lcfg.ring_rows + lcfg.cache_rows} "
-             f"{kcfg.candidate_topk}", shape,
+             f"{kcfg.candidate_topk} {kcfg.fine_topk}", shape,
              t, t_base, kcfg.page_bytes * (cand + kcfg.hot_pages) + k * LAT_B, eager_us=t_eager * 1e6,
              graph_us=t_graph * 1e6 if t_graph else None, vs_all_graph=t / t_base, recall=min(recalls),
              recall_mean=sum(recalls) / len(recalls), key_mb=key_b / 2**20,
@@ -769,9 +770,12 @@ def main() -> None:
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--planned", action="store_true",
                     help="also time the kernel path of tiered keys + latents (section 1p, CUDA only)")
-    ap.add_argument("--candidate-topk", nargs="+", choices=CANDIDATE_TOPKS, default=["sort"],
+    ap.add_argument("--candidate-topk", nargs="+", choices=CANDIDATE_TOPKS, default=["select"],
                     help="section 1p's candidate-page top-k, one run each: the row in registers sorted by the "
                          "bitonic top-k (sort) or bisected (select), or the single-pass select")
+    ap.add_argument("--fine-topk", nargs="+", choices=["radix", "one_launch"], default=["radix"],
+                    help="section 1p's fine top-k, one run each (with every --candidate-topk): the radix select "
+                         "or the one-launch select after the fine indexer's histogram")
     ap.add_argument("--profile", action="store_true",
                     help="print the GPU time of each kernel of the all-on-GPU and the planned steps (CUDA only)")
     ap.add_argument("--prefill-buffers", action="store_true",
@@ -819,7 +823,8 @@ def main() -> None:
                 log(f"\n## 1p. One layer at {ctx // 1024}K, tiered keys + latents on the kernel path (base = all on "
                     "GPU, CUDA graph)")
                 for method in args.candidate_topk:
-                    run_planned(ctx, budgets, args, device, layers_by_ctx[ctx], method)
+                    for fine in args.fine_topk:
+                        run_planned(ctx, budgets, args, device, layers_by_ctx[ctx], method, fine)
         else:
             log(f"\n## 2. {args.layers}-layer decode stack at {ctx // 1024}K: IndexCache vs MLI (tok/s; base = "
                 "retention 1, the unmodified model)")

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -64,6 +65,12 @@ from hearth.kernels.tiered import (
     sort_fits,
     write_row,
     write_through_page,
+)
+from hearth.kernels.topk.one_launch import (
+    map_through_pages,
+    new_one_launch_workspace,
+    one_launch_plan,
+    one_launch_topk_launch,
 )
 from hearth.kernels.topk.radix import new_workspace, radix_topk_launch
 from hearth.kernels.topk.single_pass import new_scratch
@@ -86,6 +93,10 @@ class PlannedKeyConfig:
     # candidate pages' top-k (hearth.kernels.tiered.coarse_step): "sort" or "select" (the page scores in
     # registers, up to 4096 pages; past that "single_pass" runs) or "single_pass"
     candidate_topk: CandidateTopk = "select"
+    # the fine top-k over the fine table's keys: "radix" (four histogram passes and a gather, writing token
+    # positions through the table's pages) or "one_launch" (the fine indexer adds its first histogram, one
+    # select launch, one launch mapping table positions to token positions)
+    fine_topk: Literal["radix", "one_launch"] = "radix"
 
     def __post_init__(self) -> None:
         if self.page_size < MEAN_GROUP or self.page_size % MEAN_GROUP or self.page_size & (self.page_size - 1):
@@ -95,6 +106,8 @@ class PlannedKeyConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cache_pages < self.candidate_pages:
             raise ValueError(f"cache_pages ({self.cache_pages}) must be >= candidate_pages ({self.candidate_pages})")
+        if self.fine_topk not in ("radix", "one_launch"):
+            raise ValueError(f"fine_topk must be radix or one_launch, got {self.fine_topk!r}")
         if self.candidate_topk not in CANDIDATE_TOPKS:
             raise ValueError(f"candidate_topk must be one of {CANDIDATE_TOPKS}, got {self.candidate_topk!r}")
 
@@ -140,6 +153,11 @@ class PlannedKeys:
         self._fine_len = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._fine_ws = new_workspace(1, self.device)
         self._selection = torch.full((1, c.topk), -1, dtype=torch.int32, device=self.device)
+        self._one_launch = None  # the one-launch fine top-k's plan, workspace (left clean by every select), indices
+        if c.fine_topk == "one_launch":
+            plan = one_launch_plan(c.topk)
+            ws = new_one_launch_workspace(1, plan, self.device)
+            self._one_launch = (plan, ws, torch.full_like(self._selection, -1))
         self.num_tokens = 0
         self.version = 0  # bumped whenever a buffer a decode step reads is reallocated (captured graphs go stale)
 
@@ -152,7 +170,7 @@ class PlannedKeys:
 
     def device_bytes(self) -> int:
         held = [self.dev.buf, self.means.buf, self._mean_table, self._topk_scratch, self._pages, self._fine_len,
-                self._fine_ws, self._selection]
+                self._fine_ws, self._selection, *(self._one_launch[1:] if self._one_launch else ())]
         return sum(t.numel() * t.element_size() for t in held) + self.plan.device_bytes()
 
     def _grow(self, pages: int) -> None:
@@ -283,8 +301,9 @@ class PlannedKeys:
         """Top-k token positions of one decode query: q (H, 128) e4m3 or bf16, w (H,) fp32 (q scale
         and softmax scales folded in), both contiguous, context_len (1,) int32 on the device
         (= num_tokens, this step's key written). Returns (1, topk) int32, -1 padded: the keys' own
-        buffer, rewritten by the next select. Five launches and the fine radix top-k's passes (four
-        histograms, one gather), every count derived on the device from context_len: no host sync."""
+        buffer, rewritten by the next select. Five launches and the fine top-k's (the radix select: four
+        histograms, one gather; the one-launch select: one, and one mapping table positions to token
+        positions), every count derived on the device from context_len: no host sync."""
         c, ps = self.config, self.config.page_size
         qb, wb = q[None, None], w[None, None]
         # 1. coarse: the cold pages' scores (the best summary of each page)
@@ -298,9 +317,15 @@ class PlannedKeys:
         gather_misses(self.plan, self.host.buf, self.dev.buf)
         # 4. fine: the indexer over the table (plan.slot: its pages' device slots), the radix top-k
         # writing token positions through the table's pages
-        logits, lengths = lightning_indexer_decode(qb, wb, self.dev.buf, self.plan.slot[None], self._fine_len, ps)
-        radix_topk_launch(logits, lengths, c.topk, self._selection, self._fine_ws, page_map=(self._pages, ps))
-        return self._selection
+        if self._one_launch is None:
+            logits, lengths = lightning_indexer_decode(qb, wb, self.dev.buf, self.plan.slot[None], self._fine_len, ps)
+            radix_topk_launch(logits, lengths, c.topk, self._selection, self._fine_ws, page_map=(self._pages, ps))
+            return self._selection
+        plan, ws, picked = self._one_launch
+        logits, lengths = lightning_indexer_decode(qb, wb, self.dev.buf, self.plan.slot[None], self._fine_len, ps,
+                                                   workspace=ws, fine_hist=True)
+        one_launch_topk_launch(logits, lengths, picked, ws, plan)
+        return map_through_pages(picked, self._pages, ps, self._selection)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every written key (tests): ((num_tokens, 128) e4m3, (num_tokens,) fp32) on the device."""

@@ -537,3 +537,26 @@ def topk_indices_one_launch(
     fine_hist_launch(scores, lengths, k, workspace, block=block)
     one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block)
     return out
+
+
+@triton.jit
+def _map_through_pages_kernel(idx_ptr, map_ptr, out_ptr, n, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    o_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_t = o_t < n
+    b_idx = tl.load(idx_ptr + o_t, mask=m_t, other=-1)
+    m_v = m_t & (b_idx >= 0)
+    b_page = tl.load(map_ptr + b_idx // PAGE, mask=m_v, other=0)
+    tl.store(out_ptr + o_t, tl.where(m_v, b_page * PAGE + b_idx % PAGE, -1), mask=m_t)
+
+
+def map_through_pages(indices: torch.Tensor, pages: torch.Tensor, page: int, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = pages[indices[i] // page] * page + indices[i] % page, -1 where indices[i] < 0: the
+    one-launch select's positions in a table of pages as the pages' own token positions (what the
+    radix select's `page_map` does inside its last pass). One launch; int32 throughout."""
+    check_tensor("indices", indices, dtypes=(torch.int32,))
+    check_tensor("pages", pages, dtypes=(torch.int32,), device=indices.device)
+    check_tensor("out", out, dtypes=(torch.int32,), shape=tuple(indices.shape), device=indices.device)
+    require(indices.is_contiguous() and out.is_contiguous() and pages.is_contiguous(), "need contiguous tensors")
+    n, block = indices.numel(), 1024
+    _map_through_pages_kernel[(triton.cdiv(max(n, 1), block),)](indices, pages, out, n, PAGE=page, BLOCK=block)
+    return out

@@ -21,6 +21,7 @@ from hearth.kernels.topk.one_launch import (
     PATH_SECOND,
     PATH_TAKE,
     fine_hist_launch,
+    map_through_pages,
     new_one_launch_workspace,
     one_launch_plan,
     one_launch_topk_launch,
@@ -220,3 +221,13 @@ def test_one_launch_graph_replay_gpu():
         graph.replay()
         check_topk(out, s, lengths, k)
     _assert_clean(ws)
+
+
+def test_map_through_pages_gives_the_pages_own_positions(device):
+    page = 16
+    pages = torch.tensor([7, 2, 9, -1], dtype=torch.int32, device=device)  # a table of pages, -1 past its end
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, 3 * page, (1500,), generator=g, dtype=torch.int32).to(device)  # > one block, some -1
+    out = map_through_pages(idx, pages, page, torch.empty_like(idx))
+    want = [-1 if i < 0 else int(pages[i // page]) * page + i % page for i in idx.tolist()]
+    assert out.tolist() == want

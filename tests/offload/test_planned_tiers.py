@@ -51,12 +51,13 @@ def _prefill(tiers: PlannedKeys, k8, ks, n: int) -> None:
     tiers.commit_chunk(buf, n)
 
 
-def test_every_page_a_candidate_equals_the_full_cache():
+@pytest.mark.parametrize("fine_topk", ["radix", "one_launch"])
+def test_every_page_a_candidate_equals_the_full_cache(fine_topk):
     k8, ks, q, w = _keys(260, seed=1)
     full = _pool(k8, ks)
     table = torch.arange(full.num_pages, dtype=torch.int32, device=DEVICE)[None]
-    tiers = PlannedKeys(PlannedKeyConfig(page_size=PS, hot_pages=2, candidate_pages=32, cache_pages=32, topk=K),
-                        DEVICE, initial_pages=2)
+    tiers = PlannedKeys(PlannedKeyConfig(page_size=PS, hot_pages=2, candidate_pages=32, cache_pages=32, topk=K,
+                                         fine_topk=fine_topk), DEVICE, initial_pages=2)
     _prefill(tiers, k8, ks, 150)
     _prefill(tiers, k8, ks, 41)  # a chunk starting inside a page
     for pos in range(191, 215):
@@ -69,10 +70,11 @@ def test_every_page_a_candidate_equals_the_full_cache():
     assert torch.equal(keys.view(torch.uint8), k8[:215].view(torch.uint8)) and torch.equal(scales, ks[:215])
 
 
-def test_few_candidates_score_their_pages_exactly():
+@pytest.mark.parametrize("fine_topk", ["radix", "one_launch"])
+def test_few_candidates_score_their_pages_exactly(fine_topk):
     k8, ks, q, w = _keys(400, seed=2)
     full = _pool(k8, ks)
-    cfg = PlannedKeyConfig(page_size=PS, hot_pages=1, candidate_pages=3, cache_pages=4, topk=K)
+    cfg = PlannedKeyConfig(page_size=PS, hot_pages=1, candidate_pages=3, cache_pages=4, topk=K, fine_topk=fine_topk)
     tiers = PlannedKeys(cfg, DEVICE, initial_pages=4)
     _prefill(tiers, k8, ks, 300)
     misses = 0

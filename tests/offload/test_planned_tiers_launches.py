@@ -69,12 +69,13 @@ class _Launches(TorchDispatchMode):
         return out
 
 
-def _tiers(candidate_topk: str, candidates: int, seed: int = 0):
+def _tiers(candidate_topk: str, candidates: int, seed: int = 0, fine_topk: str = "radix"):
     g = torch.Generator().manual_seed(seed)
     n = 300
     k8, ks = act_quant_ue8m0(torch.randn(n, 128, generator=g))
     keys = PlannedKeys(PlannedKeyConfig(page_size=PS, hot_pages=2, candidate_pages=candidates, cache_pages=8,
-                                        topk=K, candidate_topk=candidate_topk), DEVICE, initial_pages=4)
+                                        topk=K, candidate_topk=candidate_topk, fine_topk=fine_topk),
+                       DEVICE, initial_pages=4)
     buf = keys.history(n)
     view = PagePool(buf.shape[0], PS, 128, "fp8", DEVICE)
     view.buf = buf
@@ -88,9 +89,10 @@ def _tiers(candidate_topk: str, candidates: int, seed: int = 0):
     return keys, lat, q, w, torch.tensor([n], dtype=torch.int32, device=DEVICE)
 
 
-@pytest.mark.parametrize("candidate_topk", ["sort", "select", "single_pass"])
-def test_one_decode_read_is_a_few_launches(monkeypatch, candidate_topk):
-    keys, lat, q, w, n = _tiers(candidate_topk, candidates=4)
+@pytest.mark.parametrize("candidate_topk,fine_topk", [("sort", "radix"), ("select", "radix"), ("single_pass", "radix"),
+                                                      ("select", "one_launch")])
+def test_one_decode_read_is_a_few_launches(monkeypatch, candidate_topk, fine_topk):
+    keys, lat, q, w, n = _tiers(candidate_topk, candidates=4, fine_topk=fine_topk)
     launches = _Launches(monkeypatch)
     with launches:
         sel = keys.select(q, w, n)
