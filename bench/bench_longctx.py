@@ -599,16 +599,42 @@ def run_prefill(ctx: int, args, device: torch.device, heads_attn: int, warmup: b
 
 
 # ---- 2. 61-layer stack ----------------------------------------------------------------------------
+def planned_stack_layers(ctx: int, layers: int, k8: torch.Tensor, ks: torch.Tensor, latents: torch.Tensor, args,
+                         device: torch.device) -> list[tuple]:
+    """Every layer its own planned tiers (section 1p's first budget) holding the same ctx keys and latents."""
+    cand, hot_rows, cache, _, _ = parse_budget(args.budgets.split(",")[0])
+    ps, k = args.page_size, args.topk
+    kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=cand, cache_pages=cache or cand, topk=k,
+                            candidate_topk=args.candidate_topk[0], fine_topk=args.fine_topk[0])
+    lcfg = PlannedLatentConfig.from_hot_rows(hot_rows, k, ps, width=LAT_B, dtype=torch.uint8)
+    out = []
+    for _ in range(layers):
+        keys = PlannedKeys(kcfg, device, initial_pages=math.ceil(ctx / ps))
+        buf = keys.history(ctx)
+        view = PagePool(buf.shape[0], ps, 128, "fp8", device)
+        view.buf = buf
+        idx = torch.arange(ctx, device=device)
+        view.write(idx // ps, idx % ps, k8[:ctx], ks[:ctx])
+        keys.commit_chunk(buf, ctx)
+        lat = PlannedLatents(lcfg, device, initial_rows=ctx)
+        lat.append(latents[:ctx])
+        out.append((keys, lat))
+    return out
+
+
 def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:
-    """Section 2 at one context: step time of IndexCache and MLI at retentions 1, 1/2, 1/4."""
+    """Section 2 at one context: step time of IndexCache and MLI at retentions 1, 1/2, 1/4, and (--planned)
+    of every layer reading tiered keys + latents on the kernel path."""
     ps, k, heads, layers = args.page_size, args.topk, args.heads, args.layers
     hidden, inter = (HIDDEN, args.mlp_inter) if ops.cuda else (256, 64)
     n_blocks = math.ceil(ctx / ps)
     k8, ks = act_quant_ue8m0(clustered_keys(ctx, device, seed=ctx + 1))
     key_tpl = key_pool(k8, ks, ps).buf  # (P, ps*132)
-    del k8, ks
     lat_tpl = torch.zeros(n_blocks * ps, LAT_B, dtype=torch.uint8, device=device)
     lat_tpl[:ctx] = fp8_latents(ctx, device, seed=ctx + 2)
+    planned = planned_stack_layers(ctx, layers, k8, ks, lat_tpl[:ctx], args, device) \
+        if args.planned and ops.cuda and "tiered" in args.stack_modes else None
+    del k8, ks
     lat_tpl = lat_tpl.view(n_blocks, ps, LAT_B)
     keys = [key_tpl.clone() for _ in range(layers)]  # every layer its own caches: no cross-layer L2 reuse
     lats = [lat_tpl.clone() for _ in range(layers)]
@@ -633,7 +659,28 @@ def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:
         h = x + out.reshape(1, -1)[:, :hidden]
         return x + torch.relu(h @ w1[i]) @ w2[i]
 
-    def make_step(freq: int, mli: bool):
+    def make_planned_step():
+        from hearth.kernels.sparse_mla import sparse_mla_decode
+
+        q8, qs = act_quant_ue8m0(q)  # the engine's FP8 queries, scale folded into the head weights
+        wq = (w[None] * qs).float().contiguous()  # (layers, H)
+
+        def step() -> torch.Tensor:
+            x = x0
+            for i, (tier_keys, tier_lat) in enumerate(planned):
+                sel = tier_keys.select(q8[i], wq[i], lens)
+                slots = tier_lat.slots(sel[0], lens)
+                out = sparse_mla_decode(q_attn[i], tier_lat.paged(), slots[None], tier_lat.table, tier_lat.lens,
+                                        SM_SCALE)[0]
+                h = x + out.reshape(1, -1)[:, :hidden]
+                x = x + torch.relu(h @ w1[i]) @ w2[i]
+            return x
+
+        return step
+
+    def make_step(freq: int, mli: bool | str):
+        if mli == "planned":
+            return make_planned_step()
         full = [i % freq == 0 for i in range(layers)]
 
         def step() -> torch.Tensor:
@@ -663,6 +710,9 @@ def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:
 
     modes = [("IndexCache r=1 (all on GPU)", 1, False), ("IndexCache r=1/2", 2, False),
              ("IndexCache r=1/4", 4, False), ("MLI r=1", 1, True), ("MLI r=1/2", 2, True), ("MLI r=1/4", 4, True)]
+    modes = [m for m in modes if m[0] in args.stack_modes or m[0] == "IndexCache r=1 (all on GPU)"]
+    if planned:
+        modes.append(("tiered keys+latents r=1 (planned)", 1, "planned"))
     base = None
     reps = 20 if ctx <= 131072 else 8
     for name, freq, mli in modes:
@@ -675,6 +725,8 @@ def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:
         base = base or t
         n_full = sum(i % freq == 0 for i in range(layers))
         req_bytes = layers * ctx * LAT_B + n_full * ctx * KEY_B
+        if mli == "planned":
+            req_bytes = sum(tk.device_bytes() + tl_.device_bytes() for tk, tl_ in planned)
         read = layers * k * LAT_B + n_full * ctx * KEY_B + layers * 2 * hidden * inter * 2
         emit("stack", name, shape, t, base, read, tok_s=1 / t, eager_us=t_eager * 1e6,
              graph_us=t_graph * 1e6 if t_graph else None, request_gb=req_bytes / 2**30, indexer_layers=n_full)
@@ -726,6 +778,13 @@ def targets(layers_by_ctx: dict, stacks_by_ctx: dict) -> None:
             out[f"tiered_{t['label'].replace(' ', '_')}"] = dict(key_ratio=ratio, slowdown=slow, slowdown_eager=slow_e,
                                                                  recall=t["recall"], recall_seeds=t["recall_seeds"],
                                                                  met=ok)
+    for ctx, stack in sorted(stacks_by_ctx.items()):
+        tiered = stack.get("tiered keys+latents r=1 (planned)")
+        if tiered:
+            ratio = stack["IndexCache r=1 (all on GPU)"]["t"] / tiered["t"]
+            log(f"  stack with tiered keys+latents @{ctx // 1024}K: {100 * ratio:.1f}% of all-on-GPU tok/s "
+                f"(>= 85%): {'MET' if ratio >= 0.85 else 'NOT MET'}")
+            out[f"stack_tiers_{ctx // 1024}k"] = ratio
     if s128 and "MLI r=1/2" in s128 and "IndexCache r=1/2" in s128:
         gain = s128["IndexCache r=1/2"]["t"] / s128["MLI r=1/2"]["t"] - 1
         log(f"  MLI r=1/2 vs IndexCache r=1/2 @128K: {100 * gain:+.1f}% decode tok/s (>= +10%): "
@@ -737,6 +796,9 @@ def targets(layers_by_ctx: dict, stacks_by_ctx: dict) -> None:
         log(f"  capacity: best {best['what']} x{best['ratio']:.2f} the all-on-GPU 128K requests (>= 2x; computed)")
         out["capacity_best"] = dict(what=best["what"], ratio=best["ratio"])
     RESULT["targets"] = out
+
+
+STACK_MODES = ["IndexCache r=1/2", "IndexCache r=1/4", "MLI r=1", "MLI r=1/2", "MLI r=1/4", "tiered"]
 
 
 def parse_budget(text: str) -> tuple[int, int, int | None, str, bool]:
@@ -776,6 +838,10 @@ def main() -> None:
     ap.add_argument("--fine-topk", nargs="+", choices=["radix", "one_launch"], default=["radix"],
                     help="section 1p's fine top-k, one run each (with every --candidate-topk): the radix select "
                          "or the one-launch select after the fine indexer's histogram")
+    ap.add_argument("--stack-modes", nargs="+", default=STACK_MODES, choices=STACK_MODES,
+                    help="section 2's modes (the all-on-GPU base always runs); 'tiered' (with --planned, CUDA): "
+                         "every layer reads planned tiers (the first --budgets entry, --candidate-topk and "
+                         "--fine-topk's first)")
     ap.add_argument("--profile", action="store_true",
                     help="print the GPU time of each kernel of the all-on-GPU and the planned steps (CUDA only)")
     ap.add_argument("--prefill-buffers", action="store_true",
