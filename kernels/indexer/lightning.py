@@ -546,11 +546,29 @@ def indexer_prefill_topk(
     """Prefill indexer + exact top-k: int32 [T, k] logical positions (<= each query's position), -1 padded.
 
     Arguments as in `lightning_indexer_prefill`. Materialises the [T, context_len] fp32 logits (chunk T
-    to bound memory), never [T, H, context_len]."""
+    to bound memory), never [T, H, context_len]. The selection is the radix select, or `torch.topk` past
+    `TORCH_TOPK_MIN_WORK` (row, token) pairs, where the radix select's four passes over the scores lose."""
     logits = lightning_indexer_prefill(q, weights, kv_cache, block_table, context_len, block_size, config=config)
     n_q = q.shape[0]
+    if n_q * context_len > TORCH_TOPK_MIN_WORK:
+        return _torch_topk_rows(logits, k)
     lengths = (context_len - n_q + 1 + torch.arange(n_q, device=q.device, dtype=torch.int32)).contiguous()
     out = torch.empty(n_q, k, dtype=torch.int32, device=q.device)
     if n_q > 0:
         radix_topk_launch(logits, lengths, k, out, new_workspace(n_q, q.device))
+    return out
+
+
+# Top-k of many long rows (bench_topk.py on the H200, 2026-12-01, k 2048): the radix select beats torch.topk up
+# to 64 x 64K rows (128 vs 145 us) and loses past that (64 x 128K: 229 vs 195 us; 4096 prefill rows: 0.5-0.6x).
+TORCH_TOPK_MIN_WORK = 1 << 22
+
+
+def _torch_topk_rows(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [T, k] indices of each row's k largest logits, -1 for the -inf entries past a query's position
+    (and past the row when it is shorter than k)."""
+    n_q, n = logits.shape
+    out = torch.full((n_q, k), -1, dtype=torch.int32, device=logits.device)
+    values, idx = torch.topk(logits, min(k, n), dim=1, sorted=False)
+    out[:, : idx.shape[1]] = torch.where(torch.isneginf(values), -1, idx).to(torch.int32)
     return out

@@ -1,6 +1,8 @@
 """Lightning indexer logits (decode / prefill, paged FP8 cache) and the fused indexer + top-k,
 against the dense torch reference."""
 
+import sys
+
 import pytest
 import torch
 
@@ -137,6 +139,11 @@ def test_prefill_logits_and_topk(block_size, ctx, n_q, q_dtype, device):
     for i in range(n_q):
         _check_logits(logits[i], ref[i], mag[i], int(pos[i]) + 1)
     idx = indexer_prefill_topk(q, w, cache, table[0], ctx, block_size, k)
+    check_topk(idx, logits.contiguous(), (pos + 1).int(), k)
+    lightning = sys.modules[indexer_prefill_topk.__module__]
+    with pytest.MonkeyPatch.context() as mp:  # the torch.topk path for many long rows, at this size
+        mp.setattr(lightning, "TORCH_TOPK_MIN_WORK", n_q * ctx - 1)
+        idx = indexer_prefill_topk(q, w, cache, table[0], ctx, block_size, k)
     check_topk(idx, logits.contiguous(), (pos + 1).int(), k)
 
 
