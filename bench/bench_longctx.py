@@ -26,7 +26,9 @@ Sections, each printed as it finishes (the row format of docs/benchmarks.md) and
      all on the GPU), 1/2, 1/4 (S layers reuse the last F layer's top-k and hold no indexer keys), and
      MLI at the same retentions (an F layer attends the previous F layer's selection while its own
      indexer runs on a side stream, joined after its attention). Timed as CUDA-graph replays (eager
-     timing too), tok/s = 1 / step.
+     timing too), tok/s = 1 / step; with --planned also every layer on planned tiers (section 1p).
+     CUDA-graph times are replays back to back (since 2026-12-02 third session; before, one replay
+     between events with a sync, which added the graph's launch latency: both are logged).
   1p. (--planned) the kernel path of tiered keys + latents (hearth.offload.planned_tiers: coarse page
      scores, candidate pages, page / row residency and fetches from mapped pinned host memory, fine
      indexer, sparse MLA; no host sync): its read side (select + latent rows + attention at the
@@ -194,7 +196,10 @@ def eager_time(fn, device: torch.device, reps: int) -> float:
 
 
 def graph_time(fn, reps: int) -> float | None:
-    """Median seconds per replay of fn captured in a CUDA graph; None when capture fails."""
+    """Seconds per replay of fn captured in a CUDA graph, replayed back to back (the median over 5 runs of
+    reps replays: the GPU time with the gaps between the graph's kernels, as when the step is one part of a
+    bigger graph); None when capture fails. Also logs one replay between events with a sync (which adds
+    the graph's launch latency: what an earlier version of this bench reported)."""
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -209,15 +214,26 @@ def graph_time(fn, reps: int) -> float | None:
             graph.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
+        alone = []
         for _ in range(reps):
             start.record()
             graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
+            alone.append(start.elapsed_time(end) * 1e-3)
+        runs = []
+        for _ in range(5):
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) * 1e-3 / reps)
         del graph
-        return statistics.median(times)
+        t = statistics.median(runs)
+        log(f"    (graph: {t * 1e6:.1f} us a replay back to back; {statistics.median(alone) * 1e6:.1f} us one replay "
+            "with a sync)")
+        return t
     except Exception as exc:  # noqa: BLE001 - report and fall back to eager timing
         log(f"  (CUDA graph capture failed: {type(exc).__name__}: {str(exc)[:160]}; eager timing only)")
         torch.cuda.synchronize()
