@@ -4,7 +4,8 @@
 # Results under $OUT: tests.txt (pass/fail lines), e2e-*.log/json, all.tgz (full logs, server logs).
 #   usage: bash scripts/gpu_verify.sh tests   (one call, ~5-6 min on a fresh machine), then bash scripts/gpu_verify.sh e2e (~6 min),
 #   then `kernels` (~9 min: the A/B rows of kernel variants merged untimed, the sparse MLA sweep) and `c2` (~5 min: tiered decode
-#   through the server, the chat cache across a restart, planned tiers by kernel), one call each.
+#   through the server, the chat cache across a restart, planned tiers by kernel), one call each; `defaults` (~6 min: the
+#   GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident).
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
