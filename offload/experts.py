@@ -331,7 +331,8 @@ class OffloadedExperts:
                        pairs: _SortedPairs, max_groups: int) -> None:
         """Queue the round's experts (``lease.experts``, serving order, ``planned`` their states when
         the call was planned; their pairs are the sorted rows ``bounds[0]:bounds[-1]``, whose slots are
-        ``slots`` (n, 1)) in at most ``max_groups`` groups, each group after its own copies."""
+        ``slots`` (n, 1)): the resident ones at its head in one group, the others in at most
+        ``max_groups`` groups, each group after its own copies."""
         lo = bounds[0]
         x_sorted, w_sorted, y_sorted = pairs.x, pairs.w, pairs.y
         # Resident when planned and still (it may have been evicted by an earlier round); on a CPU
