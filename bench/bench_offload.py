@@ -8,6 +8,10 @@ host memory (hidden 7168, 256 experts of 2048, top-8), uniform random routing. P
   routings. Also the measured link and host-expert speeds and what ``host_experts='auto'`` decides.
 - ``prefill``: tok/s per MoE layer for 4K and 16K-token prompts: all experts on the GPU, streamed
   through a 25% cache, and the streaming floor max(layer expert bytes / 55 GB/s, resident compute).
+  ``--prefill-variants halves ring`` times each streaming plan of :class:`OffloadedExperts` in one
+  run, each with its error against the resident output and the host's issue time (the call's return:
+  well below the streamed time means the host was not what paced the copies; near it, it may have,
+  or the host waited on a full launch queue).
 - ``model``: Hearth's decode ms/token on a DeepSeek-V3-shaped model of 1 dense + 2 MoE layers (MLA
   128 heads, bf16 dense weights, FP8 experts offloaded behind a 25% cache) at ``--context`` tokens.
 - ``hf``: the same shapes in Hugging Face transformers (DeepseekV3ForCausalLM, bf16, random weights)
@@ -19,6 +23,7 @@ Correctness is checked first (fused kernel vs reference; offloaded vs resident, 
 ``--small`` runs tiny shapes (on the CPU when there is no GPU) to smoke-test the script.
 
     python bench/bench_offload.py [--parts decode,prefill] [--layers 4] [--steps 12] [--json F] [--small]
+        [--prefill-variants halves ring]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from hearth.offload.cpu_experts import choose_host_experts, measure_host_speeds
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertLayout, ExpertStore
 from hearth.offload.experts import OffloadedExperts, ResidentExperts
+from hearth.offload.fetch_plan import RING, RING_DEPTH, STREAMING
 
 LINK_GBPS = 55.0  # pinned host -> GPU, measured (docs/benchmarks.md, Ceilings)
 
@@ -240,46 +246,76 @@ def part_decode(store: ExpertStore, resident: ResidentExperts, shapes: Shapes, l
     return results
 
 
+def prefill_variant(name: str) -> dict:
+    """OffloadedExperts streaming arguments of a ``--prefill-variants`` name: ``halves`` (the default
+    two halves of the pool, one launch per fetched expert), ``ring`` or ``ringN`` (N rounds, default
+    RING_DEPTH, one launch each)."""
+    for streaming in STREAMING:
+        depth = name.removeprefix(streaming)
+        if name.startswith(streaming) and (depth == "" or (streaming == RING and depth.isdigit() and int(depth) > 0)):
+            return {"streaming": streaming, "ring_depth": int(depth) if depth else RING_DEPTH}
+    raise ValueError(f"unknown prefill variant {name!r}: halves, ring or ringN (N rounds in the pool)")
+
+
+def timed_layers_ms(backend, layers: list[int], x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    device: torch.device) -> tuple[float, float, dict[int, torch.Tensor]]:
+    """Each of ``layers`` called once between two device syncs: (mean wall ms, mean ms until the call
+    returned = the host's issue time, the outputs by layer). ids / w: [L, T, K]."""
+    wall = issue = 0.0
+    outs = {}
+    for layer in layers:
+        sync(device)
+        start = time.perf_counter()
+        outs[layer] = backend(layer, x, ids[layer], w[layer])
+        issued = time.perf_counter()
+        sync(device)
+        wall, issue = wall + time.perf_counter() - start, issue + issued - start
+    return wall * 1e3 / len(layers), issue * 1e3 / len(layers), outs
+
+
 def part_prefill(store: ExpertStore, resident: ResidentExperts, shapes: Shapes, layers: int,
-                 prompt_lens: list[int], device: torch.device) -> dict:
+                 prompt_lens: list[int], variants: list[str], device: torch.device) -> dict:
     """Per MoE layer: resident vs streamed through a 25% cache (fresh pools: every needed expert is
-    copied), against the streaming floor."""
+    copied) with each streaming variant, against the streaming floor; with the host's issue time
+    (when it is near the streamed time, the host, not the link, paces the copies)."""
     results = {}
     slots = max(2, shapes.num_experts // 4)
     timed_layers = list(range(1, layers)) or [0]
+    n = len(timed_layers)
     for tokens in prompt_lens:
         ids, w = routing(shapes, 1, layers, tokens, seed=1000 + tokens, device=device)
         x = torch.randn(tokens, shapes.hidden, device=device).bfloat16()
-        cache = ExpertCache(store, device, slots_per_layer=slots)
-        backend = OffloadedExperts(cache, host_experts="off")
         resident(0, x, ids[0, 0], w[0, 0])
-        backend(0, x, ids[0, 0], w[0, 0])  # warm-up on layer 0; the timed layers' pools are still empty
-        def one_layer(fn, l: int, x=x, ids=ids, w=w) -> float:
-            return timed_ms(lambda: fn(l, x, ids[0, l], w[0, l]), device)
-
-        res_ms = sum(one_layer(resident, l) for l in timed_layers)
-        cache.reset_stats()
-        str_ms = sum(one_layer(backend, l) for l in timed_layers)
-        st = cache.stats()["total"]
-        n = len(timed_layers)
-        res_ms, str_ms = res_ms / n, str_ms / n
+        res_ms, _, want = timed_layers_ms(resident, timed_layers, x, ids[0], w[0], device)
         needed = sum(len(set(ids[0, l].flatten().tolist())) for l in timed_layers) / n
         link_ms = needed * store.layout.record_bytes / (LINK_GBPS * 1e6)
         floor_ms = max(link_ms, res_ms)
-        row = {"resident_ms": res_ms, "streamed_ms": str_ms, "link_floor_ms": link_ms, "floor_ms": floor_ms,
-               "resident_tok_s": tokens / res_ms * 1e3, "streamed_tok_s": tokens / str_ms * 1e3,
-               "floor_tok_s": tokens / floor_ms * 1e3, "share_of_floor": floor_ms / str_ms,
-               "experts_needed": needed, "fetched_per_layer": st["misses"] / n,
-               "copy_busy": st["copy_ms"] / (str_ms * n),
-               "copy_gbps": st["bytes_fetched"] / st["copy_ms"] / 1e6 if st["copy_ms"] else 0.0}
-        results[f"prompt{tokens}"] = row
+        row = {"resident_ms": res_ms, "resident_tok_s": tokens / res_ms * 1e3, "link_floor_ms": link_ms,
+               "floor_ms": floor_ms, "floor_tok_s": tokens / floor_ms * 1e3, "experts_needed": needed, "streamed": {}}
         print(f"prefill {tokens:6d} tokens/layer: resident {row['resident_tok_s']:9.0f} tok/s ({res_ms:.1f} ms)  "
-              f"streamed {row['streamed_tok_s']:9.0f} tok/s ({str_ms:.1f} ms)  floor {row['floor_tok_s']:9.0f} "
-              f"tok/s (link {link_ms:.1f} ms for {needed:.0f} experts)  streamed = {100 * row['share_of_floor']:.0f}% "
-              f"of floor  copy busy {100 * row['copy_busy']:.0f}% at {row['copy_gbps']:.1f} GB/s", flush=True)
-        del backend, cache
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+              f"floor {row['floor_tok_s']:9.0f} tok/s (link {link_ms:.1f} ms for {needed:.0f} experts)", flush=True)
+        for name in variants:
+            cache = ExpertCache(store, device, slots_per_layer=slots)
+            backend = OffloadedExperts(cache, host_experts="off", **prefill_variant(name))
+            backend(0, x, ids[0, 0], w[0, 0])  # warm-up on layer 0; the timed layers' pools are still empty
+            cache.reset_stats()
+            str_ms, issue_ms, outs = timed_layers_ms(backend, timed_layers, x, ids[0], w[0], device)
+            err = max(((outs[l].float() - want[l].float()).norm() / want[l].float().norm()).item() for l in outs)
+            st = cache.stats()["total"]
+            r = {"streamed_ms": str_ms, "streamed_tok_s": tokens / str_ms * 1e3, "issue_ms": issue_ms,
+                 "share_of_floor": floor_ms / str_ms, "fetched_per_layer": st["misses"] / n,
+                 "copy_busy": st["copy_ms"] / (str_ms * n),
+                 "copy_gbps": st["bytes_fetched"] / st["copy_ms"] / 1e6 if st["copy_ms"] else 0.0,
+                 "rel_err_vs_resident": err}
+            row["streamed"][name] = r
+            print(f"  {name:8s} streamed {r['streamed_tok_s']:9.0f} tok/s ({str_ms:.1f} ms, host issue "
+                  f"{issue_ms:.1f} ms) = {100 * r['share_of_floor']:.0f}% of floor  copy busy "
+                  f"{100 * r['copy_busy']:.0f}% at {r['copy_gbps']:.1f} GB/s  rel err vs resident {err:.1e}",
+                  flush=True)
+            del backend, cache, outs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        results[f"prompt{tokens}"] = row
     return results
 
 
@@ -470,6 +506,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="MoE layers in the decode/prefill store")
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps (as many warm-up steps)")
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=None, help="prompt lengths (4096 16384)")
+    ap.add_argument("--prefill-variants", nargs="+", default=["halves"],
+                    help="streaming variants timed one after the other: halves (default), ring, ringN")
     ap.add_argument("--context", type=int, default=None, help="model/hf context tokens (4096)")
     ap.add_argument("--model-tokens", type=int, default=8, help="timed Hearth decode tokens")
     ap.add_argument("--hf-tokens", type=int, default=2, help="timed transformers decode tokens")
@@ -482,6 +520,11 @@ def main() -> None:
     unknown = set(parts) - {"decode", "prefill", "model", "hf"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
+    for name in args.prefill_variants:
+        try:
+            prefill_variant(name)
+        except ValueError as exc:
+            ap.error(str(exc))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.small:
         ap.error("no GPU: use --small for a CPU dry run")
@@ -510,7 +553,8 @@ def main() -> None:
             results["decode"] = part_decode(store, resident, shapes, args.layers, args.steps, device)
             save()
         if "prefill" in parts:
-            results["prefill"] = part_prefill(store, resident, shapes, args.layers, args.prefill_tokens, device)
+            results["prefill"] = part_prefill(store, resident, shapes, args.layers, args.prefill_tokens,
+                                              args.prefill_variants, device)
             save()
         del resident, store
         if device.type == "cuda":

@@ -16,7 +16,7 @@ Two passes per configuration, after a warm-up that fills the caches:
   syncs and compute launches per call (syncs counted outside the compute helper).
 
     python bench/bench_offload_overhead.py [--device cpu|cuda] [--calls 400] [--tokens 1,8]
-        [--slots 64,128] [--skip-compute] [--json F]
+        [--slots 64,128] [--streaming halves|ring] [--skip-compute] [--json F]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from hearth.offload import experts as experts_mod
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertLayout, ExpertStore
 from hearth.offload.experts import OffloadedExperts
+from hearth.offload.fetch_plan import HALVES, STREAMING
 
 SYNC_METHODS = ("tolist", "item", "cpu")
 
@@ -169,7 +170,7 @@ def run_config(store: ExpertStore, slots: int, tokens: int, args, device: torch.
     layers = len(store.layers)
     cache = ExpertCache(store, device, slots_per_layer=slots)
     # group_bytes=1: one compute launch per fetched expert, as with DeepSeek-V3's 44 MB experts
-    backend = OffloadedExperts(cache, host_experts="off", group_bytes=args.group_bytes)
+    backend = OffloadedExperts(cache, host_experts="off", group_bytes=args.group_bytes, streaming=args.streaming)
     warm = max(1, -(-2 * slots // (tokens * args.top_k))) * layers  # enough calls to fill every pool
     calls = warm + 2 * args.calls
     ids, w = routings(calls, tokens, store.num_experts, args.top_k, device)
@@ -233,6 +234,8 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--group-bytes", type=int, default=1, help="OffloadedExperts group_bytes (1: one per expert)")
+    p.add_argument("--streaming", choices=STREAMING, default=HALVES,
+                   help="OffloadedExperts streaming plan of calls larger than the pool (prefill: --tokens 4096)")
     p.add_argument("--skip-compute", action="store_true", help="no expert math (launch count still reported)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()

@@ -9,8 +9,12 @@ Both implement ``backend(layer_idx, x [T, D], topk_ids [T, K], topk_weights [T, 
   first), compute the resident ones meanwhile, then each fetched expert (or small group) as soon as
   its own copy lands, so what is left after the last copy is one expert's compute. A missed expert
   may instead be computed on the host when that is measured to be faster (:mod:`cpu_experts`).
-  When a call needs more experts than the pool has room for (long prompts), they stream through the
-  two halves of that room: round i+1 is copied while round i computes. The room is the slots no other
+  When a call needs more experts than the pool has room for (long prompts), they stream through
+  that room in rounds (:class:`~hearth.offload.fetch_plan.StreamPlan`): by default through its two
+  halves, round i+1 copied while round i computes; with ``streaming="ring"`` through ``ring_depth``
+  smaller rounds, each computed in one launch, the copies of the next ones queued meanwhile. Either
+  way a round's copies are queued right after the compute of the round whose slots they reuse, and
+  wait for nothing else. The room is the slots no other
   lease holds (the runahead decoder may hold some between steps); a call never asks for more, so it
   never meets a full cache. With one slot of room the experts go through it one by one; with none,
   the experts other leases hold are computed on the device and the rest on the host.
@@ -38,14 +42,19 @@ from hearth.offload.cpu_experts import HOST_POLICIES, HostSpeeds, choose_host_ex
 from hearth.offload.expert_cache import CacheFullError, ExpertCache, ExpertLease
 from hearth.offload.expert_store import ExpertStore, ExpertWeights
 from hearth.offload.fetch_plan import (
+    ACQUIRE,
+    COMPUTE,
+    HALVES,
     IN_FLIGHT,
     MIN_GROUP_BYTES,
     MISSING,
     RESIDENT,
+    RING_DEPTH,
+    STREAMING,
+    plan_stream,
     round_groups,
     serving_order,
     sort_pairs,
-    split_rounds,
 )
 
 # Up to this many (token, k) pairs (decode) the routing itself is read back and the pairs are sorted on the
@@ -164,13 +173,22 @@ class OffloadedExperts:
     measured here unless ``host_speeds`` is given), always (``on``) or never (``off``). ``auto`` is off
     on a host-memory cache (nothing crosses a link). ``group_bytes``: fetched experts are computed in
     groups of about this many bytes of copies (one DeepSeek-V3 expert each by default).
+    ``streaming``: how a call needing more experts than the room streams (:func:`plan_stream`): ``halves``
+    (two rounds of half the room, each computed group by group) or ``ring`` (``ring_depth`` rounds,
+    each computed in one call: far fewer host launches per layer, copies queued ``ring_depth - 1``
+    rounds ahead).
     """
 
     def __init__(self, cache: ExpertCache, use_kernel: bool | None = None, overlap: bool = True,
                  host_experts: str = "auto", host_speeds: HostSpeeds | None = None,
-                 group_bytes: int = MIN_GROUP_BYTES):
+                 group_bytes: int = MIN_GROUP_BYTES, streaming: str = HALVES, ring_depth: int = RING_DEPTH):
         if host_experts not in HOST_POLICIES:
             raise ValueError(f"host_experts must be one of {HOST_POLICIES}, got {host_experts!r}")
+        if streaming not in STREAMING or ring_depth < 1:
+            raise ValueError(f"streaming must be one of {STREAMING} and ring_depth >= 1, got {streaming!r}, "
+                             f"{ring_depth}")
+        self.streaming = streaming
+        self.ring_depth = ring_depth
         self.cache = cache
         self.num_experts = cache.store.num_experts
         self.use_kernel = cache.is_cuda if use_kernel is None else use_kernel
@@ -193,38 +211,37 @@ class OffloadedExperts:
         order, states, num_on_host = self._serving_order(layer_idx, counts, room)
         num_on_device = len(order) - num_on_host
         # NOTE: without room only experts other leases hold stay on the device: acquiring them takes no slot.
-        capacity = room or max(1, num_on_device)
-        rounds = split_rounds(num_on_device, capacity)
-        held: list[ExpertLease] = []
+        plan = plan_stream(num_on_device, room or max(1, num_on_device), self.streaming, self.ring_depth)
+        starts = list(accumulate(plan.rounds, initial=0))
+        leases: dict[int, ExpertLease] = {}
+
+        def acquire(r: int) -> None:
+            leases[r] = self.cache.acquire(layer_idx, order[starts[r]:starts[r + 1]])
+
         try:
-            if rounds:  # copies start before anything else is planned or queued
-                held.append(self.cache.acquire(layer_idx, order[:rounds[0]]))
+            steps = plan.steps()
+            if steps:  # round 0's copies start before anything else is planned or queued
+                acquire(steps.pop(0)[1])
             bounds = list(accumulate((counts[e] for e in order), initial=0))
-            pairs = _SortedPairs(x, topk_weights, order, counts, ids, topk_ids, held[0] if held else None,
-                                 self.num_experts)
+            pairs = _SortedPairs(x, topk_weights, order, counts, ids, topk_ids, leases.get(0), self.num_experts)
             host_rows = None
             if num_on_host:  # activations to the host now, before anything queued waits for a copy
-                start = bounds[len(order) - num_on_host]
+                start = bounds[num_on_device]
                 host_rows = (pairs.x[start:].cpu(), pairs.w[start:].cpu())
-            pos = 0
-            for r, size in enumerate(rounds):
-                following = order[pos + size:pos + size + rounds[r + 1]] if r + 1 < len(rounds) else []
-                if following and size + len(following) <= capacity:  # its copies start now, into the other half
-                    held.append(self.cache.acquire(layer_idx, following))
-                lease = held.pop(0)
-                try:
-                    planned = [states[e] for e in order[pos:pos + size]]
-                    slots = pairs.round_slots(r, lease, bounds[pos], bounds[pos + size], self.num_experts)
-                    self._compute_round(lease, planned, slots, bounds[pos:pos + size + 1], pairs.x, pairs.w, pairs.y)
-                finally:
-                    self.cache.release(lease)
-                if following and not held:  # no room for two rounds: the next one reuses this one's slots
-                    held.append(self.cache.acquire(layer_idx, following))
-                pos += size
+            for step, r in steps:
+                if step == ACQUIRE:
+                    acquire(r)
+                elif step == COMPUTE:
+                    lo, hi = starts[r], starts[r + 1]
+                    slots = pairs.round_slots(r, leases[r], bounds[lo], bounds[hi], self.num_experts)
+                    self._compute_round(leases[r], [states[e] for e in order[lo:hi]], slots, bounds[lo:hi + 1],
+                                        pairs, plan.max_groups)
+                else:
+                    self.cache.release(leases.pop(r))
             if host_rows is not None:
-                self._compute_on_host(layer_idx, order[pos:], bounds[pos:], host_rows, pairs.y)
+                self._compute_on_host(layer_idx, order[num_on_device:], bounds[num_on_device:], host_rows, pairs.y)
         finally:
-            for lease in held:
+            for lease in leases.values():
                 self.cache.release(lease)
         return pairs.unsorted().view(t, k, -1).sum(1).to(x.dtype)  # (TK, D) -> (T, K, D) -> (T, D)
 
@@ -311,16 +328,19 @@ class OffloadedExperts:
         return s.transfer_ms + s.cpu_ms(1) < num_missing * s.link_ms_per_expert
 
     def _compute_round(self, lease: ExpertLease, planned: list[int], slots: torch.Tensor, bounds: list[int],
-                       x_sorted: torch.Tensor, w_sorted: torch.Tensor, y_sorted: torch.Tensor) -> None:
+                       pairs: _SortedPairs, max_groups: int) -> None:
         """Queue the round's experts (``lease.experts``, serving order, ``planned`` their states when
         the call was planned; their pairs are the sorted rows ``bounds[0]:bounds[-1]``, whose slots are
-        ``slots`` (n, 1)) group by group, each group after its own copies."""
+        ``slots`` (n, 1)): the resident ones at its head in one group, the others in at most
+        ``max_groups`` groups, each group after its own copies."""
         lo = bounds[0]
+        x_sorted, w_sorted, y_sorted = pairs.x, pairs.w, pairs.y
         # Resident when planned and still (it may have been evicted by an earlier round); on a CPU
         # cache copies are synchronous, so fetched experts still form their groups (waits are no-ops).
         states = [RESIDENT if ready and p == RESIDENT else IN_FLIGHT for ready, p in zip(lease.ready, planned)]
         w = self.cache.weights
-        for group in round_groups(states, self.cache.store.record_bytes, self.overlap, self.group_bytes):
+        for group in round_groups(states, self.cache.store.record_bytes, self.overlap, self.group_bytes,
+                                  max_groups):
             if group.wait:
                 if self.overlap:
                     lease.wait_for(range(group.start, group.stop))

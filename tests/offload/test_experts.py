@@ -8,6 +8,7 @@ import torch
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertStore
 from hearth.offload.experts import OffloadedExperts, ResidentExperts
+from hearth.offload.fetch_plan import ACQUIRE, COMPUTE, RELEASE, plan_stream, slot_reuse
 from tests.offload.ckpt_util import make_expert_tensors, reference_moe, write_checkpoint
 
 LAYERS = [1, 2]
@@ -101,6 +102,103 @@ def test_prefill_streams_through_two_halves_of_the_pool(tmp_path, monkeypatch):
     assert events.count("compute") == 6 and all(cache.refcount(1, e) == 0 for e in range(NUM_EXPERTS))
 
 
+@pytest.mark.parametrize(("streaming", "slots", "depth"), [("halves", 5, 8), ("ring", 5, 8), ("ring", 8, 4)])
+def test_prefill_follows_its_stream_plan(tmp_path, monkeypatch, streaming, slots, depth):
+    """A long prompt needs all 12 experts: the call acquires, computes and releases its rounds in the
+    order of its StreamPlan (one compute call per ring round), each round's copies go into the slots
+    of the round ``ahead`` earlier (or fresh ones), exactly as :func:`slot_reuse` models, and the result
+    equals the reference."""
+    from hearth.offload import experts as experts_mod
+
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=slots)
+    backend = OffloadedExperts(cache, streaming=streaming, ring_depth=depth, host_experts="off")
+    plan = plan_stream(NUM_EXPERTS, slots, streaming, depth)
+    trace: list[tuple[str, int]] = []
+    slots_of: dict[int, list[int]] = {}  # round -> the slots its lease got
+    round_of: list = []  # round -> its lease
+    last_release: dict[int, int] = {}  # slot -> round that last released it
+    waits: list[list[int]] = []
+    kernel_calls = [0]
+    acquire, release, compute, into = cache.acquire, cache.release, backend._compute_round, experts_mod._experts_into
+
+    def logged_acquire(layer, experts):
+        lease = acquire(layer, experts)
+        r = len(slots_of)
+        slots_of[r] = list(lease.slots)
+        round_of.append(lease)
+        waits.append(sorted({last_release[s] for s in lease.slots if s in last_release}))
+        trace.append((ACQUIRE, r))
+        return lease
+
+    def logged_release(lease, record=True):
+        r = next(q for q, held in enumerate(round_of) if held is lease)
+        trace.append((RELEASE, r))
+        last_release.update(dict.fromkeys(lease.slots, r))
+        return release(lease, record)
+
+    def logged_compute(lease, *args):
+        trace.append((COMPUTE, next(q for q, held in enumerate(round_of) if held is lease)))
+        return compute(lease, *args)
+
+    monkeypatch.setattr(cache, "acquire", logged_acquire)
+    monkeypatch.setattr(cache, "release", logged_release)
+    monkeypatch.setattr(backend, "_compute_round", logged_compute)
+    monkeypatch.setattr(experts_mod, "_experts_into", lambda *a: (kernel_calls.__setitem__(0, kernel_calls[0] + 1),
+                                                                  into(*a))[1])
+    x, ids, w = _routing(torch.Generator().manual_seed(5), tokens=64)
+    assert len(set(ids.flatten().tolist())) == NUM_EXPERTS
+    _assert_close(backend(1, x, ids, w), reference_moe(tensors, 1, x, ids, w), rtol=1e-5)
+    assert trace == plan.steps()
+    assert waits == slot_reuse(plan, slots)
+    if streaming == "ring":
+        assert kernel_calls[0] == len(plan.rounds) and plan.ahead == slots // plan.rounds[0] > 2
+    assert all(cache.refcount(1, e) == 0 for e in range(NUM_EXPERTS))
+
+
+@pytest.mark.parametrize("streaming", ["halves", "ring"])
+def test_streamed_prefill_reads_the_routing_back_once(tmp_path, monkeypatch, streaming):
+    """No host wait inside the round loop: the only read-back of a streamed prefill call is the
+    per-expert counts of its routing, before the first copy (the CPU reference kernel's own reads
+    excluded)."""
+    from hearth.offload import experts as experts_mod
+
+    store, tensors = _store(tmp_path, torch.float32)
+    cache = ExpertCache(store, "cpu", slots_per_layer=5)
+    backend = OffloadedExperts(cache, streaming=streaming, host_experts="off")
+    events: list[str] = []
+    in_compute = [False]
+    into, acquire = experts_mod._experts_into, cache.acquire
+
+    def reader(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(t, *args, **kwargs):
+            if not in_compute[0]:
+                events.append("read-back")
+            return original(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    def compute(*args):
+        in_compute[0] = True
+        try:
+            return into(*args)
+        finally:
+            in_compute[0] = False
+
+    for name in ("tolist", "item", "cpu", "numpy"):
+        reader(name)
+    monkeypatch.setattr(experts_mod, "_experts_into", compute)
+    monkeypatch.setattr(cache, "acquire", lambda l, e: (events.append("acquire"), acquire(l, e))[1])
+    x, ids, w = _routing(torch.Generator().manual_seed(9), tokens=80)  # 320 pairs: the prefill path
+    want = reference_moe(tensors, 1, x, ids, w)
+    events.clear()
+    out = backend(1, x, ids, w)
+    assert events[0] == "read-back" and events.count("read-back") == 1 and events.count("acquire") > 2
+    _assert_close(out, want, rtol=1e-5)
+
+
 def test_result_does_not_depend_on_residency_or_grouping(tmp_path):
     """Every pair gets its own row, summed over k at the end: a cold cache, a warm one, one group per
     fetched expert, no overlap and a streamed call all give the same bits."""
@@ -158,15 +256,17 @@ def test_auto_host_experts_is_off_without_a_link(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TRITON_DEVICE, reason="needs CUDA or TRITON_INTERPRET=1")
-def test_kernel_offloaded_bitwise_equals_resident(tmp_path):
-    """With the fused kernel: per-expert groups, streamed rounds and a resident run agree bit for bit."""
+@pytest.mark.parametrize("streaming", ["halves", "ring"])
+def test_kernel_offloaded_bitwise_equals_resident(tmp_path, streaming):
+    """With the fused kernel: per-expert groups, streamed rounds (two halves or a ring of one-call
+    rounds) and a resident run agree bit for bit."""
     store, _ = _store(tmp_path, torch.float8_e4m3fn)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     resident = ResidentExperts(store, device, use_kernel=True)
     backend = OffloadedExperts(ExpertCache(store, device, slots_per_layer=5), use_kernel=True, host_experts="off",
-                               group_bytes=1)
+                               group_bytes=1, streaming=streaming, ring_depth=2)
     g = torch.Generator().manual_seed(10)
-    for tokens in (1, 3, 6):  # 6 tokens need more than 5 experts: streamed
+    for tokens in (1, 3, 6, 40):  # 6 tokens need more than 5 experts: streamed; 40 the device pair sort
         x, ids, w = (t.to(device) for t in _routing(g, tokens))
         x = x.bfloat16()
         assert torch.equal(backend(2, x, ids, w), resident(2, x, ids, w))
