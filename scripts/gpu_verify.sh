@@ -61,25 +61,29 @@ for step in "${steps[@]}"; do
         timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
             --time-limit 60 --profile --candidate-topk sort select single_pass --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;
-    defaults)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows
+    defaults)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
         HEARTH_TEST_DEVICE=cuda timeout 200 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
             -p no:cacheprovider -n 8 tests/offload/test_planned_tiers.py tests/offload/test_planned_tiers_launches.py \
             tests/kernels/test_lightning_indexer.py tests/kernels/test_topk_one_launch.py tests/kernels/test_sparse_mla.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_graph_step.py \
-            tests/engine/test_mli.py ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
+            tests/engine/test_mli.py tests/offload/test_gpu_offload.py tests/offload/test_experts.py \
+            ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
         echo "rc $?" >> "$OUT/l/tests.log"
         grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12
-        timeout 60 python3 bench/bench_dsa.py --only decode_mla --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
-        grep -E "^decode sparse MLA \((bf16|fp8 tile path)\)" "$OUT/dsa-mla.log" | tail -6
-        timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
-            --stack-modes tiered --budgets 256:4096:256 --fine-topk one_launch radix --time-limit 100 --profile \
-            --out "$OUT/l" > "$OUT/longctx.log" 2>&1
-        grep -E "^\(p\)|planned:|tiered keys\+latents r=1|IndexCache r=1 \(all|stack with tiered|kernels of" \
-            "$OUT/longctx.log" | tail -14
+        timeout 90 python3 bench/bench_offload.py --parts prefill --layers 2 --prefill-variants halves ring ring4 ring16 \
+            --json "$OUT/l/prefill_ab.json" > "$OUT/prefill-ab.log" 2>&1
+        grep -E "^prefill|streamed" "$OUT/prefill-ab.log" | tail -10
         wait  # the checkpoint
         timeout 150 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 1 --decode-tokens 128 \
             --configs resident --concurrency 1 8 --ttft 2048 --json "$OUT/e2e-resident.json" > "$OUT/e2e-resident.log" 2>&1
-        grep -vE "server flags|this window" "$OUT/e2e-resident.log" | tail -5 ;;
+        grep -vE "server flags|this window" "$OUT/e2e-resident.log" | tail -5
+        timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
+            --stack-modes tiered --budgets 256:4096:256 --fine-topk one_launch radix --time-limit 100 --profile \
+            --out "$OUT/l" > "$OUT/longctx.log" 2>&1
+        grep -E "^\(p\)|planned:|tiered keys\+latents r=1|IndexCache r=1 \(all|stack with tiered|kernels of|graph:" \
+            "$OUT/longctx.log" | tail -16
+        timeout 60 python3 bench/bench_dsa.py --only decode_mla --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
+        grep -E "^decode sparse MLA \((bf16|fp8 tile path)\)" "$OUT/dsa-mla.log" | tail -6 ;;
     esac
 done
 wait
