@@ -25,8 +25,9 @@ prompt tokens like a prefix-cache hit.
   two always cover the same tokens, and pages the GPU reused in between only shorten the hit.
   With tiered latents the prefix cache stays off: the parked state is all a request needs.
 - Budget: at most ``budget_bytes`` of parked host memory; parking evicts the least recently parked
-  chats beyond it, and a chat larger than the whole budget is not parked. A parked chat whose tokens
-  a newer one of the same conversation extends is dropped (the newer serves every prompt it would).
+  chats beyond it, and a chat larger than the whole budget is not kept in RAM (only on disk, below).
+  A parked chat whose tokens a newer one of the same conversation extends is dropped (the newer
+  serves every prompt it would).
 - Disk: with a ``TierStore`` (``hearth.engine.tier_store``: a chat cache folder and a model loaded from
   a folder), a parked chat the RAM budget pushes out, or one larger than the whole budget, is written
   to a file, and ``flush`` (``Engine.close``) writes every chat held only in RAM; a new engine indexes
@@ -101,6 +102,8 @@ class TierCache:
         keys = self.key_tiers.park(seq.request_id, covered) if self.key_tiers is not None else {}
         latents = self.latent_tiers.park(seq.request_id, covered) if self.latent_tiers is not None else {}
         nbytes = sum(state.nbytes for state in (*keys.values(), *latents.values()))
+        if nbytes > self.budget_bytes and self.store is None:
+            return
         parked = _Parked(seq.token_slice(0, covered), seq.conversation, keys, latents, nbytes)
 
         def extended(old: _Parked | StoredChat) -> bool:  # (the new state serves every prompt old would)
