@@ -165,10 +165,11 @@ class EngineConfig:
         "prefetch" is a baseline for measurements; "auto" picks per step with :func:`auto_scheduler`.
     prefix_cache_*: hearth.engine.prefix_store. Pages are spilled when the device reuses them and
         when the engine stops, restored when a new prompt starts with them. With tiered latents off
-        (their pages are not shared); with tiered keys only the pages hold latents, kept in RAM but not
-        on disk. prefix_cache_preload: ``Preload``, started by ``Engine.load`` before the weights load.
-    tier_cache_host_gib: hearth.engine.tier_cache (tiered keys or latents only): finished requests'
-        tiers parked in RAM for their chat's next turn.
+        (their pages are not shared); with tiered keys only the pages hold latents.
+        prefix_cache_preload: ``Preload``, started by ``Engine.load`` before the weights load.
+    tier_cache_host_gib, tier_cache_disk_gib: hearth.engine.tier_cache (tiered keys or latents only):
+        finished requests' tiers parked in RAM for their chat's next turn, then in files in
+        ``prefix_cache_dir`` (hearth.engine.tier_store; None: as much as ``prefix_cache_disk_gib``).
     """
 
     device: str = _option(
@@ -212,8 +213,13 @@ class EngineConfig:
         None, "Long chat cache in RAM",
         "With GPU key pages or latent rows: RAM that keeps the keys and latents of finished answers, so a chat's "
         "next turn continues from them instead of reading the whole chat again; the least recently used chats "
-        "are dropped first, and nothing of it survives a restart (auto: 32 GiB, at most a quarter of the "
-        "machine's RAM).", unit=" GiB")
+        "go to disk when there is a chat cache folder (auto: 32 GiB, at most a quarter of the machine's RAM).",
+        unit=" GiB")
+    tier_cache_disk_gib: float | None = _option(
+        None, "Long chat cache on disk",
+        "With GPU key pages or latent rows and a chat cache folder: disk space for the keys and latents of long "
+        "chats that left RAM or were saved when the engine stopped, so a chat continues after a restart; the "
+        "least recently used are deleted first (auto: as much as the chat cache on disk).", unit=" GiB")
     keep_fp8: bool | None = _option(
         None, "Keep FP8 weights",
         "Keep FP8 checkpoints in FP8, half the memory of bfloat16, and expand them as they are used "

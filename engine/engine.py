@@ -49,7 +49,8 @@ in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) an
 ``drop_conversation``. ``Engine.load`` with a cache folder starts the warm start first
 (``prefix_store.Preload``): the newest saved pages are read back into RAM while the weights load.
 With tiered keys or latents a request's state outside the pages is parked in RAM when it ends and
-adopted by the chat's next turn (``hearth.engine.tier_cache``; RAM only, not saved by ``close``).
+adopted by the chat's next turn (``hearth.engine.tier_cache``); with a cache folder, chats leaving
+RAM and those ``close`` saves go to files (``hearth.engine.tier_store``) a later engine adopts.
 
 ``warm_up`` runs synthetic requests before the first user request (``hearth.engine.warm_up``), so
 that request finds the kernels compiled and the decode graphs captured; the engine host calls it
@@ -102,6 +103,8 @@ from hearth.engine.text.detokenizer import IncrementalDetokenizer, StopChecker
 from hearth.engine.text.harmony import uses_harmony
 from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.tier_cache import TierCache
+from hearth.engine.tier_store import FORMAT_VERSION as TIER_FORMAT
+from hearth.engine.tier_store import TierStore, tier_folder
 from hearth.engine.warm_up import ANSWER_TOKENS, CONVERSATION, Limits, warm_up_rounds, warm_up_token_ids
 
 
@@ -146,15 +149,14 @@ class Engine:
         self.model_config = runner.model_config
         self.max_model_len = runner.max_model_len
         # Tiered keys and latents live per request outside the pages: a finished request's are parked
-        # in RAM for its chat's next turn (hearth.engine.tier_cache). With tiered keys only, the pages
-        # hold the latents and stay a prefix cache (RAM behind it, no disk: the keys are not saved).
+        # in RAM, then on disk, for its chat's next turn (hearth.engine.tier_cache). With tiered keys
+        # only, the pages hold the latents and stay a prefix cache (RAM and disk behind it).
         tiered = runner.key_tiers is not None or runner.latent_tiers is not None
         self.tier_cache = TierCache(runner.model_config, runner.key_tiers, runner.latent_tiers, runner.block_size,
-                                    _tier_cache_bytes(config)) if tiered else None
-        self.prefix_tier = None if runner.latent_tiers is not None else \
-            _prefix_tier(runner, config, preload, disk=not tiered)
+                                    _tier_cache_bytes(config), _tier_store(runner, config)) if tiered else None
+        self.prefix_tier = None if runner.latent_tiers is not None else _prefix_tier(runner, config, preload)
         if preload is not None and (self.prefix_tier is None or self.prefix_tier.store.preload is not preload):
-            preload.cancel(wait=False)  # (no tier on disk to warm: tiered keys or latents)
+            preload.cancel(wait=False)  # (no pages on disk to warm: tiered latents)
         self.blocks = BlockManager(runner.num_blocks, runner.block_size,
                                    enable_prefix_caching=runner.latent_tiers is None, tier=self.prefix_tier)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
@@ -333,11 +335,13 @@ class Engine:
 
     def close(self) -> int:
         """Save the device's cached pages to disk, so a later engine on the same model and cache
-        folder starts with them, and the conversations' tokenised prompts beside them; returns how
-        many pages were written. Call it between steps."""
+        folder starts with them, and the conversations' tokenised prompts beside them, and the
+        parked long chats held only in RAM; returns how many pages and chats were written. Call it
+        between steps."""
+        chats = self.tier_cache.flush() if self.tier_cache is not None else 0
         tier = self.prefix_tier
         if tier is None or tier.store.folder is None:
-            return 0
+            return chats
         tier.store.cancel_preload()
         pages = self.blocks.cached_blocks()
         for start in range(0, len(pages), _PERSIST_BATCH):
@@ -345,7 +349,7 @@ class Engine:
         written = tier.store.flush()
         tier.store.save_prompts({c: record for c in self._prompt_tokens.conversations()
                                  if (record := self._prompt_tokens.to_bytes(c)) is not None})
-        return written
+        return written + chats
 
     @property
     def wants_warm_up(self) -> bool:
@@ -814,14 +818,27 @@ def _start_preload(checkpoint: str | Path, config: EngineConfig) -> Preload | No
     return Preload(config.prefix_cache_dir, model_key(checkpoint), _host_cache_bytes(config), pin=pin)
 
 
-def _prefix_tier(runner: ModelRunner, config: EngineConfig, preload: Preload | None = None,
-                 disk: bool = True) -> PageTier | None:
+def _tier_store(runner: ModelRunner, config: EngineConfig) -> TierStore | None:
+    """The files of parked long chats, as ``config`` asks (as the prefix cache's: for a model loaded
+    from a folder, in its cache folder); stale when the model, its page layout or a tier config differs."""
+    if not (config.prefix_cache_offload and config.prefix_cache_dir) or runner.checkpoint is None:
+        return None
+    gib = config.tier_cache_disk_gib if config.tier_cache_disk_gib is not None else config.prefix_cache_disk_gib
+    layout = {**runner.page_layout(), "tier_store": TIER_FORMAT,
+              "key_tiers": repr(runner.key_tiers.config) if runner.key_tiers is not None else None,
+              "key_tiers_planned": runner.key_tiers is not None and runner.key_tiers.planned,
+              "latent_tiers": repr(runner.latent_tiers.config) if runner.latent_tiers is not None else None}
+    return TierStore(tier_folder(config.prefix_cache_dir), int(gib * _GIB),
+                     fingerprint_=fingerprint(runner.checkpoint, layout), key=model_key(runner.checkpoint),
+                     pin=runner.device.type == "cuda")
+
+
+def _prefix_tier(runner: ModelRunner, config: EngineConfig, preload: Preload | None = None) -> PageTier | None:
     """RAM and disk behind the device's prefix cache, as ``config`` asks (disk only for a model
-    loaded from a folder: the files are tied to it, and not when ``disk`` is False), warmed by
-    ``preload`` or a preload started here."""
+    loaded from a folder: the files are tied to it), warmed by ``preload`` or a preload started here."""
     if not config.prefix_cache_offload:
         return None
-    folder = config.prefix_cache_dir if runner.checkpoint is not None and disk else None
+    folder = config.prefix_cache_dir if runner.checkpoint is not None else None
     checkpoint = runner.checkpoint or ""
     store = PrefixStore(
         runner.cache.page_bytes, _host_cache_bytes(config), folder=folder,

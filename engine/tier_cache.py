@@ -25,9 +25,18 @@ prompt tokens like a prefix-cache hit.
   two always cover the same tokens, and pages the GPU reused in between only shorten the hit.
   With tiered latents the prefix cache stays off: the parked state is all a request needs.
 - Budget: at most ``budget_bytes`` of parked host memory; parking evicts the least recently parked
-  chats beyond it, and a chat larger than the whole budget is not parked. A parked chat whose tokens
-  a newer one of the same conversation extends is dropped (the newer serves every prompt it would).
-- RAM only: parked chats do not survive the engine (no disk files, unlike the prefix cache's pages).
+  chats beyond it, and a chat larger than the whole budget is not kept in RAM (only on disk, below).
+  A parked chat whose tokens a newer one of the same conversation extends is dropped (the newer
+  serves every prompt it would).
+- Disk: with a ``TierStore`` (``hearth.engine.tier_store``: a chat cache folder and a model loaded from
+  a folder), a parked chat the RAM budget pushes out, or one larger than the whole budget, is written
+  to a file, and ``flush`` (``Engine.close``) writes every chat held only in RAM; a new engine indexes
+  the files when it starts. A prompt that matches a chat on disk reads it back into RAM (it stays on
+  disk too, as the least recently parked chat's copy) and adopts it as any parked one; a file that is
+  corrupt or stale is deleted and its tokens computed. A chat a newer parked one of the same
+  conversation extends is deleted on disk too, and ``drop_conversation`` deletes the conversation's
+  files. With tiered keys only, the latent pages the adopted keys need come back from the prefix
+  cache's own files.
 """
 
 from __future__ import annotations
@@ -37,29 +46,37 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hearth.engine.block_manager import common_pages
 from hearth.engine.config import ModelConfig
 from hearth.engine.scheduler import Sequence
+from hearth.engine.tier_store import StoredChat, TierStore
 from hearth.engine.tiers import KeyTiers, LatentTiers
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Parked:
     token_ids: list[int]  # the tokens the state covers (whole pages)
     conversation: str | None
     keys: dict[int, Any]  # layer -> hearth.offload.parked.ParkedPages
     latents: dict[int, Any]  # layer -> hearth.offload.parked.ParkedRows
     nbytes: int
+    file: str | None = None  # its copy on disk (a ``TierStore`` file name)
 
 
 class TierCache:
     """Parked tiers of finished requests, least recently parked first (see the module doc)."""
 
     def __init__(self, model_config: ModelConfig, key_tiers: KeyTiers | None, latent_tiers: LatentTiers | None,
-                 page_size: int, budget_bytes: int) -> None:
+                 page_size: int, budget_bytes: int, store: TierStore | None = None) -> None:
+        """``store``: where parked chats go when they leave RAM (None: they are forgotten)."""
         self.key_tiers, self.latent_tiers = key_tiers, latent_tiers
         self.page_size = page_size
         self.budget_bytes = budget_bytes
+        self.store = store
+        tiers = key_tiers or latent_tiers
+        self._cuda = tiers is not None and tiers.device.type == "cuda"
         # the layers a request's tiers must all hold for its state to be whole
         self._key_layers = {layer for layer in range(model_config.num_hidden_layers)
                             if model_config.runs_indexer(layer)} if key_tiers is not None else set()
@@ -69,6 +86,7 @@ class TierCache:
         self.nbytes = 0
         self.hit_tokens = 0  # prompt tokens served from parked states
         self.evictions = 0
+        self.restored_chats = 0  # chats read back from disk
 
     @property
     def needs_pages(self) -> bool:
@@ -84,17 +102,54 @@ class TierCache:
         keys = self.key_tiers.park(seq.request_id, covered) if self.key_tiers is not None else {}
         latents = self.latent_tiers.park(seq.request_id, covered) if self.latent_tiers is not None else {}
         nbytes = sum(state.nbytes for state in (*keys.values(), *latents.values()))
-        if nbytes > self.budget_bytes:
+        if nbytes > self.budget_bytes and self.store is None:
             return
         parked = _Parked(seq.token_slice(0, covered), seq.conversation, keys, latents, nbytes)
-        self._drop_where(lambda old: old.conversation == parked.conversation
-                         and parked.token_ids[:len(old.token_ids)] == old.token_ids)
-        self._parked[self._next_key] = parked
+
+        def extended(old: _Parked | StoredChat) -> bool:  # (the new state serves every prompt old would)
+            return old.conversation == parked.conversation and parked.token_ids[:len(old.token_ids)] == old.token_ids
+
+        self._drop_where(extended)
+        if self.store is not None:
+            for chat in [chat for chat in self.store.usable() if extended(chat)]:
+                self.store.delete(chat.name)
+        if nbytes > self.budget_bytes:
+            self._spill(parked)
+            return
+        self._insert(parked)
+        self._fit(keep=None)
+
+    def _insert(self, parked: _Parked) -> int:
+        key = self._next_key
+        self._parked[key] = parked
         self._next_key += 1
-        self.nbytes += nbytes
+        self.nbytes += parked.nbytes
+        return key
+
+    def _fit(self, keep: int | None) -> None:
+        """Evict the least recently parked chats (to disk, when there is a store) beyond the budget,
+        never ``keep`` (a chat just read back for a request)."""
         while self.nbytes > self.budget_bytes:
-            self._remove(next(iter(self._parked)))
+            key = next((k for k in self._parked if k != keep), None)
+            if key is None:
+                return
+            self._spill(self._remove(key))
             self.evictions += 1
+
+    def _spill(self, parked: _Parked) -> None:
+        """Write a chat leaving RAM to disk, unless it is there already (or there is no disk)."""
+        if self.store is None or parked.file is not None:
+            return
+        if self._cuda:
+            torch.cuda.synchronize()  # the host pools' write-through copies must have landed
+        parked.file = self.store.write(parked.token_ids, parked.conversation, parked.keys, parked.latents)
+
+    def flush(self) -> int:
+        """Write every chat held only in RAM to disk (the engine is stopping); returns how many."""
+        pending = [parked for parked in self._parked.values() if parked.file is None]
+        for parked in pending:
+            self._spill(parked)
+        return sum(parked.file is not None for parked in pending)
 
     def _covered(self, seq: Sequence) -> int:
         """Tokens (whole pages) whose keys and latents every layer of seq has written: not its last
@@ -114,13 +169,13 @@ class TierCache:
     def match(self, seq: Sequence) -> int:
         """The most leading tokens of seq's prompt a parked state covers (whole pages, leaving one
         to compute); 0 when none does."""
-        key = self._best(seq)
+        key = self._best_in_ram(seq)
         return 0 if key is None else self._offer(seq, self._parked[key])
 
     def adopt(self, seq: Sequence, offered: int, paged_hit: int) -> int:
         """seq's tiers resume from the best parked state, cut to ``paged_hit`` when the latents are
         in the pages; returns the tokens seq starts with."""
-        key = self._best(seq) if offered else None
+        key = self._best_in_ram(seq) if offered else None
         tokens = min(offered, paged_hit) if self.needs_pages else offered
         if key is None or tokens == 0:
             return 0
@@ -132,10 +187,27 @@ class TierCache:
         self.hit_tokens += tokens
         return tokens
 
-    def _best(self, seq: Sequence) -> int | None:
-        """The parked state covering most of seq's prompt (of seq's conversation when it names one)."""
-        best, most = None, 0
-        for key, parked in self._parked.items():
+    def _best_in_ram(self, seq: Sequence) -> int | None:
+        """The key of the parked state covering most of seq's prompt, read back from disk when the
+        best is there (a file found unsound is deleted and the next best taken)."""
+        while True:
+            key = self._best(seq)
+            if not isinstance(key, str):
+                return key
+            key = self._read_back(key)
+            if key is not None:
+                return key
+
+    def _best(self, seq: Sequence) -> int | str | None:
+        """The parked state covering most of seq's prompt (of seq's conversation when it names one):
+        a key of RAM, else the name of a file when one on disk covers more."""
+        best: int | str | None = None
+        most = 0
+        candidates: list[tuple[int | str, _Parked | StoredChat]] = list(self._parked.items())
+        if self.store is not None:
+            in_ram = {parked.file for parked in self._parked.values()}
+            candidates += [(chat.name, chat) for chat in self.store.usable() if chat.name not in in_ram]
+        for key, parked in candidates:
             if seq.conversation is not None and parked.conversation != seq.conversation:
                 continue
             tokens = self._offer(seq, parked)
@@ -143,15 +215,40 @@ class TierCache:
                 best, most = key, tokens
         return best
 
-    def _offer(self, seq: Sequence, parked: _Parked) -> int:
+    def _read_back(self, name: str) -> int | None:
+        """Read a chat from disk into RAM, as the most recently parked; its key, or None when its file
+        was unsound (then deleted) or does not hold the states of every tiered layer."""
+        assert self.store is not None
+        chat = self.store.chats[name]
+        states = self.store.read(name)
+        if states is None:
+            return None
+        keys, latents = states
+        if set(keys) != (self._key_layers if self.key_tiers is not None else set()) \
+                or set(latents) != self._latent_layers \
+                or any(state.pages * self.page_size < len(chat.token_ids) for state in keys.values()) \
+                or any(state.rows < len(chat.token_ids) for state in latents.values()):
+            self.store.reject(name, "its layers or sizes do not fit this engine's tiers")
+            return None
+        nbytes = sum(state.nbytes for state in (*keys.values(), *latents.values()))
+        key = self._insert(_Parked(chat.token_ids, chat.conversation, keys, latents, nbytes, file=name))
+        self._fit(keep=key)
+        self.restored_chats += 1
+        return key
+
+    def _offer(self, seq: Sequence, parked: _Parked | StoredChat) -> int:
         limit = (seq.num_tokens - 1) // self.page_size  # (the last token is computed for its logits)
         ids = seq.token_slice(0, min(len(parked.token_ids), limit * self.page_size))
         return min(common_pages(parked.token_ids, ids, self.page_size), limit) * self.page_size
 
     # ---- forgetting -----------------------------------------------------------------------------
     def drop_conversation(self, conversation: str) -> int:
-        """Forget the conversation's parked states (its chat was deleted); returns how many."""
-        return self._drop_where(lambda parked: parked.conversation == conversation)
+        """Forget the conversation's parked states, in RAM and on disk (its chat was deleted);
+        returns how many."""
+        dropped = self._drop_where(lambda parked: parked.conversation == conversation)
+        if self.store is not None:
+            dropped += self.store.drop(conversation)
+        return dropped
 
     def _drop_where(self, doomed: Callable[[_Parked], bool]) -> int:
         keys = [key for key, parked in self._parked.items() if doomed(parked)]
@@ -167,9 +264,18 @@ class TierCache:
 
     # ---- reporting ------------------------------------------------------------------------------
     def conversations(self) -> set[str]:
-        return {p.conversation for p in self._parked.values() if p.conversation is not None}
+        ram = {p.conversation for p in self._parked.values() if p.conversation is not None}
+        return ram | (self.store.conversations() if self.store is not None else set())
 
     def stats(self) -> dict[str, float]:
-        """For ``Engine.stats``: parked chats and their host bytes, prompt tokens served, evictions."""
-        return {"tier_cache_chats": float(len(self._parked)), "tier_cache_bytes": float(self.nbytes),
-                "tier_cache_hits_tokens": float(self.hit_tokens), "tier_cache_evictions": float(self.evictions)}
+        """For ``Engine.stats``: parked chats and their host bytes, prompt tokens served, evictions;
+        with a store, the chats and bytes on disk (any model's files in its folder), chats read back
+        and files deleted as corrupt or stale."""
+        out = {"tier_cache_chats": float(len(self._parked)), "tier_cache_bytes": float(self.nbytes),
+               "tier_cache_hits_tokens": float(self.hit_tokens), "tier_cache_evictions": float(self.evictions)}
+        if self.store is not None:
+            out.update(tier_cache_disk_chats=float(len(self.store.chats)),
+                       tier_cache_disk_bytes=float(self.store.disk_bytes),
+                       tier_cache_restored_chats=float(self.restored_chats),
+                       tier_cache_files_rejected=float(self.store.files_rejected))
+        return out

@@ -206,8 +206,10 @@ def format_stats(stats: dict[str, Any]) -> str:
                      f"{stats.get('prefix_cache_disk_bytes', 0) / gib:.2f} GiB on disk, "
                      f"{int(stats.get('prefix_cache_hits_tokens', 0))} prompt tokens reused")
     if "tier_cache_chats" in stats:
+        disk = (f"{int(stats['tier_cache_disk_chats'])} on disk "
+                f"{stats.get('tier_cache_disk_bytes', 0) / gib:.2f} GiB, ") if "tier_cache_disk_chats" in stats else ""
         lines.append(f"long chats {int(stats['tier_cache_chats'])} parked, "
-                     f"{stats.get('tier_cache_bytes', 0) / gib:.2f} GiB in RAM, "
+                     f"{stats.get('tier_cache_bytes', 0) / gib:.2f} GiB in RAM, {disk}"
                      f"{int(stats.get('tier_cache_hits_tokens', 0))} prompt tokens reused")
     if memory:
         lines.append(f"memory     {memory.get('process_rss_bytes', 0) / gib:.2f} GiB resident, "

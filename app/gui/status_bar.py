@@ -122,12 +122,13 @@ class EngineStatusBar(QStatusBar):
 
 def chat_cache_text(stats: dict[str, Any]) -> str:
     """"Cached chats 3 · 1.2 GB": chats whose cache the engine keeps (GPU, RAM, disk; long chats'
-    parked tiers) and the bytes it holds in RAM and on disk; empty when the engine keeps none."""
+    parked tiers, in RAM and on disk) and the bytes it holds in RAM and on disk; empty when the
+    engine keeps none."""
     chats = _first(stats, "prefix_cache_conversations")
     if not chats:
         return ""
     held = sum(_first(stats, key) or 0 for key in ("prefix_cache_host_bytes", "prefix_cache_disk_bytes",
-                                                   "tier_cache_bytes"))
+                                                   "tier_cache_bytes", "tier_cache_disk_bytes"))
     return f"Cached chats {int(chats)} · {format_bytes(int(held))}"
 
 

@@ -43,6 +43,7 @@ from hearth.engine.engine import Engine, check_conversation_id
 from hearth.engine.loader import CheckpointFiles
 from hearth.engine.prefix_store import drop_from_folder
 from hearth.engine.text.reasoning import PROMPT_TAIL_TOKENS
+from hearth.engine.tier_store import drop_tiers_from_folder
 
 logger = logging.getLogger("hearth.engine.server")
 
@@ -189,9 +190,9 @@ class EngineHost:
             sinks, self._sinks = self._sinks, {}
         if engine is not None:
             with self._step_lock:
-                saved = engine.close()  # the cached pages, for the next engine on this model
+                saved = engine.close()  # the cached pages and long chats, for the next engine on this model
             if saved:
-                logger.info("saved %d prefix cache pages", saved)
+                logger.info("saved %d prefix cache pages and long chats", saved)
         for request_id, sink in sinks.items():
             sink(_failed(request_id, "abort", "the model was unloaded"))
         self.relay.flush()
@@ -259,7 +260,9 @@ class EngineHost:
                 self._take_snapshot(engine)  # stats show the chat gone at once
             return dropped
         folder = self.config.prefix_cache_dir
-        return drop_from_folder(folder, conversation_id) if folder else 0
+        if not folder:
+            return 0
+        return drop_from_folder(folder, conversation_id) + drop_tiers_from_folder(folder, conversation_id)
 
     def require_model(self) -> LoadedModel:
         """The loaded model; raises StillLoadingError or NoModelError when there is none."""

@@ -320,3 +320,7 @@ def test_stats_show_parked_long_chats_when_the_engine_parks_tiers():
                         "tier_cache_hits_tokens": 4096.0})
     assert "long chats 2 parked, 3.00 GiB in RAM, 4096 prompt tokens reused" in out
     assert "long chats" not in format_stats({"model": "m", "state": "ready"})
+    on_disk = format_stats({"model": "m", "state": "ready", "tier_cache_chats": 1.0, "tier_cache_bytes": 2**30,
+                            "tier_cache_disk_chats": 3.0, "tier_cache_disk_bytes": 5 * 2**29,
+                            "tier_cache_hits_tokens": 0.0})
+    assert "long chats 1 parked, 1.00 GiB in RAM, 3 on disk 2.50 GiB, 0 prompt tokens reused" in on_disk

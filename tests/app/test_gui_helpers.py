@@ -115,3 +115,5 @@ def test_the_chat_cache_text_counts_parked_long_chats_bytes():
     stats = {"prefix_cache_conversations": 2.0, "prefix_cache_host_bytes": 2**30, "prefix_cache_disk_bytes": 0.0,
              "tier_cache_bytes": 2 * 2**30}
     assert chat_cache_text(stats) == "Cached chats 2 · 3.2 GB"  # 1 GiB of pages + 2 GiB of parked tiers
+    stats["tier_cache_disk_bytes"] = 2**30  # long chats' files count too
+    assert chat_cache_text(stats) == "Cached chats 2 · 4.3 GB"

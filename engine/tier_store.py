@@ -1,0 +1,400 @@
+"""Parked tiers on disk: a long chat's tiered keys and latents (``hearth.engine.tier_cache``) outlive
+the engine, so its next turn after a restart adopts them instead of computing the conversation again.
+
+``TierStore`` keeps one file per parked chat in a folder of its own (``tier_folder``: ``tiers`` in the
+chat cache folder the prefix store uses). The ``TierCache`` writes a chat when its RAM budget pushes
+it out and, for every chat held only in RAM, when the engine stops (``Engine.close``); it reads one
+back into RAM when a new prompt matches it. Its conventions are the prefix store's
+(``hearth.engine.prefix_store``): files named ``<model key>-<conversation key>-<random>.tiers``,
+written atomically (a temporary file, then rename), mode 0600 in a 0700 folder, checksummed,
+bounded by ``budget_bytes`` with the least recently used (by file time, across restarts) deleted
+first, and deleted with their chat (``drop``; any model's files of the conversation)::
+
+    b"HRTHTC01" | header length (u32 LE) | CRC-32 of the header (u32 LE) | header JSON
+                | token ids (i32 LE) | tensors
+
+The header names the model fingerprint (``prefix_store.fingerprint`` of the checkpoint and a layout
+holding the tier configs: a file written under another model, dtype or tier config is stale), the
+model key, the conversation, the token count and their CRC-32, and per layer its key pages (pool
+geometry, page count, the pool's used pages and its summaries) or latent rows; every tensor has its
+dtype, shape, offset and CRC-32. Opening the store reads headers and token ids only (the chats'
+matching needs the ids); a chat's tensors are read when a prompt matches it. A file whose header,
+size, fingerprint, token ids or any tensor's checksum does not match is deleted and its tokens
+computed again: nothing unsound is used. Files of other model folders count towards the budget
+(and are evicted by the same LRU) but are never matched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import time
+import uuid
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hearth.offload.coarse_index import PagePool
+from hearth.offload.parked import ParkedPages, ParkedRows
+
+__all__ = ["FORMAT_VERSION", "StoredChat", "TierStore", "drop_tiers_from_folder", "tier_folder"]
+
+logger = logging.getLogger("hearth.engine.tier_store")
+
+FORMAT_VERSION = 1
+_MAGIC = b"HRTHTC01"
+_PREFIX = len(_MAGIC) + 8  # magic, header length, header CRC-32
+_MAX_HEADER = 16 << 20
+_SUFFIX = ".tiers"
+_NO_CONVERSATION = "none"  # the conversation key of a chat no conversation named (hashes are 24 hex digits)
+_STALE_TEMP_S = 600.0  # a temporary file this old belongs to no writer still running
+_DTYPES = {name: getattr(torch, name) for name in
+           ("uint8", "int8", "int32", "int64", "float32", "float16", "bfloat16", "float8_e4m3fn")}
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+KeyStates = dict[int, ParkedPages]
+LatentStates = dict[int, ParkedRows]
+
+
+def tier_folder(cache_dir: str | Path) -> Path:
+    """The store's folder inside the chat cache folder (the prefix store's segments lie beside it)."""
+    return Path(cache_dir) / "tiers"
+
+
+@dataclass(frozen=True)
+class StoredChat:
+    """A file's header as the store indexes it."""
+
+    name: str
+    model_key: str
+    fingerprint: str
+    conversation: str | None
+    token_ids: list[int]
+    state_bytes: int  # host bytes of its states once read
+    size: int  # bytes on disk
+    data_offset: int  # where its tensors start
+    header: dict[str, Any]
+
+
+class TierStore:
+    """One file per parked chat in ``folder`` (see the module doc). ``fingerprint_`` and ``key``
+    identify the model and tier config (``prefix_store.fingerprint`` / ``model_key``); ``pin`` reads
+    host pools into pinned memory (the tiers copy them to a CUDA device). Not thread-safe: the
+    engine's stepping thread owns it."""
+
+    def __init__(self, folder: str | Path, budget_bytes: int, *, fingerprint_: str, key: str,
+                 pin: bool = False) -> None:
+        self.folder = Path(folder)
+        self.budget_bytes = budget_bytes
+        self.fingerprint = fingerprint_
+        self.key = key
+        self.pin = pin
+        self.files_written = 0
+        self.files_rejected = 0  # corrupt or stale files deleted instead of used
+        self.chats: OrderedDict[str, StoredChat] = OrderedDict()  # every file, least recently used first
+        self.disk_bytes = 0
+        _private_folder(self.folder)
+        self._scan()
+
+    # ---- questions -------------------------------------------------------------------------
+
+    def usable(self) -> Iterator[StoredChat]:
+        """The chats this model and tier config may adopt."""
+        return (chat for chat in self.chats.values() if chat.model_key == self.key
+                and chat.fingerprint == self.fingerprint)
+
+    def conversations(self) -> set[str]:
+        return {chat.conversation for chat in self.chats.values() if chat.conversation is not None}
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def write(self, token_ids: list[int], conversation: str | None, keys: KeyStates,
+              latents: LatentStates) -> str | None:
+        """Save a parked chat (its states are not changed); returns its file's name, or None when it
+        does not fit the budget or could not be written (it is then computed again when needed)."""
+        tensors: list[torch.Tensor] = []
+
+        def entry(tensor: torch.Tensor) -> dict[str, Any]:
+            flat = _bytes_of(tensor)
+            tensors.append(flat)
+            return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                    "crc32": zlib.crc32(memoryview(flat.numpy()))}
+
+        ids = np.asarray(token_ids, dtype="<i4").tobytes()
+        header = {
+            "format": FORMAT_VERSION, "fingerprint": self.fingerprint, "model_key": self.key,
+            "conversation": conversation, "tokens": len(token_ids), "tokens_crc32": zlib.crc32(ids),
+            "keys": [{"layer": layer, "pages": state.pages, "page_size": state.host.page_size,
+                      "head_dim": state.host.head_dim, "fmt": state.host.fmt,
+                      "pool": entry(state.host.buf[:state.pages]),
+                      "summaries": [None if t is None else entry(t) for t in state.summaries]}
+                     for layer, state in sorted(keys.items())],
+            "latents": [{"layer": layer, "rows": state.rows, "host": entry(state.host[:state.rows])}
+                        for layer, state in sorted(latents.items())],
+        }
+        raw = json.dumps(header).encode()
+        size = _PREFIX + len(raw) + len(ids) + sum(t.numel() for t in tensors)
+        if size > self.budget_bytes:
+            return None
+        name = f"{self.key}-{_conversation_key(conversation)}-{uuid.uuid4().hex}{_SUFFIX}"
+        parts = [_MAGIC + struct.pack("<II", len(raw), zlib.crc32(raw)), raw, ids,
+                 *(memoryview(t.numpy()) for t in tensors)]
+        try:
+            _write_atomically(self.folder / name, parts)
+        except OSError as err:  # a full disk loses the chat's cache (it is recomputed), not the engine
+            logger.warning("could not write a long chat's cache to %s: %s", self.folder, err)
+            return None
+        self.files_written += 1
+        self._add(StoredChat(name, self.key, self.fingerprint, conversation, list(token_ids),
+                             _state_bytes(header), size, size - _state_bytes(header), header))
+        self._fit()
+        return name if name in self.chats else None
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def read(self, name: str) -> tuple[KeyStates, LatentStates] | None:
+        """A usable chat's states in host RAM, or None when its file is unsound (then deleted).
+        The file counts as used now."""
+        chat = self.chats[name]
+        path = self.folder / name
+        try:
+            states = self._read_states(path, chat)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
+            states = None
+            problem = str(err)
+        else:
+            problem = "corrupt"
+        if states is None:
+            self.reject(name, problem)
+            return None
+        self.chats.move_to_end(name)
+        _touch(path)
+        return states
+
+    def _read_states(self, path: Path, chat: StoredChat) -> tuple[KeyStates, LatentStates] | None:
+        header = chat.header
+        keys: KeyStates = {}
+        latents: LatentStates = {}
+        with open(path, "rb", buffering=0) as file:
+            file.seek(chat.data_offset)
+            for layer in header["keys"]:
+                pages = int(layer["pages"])
+                pool = PagePool(pages, int(layer["page_size"]), int(layer["head_dim"]), str(layer["fmt"]),
+                                torch.device("cpu"), pin=self.pin)
+                if not _read_into(file, pool.buf, layer["pool"]):
+                    return None
+                summaries = []
+                for spec in layer["summaries"]:
+                    summary = None if spec is None else _empty(spec, self.pin)
+                    if summary is not None and not _read_into(file, summary, spec):
+                        return None
+                    summaries.append(summary)
+                keys[int(layer["layer"])] = ParkedPages(pool, pages, tuple(summaries))
+            for layer in header["latents"]:
+                host = _empty(layer["host"], self.pin)
+                if host.dim() != 2 or host.shape[0] != int(layer["rows"]) or not _read_into(file, host, layer["host"]):
+                    return None
+                latents[int(layer["layer"])] = ParkedRows(host, host.shape[0])
+        return keys, latents
+
+    # ---- forgetting ------------------------------------------------------------------------
+
+    def delete(self, name: str) -> None:
+        chat = self.chats.pop(name, None)
+        if chat is not None:
+            self.disk_bytes -= chat.size
+        _unlink(self.folder / name)
+
+    def drop(self, conversation: str) -> int:
+        """Delete the conversation's files (any model's); returns how many."""
+        return _drop_files(self.folder, conversation, self.delete)
+
+    def _fit(self) -> None:
+        while self.chats and self.disk_bytes > self.budget_bytes:
+            self.delete(next(iter(self.chats)))
+
+    def reject(self, name: str, problem: str) -> None:
+        """Delete an unusable file (its tokens are computed again)."""
+        logger.warning("long chat cache file %s is unusable (%s); deleting it and recomputing its tokens",
+                       name, problem)
+        self.files_rejected += 1
+        self.delete(name)
+
+    # ---- the index -------------------------------------------------------------------------
+
+    def _add(self, chat: StoredChat) -> None:
+        self.chats[chat.name] = chat
+        self.disk_bytes += chat.size
+
+    def _scan(self) -> None:
+        """Index the folder's files, least recently used first: headers and token ids only. Unsound
+        files and this model's stale ones are deleted."""
+        found: list[tuple[float, StoredChat]] = []
+        now = time.time()
+        for path in self.folder.iterdir():
+            try:
+                stat = path.stat()
+                if path.name.startswith(".tmp-"):
+                    if now - stat.st_mtime > _STALE_TEMP_S:
+                        path.unlink(missing_ok=True)
+                    continue
+                if not path.is_file() or not path.name.endswith(_SUFFIX):
+                    continue
+                chat: StoredChat | None = _read_index(path, stat.st_size)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                logger.warning("long chat cache file %s is unusable (%s); deleting it", path.name, err)
+                chat = None
+            if chat is None or (chat.model_key == self.key and chat.fingerprint != self.fingerprint):
+                self.files_rejected += 1
+                _unlink(path)
+                continue
+            found.append((stat.st_mtime, chat))
+        for _, chat in sorted(found, key=lambda item: (item[0], item[1].name)):
+            self._add(chat)
+        self._fit()
+
+
+def drop_tiers_from_folder(cache_dir: str | Path, conversation: str) -> int:
+    """``TierStore.drop`` for a chat cache folder no engine has open: any model's files."""
+    folder = tier_folder(cache_dir)
+    return _drop_files(folder, conversation, lambda name: _unlink(folder / name)) if folder.is_dir() else 0
+
+
+# ---- the file format -------------------------------------------------------------------------
+
+
+def _conversation_key(conversation: str | None) -> str:
+    """A file-name-safe name of a conversation (its id may hold ``:`` and ``.``)."""
+    if conversation is None:
+        return _NO_CONVERSATION
+    return hashlib.blake2b(conversation.encode(), digest_size=12).hexdigest()
+
+
+def _drop_files(folder: Path, conversation: str, delete: Any) -> int:
+    names = [path.name for path in folder.glob(f"*-{_conversation_key(conversation)}-*{_SUFFIX}")]
+    for name in names:
+        delete(name)
+    return len(names)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor's bytes, flat uint8 (a copy only when it is not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _empty(spec: Mapping[str, Any], pin: bool) -> torch.Tensor:
+    shape = [int(n) for n in spec["shape"]]
+    if any(n < 0 for n in shape):
+        raise ValueError("negative tensor shape")
+    return torch.empty(shape, dtype=_DTYPES[spec["dtype"]], pin_memory=pin)
+
+
+def _spec_bytes(spec: Mapping[str, Any]) -> int:
+    return int(np.prod([int(n) for n in spec["shape"]], dtype=np.int64)) * _DTYPES[spec["dtype"]].itemsize
+
+
+def _specs(header: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every tensor's entry, in file order."""
+    for layer in header["keys"]:
+        yield layer["pool"]
+        yield from (spec for spec in layer["summaries"] if spec is not None)
+    for layer in header["latents"]:
+        yield layer["host"]
+
+
+def _state_bytes(header: Mapping[str, Any]) -> int:
+    return sum(_spec_bytes(spec) for spec in _specs(header))
+
+
+def _read_into(file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
+    """Read the next tensor of the file into ``tensor`` (its dtype and shape as the header says);
+    False when they differ, the file is cut short or the checksum does not match."""
+    if str(tensor.dtype).removeprefix("torch.") != spec["dtype"] or list(tensor.shape) != list(spec["shape"]):
+        return False
+    view = memoryview(_bytes_of(tensor).numpy())
+    done = 0
+    while done < len(view):
+        got = file.readinto(view[done:])
+        if not got:
+            return False
+        done += got
+    return zlib.crc32(view) == int(spec["crc32"])
+
+
+def _read_index(path: Path, size: int) -> StoredChat:
+    """A file's header and token ids, checked; ValueError when the file is not a sound one."""
+    with open(path, "rb") as file:
+        prefix = file.read(_PREFIX)
+        if len(prefix) < _PREFIX or prefix[:len(_MAGIC)] != _MAGIC:
+            raise ValueError("not a Hearth long chat cache file")
+        header_len, header_crc = struct.unpack_from("<II", prefix, len(_MAGIC))
+        if header_len > _MAX_HEADER:
+            raise ValueError("header too long")
+        raw = file.read(header_len)
+        if len(raw) != header_len or zlib.crc32(raw) != header_crc:
+            raise ValueError("header checksum mismatch")
+        header = json.loads(raw)
+        if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+            raise ValueError("another format")
+        tokens = int(header["tokens"])
+        expected = _PREFIX + header_len + 4 * tokens + _state_bytes(header)
+        if tokens < 1 or expected != size:
+            raise ValueError(f"{size} bytes long, not {expected}")
+        ids = file.read(4 * tokens)
+    if zlib.crc32(ids) != int(header["tokens_crc32"]):
+        raise ValueError("token ids checksum mismatch")
+    conversation = header["conversation"]
+    if conversation is not None and not isinstance(conversation, str):
+        raise ValueError("the conversation must be a string")
+    state_bytes = _state_bytes(header)
+    return StoredChat(path.name, str(header["model_key"]), str(header["fingerprint"]), conversation,
+                      np.frombuffer(ids, dtype="<i4").tolist(), state_bytes, size, size - state_bytes, header)
+
+
+def _write_atomically(path: Path, parts: list[bytes | memoryview]) -> None:
+    """Write ``parts`` to a temporary file (mode 0600), then rename it to ``path``."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # created 0600
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                out.write(part)
+        os.chmod(temp, FILE_MODE)
+        _touch(Path(temp))
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def _private_folder(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    if os.name == "posix" and folder.stat().st_mode & 0o777 != DIR_MODE:
+        os.chmod(folder, DIR_MODE)
+
+
+def _touch(path: Path) -> None:
+    """Mark a file used now, so the LRU order survives a restart."""
+    now = time.time_ns()
+    with contextlib.suppress(OSError):
+        os.utime(path, ns=(now, now))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        logger.warning("could not delete long chat cache file %s: %s", path.name, err)

@@ -1,0 +1,174 @@
+"""Parked long chats on disk (hearth.engine.tier_store): a chat's tiered keys and latents leave RAM
+for a file when the RAM budget pushes them out or the engine stops, and a later engine (or the same
+one) adopts them; the tokens equal a fresh engine's that reads the whole prompt. Unsound or stale
+files are deleted and recomputed, never used; files are private, bounded by an LRU budget and
+deleted with their chat."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hearth.engine import Engine, EngineConfig
+from hearth.engine.testing.tiny import write_tiny_model
+from hearth.engine.tier_store import TierStore, drop_tiers_from_folder, tier_folder
+from hearth.offload.coarse_index import PagePool
+from hearth.offload.parked import ParkedPages, ParkedRows
+from tests.engine.test_tier_cache import BASE, EXACT_KEYS, KEYS_AND_LATENTS, _covered, _fresh, _ids, _tier_stats, _turn
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tier_store") / "v32", "deepseek_v32", seed=1))
+
+
+def _config(cache: Path, tiers: dict, **options) -> EngineConfig:
+    return EngineConfig(**BASE, **tiers, prefix_cache_dir=str(cache), **options)
+
+
+def _files(cache: Path) -> list[Path]:
+    return sorted(tier_folder(cache).glob("*.tiers"))
+
+
+def _first_turn(v32: str, cache: Path, tiers: dict, conversation: str = "chat") -> tuple[list[int], list[int]]:
+    """A chat's first turn on an engine that is then closed; returns the prompt and the answer."""
+    engine = Engine.load(v32, _config(cache, tiers))
+    prompt = _ids(60, 7)
+    answer, _ = _turn(engine, prompt, conversation)
+    assert engine.close() >= 1
+    return prompt, answer
+
+
+@pytest.mark.parametrize("tiers", [KEYS_AND_LATENTS, EXACT_KEYS], ids=["keys+latents", "keys"])
+def test_a_parked_chat_survives_a_restart_and_its_next_turn_equals_a_full_prefill(v32, tmp_path, tiers):
+    prompt, answer = _first_turn(v32, tmp_path, tiers)
+    [file] = _files(tmp_path)
+    assert file.stat().st_mode & 0o777 == 0o600
+    assert tier_folder(tmp_path).stat().st_mode & 0o777 == 0o700
+
+    engine = Engine.load(v32, _config(tmp_path, tiers))
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_chats"] == 0 and stats["tier_cache_disk_chats"] == 1
+    assert stats["tier_cache_disk_bytes"] == file.stat().st_size
+    assert engine.stats().extra["prefix_cache_conversations"] == 1
+    follow_up = prompt + answer + _ids(15, 5)
+    answer2, cached = _turn(engine, follow_up, "chat")
+    assert cached == _covered(prompt)
+    assert answer2 == _fresh(v32, follow_up)
+    assert _tier_stats(engine)["tier_cache_restored_chats"] == 1
+    assert engine.close() >= 1
+    assert len(_files(tmp_path)) == 1  # the new turn's state replaced the file it extends
+
+
+def test_a_chat_the_ram_budget_pushes_out_goes_to_disk_and_comes_back(v32, tmp_path):
+    probe = Engine.load(v32, EngineConfig(**BASE, **KEYS_AND_LATENTS))
+    chat_a, chat_b = _ids(60, 7), _ids(62, 11, 30)
+    answer_a, _ = _turn(probe, chat_a, "a")
+    one_chat = _tier_stats(probe)["tier_cache_bytes"]
+
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, tier_cache_host_gib=1.5 * one_chat / 2**30))
+    _turn(engine, chat_a, "a")
+    assert not _files(tmp_path)  # RAM holds it
+    _turn(engine, chat_b, "b")  # parking b pushes a out of RAM, onto disk
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_chats"] == 1 and stats["tier_cache_evictions"] == 1
+    assert stats["tier_cache_disk_chats"] == 1
+    follow_up = chat_a + answer_a + _ids(15, 5)
+    assert _turn(engine, follow_up, "a") == (_fresh(v32, follow_up), _covered(chat_a))
+    assert _tier_stats(engine)["tier_cache_restored_chats"] == 1
+
+
+@pytest.mark.parametrize("where", ["tensors", "header"])
+def test_a_corrupt_file_is_deleted_and_its_tokens_recomputed(v32, tmp_path, where):
+    prompt, answer = _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    [file] = _files(tmp_path)
+    data = bytearray(file.read_bytes())
+    data[-3 if where == "tensors" else 20] ^= 0x40
+    file.write_bytes(bytes(data))
+
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS))
+    follow_up = prompt + answer + _ids(15, 5)
+    answer2, cached = _turn(engine, follow_up, "chat")
+    assert cached == 0
+    assert answer2 == _fresh(v32, follow_up)
+    assert _tier_stats(engine)["tier_cache_files_rejected"] == 1
+    assert not file.exists()
+
+
+def test_a_file_of_another_tier_config_is_stale_and_never_used(v32, tmp_path):
+    prompt, answer = _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    [file] = _files(tmp_path)
+    other = dict(KEYS_AND_LATENTS, latent_hot_rows=24)  # another tier config: another fingerprint
+    engine = Engine.load(v32, _config(tmp_path, other))
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_disk_chats"] == 0 and stats["tier_cache_files_rejected"] == 1
+    assert not file.exists()
+    assert _turn(engine, prompt + answer + _ids(15, 5), "chat")[1] == 0
+
+
+def test_deleting_the_chat_deletes_its_files(v32, tmp_path):
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS, "gone")
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS, "kept")
+    assert len(_files(tmp_path)) == 2
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS))
+    assert engine.drop_conversation("gone") >= 1
+    assert _tier_stats(engine)["tier_cache_disk_chats"] == 1
+    assert engine.stats().extra["prefix_cache_conversations"] == 1
+    # with no engine open (the engine host's path): any model's files of the conversation
+    assert drop_tiers_from_folder(tmp_path, "kept") == 1
+    assert not _files(tmp_path)
+
+
+# ---- the store alone: LRU by size, across restarts ------------------------------------------------
+
+
+def _states(seed: int) -> tuple[dict[int, ParkedPages], dict[int, ParkedRows]]:
+    """One layer of key pages (fp8 pool + a summary) and one of latent rows, two pages of 4 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = PagePool(3, 4, 8, "fp8", torch.device("cpu"))
+    pool.buf.copy_(torch.randint(0, 256, pool.buf.shape, generator=gen, dtype=torch.uint8))
+    summary = torch.randn(2, 8, generator=gen).to(torch.bfloat16)
+    rows = torch.randn(10, 16, generator=gen)
+    return {0: ParkedPages(pool, 2, (summary, None))}, {1: ParkedRows(rows, 8)}
+
+
+def _store(folder: Path, budget: int) -> TierStore:
+    return TierStore(folder, budget, fingerprint_="f", key="m")
+
+
+def test_the_store_round_trips_the_used_part_of_each_state(tmp_path):
+    store = _store(tmp_path, 1 << 20)
+    keys, latents = _states(0)
+    name = store.write(list(range(8)), "c", keys, latents)
+    assert name is not None
+    [chat] = TierStore(tmp_path, 1 << 20, fingerprint_="f", key="m").usable()
+    assert chat.token_ids == list(range(8)) and chat.conversation == "c"
+    read_keys, read_latents = store.read(name)
+    assert read_keys[0].pages == 2 and torch.equal(read_keys[0].host.buf, keys[0].host.buf[:2])
+    assert torch.equal(read_keys[0].summaries[0], keys[0].summaries[0]) and read_keys[0].summaries[1] is None
+    assert read_latents[1].rows == 8 and torch.equal(read_latents[1].host, latents[1].host[:8])
+
+
+def test_the_store_evicts_the_least_recently_used_files_beyond_its_budget(tmp_path):
+    probe = _store(tmp_path / "probe", 1 << 20)
+    size = probe.disk_bytes if probe.write(list(range(8)), "x", *_states(9)) else 0
+    store = _store(tmp_path / "lru", int(2.5 * size))
+    names = []
+    for seed, conversation in enumerate(("a", "b")):
+        names.append(store.write(list(range(8)), conversation, *_states(seed)))
+        time.sleep(0.01)
+    assert store.read(names[0]) is not None  # a is used: b is now the least recently used
+    names.append(store.write(list(range(8)), "c", *_states(2)))
+    assert list(store.chats) == [names[0], names[2]]
+    assert store.disk_bytes == sum((tmp_path / "lru" / name).stat().st_size for name in store.chats)
+    assert not (tmp_path / "lru" / names[1]).exists()
+    # the order survives a restart (file times), and a smaller budget evicts the oldest at once
+    reopened = _store(tmp_path / "lru", int(1.5 * size))
+    assert list(reopened.chats) == [names[2]]
+    assert sorted(os.listdir(tmp_path / "lru")) == [names[2]]
+    # a chat larger than the whole budget is not written
+    assert _store(tmp_path / "tiny", size // 2).write(list(range(8)), "d", *_states(3)) is None
