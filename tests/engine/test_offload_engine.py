@@ -91,6 +91,10 @@ def test_auto_rule():
     assert api.auto_scheduler(0) == api.auto_scheduler(1) == "sync"
     assert api.auto_scheduler(2) == api.auto_scheduler(32) == api.AUTO_SEVERAL_REQUESTS
     assert EngineConfig().scheduler == "auto"
+    # runahead only where some layer's pool cannot hold every request's experts at once
+    assert api.auto_scheduler(8, "runahead", pool_requests=8) == "sync"
+    assert api.auto_scheduler(9, "runahead", pool_requests=8) == "runahead"
+    assert api.auto_scheduler(2, "prefetch", pool_requests=8) == "prefetch"
 
 
 @pytest.mark.parametrize("several", ["runahead", "prefetch", "sync"])
