@@ -18,7 +18,10 @@ own process, timed from the official OpenAI client.
    listening, which includes the engine's warm-up, ``--warm-up``: the server answers once it ran; its
    own duration is printed beside it), the first request after start (what Triton compiles and graph
    captures the warm-up left to it), TTFT of 2K
-   and 16K-token prompts, decode tok/s per request and aggregate at 1 / 8 / 32 concurrent streams
+   and 16K-token prompts (with offloaded experts also what each timed run did with them: misses, GB
+   fetched, experts computed on the host, layer steps streamed; and once the server's host-experts probe,
+   whose measured link and host costs decide which missed experts the host computes), decode tok/s per
+   request and aggregate at 1 / 8 / 32 concurrent streams
    (``ignore_eos`` so every stream decodes ``--decode-tokens`` tokens), and the engine's own split of a
    decode step (``decode_step_ms``: the whole engine step; ``decode_run_gpu_ms``: the model's GPU time).
    Offloaded configurations keep a quarter of each layer's routed experts on the GPU.
@@ -415,6 +418,28 @@ def window_step_means(before: dict, after: dict) -> dict:
     return out
 
 
+HOST_SPEEDS = ("host_link_per_expert_ms", "host_cpu_fixed_ms", "host_cpu_per_token_ms", "host_transfer_ms")
+TTFT_EXPERT_COUNTERS = ("misses", "bytes_fetched", "cpu_computed", "evictions", "streamed_layer_steps", "copy_ms")
+
+
+def host_speeds(stats: dict) -> dict[str, float]:
+    """The server's host-experts probe (its measured link and host costs: which missed experts it computes
+    on the host follows from them), empty when the probe did not run (``--host-experts`` on / off)."""
+    found = {key: find_number(stats, f"expert_cache_{key}") for key in HOST_SPEEDS}
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def expert_deltas(before: dict, after: dict, runs: int) -> dict[str, float]:
+    """Expert-cache counters between two stats snapshots, per run (bytes as GB)."""
+    out = {}
+    for key in TTFT_EXPERT_COUNTERS:
+        a, b = find_number(before, f"expert_cache_{key}"), find_number(after, f"expert_cache_{key}")
+        if a is not None and b is not None:
+            gb = key == "bytes_fetched"
+            out["gb_fetched" if gb else key] = (b - a) / runs / (1e9 if gb else 1)
+    return out
+
+
 def find_number(stats: dict, key: str) -> float | None:
     """The first value named ``key`` anywhere in the stats JSON."""
     stack = [stats]
@@ -590,16 +615,26 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     res["warm_up_s"] = server.stats().get("warm_up_s")
     print(f"  {server.load_text()}; first request (compiles, graph captures) {res['first_request_s']:.1f} s",
           flush=True)
+    if offloaded:
+        res["host_speeds"] = host_speeds(server.stats())
+        if res["host_speeds"]:
+            print("  host-experts probe: " + ", ".join(f"{k} {v:.3f}" for k, v in res["host_speeds"].items()),
+                  flush=True)
     # Warm every batch bucket (graph captures) before timing.
     for c in args.concurrency:
         streams([64] * c, 8)
     for length in args.ttft:  # one untimed run first: a new prompt length compiles prefill kernels
         streams([length], 2)
+        before = server.stats() if offloaded else {}
         runs = [streams([length], 2)[0] for _ in range(args.reps)]
         ttft = statistics.median(r.ttft for r in runs)
         res[f"ttft_{length}_s"] = ttft
         print(f"  TTFT {runs[0].prompt_tokens}-token prompt: {ttft * 1e3:.0f} ms "
               f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s)", flush=True)
+        if offloaded:  # what the prompts' steps did with the experts, per run (prefill and one decode step)
+            spent = expert_deltas(before, server.stats(), args.reps)
+            res[f"ttft_{length}_experts"] = spent
+            print("    experts per run: " + ", ".join(f"{k} {v:.2f}" for k, v in spent.items()), flush=True)
     rows = []
     for c in args.concurrency:
         snaps: list = []

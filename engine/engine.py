@@ -106,6 +106,7 @@ from hearth.engine.tier_cache import TierCache
 from hearth.engine.tier_store import FORMAT_VERSION as TIER_FORMAT
 from hearth.engine.tier_store import TierStore, tier_folder
 from hearth.engine.warm_up import ANSWER_TOKENS, CONVERSATION, Limits, warm_up_rounds, warm_up_token_ids
+from hearth.offload.expert_cache import ExpertCache
 
 
 @dataclass
@@ -173,8 +174,10 @@ class Engine:
         self.timer = StepTimer(enabled=device is not None and device.type == "cuda")
         # "auto" picks a scheduler per step (api.auto_scheduler) when experts are offloaded; resident
         # experts decode synchronously. "runahead" with offloaded experts is auto whose choice for
-        # several requests is runahead: a lone request runs the sync step with overlapped decode.
-        offloaded = getattr(runner, "expert_cache", None) is not None
+        # several requests is runahead: a lone request runs the sync step with overlapped decode, and so
+        # do several whose routed experts every layer's pool holds at once (requests x top-k <= slots).
+        expert_cache: ExpertCache | None = getattr(runner, "expert_cache", None)
+        offloaded = expert_cache is not None
         self._auto = config.scheduler in ("auto", "runahead") and offloaded
         self._several: SchedulerName | None = "runahead" if config.scheduler == "runahead" else None
         self._runahead = config.scheduler == "runahead" and not offloaded  # new tokens start in the decoder
@@ -185,7 +188,9 @@ class Engine:
                                            tiers=getattr(runner, "decode_tiers", None))
             self.scheduler.on_preempt.append(lambda seq: self.decoder.drop(seq.request_id))
         self.scheduler.on_preempt.append(lambda seq: self._release(seq, park=True))
-        self._auto_choice = auto_scheduler(1, self._several)
+        self._pool_requests = None if expert_cache is None else \
+            _pool_requests(expert_cache, runner.model_config.num_experts_per_tok)
+        self._auto_choice = auto_scheduler(1, self._several, self._pool_requests)
         self._flight: Flight | None = None  # overlapped decode: the step launched and not yet landed
         # Steps by how they ran: "overlapped"; "sync_<why>" for a step after a flight that could not
         # launch from it (it may read a prompt too); "sync_previous_step_not_in_flight" for a decode
@@ -499,7 +504,7 @@ class Engine:
         live = [i for i, r in enumerate(flight.requests) if r.seq.status is Status.RUNNING]
         if len(live) != len(scheduler.running):
             return [], "request_not_in_flight"
-        if self._auto and auto_scheduler(len(live), self._several) != self._auto_choice:
+        if self._auto and auto_scheduler(len(live), self._several, self._pool_requests) != self._auto_choice:
             return [], "scheduler_change"
         rows = [i for i in live if not self._ends_by_length(flight.requests[i].seq)]
         if not rows:
@@ -570,7 +575,7 @@ class Engine:
         request's next token in flight; switching away lets the tokens in flight finish in the decoder
         while the others decode synchronously."""
         answering = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
-        choice = self._auto_choice = auto_scheduler(answering, self._several)
+        choice = self._auto_choice = auto_scheduler(answering, self._several, self._pool_requests)
         starting = choice == "runahead" and not self._runahead
         self._runahead = choice == "runahead"
         for seq in list(self.scheduler.running) if starting else []:
@@ -776,6 +781,12 @@ class Engine:
 
     def running_ids(self) -> list[str]:
         return [s.request_id for s in self.scheduler.running if s.status is Status.RUNNING]
+
+
+def _pool_requests(cache: ExpertCache, top_k: int) -> int:
+    """How many requests' routed experts (``top_k`` each) every MoE layer's pool of ``cache`` holds at
+    once (``auto_scheduler``'s ``pool_requests``)."""
+    return min(cache.capacity(layer) for layer in cache.store.layers) // max(1, top_k)
 
 
 def _reads_history(params: SamplingParams) -> bool:

@@ -235,11 +235,11 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
                    device: torch.device, dtype: torch.dtype, policy: str, prefetch: bool = False,
                    store: ExpertStore | None = None,
                    host_experts: str = "auto",
-                   ) -> tuple[ExpertCache, CacheResidency, PrefetchingExperts | None]:
+                   ) -> tuple[ExpertCache, CacheResidency, OffloadedExperts, PrefetchingExperts | None]:
     """Fill the host store from the checkpoint (or use ``store``), put a device cache in front,
-    route every MoE layer through it (with the prediction prefetcher when ``prefetch``, returned
-    last so its ``active`` can be switched). host_experts: compute missed experts on the CPU when
-    measured faster ("auto"), always ("on"), never ("off") — see hearth.offload.cpu_experts."""
+    route every MoE layer through it (the returned backend; through the prediction prefetcher when
+    ``prefetch``, returned last so its ``active`` can be switched). host_experts: compute missed experts
+    on the CPU when measured faster ("auto"), always ("on"), never ("off") — see hearth.offload.cpu_experts."""
     config = model.config
     layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     if store is None:
@@ -250,4 +250,4 @@ def attach_offload(model: DeepseekForCausalLM, path: str | Path | None, placemen
     prefetcher = PrefetchingExperts(backend, model) if prefetch else None
     for i in layers:
         model.layers[i].mlp.backend = prefetcher or backend
-    return cache, CacheResidency(cache, use_kernel=backend.use_kernel, plan=plan), prefetcher
+    return cache, CacheResidency(cache, use_kernel=backend.use_kernel, plan=plan), backend, prefetcher

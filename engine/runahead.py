@@ -23,6 +23,8 @@ joins at the round of the most lagging one) times layers plus the layer.
 or the link carried no expert since the last round boundary (every expert was resident: running ahead
 has no copies to overlap), the whole round runs as one call of the layer-synchronous step (the sync
 scheduler's code path: its pieces, graphs and fetch plan), so runahead costs what sync costs there.
+(With offloaded experts the engine does not start the decoder at all while every layer's pool holds
+all the requests' experts at once: ``api.auto_scheduler``.)
 
 Choice of micro-step: the one holding the most lagging request (experts before attention at equal
 progress), which bounds every request's wait. *Coalescing*: a layer's landed pairs wait until every

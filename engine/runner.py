@@ -21,6 +21,7 @@ from hearth.engine.piecewise import PiecewiseDecode, Row
 from hearth.engine.tiers import DecodeTiers, KeyTiers, LatentTiers, PrefillHistories
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertStore
+from hearth.offload.experts import OffloadedExperts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -186,8 +187,9 @@ class ModelRunner:
         self.expert_cache: ExpertCache | None = None
         self.residency: CacheResidency | None = None  # the expert cache as the runahead decoder sees it
         self.prefetcher: PrefetchingExperts | None = None  # "prefetch", or "auto" (switched per step)
+        self.expert_backend: OffloadedExperts | None = None  # the MoE layers' routed-experts backend
         if placement.offload:
-            self.expert_cache, self.residency, self.prefetcher = attach_offload(
+            self.expert_cache, self.residency, self.expert_backend, self.prefetcher = attach_offload(
                 model, checkpoint, placement, self.device, dtype, config.expert_cache_policy,
                 prefetch=config.scheduler in ("prefetch", "auto"), store=expert_store,
                 host_experts=config.host_experts)
@@ -268,6 +270,10 @@ class ModelRunner:
         if self.pieces is not None and self.expert_cache is not None:
             stats.update(piece_replays=self.pieces.replays, eager_pieces=self.pieces.eager_pieces,
                          streamed_layer_steps=self.pieces.fallbacks)
+        speeds = self.expert_backend.host_speeds if self.expert_backend is not None else None
+        if speeds is not None:  # the start-up probe that decides which missed experts the host computes
+            stats.update(host_link_per_expert_ms=speeds.link_ms_per_expert, host_cpu_fixed_ms=speeds.cpu_fixed_ms,
+                         host_cpu_per_token_ms=speeds.cpu_ms_per_token, host_transfer_ms=speeds.transfer_ms)
         return stats
 
     def reset_stats(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hearth.engine import Engine, EngineConfig, Finished, HearthError, SamplingParams, TokenDelta, api
+from hearth.offload.cpu_experts import HostSpeeds
 from tests.engine.conftest import TEST_DEVICE, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -91,6 +92,10 @@ def test_auto_rule():
     assert api.auto_scheduler(0) == api.auto_scheduler(1) == "sync"
     assert api.auto_scheduler(2) == api.auto_scheduler(32) == api.AUTO_SEVERAL_REQUESTS
     assert EngineConfig().scheduler == "auto"
+    # runahead only where some layer's pool cannot hold every request's experts at once
+    assert api.auto_scheduler(8, "runahead", pool_requests=8) == "sync"
+    assert api.auto_scheduler(9, "runahead", pool_requests=8) == "runahead"
+    assert api.auto_scheduler(2, "prefetch", pool_requests=8) == "prefetch"
 
 
 @pytest.mark.parametrize("several", ["runahead", "prefetch", "sync"])
@@ -157,3 +162,18 @@ def test_missed_experts_computed_on_the_host(tiny_models):
 def test_host_experts_setting_is_checked():
     with pytest.raises(HearthError, match="host_experts"):
         EngineConfig(host_experts="sometimes")
+
+
+def test_stats_show_the_host_experts_probe_when_it_ran(tiny_models):
+    """/hearth/stats carries the start-up probe that decides which missed experts the host computes
+    (``--host-experts auto`` on CUDA), so two servers' choices can be told apart; none without a probe."""
+    engine = Engine.load(str(tiny_models["deepseek_v32"]), EngineConfig(
+        device=TEST_DEVICE, dtype="float32", offload="always", expert_cache_slots=3, host_experts="off",
+        scheduler="sync"))
+    backend = engine.runner.expert_backend
+    assert all(layer.mlp.backend is backend for layer in engine.runner.model.layers if layer.is_moe)
+    assert not any(key.startswith("expert_cache_host_") for key in engine.stats().extra)
+    backend.host_speeds = HostSpeeds(link_ms_per_expert=0.83, cpu_fixed_ms=58.3, cpu_ms_per_token=1.2, transfer_ms=0.1)
+    extra = engine.stats().extra
+    names = ("link_per_expert_ms", "cpu_fixed_ms", "cpu_per_token_ms", "transfer_ms")
+    assert [extra[f"expert_cache_host_{name}"] for name in names] == [0.83, 58.3, 1.2, 0.1]

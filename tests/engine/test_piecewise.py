@@ -66,7 +66,8 @@ def test_padding_rows_fetch_nothing(model_dir):
 
 
 def test_runahead_micro_steps_run_the_pieces(model_dir, resident_tokens):
-    engine = Engine.load(model_dir, _config(offload="always", expert_cache_slots=6, scheduler="runahead"))
+    # 5 slots: room for two requests' experts (top-2) at once, not three (those would decode as sync)
+    engine = Engine.load(model_dir, _config(offload="always", expert_cache_slots=5, scheduler="runahead"))
     pieces = engine.runner.pieces
     calls = []
     attend_rows = pieces.attend_rows

@@ -20,6 +20,7 @@ from hearth.engine.offload_setup import CacheResidency, EvictionPlan
 from hearth.engine.runahead import NEEDED, PREDICTED
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertLayout, ExpertStore
+from hearth.offload.experts import OffloadedExperts
 from tests.engine.conftest import TEST_DEVICE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -468,3 +469,59 @@ def test_rounds_with_every_expert_resident_run_as_one_sync_step(model_dir, sync_
     assert decoder.sync_steps == rounds - 1
     assert decoder.micro_steps - decoder.sync_steps == per_round
     assert decoder.sync_rows == 5 * (rounds - 1)
+
+
+def test_requests_whose_experts_fit_the_pool_decode_as_sync(model_dir, sync_tokens):
+    """Three requests, top-2, 6 slots per layer: every layer's pool holds all their experts at once, so
+    the sync step queues each layer's copies together and running ahead has nothing to add. They decode
+    as sync does: the same model calls (one per token round), the same bytes over the link, no
+    micro-step (the decoder made ~100 micro-steps for the 15 rounds sync runs in 15 calls)."""
+    prompts = _prompts()[:3]
+    counts = {}
+    for scheduler in ("sync", "runahead"):
+        engine = _engine(model_dir, scheduler, **OFFLOAD)
+        if engine.decoder is not None:
+            engine.decoder.residency = LinkResidency(engine, LINKS["slow_even"])
+        calls: list[int] = []
+
+        def counted(inputs, *args, _calls=calls, _forward=engine.runner.run, **kwargs):
+            _calls.append(len(inputs))
+            return _forward(inputs, *args, **kwargs)
+
+        engine.runner.run = counted
+        tokens = _run(engine, prompts)[0]
+        assert tokens == sync_tokens[:3]
+        counts[scheduler] = (calls, _bytes_fetched(engine))
+        if engine.decoder is not None:
+            assert engine.decoder.micro_steps == 0
+    assert counts["runahead"] == counts["sync"]
+
+
+def test_a_lone_prompt_after_several_requests_is_read_as_under_sync(model_dir, monkeypatch):
+    """A prompt sent alone after several requests decoded (behind a simulated link, so the decoder held
+    and queued experts) is read exactly as under sync: the same prompt chunks, the same routed-experts
+    calls with the whole pool free for each, the same experts copied, the same first tokens."""
+    long_prompt = [(29 * j) % 470 + 20 for j in range(120)]
+    calls: list[tuple[int, int, int]] = []  # (layer, tokens, free slots) of each routed-experts call
+    forward = OffloadedExperts.__call__
+
+    def counted(self, layer, x, ids, weights):
+        calls.append((layer, x.shape[0], self.cache.available(layer)))
+        return forward(self, layer, x, ids, weights)
+
+    monkeypatch.setattr(OffloadedExperts, "__call__", counted)
+    seen = {}
+    for scheduler in ("sync", "runahead"):
+        engine = _engine(model_dir, scheduler, max_num_batched_tokens=48, **OFFLOAD)
+        if engine.decoder is not None:
+            engine.decoder.residency = LinkResidency(engine, LINKS["slow_even"])
+        _run(engine, _prompts())
+        assert engine.decoder is None or engine.decoder.micro_steps > 0
+        cache = engine.runner.expert_cache
+        calls.clear()
+        copies = cache.copies
+        tokens = _run(engine, [long_prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+        seen[scheduler] = (tokens, list(calls), cache.copies - copies)
+    assert seen["runahead"] == seen["sync"]
+    assert len(seen["sync"][1]) >= 3 * 2  # three chunks through both MoE layers
+    assert all(free == OFFLOAD["expert_cache_slots"] for _, _, free in seen["sync"][1])

@@ -34,12 +34,12 @@ def kernel_model(tmp_path_factory):
                             overrides=KERNEL_SHAPES)
 
 
-def _engine(path, **options) -> Engine:
-    """Experts offloaded behind a 4-slot cache per layer (of 8 experts), the kernel path (the fixture),
+def _engine(path, slots: int = 4, **options) -> Engine:
+    """Experts offloaded behind a ``slots``-slot cache per layer (of 8 experts), the kernel path (the fixture),
     the offloaded experts in the fused kernel as on CUDA (the CPU default, one expert at a time, reads
     expert counts back: a host sync by design)."""
     config = EngineConfig(device=TEST_DEVICE, dtype="bfloat16", block_size=16, max_num_batched_tokens=64,
-                          cuda_graphs=False, offload="always", expert_cache_slots=4, host_experts="off", **options)
+                          cuda_graphs=False, offload="always", expert_cache_slots=slots, host_experts="off", **options)
     engine = Engine.load(str(path), config)
     pieces = engine.runner.pieces
     assert pieces is not None and pieces.offloaded
@@ -108,10 +108,11 @@ def test_tiered_decode_with_offloaded_experts_runs_in_pieces(kernel_model, kerne
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="emulates capture on the CPU (CUDA captures for real)")
 def test_runahead_runs_tiered_attention_pieces_per_group(kernel_model, kernel_path, monkeypatch):
     """Two requests under the runahead decoder: each attention micro-step stages its group of tiered
-    requests into the pieces of that group's tier key (no padding rows), tokens equal tiers off."""
+    requests into the pieces of that group's tier key (no padding rows), tokens equal tiers off. (3 slots:
+    with room for both requests' experts at once they would decode as sync, ``api.auto_scheduler``.)"""
     prompts, sampling = [PROMPT, PROMPT[:90]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    expected = run_to_completion(_engine(kernel_model, scheduler="runahead"), prompts, sampling)
-    tiered = _engine(kernel_model, scheduler="runahead", **TIERS)
+    expected = run_to_completion(_engine(kernel_model, slots=3, scheduler="runahead"), prompts, sampling)
+    tiered = _engine(kernel_model, slots=3, scheduler="runahead", **TIERS)
     pieces = tiered.runner.pieces
     assert tiered.decoder is not None and tiered.decoder.pieces is pieces
     _emulate_captures(pieces, monkeypatch)
