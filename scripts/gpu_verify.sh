@@ -73,15 +73,15 @@ for step in "${steps[@]}"; do
         timeout 90 python3 bench/bench_offload.py --parts prefill --layers 2 --prefill-variants halves ring ring4 ring16 \
             --json "$OUT/l/prefill_ab.json" > "$OUT/prefill-ab.log" 2>&1
         grep -E "^prefill|streamed" "$OUT/prefill-ab.log" | tail -10
-        wait  # the checkpoint
-        timeout 150 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 1 --decode-tokens 128 \
-            --configs resident --concurrency 1 8 --ttft 2048 --json "$OUT/e2e-resident.json" > "$OUT/e2e-resident.log" 2>&1
-        grep -vE "server flags|this window" "$OUT/e2e-resident.log" | tail -5
         timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
             --stack-modes tiered --budgets 256:4096:256 --fine-topk one_launch radix --time-limit 100 --profile \
             --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -E "^\(p\)|planned:|tiered keys\+latents r=1|IndexCache r=1 \(all|stack with tiered|kernels of|graph:" \
             "$OUT/longctx.log" | tail -16
+        wait  # the checkpoint
+        timeout 150 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 1 --decode-tokens 128 \
+            --configs resident --concurrency 1 8 --ttft 2048 --json "$OUT/e2e-resident.json" > "$OUT/e2e-resident.log" 2>&1
+        grep -vE "server flags|this window" "$OUT/e2e-resident.log" | tail -5
         timeout 60 python3 bench/bench_dsa.py --only decode_mla --out "$OUT/l" > "$OUT/dsa-mla.log" 2>&1
         grep -E "^decode sparse MLA \((bf16|fp8 tile path)\)" "$OUT/dsa-mla.log" | tail -6 ;;
     esac
