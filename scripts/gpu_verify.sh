@@ -62,7 +62,7 @@ for step in "${steps[@]}"; do
             --time-limit 60 --profile --candidate-topk sort select single_pass --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;
     defaults)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
-        HEARTH_TEST_DEVICE=cuda timeout 200 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
             -p no:cacheprovider -n 8 tests/offload/test_planned_tiers.py tests/offload/test_planned_tiers_launches.py \
             tests/kernels/test_lightning_indexer.py tests/kernels/test_topk_one_launch.py tests/kernels/test_sparse_mla.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_graph_step.py \
@@ -70,11 +70,11 @@ for step in "${steps[@]}"; do
             ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
         echo "rc $?" >> "$OUT/l/tests.log"
         grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12
-        timeout 90 python3 bench/bench_offload.py --parts prefill --layers 2 --prefill-variants halves ring ring4 ring16 \
+        timeout 80 python3 bench/bench_offload.py --parts prefill --layers 2 --prefill-variants halves ring ring4 ring16 \
             --json "$OUT/l/prefill_ab.json" > "$OUT/prefill-ab.log" 2>&1
         grep -E "^prefill|streamed" "$OUT/prefill-ab.log" | tail -10
-        timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
-            --stack-modes tiered --budgets 256:4096:256 --fine-topk one_launch radix --time-limit 100 --profile \
+        timeout 110 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
+            --stack-modes tiered --budgets 256:4096:256 --fine-topk one_launch radix --time-limit 85 --profile \
             --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -E "^\(p\)|planned:|tiered keys\+latents r=1|IndexCache r=1 \(all|stack with tiered|kernels of|graph:" \
             "$OUT/longctx.log" | tail -16
