@@ -455,7 +455,7 @@ def run_layer(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], a
 
 
 def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]], args, device: torch.device,
-                base: dict, candidate_topk: str, fine_topk: str = "radix") -> None:
+                base: dict, candidate_topk: str, fine_topk: str = "one_launch") -> None:
     """Section 1p at one context (CUDA): planned tiers against all on the GPU (base = run_layer's result),
     the candidate pages picked by ``candidate_topk``."""
     from hearth.kernels.sparse_mla import sparse_mla_decode
@@ -851,7 +851,7 @@ def main() -> None:
     ap.add_argument("--candidate-topk", nargs="+", choices=CANDIDATE_TOPKS, default=["select"],
                     help="section 1p's candidate-page top-k, one run each: the row in registers sorted by the "
                          "bitonic top-k (sort) or bisected (select), or the single-pass select")
-    ap.add_argument("--fine-topk", nargs="+", choices=["radix", "one_launch"], default=["radix"],
+    ap.add_argument("--fine-topk", nargs="+", choices=["radix", "one_launch"], default=["one_launch"],
                     help="section 1p's fine top-k, one run each (with every --candidate-topk): the radix select "
                          "or the one-launch select after the fine indexer's histogram")
     ap.add_argument("--stack-modes", nargs="+", default=STACK_MODES, choices=STACK_MODES,

@@ -247,8 +247,8 @@ def part_decode(store: ExpertStore, resident: ResidentExperts, shapes: Shapes, l
 
 
 def prefill_variant(name: str) -> dict:
-    """OffloadedExperts streaming arguments of a ``--prefill-variants`` name: ``halves`` (the default
-    two halves of the pool, one launch per fetched expert), ``ring`` or ``ringN`` (N rounds, default
+    """OffloadedExperts streaming arguments of a ``--prefill-variants`` name: ``halves`` (two halves
+    of the pool, one launch per fetched expert), ``ring`` (the default) or ``ringN`` (N rounds, default
     RING_DEPTH, one launch each)."""
     for streaming in STREAMING:
         depth = name.removeprefix(streaming)
@@ -506,8 +506,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="MoE layers in the decode/prefill store")
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps (as many warm-up steps)")
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=None, help="prompt lengths (4096 16384)")
-    ap.add_argument("--prefill-variants", nargs="+", default=["halves"],
-                    help="streaming variants timed one after the other: halves (default), ring, ringN")
+    ap.add_argument("--prefill-variants", nargs="+", default=["ring"],
+                    help="streaming variants timed one after the other: halves, ring (the default), ringN")
     ap.add_argument("--context", type=int, default=None, help="model/hf context tokens (4096)")
     ap.add_argument("--model-tokens", type=int, default=8, help="timed Hearth decode tokens")
     ap.add_argument("--hf-tokens", type=int, default=2, help="timed transformers decode tokens")

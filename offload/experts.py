@@ -10,9 +10,12 @@ Both implement ``backend(layer_idx, x [T, D], topk_ids [T, K], topk_weights [T, 
   its own copy lands, so what is left after the last copy is one expert's compute. A missed expert
   may instead be computed on the host when that is measured to be faster (:mod:`cpu_experts`).
   When a call needs more experts than the pool has room for (long prompts), they stream through
-  that room in rounds (:class:`~hearth.offload.fetch_plan.StreamPlan`): by default through its two
-  halves, round i+1 copied while round i computes; with ``streaming="ring"`` through ``ring_depth``
-  smaller rounds, each computed in one launch, the copies of the next ones queued meanwhile. Either
+  that room in rounds (:class:`~hearth.offload.fetch_plan.StreamPlan`): by default (``streaming="ring"``)
+  through ``ring_depth`` smaller rounds, each computed in one launch, the copies of the next ones queued
+  meanwhile; with ``streaming="halves"`` through its two halves, round i+1 copied while round i computes,
+  group by group (on the H200 the host's launches then paced the copies: a 4K / 16K-token prefill
+  streamed at 55% / 52% of the link floor against 97% / 94% with the ring, bench_offload.py
+  --prefill-variants, 2026-12-02). Either
   way a round's copies are queued right after the compute of the round whose slots they reuse, and
   wait for nothing else. The room is the slots no other
   lease holds (the runahead decoder may hold some between steps); a call never asks for more, so it
@@ -44,11 +47,11 @@ from hearth.offload.expert_store import ExpertStore, ExpertWeights
 from hearth.offload.fetch_plan import (
     ACQUIRE,
     COMPUTE,
-    HALVES,
     IN_FLIGHT,
     MIN_GROUP_BYTES,
     MISSING,
     RESIDENT,
+    RING,
     RING_DEPTH,
     STREAMING,
     plan_stream,
@@ -173,15 +176,15 @@ class OffloadedExperts:
     measured here unless ``host_speeds`` is given), always (``on``) or never (``off``). ``auto`` is off
     on a host-memory cache (nothing crosses a link). ``group_bytes``: fetched experts are computed in
     groups of about this many bytes of copies (one DeepSeek-V3 expert each by default).
-    ``streaming``: how a call needing more experts than the room streams (:func:`plan_stream`): ``halves``
-    (two rounds of half the room, each computed group by group) or ``ring`` (``ring_depth`` rounds,
-    each computed in one call: far fewer host launches per layer, copies queued ``ring_depth - 1``
-    rounds ahead).
+    ``streaming``: how a call needing more experts than the room streams (:func:`plan_stream`): ``ring``
+    (the default: ``ring_depth`` rounds, each computed in one call: far fewer host launches per layer,
+    copies queued ``ring_depth - 1`` rounds ahead) or ``halves`` (two rounds of half the room, each
+    computed group by group).
     """
 
     def __init__(self, cache: ExpertCache, use_kernel: bool | None = None, overlap: bool = True,
                  host_experts: str = "auto", host_speeds: HostSpeeds | None = None,
-                 group_bytes: int = MIN_GROUP_BYTES, streaming: str = HALVES, ring_depth: int = RING_DEPTH):
+                 group_bytes: int = MIN_GROUP_BYTES, streaming: str = RING, ring_depth: int = RING_DEPTH):
         if host_experts not in HOST_POLICIES:
             raise ValueError(f"host_experts must be one of {HOST_POLICIES}, got {host_experts!r}")
         if streaming not in STREAMING or ring_depth < 1:

@@ -91,7 +91,7 @@ def test_prefill_streams_through_two_halves_of_the_pool(tmp_path, monkeypatch):
     round acquired (its copies started) before the current one computes; the result is exact."""
     store, tensors = _store(tmp_path, torch.float32)
     cache = ExpertCache(store, "cpu", slots_per_layer=5)
-    backend = OffloadedExperts(cache)
+    backend = OffloadedExperts(cache, streaming="halves")
     events: list[str] = []
     acquire, compute = cache.acquire, backend._compute_round
     monkeypatch.setattr(cache, "acquire", lambda l, e: (events.append(f"acquire {len(e)}"), acquire(l, e))[1])
