@@ -59,14 +59,12 @@ disk LRU) only when a request uses them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import struct
-import tempfile
 import threading
 import time
 import uuid
@@ -81,6 +79,7 @@ from typing import Any
 
 import torch
 
+from hearth.engine.cache_files import private_folder, touch, write_atomically
 from hearth.engine.kv_cache import PagedCache
 
 __all__ = ["FORMAT_VERSION", "PageTier", "Preload", "PrefixStore", "fingerprint", "model_key"]
@@ -101,8 +100,6 @@ _READ_BYTES = 8 << 20  # one read task of the thread pool
 _IO_THREADS = 8
 _STAGE_PAGES = 64  # pages per device-side chunk of a spill or restore (bounds the GPU staging memory)
 _STALE_TEMP_S = 600.0  # a temporary file this old belongs to no writer still running
-DIR_MODE = 0o700
-FILE_MODE = 0o600
 
 
 def model_key(checkpoint: str | Path) -> str:
@@ -238,7 +235,7 @@ class PrefixStore:
         self.preload: Preload | None = None  # a warm start's reads (``attach_preload``)
         self.folder = Path(folder) if folder is not None else None
         if self.folder is not None:
-            _private_folder(self.folder)
+            private_folder(self.folder)
             self._scan()
 
     # ---- questions -------------------------------------------------------------------------
@@ -328,7 +325,7 @@ class PrefixStore:
             found.append(entry)
         for name in used & self._disk.keys():
             self._disk.move_to_end(name)
-            _touch(self._path(name))
+            touch(self._path(name))
         self._fit_host()
         return found
 
@@ -378,7 +375,7 @@ class PrefixStore:
             header = json.dumps({"fingerprint": self.fingerprint, "model_key": self.key,
                                  "conversation": conversation}).encode()
             try:
-                _write_atomically(self._prompt_path(conversation), [
+                write_atomically(self._prompt_path(conversation), [
                     _PROMPT_MAGIC + struct.pack("<II", len(header), zlib.crc32(record, zlib.crc32(header))),
                     header, record])
             except OSError as err:
@@ -612,7 +609,7 @@ class PrefixStore:
             else:
                 segment = self._disk[name]
                 self._disk.move_to_end(name)
-                _touch(self._path(name))
+                touch(self._path(name))
                 for i, block_hash in enumerate(hashes):
                     conversations = set(segment.pages[block_hash].conversations)
                     entry = _HostEntry(buffer[row + i], conversations, on_disk=True)
@@ -715,23 +712,10 @@ def _crc(page: torch.Tensor) -> int:
 def _write_file(path: Path, segment: _Segment, pages: list[memoryview]) -> None:
     """Write a segment atomically; sets ``segment.size``."""
     header = segment.to_json()
-    _write_atomically(path, [_MAGIC + struct.pack("<II", len(header), zlib.crc32(header)) + header, *pages])
+    write_atomically(path, [_MAGIC + struct.pack("<II", len(header), zlib.crc32(header)) + header, *pages])
     segment.size = _PREFIX + len(header) + len(pages) * segment.page_bytes
 
 
-def _write_atomically(path: Path, parts: Sequence[bytes | memoryview]) -> None:
-    """Write ``parts`` to a temporary file (mode 0600), then rename it to ``path``."""
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # created 0600
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                out.write(part)
-        os.chmod(temp, FILE_MODE)
-        _touch(Path(temp))
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
 
 
 def _read_header(path: Path, size: int) -> _Segment:
@@ -779,18 +763,8 @@ def _io_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=min(_IO_THREADS, os.cpu_count() or 1), thread_name_prefix="hearth-pages")
 
 
-def _private_folder(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-    if os.name == "posix" and folder.stat().st_mode & 0o777 != DIR_MODE:
-        os.chmod(folder, DIR_MODE)
 
 
-def _touch(path: Path) -> None:
-    """Mark a file used now, so the LRU order survives a restart (an explicit time: the file
-    system's own clock may tick only every few milliseconds)."""
-    now = time.time_ns()
-    with contextlib.suppress(OSError):
-        os.utime(path, ns=(now, now))
 
 
 # ---- warm start ------------------------------------------------------------------------------

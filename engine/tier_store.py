@@ -26,13 +26,10 @@ computed again: nothing unsound is used. Files of other model folders count towa
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 import struct
-import tempfile
 import time
 import uuid
 import zlib
@@ -45,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hearth.engine.cache_files import private_folder, touch, write_atomically
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.parked import ParkedPages, ParkedRows
 
@@ -61,8 +59,6 @@ _NO_CONVERSATION = "none"  # the conversation key of a chat no conversation name
 _STALE_TEMP_S = 600.0  # a temporary file this old belongs to no writer still running
 _DTYPES = {name: getattr(torch, name) for name in
            ("uint8", "int8", "int32", "int64", "float32", "float16", "bfloat16", "float8_e4m3fn")}
-DIR_MODE = 0o700
-FILE_MODE = 0o600
 
 KeyStates = dict[int, ParkedPages]
 LatentStates = dict[int, ParkedRows]
@@ -105,7 +101,7 @@ class TierStore:
         self.files_rejected = 0  # corrupt or stale files deleted instead of used
         self.chats: OrderedDict[str, StoredChat] = OrderedDict()  # every file, least recently used first
         self.disk_bytes = 0
-        _private_folder(self.folder)
+        private_folder(self.folder)
         self._scan()
 
     # ---- questions -------------------------------------------------------------------------
@@ -152,7 +148,7 @@ class TierStore:
         parts = [_MAGIC + struct.pack("<II", len(raw), zlib.crc32(raw)), raw, ids,
                  *(memoryview(t.numpy()) for t in tensors)]
         try:
-            _write_atomically(self.folder / name, parts)
+            write_atomically(self.folder / name, parts)
         except OSError as err:  # a full disk loses the chat's cache (it is recomputed), not the engine
             logger.warning("could not write a long chat's cache to %s: %s", self.folder, err)
             return None
@@ -180,7 +176,7 @@ class TierStore:
             self.reject(name, problem)
             return None
         self.chats.move_to_end(name)
-        _touch(path)
+        touch(path)
         return states
 
     def _read_states(self, path: Path, chat: StoredChat) -> tuple[KeyStates, LatentStates] | None:
@@ -365,32 +361,10 @@ def _read_index(path: Path, size: int) -> StoredChat:
                       np.frombuffer(ids, dtype="<i4").tolist(), state_bytes, size, size - state_bytes, header)
 
 
-def _write_atomically(path: Path, parts: list[bytes | memoryview]) -> None:
-    """Write ``parts`` to a temporary file (mode 0600), then rename it to ``path``."""
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # created 0600
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                out.write(part)
-        os.chmod(temp, FILE_MODE)
-        _touch(Path(temp))
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
 
 
-def _private_folder(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-    if os.name == "posix" and folder.stat().st_mode & 0o777 != DIR_MODE:
-        os.chmod(folder, DIR_MODE)
 
 
-def _touch(path: Path) -> None:
-    """Mark a file used now, so the LRU order survives a restart."""
-    now = time.time_ns()
-    with contextlib.suppress(OSError):
-        os.utime(path, ns=(now, now))
 
 
 def _unlink(path: Path) -> None:
