@@ -478,17 +478,8 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
             break
         kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=cand, cache_pages=cache or cand, topk=k,
                                 candidate_topk=candidate_topk, fine_topk=fine_topk)
-        keys = PlannedKeys(kcfg, device, initial_pages=math.ceil(n / ps))
-        buf = keys.history(ctx)
-        view = PagePool(buf.shape[0], ps, 128, "fp8", device)
-        view.buf = buf
-        idx = torch.arange(ctx, device=device)
-        view.write(idx // ps, idx % ps, k8[:ctx], ks[:ctx])
-        keys.commit_chunk(buf, ctx)
-        del buf, view
         lcfg = PlannedLatentConfig.from_hot_rows(hot_rows, k, ps, width=LAT_B, dtype=torch.uint8)
-        lat = PlannedLatents(lcfg, device, initial_rows=n)
-        lat.append(latents[:ctx])
+        keys, lat = filled_planned_tiers(kcfg, lcfg, ctx, n, k8, ks, latents, device)
         state = {}
 
         def read_side(s: int, keys=keys, lat=lat, state=state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -623,19 +614,23 @@ def planned_stack_layers(ctx: int, layers: int, k8: torch.Tensor, ks: torch.Tens
     kcfg = PlannedKeyConfig(page_size=ps, hot_pages=4, candidate_pages=cand, cache_pages=cache or cand, topk=k,
                             candidate_topk=args.candidate_topk[0], fine_topk=args.fine_topk[0])
     lcfg = PlannedLatentConfig.from_hot_rows(hot_rows, k, ps, width=LAT_B, dtype=torch.uint8)
-    out = []
-    for _ in range(layers):
-        keys = PlannedKeys(kcfg, device, initial_pages=math.ceil(ctx / ps))
-        buf = keys.history(ctx)
-        view = PagePool(buf.shape[0], ps, 128, "fp8", device)
-        view.buf = buf
-        idx = torch.arange(ctx, device=device)
-        view.write(idx // ps, idx % ps, k8[:ctx], ks[:ctx])
-        keys.commit_chunk(buf, ctx)
-        lat = PlannedLatents(lcfg, device, initial_rows=ctx)
-        lat.append(latents[:ctx])
-        out.append((keys, lat))
-    return out
+    return [filled_planned_tiers(kcfg, lcfg, ctx, ctx, k8, ks, latents, device) for _ in range(layers)]
+
+
+def filled_planned_tiers(kcfg: PlannedKeyConfig, lcfg: PlannedLatentConfig, ctx: int, room: int, k8: torch.Tensor,
+                         ks: torch.Tensor, latents: torch.Tensor, device: torch.device
+                         ) -> tuple[PlannedKeys, PlannedLatents]:
+    """Planned tiers holding the first ctx keys and latents (prefilled), with room for `room` tokens."""
+    keys = PlannedKeys(kcfg, device, initial_pages=math.ceil(room / kcfg.page_size))
+    buf = keys.history(ctx)
+    view = PagePool(buf.shape[0], kcfg.page_size, 128, "fp8", device)
+    view.buf = buf
+    idx = torch.arange(ctx, device=device)
+    view.write(idx // kcfg.page_size, idx % kcfg.page_size, k8[:ctx], ks[:ctx])
+    keys.commit_chunk(buf, ctx)
+    lat = PlannedLatents(lcfg, device, initial_rows=room)
+    lat.append(latents[:ctx])
+    return keys, lat
 
 
 def run_stack(ctx: int, args, device: torch.device, ops: Ops) -> dict:

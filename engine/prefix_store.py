@@ -79,7 +79,7 @@ from typing import Any
 
 import torch
 
-from hearth.engine.cache_files import private_folder, touch, write_atomically
+from hearth.engine.cache_files import header_frame, private_folder, read_header_frame, touch, write_atomically
 from hearth.engine.kv_cache import PagedCache
 
 __all__ = ["FORMAT_VERSION", "PageTier", "Preload", "PrefixStore", "fingerprint", "model_key"]
@@ -712,27 +712,17 @@ def _crc(page: torch.Tensor) -> int:
 def _write_file(path: Path, segment: _Segment, pages: list[memoryview]) -> None:
     """Write a segment atomically; sets ``segment.size``."""
     header = segment.to_json()
-    write_atomically(path, [_MAGIC + struct.pack("<II", len(header), zlib.crc32(header)) + header, *pages])
+    write_atomically(path, [header_frame(_MAGIC, header), *pages])
     segment.size = _PREFIX + len(header) + len(pages) * segment.page_bytes
-
-
 
 
 def _read_header(path: Path, size: int) -> _Segment:
     """A segment's header (its pages' checksums are checked when they are read); ValueError when the
     file is not a whole, sound segment."""
     with open(path, "rb") as file:
-        prefix = file.read(_PREFIX)
-        if len(prefix) < _PREFIX or prefix[:len(_MAGIC)] != _MAGIC:
-            raise ValueError("not a Hearth segment file")
-        header_len, header_crc = struct.unpack_from("<II", prefix, len(_MAGIC))
-        if header_len > _MAX_HEADER:
-            raise ValueError("header too long")
-        header = file.read(header_len)
-    if len(header) != header_len or zlib.crc32(header) != header_crc:
-        raise ValueError("header checksum mismatch")
+        header = read_header_frame(file, _MAGIC, _MAX_HEADER, "segment")
     segment = _Segment.from_json(header)
-    segment.size = _PREFIX + header_len + len(segment.pages) * segment.page_bytes
+    segment.size = _PREFIX + len(header) + len(segment.pages) * segment.page_bytes
     if segment.size != size:
         raise ValueError(f"{size} bytes long, not {segment.size}")
     return segment

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import struct
 import time
 import uuid
 import zlib
@@ -42,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hearth.engine.cache_files import private_folder, touch, write_atomically
+from hearth.engine.cache_files import header_frame, private_folder, read_header_frame, touch, write_atomically
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.parked import ParkedPages, ParkedRows
 
@@ -145,7 +144,7 @@ class TierStore:
         if size > self.budget_bytes:
             return None
         name = f"{self.key}-{_conversation_key(conversation)}-{uuid.uuid4().hex}{_SUFFIX}"
-        parts = [_MAGIC + struct.pack("<II", len(raw), zlib.crc32(raw)), raw, ids,
+        parts = [header_frame(_MAGIC, raw), ids,
                  *(memoryview(t.numpy()) for t in tensors)]
         try:
             write_atomically(self.folder / name, parts)
@@ -334,20 +333,12 @@ def _read_into(file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool
 def _read_index(path: Path, size: int) -> StoredChat:
     """A file's header and token ids, checked; ValueError when the file is not a sound one."""
     with open(path, "rb") as file:
-        prefix = file.read(_PREFIX)
-        if len(prefix) < _PREFIX or prefix[:len(_MAGIC)] != _MAGIC:
-            raise ValueError("not a Hearth long chat cache file")
-        header_len, header_crc = struct.unpack_from("<II", prefix, len(_MAGIC))
-        if header_len > _MAX_HEADER:
-            raise ValueError("header too long")
-        raw = file.read(header_len)
-        if len(raw) != header_len or zlib.crc32(raw) != header_crc:
-            raise ValueError("header checksum mismatch")
+        raw = read_header_frame(file, _MAGIC, _MAX_HEADER, "long chat cache")
         header = json.loads(raw)
         if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
             raise ValueError("another format")
         tokens = int(header["tokens"])
-        expected = _PREFIX + header_len + 4 * tokens + _state_bytes(header)
+        expected = _PREFIX + len(raw) + 4 * tokens + _state_bytes(header)
         if tokens < 1 or expected != size:
             raise ValueError(f"{size} bytes long, not {expected}")
         ids = file.read(4 * tokens)
