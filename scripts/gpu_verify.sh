@@ -5,7 +5,8 @@
 #   usage: bash scripts/gpu_verify.sh tests   (one call, ~5-6 min on a fresh machine), then bash scripts/gpu_verify.sh e2e (~6 min),
 #   then `kernels` (~9 min: the A/B rows of kernel variants merged untimed, the sparse MLA sweep) and `c2` (~5 min: tiered decode
 #   through the server, the chat cache across a restart, planned tiers by kernel), one call each; `defaults` (~6 min: the
-#   GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident).
+#   GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident; `dtests`: its tests
+#   only). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -42,6 +43,7 @@ for step in "${steps[@]}"; do
         timeout 280 "${E[@]}" --dir /tmp/ckpt-deepseek_v32 --json "$OUT/e2e-ds.json" \
             --configs resident offload-sync offload-runahead --concurrency 1 8 --ttft 2048 > "$OUT/e2e-ds.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-ds.log" | tail -12
+        [[ -n ${E2E_DS_ONLY:-} ]] && continue
         timeout 170 "${E[@]}" --dir /tmp/ckpt-gpt_oss --family gpt_oss --json "$OUT/e2e-gpt_oss.json" \
             --configs resident offload-sync --concurrency 1 8 --ttft 2048 > "$OUT/e2e-gpt_oss.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-gpt_oss.log" | tail -8 ;;
@@ -61,7 +63,7 @@ for step in "${steps[@]}"; do
         timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
             --time-limit 60 --profile --candidate-topk sort select single_pass --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;
-    defaults)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
+    defaults|dtests)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
         HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
             -p no:cacheprovider -n 8 tests/offload/test_planned_tiers.py tests/offload/test_planned_tiers_launches.py \
             tests/kernels/test_lightning_indexer.py tests/kernels/test_topk_one_launch.py tests/kernels/test_sparse_mla.py \
@@ -70,6 +72,7 @@ for step in "${steps[@]}"; do
             ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
         echo "rc $?" >> "$OUT/l/tests.log"
         grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12
+        [[ $step == dtests ]] && continue
         timeout 80 python3 bench/bench_offload.py --parts prefill --layers 2 --prefill-variants halves ring ring4 ring16 \
             --json "$OUT/l/prefill_ab.json" > "$OUT/prefill-ab.log" 2>&1
         grep -E "^prefill|streamed" "$OUT/prefill-ab.log" | tail -10
