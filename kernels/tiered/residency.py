@@ -149,18 +149,21 @@ def _gather_kernel(
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program (i, j) copies words [j * BLOCK, (j + 1) * BLOCK) of row src_rows[i] of one buffer into
-    row dst_rows[i] of the other (the i-th miss from the mapped host pool into its device row; a
-    written-through row the other way: loads or stores over the link)."""
-    i_m = tl.program_id(0)
-    i_j = tl.program_id(1)
-    if i_m < tl.load(n_miss_ptr):
+    """Program (p, j) copies words [j * BLOCK, (j + 1) * BLOCK) of rows src_rows[i] of one buffer into
+    rows dst_rows[i] of the other for i = p, p + P, ... below n_miss (P programs: the i-th miss from
+    the mapped host pool into its device row; a written-through row the other way: loads or stores
+    over the link). A grid of at most GATHER_PROGRAMS rows of programs, not one per possible miss: a
+    decode step has a few misses, and thousands of programs that only read n_miss cost a wave."""
+    o_w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m_w = o_w < ROW
+    for i_m in range(tl.program_id(0), tl.load(n_miss_ptr), tl.num_programs(0)):
         src = tl.load(miss_src_ptr + i_m).to(tl.int64)
         dst = tl.load(miss_dst_ptr + i_m).to(tl.int64)
-        o_w = i_j * BLOCK + tl.arange(0, BLOCK)
-        m_w = o_w < ROW
         b_w = tl.load(host_ptr + src * ROW + o_w, mask=m_w)
         tl.store(dev_ptr + dst * ROW + o_w, b_w, mask=m_w)
+
+
+GATHER_PROGRAMS = 128  # rows of programs of a gather: about one per SM, each loops over its misses
 
 
 @dataclass
@@ -248,7 +251,7 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_
     """dst[dst_rows[i]] = src[src_rows[i]] for i < count[0]: row indices (C,) int32 and count (1,) int32
     on the device, so a step can copy rows it chose on the device (a decode token's page or latent
     row written through to the pinned host pool, read in place on CUDA as ``gather_misses`` reads it).
-    One launch of a fixed grid. No host sync."""
+    One launch of a fixed grid (``GATHER_PROGRAMS`` rows of programs at most). No host sync."""
     require(src.dtype == dst.dtype and src.shape[1:] == dst.shape[1:], "source and destination rows must match")
     require(src.is_contiguous() and dst.is_contiguous(), "row buffers must be contiguous")
     if src.is_cuda or dst.is_cuda:
@@ -257,14 +260,14 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_
     a, b = row_words(src), row_words(dst)
     row = a.shape[1]
     block = min(1024, triton.next_power_of_2(row))
-    grid = (src_rows.shape[0], triton.cdiv(row, block))
+    grid = (min(src_rows.shape[0], GATHER_PROGRAMS), triton.cdiv(row, block))
     _gather_kernel[grid](a, b, src_rows, dst_rows, count, ROW=row, BLOCK=block, num_warps=4)
 
 
 def gather_misses(plan: ResidencyPlan, host: torch.Tensor, dev: torch.Tensor) -> None:
     """Copy the planned misses' rows: host [capacity, ...] (pinned CPU tensor on CUDA, read in place by
     the kernel; any CPU tensor under the interpreter) -> dev [ring + slots, ...] (same row layout).
-    One launch of a fixed grid (programs past n_miss return at once). No host sync."""
+    One launch of a fixed grid (``copy_rows``). No host sync."""
     if dev.is_cuda:
         require(host.device.type == "cpu" and host.is_pinned(), "the host pool must be pinned CPU memory")
     copy_rows(host, dev, plan.miss_src, plan.miss_dst, plan.n_miss)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hearth.kernels.tiered import ResidencyPlan, gather_misses, plan_residency
+from hearth.kernels.tiered.residency import GATHER_PROGRAMS
 
 
 def _host_pool(n: int, width: int, device: torch.device) -> torch.Tensor:
@@ -16,18 +17,21 @@ def _host_pool(n: int, width: int, device: torch.device) -> torch.Tensor:
     return rows.pin_memory() if device.type == "cuda" else rows
 
 
-@pytest.mark.parametrize("ring,slots,cand,width", [(4, 8, 8, 24), (16, 40, 32, 7), (1, 33, 33, 2112)])
+# (the last: more misses than GATHER_PROGRAMS, so each gather program copies several rows)
+@pytest.mark.parametrize("ring,slots,cand,width", [(4, 8, 8, 24), (16, 40, 32, 7), (1, 33, 33, 2112),
+                                                   (2, 300, 300, 5)])
 def test_random_steps_read_the_right_rows(device, ring, slots, cand, width):
     g = torch.Generator().manual_seed(slots)
-    capacity = 200  # >= the last step's ring_start + ring
+    capacity = 700  # >= the last step's ring_start + ring
     host = _host_pool(capacity, width, device)
     dev = torch.full((ring + slots, width), -1, dtype=torch.int32, device=device)
     plan = ResidencyPlan.new(capacity, slots, cand, ring, device)
     previous: set[int] = set()
     cached: dict[int, int] = {}  # id -> slot, as the plan must keep it
+    most = 0  # the most misses of a step
     for step in range(12):
-        ring_start = 150 + step
-        n = int(torch.randint(1, cand + 1, (1,), generator=g))
+        ring_start = 650 + step
+        n = cand if step == 0 else int(torch.randint(1, cand + 1, (1,), generator=g))  # (0: all misses)
         # half of the previous step's ids again (reuse), the rest fresh; a few ring ids
         keep = list(previous)[: n // 2]
         written = ring_start + ring  # ids past the ring's end are not written yet
@@ -42,6 +46,7 @@ def test_random_steps_read_the_right_rows(device, ring, slots, cand, width):
         cold = [i for i in ids if i < ring_start]
         hits = [i for i in cold if i in cached]
         assert int(plan.n_miss) == len(cold) - len(hits)
+        most = max(most, int(plan.n_miss))
         for i, s in zip(ids, got[:n]):
             if i >= ring_start:
                 assert s == i % ring
@@ -53,6 +58,7 @@ def test_random_steps_read_the_right_rows(device, ring, slots, cand, width):
         owners = plan.owner.cpu().tolist()
         cached = {i: ring + s for s, i in enumerate(owners) if i >= 0}
         previous = set(cold)
+    assert cand <= GATHER_PROGRAMS or most > GATHER_PROGRAMS
 
 
 def test_bad_arguments_are_refused(device):
