@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from hearth.kernels._utils import check_tensor, require
-from hearth.kernels.tiered.residency import ResidencyPlan, plan_step, ring_start_of
+from hearth.kernels.tiered.residency import ResidencyPlan, plan_step, ring_start_of, slot_chunk
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS
 from hearth.kernels.topk.short_row import (
     MAX_SHORT_N,
@@ -75,7 +75,7 @@ def _coarse_step_kernel(
     N_P2: tl.constexpr,
     K_P2: tl.constexpr,
     T_P2: tl.constexpr,
-    S_P2: tl.constexpr,
+    S_CHUNK: tl.constexpr,
     WS_N: tl.constexpr,
     WS_P2: tl.constexpr,
     NBINS: tl.constexpr,
@@ -118,7 +118,7 @@ def _coarse_step_kernel(
     tl.debug_barrier()
     # 3. residency of the table's pages: plan.slot = the fine block table
     plan_step(pages_ptr, n_cold, slot_of_ptr, owner_ptr, stamp_ptr, victims_ptr, clock_ptr, slot_ptr, miss_src_ptr,
-              miss_dst_ptr, n_miss_ptr, C + HOT, SLOTS, HOT, T_P2, S_P2)
+              miss_dst_ptr, n_miss_ptr, C + HOT, SLOTS, HOT, T_P2, S_CHUNK)
 
 
 def sort_fits(scores: torch.Tensor) -> bool:
@@ -163,7 +163,7 @@ def coarse_step(
         plan.miss_dst, plan.n_miss, candidates, plan.num_slots, scratch.shape[-1] // 2,
         PAGE=page_size, HOT=hot, SORT=method == "sort", SELECT=method == "select", N_P2=n_p2, K_P2=k_p2,
         T_P2=triton.next_power_of_2(n_table),
-        S_P2=triton.next_power_of_2(plan.num_slots), WS_N=fine_workspace.numel(),
+        S_CHUNK=slot_chunk(plan.num_slots), WS_N=fine_workspace.numel(),
         WS_P2=triton.next_power_of_2(fine_workspace.numel()), NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES,
         BLOCK=2048, num_warps=short_row_warps(n_p2) if in_registers else 16,
     )

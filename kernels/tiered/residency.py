@@ -57,10 +57,12 @@ def plan_step(
     SLOTS,
     RING,
     C_P2: tl.constexpr,
-    S_P2: tl.constexpr,
+    S_CHUNK: tl.constexpr,
 ):
     """The plan of one step (module doc) for the C ids at cand_ptr, ring ids those >= ring_start
-    (a scalar): one program; also the tail of the tiered keys' candidate kernel."""
+    (a scalar): one program; also the tail of the tiered keys' candidate kernel. The free slots are
+    looked for S_CHUNK at a time from the hand, only until there are as many as misses (a decode step
+    misses a few of thousands of slots)."""
     o_c = tl.arange(0, C_P2)
     m_c = o_c < C
     b_id = tl.load(cand_ptr + o_c, mask=m_c, other=-1)
@@ -72,20 +74,26 @@ def plan_step(
     m_miss = m_cold & (b_old_slot < 0)
     hand = tl.load(clock_ptr)
     stamp = tl.load(clock_ptr + 1) + 1
+    b_miss_rank = tl.cumsum(m_miss.to(tl.int32), 0) - 1
+    n_miss = tl.sum(m_miss.to(tl.int32), 0)
     # 1. protect the slots this step hits
     tl.store(stamp_ptr + b_old_slot, tl.zeros([C_P2], dtype=tl.int32) + stamp, mask=m_hit)
     tl.debug_barrier()
-    # 2. free slots in clock order from the hand: victims[r] = r-th free slot
-    o_s = tl.arange(0, S_P2)
-    m_s = o_s < SLOTS
-    o_rot = (hand + o_s) % SLOTS
-    m_free = m_s & (tl.load(stamp_ptr + o_rot, mask=m_s, other=0) != stamp)
-    b_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
-    tl.store(victims_ptr + b_rank, o_rot, mask=m_free)
+    # 2. the first n_miss free slots in clock order from the hand: victims[r] = r-th free slot (there
+    # are enough: slots >= candidates >= hits + misses)
+    found = n_miss * 0
+    start = n_miss * 0
+    while (found < n_miss) & (start < SLOTS):
+        o_s = start + tl.arange(0, S_CHUNK)
+        m_s = o_s < SLOTS
+        o_rot = (hand + o_s) % SLOTS
+        m_free = m_s & (tl.load(stamp_ptr + o_rot, mask=m_s, other=0) != stamp)
+        b_rank = found + tl.cumsum(m_free.to(tl.int32), 0) - 1
+        tl.store(victims_ptr + b_rank, o_rot, mask=m_free & (b_rank < n_miss))
+        found += tl.sum(m_free.to(tl.int32), 0)
+        start += S_CHUNK
     tl.debug_barrier()
     # 3. the r-th miss takes the r-th free slot; its previous row is forgotten
-    b_miss_rank = tl.cumsum(m_miss.to(tl.int32), 0) - 1
-    n_miss = tl.sum(m_miss.to(tl.int32), 0)
     b_new = tl.load(victims_ptr + b_miss_rank, mask=m_miss, other=0)
     b_evicted = tl.load(owner_ptr + b_new, mask=m_miss, other=-1)
     tl.store(slot_of_ptr + b_evicted, tl.full([C_P2], -1, dtype=tl.int32), mask=m_miss & (b_evicted >= 0))
@@ -129,14 +137,14 @@ def _plan_kernel(
     UNIT: tl.constexpr,
     RING_FROM_WRITTEN: tl.constexpr,
     C_P2: tl.constexpr,
-    S_P2: tl.constexpr,
+    S_CHUNK: tl.constexpr,
 ):
     if RING_FROM_WRITTEN:
         ring_start = ring_start_of(tl.load(bound_ptr), UNIT, RING)
     else:
         ring_start = tl.load(bound_ptr)
     plan_step(cand_ptr, ring_start, slot_of_ptr, owner_ptr, stamp_ptr, victims_ptr, clock_ptr, slot_ptr,
-              miss_src_ptr, miss_dst_ptr, n_miss_ptr, C, SLOTS, RING, C_P2, S_P2)
+              miss_src_ptr, miss_dst_ptr, n_miss_ptr, C, SLOTS, RING, C_P2, S_CHUNK)
 
 
 @triton.jit
@@ -161,6 +169,14 @@ def _gather_kernel(
         dst = tl.load(miss_dst_ptr + i_m).to(tl.int64)
         b_w = tl.load(host_ptr + src * ROW + o_w, mask=m_w)
         tl.store(dev_ptr + dst * ROW + o_w, b_w, mask=m_w)
+
+
+SLOT_CHUNK = 512  # free cache slots looked at a round of a plan (a decode step's misses are fewer)
+
+
+def slot_chunk(slots: int) -> int:
+    """The plan's S_CHUNK for a cache of ``slots`` slots."""
+    return min(triton.next_power_of_2(slots), SLOT_CHUNK)
 
 
 GATHER_PROGRAMS = 128  # rows of programs of a gather: about one per SM, each loops over its misses
@@ -235,7 +251,7 @@ def plan_residency(plan: ResidencyPlan, candidates: torch.Tensor, ring_start: to
         candidates, bound, plan.slot_of, plan.owner, plan.hit_stamp, plan.victims, plan.clock,
         plan.slot, plan.miss_src, plan.miss_dst, plan.n_miss, n_cand, plan.num_slots, plan.ring,
         UNIT=unit, RING_FROM_WRITTEN=written is not None,
-        C_P2=triton.next_power_of_2(n_cand), S_P2=triton.next_power_of_2(plan.num_slots), num_warps=8,
+        C_P2=triton.next_power_of_2(n_cand), S_CHUNK=slot_chunk(plan.num_slots), num_warps=8,
     )
     return plan.slot
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearth.kernels.tiered import ResidencyPlan, gather_misses, plan_residency
+from hearth.kernels.tiered import ResidencyPlan, gather_misses, plan_residency, residency
 from hearth.kernels.tiered.residency import GATHER_PROGRAMS
 
 
@@ -20,7 +20,10 @@ def _host_pool(n: int, width: int, device: torch.device) -> torch.Tensor:
 # (the last: more misses than GATHER_PROGRAMS, so each gather program copies several rows)
 @pytest.mark.parametrize("ring,slots,cand,width", [(4, 8, 8, 24), (16, 40, 32, 7), (1, 33, 33, 2112),
                                                    (2, 300, 300, 5)])
-def test_random_steps_read_the_right_rows(device, ring, slots, cand, width):
+@pytest.mark.parametrize("chunk", [None, 4])  # 4: the free slots are found over many rounds of the plan
+def test_random_steps_read_the_right_rows(device, ring, slots, cand, width, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setattr(residency, "SLOT_CHUNK", chunk)
     g = torch.Generator().manual_seed(slots)
     capacity = 700  # >= the last step's ring_start + ring
     host = _host_pool(capacity, width, device)
