@@ -32,7 +32,12 @@ own process, timed from the official OpenAI client.
    disk), once more sent the moment a restarted server is ready (no warm-up chat, only the engine's own
    warm-up at start), and of a full re-prefill
    of the same turn, with ``usage.prompt_tokens_details.cached_tokens`` and the server's
-   ``prefix_cache_*`` counters.
+   ``prefix_cache_*`` counters. ``chat-cache-tiers`` takes the same rows for a tiered chat (tiers64k's
+   ``--index-key-hot-pages 64 --latent-hot-rows 4096`` added to the servers' flags): its keys and latents
+   are parked in host RAM when a turn ends and written to the cache folder's ``tiers`` files when the
+   server stops; each row adds the changes of the server's ``tier_cache_*`` counters (tokens adopted,
+   chats read back from disk, file bytes, files rejected) and says whether the follow-up adopted the
+   parked tiers from RAM, from disk, or recomputed them.
 3. Prints each row beside its floor: the bytes one decode step must read at 4.28 TB/s: the weights as the
    checkpoint stores them (FP8 one byte, bf16 two, MXFP4 4.25 bits), the distinct routed experts a batch
    of that size touches under uniform routing, and the attention cache: DSA's indexer keys and selected
@@ -50,6 +55,7 @@ channel's message: the same prompt tokens, prefill and decode steps, and one tex
     python bench/bench_e2e.py --dir /tmp/ckpt [--family deepseek_v32] [--moe-layers 2]
         [--configs resident offload-sync ...] [--concurrency 1 8 32] [--json FILE] [--runner]
     python bench/bench_e2e.py --configs chat-cache [--chat-context 65536] [--chat-cache-blocks N] [--reps 2]
+    python bench/bench_e2e.py --configs chat-cache-tiers [--chat-context 65536] [--reps 2]
 """
 
 from __future__ import annotations
@@ -137,7 +143,9 @@ FAMILIES = {"deepseek_v32": DEEPSEEK_V32, "glm_moe_dsa": GLM5, "glm4_moe": GLM45
             "tiny": TINY, "tiny-glm4": TINY_GLM4, "tiny-gpt-oss": TINY_GPT_OSS}
 
 CONFIG_NAMES = ("resident", "resident-eager", "offload-sync", "offload-runahead", "offload-prefetch", "mli",
-                "tiers64k", "chat-cache")
+                "tiers64k", "chat-cache", "chat-cache-tiers")
+# Tiered indexer keys and latents (recent pages / rows on the GPU, the rest in host RAM) for 64K-token chats
+TIER_FLAGS = ["--index-key-hot-pages", "64", "--latent-hot-rows", "4096"]
 
 
 def config_flags(name: str, n_experts: int) -> list[str]:
@@ -151,7 +159,7 @@ def config_flags(name: str, n_experts: int) -> list[str]:
         "offload-runahead": [*offload, "--scheduler", "runahead"],
         "offload-prefetch": [*offload, "--scheduler", "prefetch"],
         "mli": ["--offload", "never", "--mli", "true"],
-        "tiers64k": ["--offload", "never", "--index-key-hot-pages", "64", "--latent-hot-rows", "4096"],
+        "tiers64k": ["--offload", "never", *TIER_FLAGS],
     }[name]
 
 
@@ -686,12 +694,26 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
 
 
 CHAT_CACHE = "chat-cache"
+CHAT_CACHE_TIERS = "chat-cache-tiers"  # the same rows for a tiered chat (``TIER_FLAGS``, as tiers64k)
 CHAT_BLOCK_SIZE = 64  # tokens per cache page (the engine's default, passed explicitly for the sizing)
 CHAT_ANSWER_TOKENS = 32  # the first turn's answer
 CHAT_FOLLOW_UP_TOKENS = 64  # each follow-up's new user message
 CHAT_ROOM = 1024  # context beyond --chat-context the server allows: the answer and a follow-up
 CHAT_TARGET_S = 0.5  # issue 16: a follow-up's TTFT in a 64K-token chat after a chat switch and after a restart
 CHAT_TARGET_CONTEXT = 65536
+# Each stage: its follow-up's label and its name in the report. A tiered chat's keys and latents live in
+# host RAM (recent ones also on the GPU) and are parked there when a turn ends; a restarted server
+# reads a parked chat's file when a prompt matches it (no warm start: that is the pages').
+CHAT_STAGES = {"gpu": ("follow-up, pages in the device cache", "in the device cache"),
+               "host": ("follow-up after {others} other chats (from RAM)", "after switching chats"),
+               "disk": ("follow-up after a restart (warm start, then a warm-up chat)",
+                        "after a restart (warm start, warm-up chat)"),
+               "cold": ("follow-up sent when a restarted server is ready (no warm-up chat)",
+                        "after a restart, sent at ready (no warm-up chat)")}
+TIER_STAGES = {**CHAT_STAGES, "gpu": ("follow-up right after its turn (tiers parked in RAM)",
+                                      "right after its turn (tiers parked in RAM)"),
+               "disk": ("follow-up after a restart (then a warm-up chat)", "after a restart (warm-up chat)")}
+TIER_COUNTERS = ("hits_tokens", "restored_chats", "disk_bytes", "files_rejected")  # tier_cache_*, as deltas
 
 
 @dataclass
@@ -722,13 +744,47 @@ def prefix_stats(stats: dict) -> dict[str, float]:
     return {k: v for k, v in stats.items() if k.startswith("prefix_cache_")}
 
 
-class ChatBench:
-    """The stages of the chat-cache measurement on one server at a time (``measure_chat_cache``)."""
+def stats_delta(before: dict, after: dict, key: str) -> float:
+    """How much a /hearth/stats counter moved (0 where the server has none)."""
+    return (after.get(key) or 0.0) - (before.get(key) or 0.0)
 
-    def __init__(self, model: str, prompts: Prompts, context: int) -> None:
+
+def tier_row(before: dict, after: dict) -> dict:
+    """A tiered chat's follow-up: what the parked tiers' counters (``tier_cache_*``) moved between the
+    stats before and after it, and where its tiers came from (``tier_source``): "disk" (a parked
+    chat's file read back), "ram" (a chat parked in RAM) or "recomputed" (none adopted: its whole
+    prompt prefilled). ``tier_disk_mb`` is the change of the files' bytes (negative when the turn's
+    longer chat, parked in RAM, replaced the file it was read from)."""
+    moved = {key: stats_delta(before, after, f"tier_cache_{key}") for key in TIER_COUNTERS}
+    row = {"tier_hit_tokens": int(moved["hits_tokens"]), "tier_restored_chats": int(moved["restored_chats"]),
+           "tier_disk_mb": moved["disk_bytes"] / 1e6, "tier_files_rejected": int(moved["files_rejected"]),
+           "tier_disk_chats": int(before.get("tier_cache_disk_chats") or 0),  # on disk when it was sent
+           "tier_cache": {k: v for k, v in after.items() if k.startswith("tier_cache_")}}
+    row["tier_source"] = ("recomputed" if not row["tier_hit_tokens"] else
+                          "disk" if row["tier_restored_chats"] else "ram")
+    return row
+
+
+def tier_source_text(row: dict) -> str:
+    """Where a tiered follow-up's tiers came from, as printed."""
+    if row["tier_source"] == "disk":
+        return f"adopted from disk ({row['tier_restored_chats']} chat file read back)"
+    if row["tier_source"] == "ram":
+        return "adopted from RAM"
+    rejected = row["tier_files_rejected"]
+    return "NOT adopted (recomputed" + (f"; {rejected} files rejected)" if rejected else ")")
+
+
+class ChatBench:
+    """The stages of the chat-cache measurement on one server at a time (``measure_chat_cache``);
+    ``tiers``: the chat's keys and latents are tiered (chat-cache-tiers)."""
+
+    def __init__(self, model: str, prompts: Prompts, context: int, tiers: bool = False) -> None:
         self.model = model
         self.prompts = prompts
         self.context = context
+        self.tiers = tiers
+        self.stages = TIER_STAGES if tiers else CHAT_STAGES
         self.chats = 0
 
     def new_chat(self) -> Chat:
@@ -751,13 +807,13 @@ class ChatBench:
 
     def follow_up(self, server: Server, chat: Chat, label: str) -> dict:
         """Time a new follow-up turn of ``chat`` (a new user message each time, as a user would send),
-        with the cache counters it moved."""
+        with the cache counters it moved (for a tiered chat also ``tier_row``'s)."""
         before = server.stats()
         request = self.prompts.request(chat.turn(self.prompts.text(CHAT_FOLLOW_UP_TOKENS)))
         turn = send(server, self.model, request, 2, chat.conversation)
         after = server.stats()
         def delta(key: str) -> float:
-            return (after.get(key) or 0.0) - (before.get(key) or 0.0)
+            return stats_delta(before, after, key)
 
         row = {"ttft_s": turn.ttft, "prompt_tokens": turn.prompt_tokens, "cached_tokens": turn.cached_tokens,
                "restored_tokens": int(delta("prefix_cache_restored_tokens")), "prefix_cache": prefix_stats(after),
@@ -768,6 +824,13 @@ class ChatBench:
                "preloaded_mb": (before.get("prefix_cache_preloaded_bytes") or 0.0) / 1e6,
                "preload_running": bool(before.get("prefix_cache_preload_running"))}
         row["from_ram"] = bool(row["restored_tokens"]) and row["disk_read_mb"] == 0
+        if self.tiers:
+            row.update(tier_row(before, after))
+            disk = f"; tier files {row['tier_disk_mb']:+.0f} MB" if row["tier_disk_mb"] else ""
+            print(f"  {label}: TTFT {turn.ttft * 1e3:.0f} ms, {turn.prompt_tokens} prompt tokens, "
+                  f"{turn.cached_tokens} cached ({row['tier_hit_tokens']} from parked tiers, "
+                  f"{tier_source_text(row)}{disk})", flush=True)
+            return row
         where = ""
         if row["restored_tokens"]:  # the engine's host time restoring them, of it reading files
             where = f"; restore {row['restore_ms']:.0f} ms of host time, " + (
@@ -786,11 +849,14 @@ class ChatBench:
 
 
 def drop_file_cache(folder: Path) -> bool:
-    """Write the page files out and drop them from the OS file cache, so a restart reads them from
-    the disk rather than from RAM (False where the OS offers no posix_fadvise)."""
+    """Write the cache files out (the page files, and a tiered chat's in ``tiers/``) and drop them from
+    the OS file cache, so a restart reads them from the disk rather than from RAM (False where the OS
+    offers no posix_fadvise)."""
     if not hasattr(os, "posix_fadvise"):
         return False
-    for path in folder.iterdir():
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file():
+            continue
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -800,7 +866,17 @@ def drop_file_cache(folder: Path) -> bool:
     return True
 
 
-def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace, device_flags: list[str]) -> dict:
+def chat_cache_flags(pages: int, store: str, device_flags: list[str], tiers: bool = False) -> list[str]:
+    """The chat-cache servers' flags, the same at every restart as a user's are: the cache folder the
+    page files (and a tiered chat's files, in its ``tiers`` folder) go to and come back from, and for
+    a tiered chat its tier config (the files name it: another config's are stale and deleted)."""
+    return [*config_flags("resident", 0), *(TIER_FLAGS if tiers else []), "--block-size", str(CHAT_BLOCK_SIZE),
+            "--num-cache-blocks", str(pages), "--prefix-cache-offload", "true", "--prefix-cache-dir", store,
+            *device_flags]
+
+
+def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace, device_flags: list[str],
+                       tiers: bool = False) -> dict:
     """A follow-up turn of a ``--chat-context``-token chat, timed (TTFT) while its cache pages are on the
     GPU, after switching chats (pages restored from host RAM), after restarting the server (the files
     dropped from the OS file cache first; the server's warm start reads them back into RAM while the
@@ -817,21 +893,39 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
     pushes every page of the first chat to the host. The page files go to a temporary folder of the
     bench's own. Each server is warmed first by a whole chat of the same size (first turn and a
     follow-up, untimed) so no measured turn includes compiles; its pages are then evicted like any
-    other chat's."""
+    other chat's.
+
+    ``tiers`` (chat-cache-tiers): the same stages for a chat with tiered keys and latents
+    (``TIER_FLAGS``). Its pages hold neither (the prefix cache is off); each turn's tiers are parked
+    in host RAM when it ends and the next turn adopts them: right after the turn, after the other
+    chats (parked beside them within the RAM budget), and after a restart from the file the stopping
+    server wrote for every chat held only in RAM (``Engine.close``) into ``tiers`` in the same cache
+    folder, which the restarted server (same flags: the files name the tier config) indexes at start
+    and reads when the follow-up matches it. The rows add ``tier_row``: the ``tier_cache_*`` counters'
+    changes and whether the follow-up adopted its tiers from RAM, from disk, or recomputed them."""
     max_len = max(args.max_model_len, args.chat_context + CHAT_ROOM)
     pages = args.chat_cache_blocks or -(-max_len // CHAT_BLOCK_SIZE)
-    bench = ChatBench(folder.name, prompts, args.chat_context)
+    bench = ChatBench(folder.name, prompts, args.chat_context, tiers)
     res: dict = {"chat_context": args.chat_context, "max_model_len": max_len, "num_cache_blocks": pages}
-    with tempfile.TemporaryDirectory(prefix="hearth-bench-chat-cache-") as store:
-        flags = [*config_flags("resident", 0), "--block-size", str(CHAT_BLOCK_SIZE), "--num-cache-blocks", str(pages),
-                 "--prefix-cache-offload", "true", "--prefix-cache-dir", store, *device_flags]
+    suffix, files = ("-tiers", "tier files") if tiers else ("", "page files")
+    if tiers:
+        res["tier_flags"] = TIER_FLAGS
+    with tempfile.TemporaryDirectory(prefix=f"hearth-bench-chat-cache{suffix}-") as store:
+        flags = chat_cache_flags(pages, store, device_flags, tiers)
         print(f"  server flags: {' '.join(flags)} --max-model-len {max_len} --max-num-seqs 1", flush=True)
 
-        def start(log: str, warm_up_chat: bool = True) -> Server:
-            server = Server(folder, flags, max_len, 1, args.logs / log)
+        def start(log_tail: str, warm_up_chat: bool = True) -> Server:
+            server = Server(folder, flags, max_len, 1, args.logs / f"server-chat-cache{suffix}{log_tail}.log")
             try:
                 server.wait()
                 print(f"  server ready: {server.load_text()}", flush=True)
+                if tiers:  # the parked chats' files the server found in the cache folder
+                    stats = server.stats()
+                    found = {k: int(stats.get(f"tier_cache_{k}") or 0) for k in ("disk_chats", "disk_bytes",
+                                                                                  "files_rejected")}
+                    res.setdefault("tier_files_at_start", []).append(found)
+                    print(f"  tier files at start: {found['disk_chats']} chats, {found['disk_bytes'] / 1e6:.0f} MB, "
+                          f"{found['files_rejected']} rejected", flush=True)
                 if warm_up_chat:
                     warm = bench.new_chat()
                     bench.first_turn(server, warm)
@@ -844,12 +938,12 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
         def stop(server: Server) -> float:
             took = server.stop(timeout=900)
             uncached = drop_file_cache(Path(store))
-            print(f"  server stopped (saving its cache) in {took:.1f} s; page files "
+            print(f"  server stopped (saving its cache) in {took:.1f} s; {files} "
                   f"{'dropped from' if uncached else 'left in'} the OS file cache", flush=True)
             res["files_uncached"] = uncached
             return took
 
-        server = start("server-chat-cache.log")
+        server = start("")
         try:
             res["load_s"] = server.load_s
             chat = bench.new_chat()
@@ -857,42 +951,40 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
             res["first_turn"] = {"ttft_s": first.ttft, "prompt_tokens": first.prompt_tokens,
                                  "cached_tokens": first.cached_tokens}
             print(f"  first turn: TTFT {first.ttft:.2f} s, {first.prompt_tokens} prompt tokens", flush=True)
-            res["gpu"] = bench.follow_up(server, chat, "follow-up, pages in the device cache")
+            res["gpu"] = bench.follow_up(server, chat, bench.stages["gpu"][0])
             device_tokens = int(server.stats()["cache_blocks_total"]) * CHAT_BLOCK_SIZE
             others = -(-device_tokens // args.chat_context)
             for _ in range(others):  # other chats' long turns until the device cache was rewritten whole
                 bench.first_turn(server, bench.new_chat())
             res["switched_chats"] = others
-            res["host"] = bench.follow_up(server, chat, f"follow-up after {others} other chats (from RAM)")
+            res["host"] = bench.follow_up(server, chat, bench.stages["host"][0].format(others=others))
         finally:
             res["shutdown_s"] = stop(server)
-        server = start("server-chat-cache-restart.log")
+        server = start("-restart")
         try:
             res["restart_load_s"] = server.load_s
-            res["disk"] = bench.follow_up(server, chat, "follow-up after a restart (warm start, then a warm-up chat)")
+            res["disk"] = bench.follow_up(server, chat, bench.stages["disk"][0])
             full = [bench.follow_up(server, bench.variant(chat, i), f"full re-prefill {i + 1}")
                     for i in range(args.reps)]
         finally:
             stop(server)
-        server = start("server-chat-cache-cold.log", warm_up_chat=False)
+        server = start("-cold", warm_up_chat=False)
         try:
             res["cold_load_s"] = server.load_s
-            res["cold"] = bench.follow_up(server, chat,
-                                          "follow-up sent when a restarted server is ready (no warm-up chat)")
+            res["cold"] = bench.follow_up(server, chat, bench.stages["cold"][0])
         finally:
             server.stop(timeout=900)
     res["full"] = {"ttft_s": statistics.median(r["ttft_s"] for r in full), "runs": full}
-    report_chat_cache(res)
+    report_chat_cache(res, tiers)
     return res
 
 
-def report_chat_cache(res: dict) -> None:
-    """Each follow-up against the full re-prefill, and the issue's target."""
+def report_chat_cache(res: dict, tiers: bool = False) -> None:
+    """Each follow-up against the full re-prefill, and the issue's target; for a tiered chat where each
+    follow-up's tiers came from."""
     full = res["full"]["ttft_s"]
     print(f"  full re-prefill: TTFT {full:.3f} s (median of {len(res['full']['runs'])})", flush=True)
-    for stage, what in (("gpu", "in the device cache"), ("host", "after switching chats"),
-                        ("disk", "after a restart (warm start, warm-up chat)"),
-                        ("cold", "after a restart, sent at ready (no warm-up chat)")):
+    for stage, (_, what) in (TIER_STAGES if tiers else CHAT_STAGES).items():
         row = res[stage]
         row["x_full"] = row["ttft_s"] / full
         target = ""
@@ -900,15 +992,18 @@ def report_chat_cache(res: dict) -> None:
             row["target_met"] = row["ttft_s"] <= CHAT_TARGET_S
             target = f"; target <= {CHAT_TARGET_S} s {'met' if row['target_met'] else 'NOT met'}"
         source = ""
-        if stage in ("disk", "cold") and row["restored_tokens"]:
+        if tiers:
+            source = f"; tiers {tier_source_text(row)}"
+        elif stage in ("disk", "cold") and row["restored_tokens"]:
             source = "; pages preloaded (restored from RAM)" if row["from_ram"] else \
                 f"; {row['disk_read_mb']:.0f} MB read from disk"
         print(f"  {what}: TTFT {row['ttft_s']:.3f} s = {row['x_full']:.3f}x the full re-prefill "
               f"({full / row['ttft_s']:.1f}x faster), {row['cached_tokens']} of {row['prompt_tokens']} "
               f"tokens cached{source}{target}", flush=True)
-    stats = res["disk"]["prefix_cache"]
-    print("  prefix cache after the restart: " + ", ".join(f"{k[len('prefix_cache_'):]} {v:.0f}"
-                                                          for k, v in stats.items()), flush=True)
+    for name, stats in (("prefix", res["disk"]["prefix_cache"]),
+                        *((("tier", res["disk"]["tier_cache"]),) if tiers else ())):
+        print(f"  {name} cache after the restart: " + ", ".join(f"{k.removeprefix(f'{name}_cache_')} {v:.0f}"
+                                                               for k, v in stats.items()), flush=True)
 
 
 def serve_and_measure(name: str, folder: Path, prompts: Prompts, args: argparse.Namespace, floors: Floors,
@@ -994,9 +1089,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=20480)
     parser.add_argument("--chat-context", type=int, default=65536,
-                        help="chat-cache: tokens of the chat's first message")
+                        help="chat-cache(-tiers): tokens of the chat's first message")
     parser.add_argument("--chat-cache-blocks", type=int,
-                        help="chat-cache: device cache pages (default: one chat's context)")
+                        help="chat-cache(-tiers): device cache pages (default: one chat's context)")
     parser.add_argument("--runner", action="store_true", help="also time ModelRunner.run in-process")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", type=Path)
@@ -1015,8 +1110,9 @@ def main() -> None:
     for name in args.configs:
         print(f"== {name}", flush=True)
         try:
-            if name == CHAT_CACHE:
-                results["configs"][name] = measure_chat_cache(folder, prompts, args, device_flags)
+            if name in (CHAT_CACHE, CHAT_CACHE_TIERS):
+                results["configs"][name] = measure_chat_cache(folder, prompts, args, device_flags,
+                                                              tiers=name == CHAT_CACHE_TIERS)
             else:
                 results["configs"][name] = serve_and_measure(name, folder, prompts, args, floors, device_flags)
         except Exception as exc:  # a failing configuration is a result too: report it and go on

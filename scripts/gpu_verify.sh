@@ -3,10 +3,10 @@
 # the GPU tests of code merged since the last GPU run, then the user's-path rows that code changes.
 # Results under $OUT: tests.txt (pass/fail lines), e2e-*.log/json, all.tgz (full logs, server logs).
 #   usage: bash scripts/gpu_verify.sh tests   (one call, ~5-6 min on a fresh machine), then bash scripts/gpu_verify.sh e2e (~6 min),
-#   then `kernels` (~9 min: the A/B rows of kernel variants merged untimed, the sparse MLA sweep) and `c2` (~5 min: tiered decode
-#   through the server, the chat cache across a restart, planned tiers by kernel), one call each; `defaults` (~6 min: the
-#   GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident; `dtests`: its tests
-#   only). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   then `kernels` (~9 min: the A/B rows of kernel variants merged untimed, the sparse MLA sweep) and `c2` (~7 min: tiered decode
+#   through the server, the chat cache across a restart, plain and tiered, planned tiers by kernel), one call each; `defaults`
+#   (~6 min: the GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident;
+#   `dtests`: its tests only). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -60,6 +60,8 @@ for step in "${steps[@]}"; do
         grep -v "server flags" "$OUT/e2e-tiers.log" | tail -4
         timeout 160 "${E[@]}" --configs chat-cache --chat-context 65536 --reps 2 > "$OUT/e2e-chat.log" 2>&1
         grep -E "TTFT|target" "$OUT/e2e-chat.log" | tail -12
+        timeout 160 "${E[@]}" --configs chat-cache-tiers --chat-context 65536 --reps 2 > "$OUT/e2e-chat-tiers.log" 2>&1
+        grep -E "TTFT|target" "$OUT/e2e-chat-tiers.log" | tail -12
         timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
             --time-limit 60 --profile --candidate-topk sort select single_pass --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;

@@ -1,0 +1,80 @@
+"""bench/bench_e2e.py's chat-cache rows for a tiered chat (``--configs chat-cache-tiers``): the servers'
+flags, the row taken from the ``tier_cache_*`` counters, and the whole run on the CPU (tiny DeepSeek-V3.2,
+real server processes), whose restarted server must adopt the chat's parked tiers from their file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import bench_e2e  # noqa: E402
+
+
+def test_the_tiered_chat_servers_add_the_tier_flags_and_keep_the_cache_folder():
+    plain = bench_e2e.chat_cache_flags(32, "/tmp/store", ["--device", "cpu"])
+    tiered = bench_e2e.chat_cache_flags(32, "/tmp/store", ["--device", "cpu"], tiers=True)
+    assert plain == ["--offload", "never", "--block-size", "64", "--num-cache-blocks", "32",
+                     "--prefix-cache-offload", "true", "--prefix-cache-dir", "/tmp/store", "--device", "cpu"]
+    assert tiered == [*plain[:2], *bench_e2e.TIER_FLAGS, *plain[2:]]
+    assert bench_e2e.config_flags("tiers64k", 0) == ["--offload", "never", *bench_e2e.TIER_FLAGS]
+
+
+def _stats(hits: float, restored: float, disk_bytes: float, rejected: float = 0.0, chats: float = 0.0) -> dict:
+    return {"tier_cache_hits_tokens": hits, "tier_cache_restored_chats": restored,
+            "tier_cache_disk_bytes": disk_bytes, "tier_cache_files_rejected": rejected,
+            "tier_cache_disk_chats": chats, "prefix_cache_hits_tokens": 0.0}
+
+
+@pytest.mark.parametrize(("after", "source"), [
+    (_stats(1024 + 4096, 1, 5e6, chats=3), "disk"),
+    (_stats(1024 + 4096, 0, 5e6, chats=3), "ram"),
+    (_stats(1024, 0, 5e6, rejected=1, chats=2), "recomputed"),
+])
+def test_the_tier_row_says_where_the_follow_up_found_its_tiers(after, source):
+    before = _stats(1024, 0, 5e6, chats=3)
+    row = bench_e2e.tier_row(before, after)
+    assert row["tier_source"] == source
+    assert row["tier_hit_tokens"] == (4096 if source != "recomputed" else 0)
+    assert row["tier_restored_chats"] == (source == "disk")
+    assert row["tier_files_rejected"] == (source == "recomputed")
+    assert row["tier_disk_chats"] == 3 and row["tier_disk_mb"] == 0
+    assert set(row["tier_cache"]) == {k for k in after if k.startswith("tier_cache_")}
+    assert ("NOT adopted" in bench_e2e.tier_source_text(row)) == (source == "recomputed")
+
+
+def test_a_server_without_tier_counters_reads_as_recomputed():
+    row = bench_e2e.tier_row({}, {"prefix_cache_hits_tokens": 9.0})
+    assert row["tier_source"] == "recomputed" and row["tier_hit_tokens"] == 0 and row["tier_cache"] == {}
+
+
+@pytest.mark.slow
+def test_chat_cache_tiers_on_the_cpu_adopts_the_parked_tiers_after_each_restart(tmp_path):
+    """The bench as a user runs it (``--device cpu``, tiny family, ~40 s): the restarted servers'
+    follow-ups adopt the chat's tiers from the files the stopping server wrote; re-prefills adopt none."""
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, str(BENCH / "bench_e2e.py"), "--family", "tiny", "--device", "cpu",
+           "--dir", str(tmp_path / "ckpt"), "--configs", "chat-cache-tiers", "--chat-context", "1024",
+           "--max-model-len", "2048", "--reps", "1", "--logs", str(tmp_path / "logs"), "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    res = json.loads(out.read_text())["configs"]["chat-cache-tiers"]
+    assert "error" not in res, res
+    assert res["tier_flags"] == bench_e2e.TIER_FLAGS
+    # the first server wrote its parked chats on the way out; each restart found them
+    assert [found["disk_chats"] > 0 for found in res["tier_files_at_start"]] == [False, True, True]
+    assert all(found["files_rejected"] == 0 for found in res["tier_files_at_start"])
+    for stage, source in (("gpu", "ram"), ("host", "ram"), ("disk", "disk"), ("cold", "disk")):
+        row = res[stage]
+        assert row["tier_source"] == source, (stage, row)
+        assert row["tier_hit_tokens"] >= 1024 and row["cached_tokens"] == row["tier_hit_tokens"], (stage, row)
+        assert row["tier_restored_chats"] == (source == "disk"), (stage, row)
+    assert all(r["tier_source"] == "recomputed" and r["cached_tokens"] == 0 for r in res["full"]["runs"])
+    assert "tiers adopted from disk" in run.stdout
