@@ -39,7 +39,7 @@ _SCORE_BUDGET = 1 << 26  # fp32 elements of [queries, heads, keys] scored at onc
 # A prefill selection holds per (query, key) pair its fp32 score, the causal mask and the stable sort's
 # fp32 values and int64 indices; a chunk's queries are selected in blocks of rows holding at most
 # _SELECT_BUDGET bytes of these (the kernel path's logits budget).
-_SELECT_BYTES_PER_PAIR = 4 + 1 + 4 + 8
+SELECT_BYTES_PER_PAIR = 4 + 1 + 4 + 8
 _SELECT_BUDGET = PREFILL_LOGITS_BUDGET
 
 
@@ -130,7 +130,7 @@ class Indexer(nn.Module):
         chunk = max(1, _SCORE_BUDGET // max(1, self.n_heads * seq.context_len))  # queries per einsum
         k = min(self.topk, seq.context_len)
         n_q = q.shape[0]
-        rows = max(1, _SELECT_BUDGET // max(1, seq.context_len * _SELECT_BYTES_PER_PAIR))
+        rows = max(1, _SELECT_BUDGET // max(1, seq.context_len * SELECT_BYTES_PER_PAIR))
         if rows >= n_q:
             return _select_rows(qf, w, k_all, seq.first_position, chunk, k)
         if rows >= chunk:

@@ -31,7 +31,7 @@ def test_prefill_select_in_row_blocks_matches_one_block(context, q_len, topk, ti
     assert whole.shape == (q_len, min(topk, context))
     if ties:  # earliest positions first
         assert whole[0].tolist() == list(range(min(topk, context - q_len + 1))) + [-1] * (topk - context + q_len - 1)
-    pair = context * mla._SELECT_BYTES_PER_PAIR
+    pair = context * mla.SELECT_BYTES_PER_PAIR
     calls = []
     real = mla._select_rows
     monkeypatch.setattr(mla, "_select_rows", lambda qf, *a: calls.append(qf.shape[0]) or real(qf, *a))
