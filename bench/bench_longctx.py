@@ -47,8 +47,10 @@ Sections, each printed as it finishes (the row format of docs/benchmarks.md) and
      sized for --prefill-max-len (default: the largest context), layer j + 1 copied on a copy stream
      while layer j computes (hearth.offload.history_buffers). Reports wall time and the peak of GPU
      memory allocated / reserved above what was allocated before the tiers and buffers existed (the
-     inputs of one chunk, shared by both modes, are excluded; the indexer's [chunk, context] fp32
-     logits are in both).
+     inputs of one chunk, shared by the modes, are excluded). The indexer's fp32 logits are in both,
+     at most --prefill-logits-budget bytes at once (PREFILL_LOGITS_BUDGET: the chunk's query rows in
+     blocks); "unbounded": the buffers again with one [chunk, context] block of logits (1 GiB at a
+     2,048-token chunk and 128K), the peak before the budget.
   3. capacity: max concurrent 128K requests in --budget-gb of GPU memory for caches, COMPUTED as
      floor(budget / device bytes per request) from section 1 and 2's byte counts (not run).
   4. targets: key memory ratio, tiered slowdown, recall, MLI vs IndexCache at 1/2, capacity ratio.
@@ -72,6 +74,7 @@ from pathlib import Path
 
 import torch
 
+from hearth.kernels.indexer import PREFILL_LOGITS_BUDGET
 from hearth.kernels.indexer.reference import act_quant_ue8m0
 from hearth.kernels.sparse_mla.reference import quantize_latent_fp8
 from hearth.kernels.tiered import CANDIDATE_TOPKS
@@ -522,8 +525,9 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
 
 # ---- 5. prefill through two history buffers -------------------------------------------------------
 def prefill_chunk_layer(keys: PlannedKeys, lat: PlannedLatents, buffers: HistoryBuffers | None, layer: int,
-                        first: int, chunk: dict, args) -> None:
-    """One layer of one prefill chunk, as hearth.engine.models.dsa_kernels runs it for a tiered request."""
+                        first: int, chunk: dict, args, logits_budget: int | None = None) -> None:
+    """One layer of one prefill chunk, as hearth.engine.models.dsa_kernels runs it for a tiered request
+    (``logits_budget``: the indexer's, default PREFILL_LOGITS_BUDGET)."""
     from hearth.kernels.indexer import indexer_prefill_topk
     from hearth.kernels.sparse_mla import sparse_mla_prefill
 
@@ -535,10 +539,14 @@ def prefill_chunk_layer(keys: PlannedKeys, lat: PlannedLatents, buffers: History
     pos = chunk["positions"][:n] + first
     pool.write(pos // ps, pos % ps, chunk["k8"], chunk["ks"])
     table = torch.arange(history.shape[0], dtype=torch.int32, device=history.device)
-    picked = indexer_prefill_topk(chunk["q8"], chunk["w"], history, table, first + n, ps, args.topk)
+    picked = indexer_prefill_topk(chunk["q8"], chunk["w"], history, table, first + n, ps, args.topk,
+                                  logits_budget=logits_budget)
     keys.commit_chunk(history, n)
     latents = lat.history() if buffers is None else buffers.latents(layer, "r")
     sparse_mla_prefill(chunk["q"], latents, picked, table[:latents.shape[0]], pos.to(torch.int32), SM_SCALE)
+
+
+UNBOUNDED_LOGITS = 1 << 62  # a chunk's whole [chunk, context] logits in one block
 
 
 def _mib(nbytes: int | None) -> str:
@@ -550,7 +558,8 @@ def _tokens(n: int) -> str:
 
 
 def run_prefill(ctx: int, args, device: torch.device, heads_attn: int, warmup: bool = False) -> dict:
-    """Section 5 at one prompt length: prefill time and peak GPU memory, temporary vs two buffers."""
+    """Section 5 at one prompt length: prefill time and peak GPU memory, temporary vs two buffers, and the
+    buffers with the indexer's logits unbounded (one [chunk, context] fp32 block, as before the budget)."""
     ps, n, layers = args.page_size, args.prefill_chunk, args.prefill_layers
     g = torch.Generator(device=device).manual_seed(ctx)
     k8, ks = act_quant_ue8m0(torch.randn(n, 128, device=device, generator=g))
@@ -563,7 +572,7 @@ def run_prefill(ctx: int, args, device: torch.device, heads_attn: int, warmup: b
     lcfg = PlannedLatentConfig.from_hot_rows(4096 + ps, args.topk, ps, width=576, dtype=torch.bfloat16)
     max_len = args.prefill_max_len or ctx
     result = {}
-    for mode in ("temporary", "buffers"):
+    for mode in ("temporary", "buffers", "unbounded"):
         sync(device)
         cuda = device.type == "cuda"
         if cuda:
@@ -572,7 +581,8 @@ def run_prefill(ctx: int, args, device: torch.device, heads_attn: int, warmup: b
         base = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) if cuda else (0, 0)
         keys = [PlannedKeys(kcfg, device, initial_pages=math.ceil(ctx / ps)) for _ in range(layers)]
         lats = [PlannedLatents(lcfg, device, initial_rows=ctx) for _ in range(layers)]
-        buffers = HistoryBuffers(max_len, ps, device, keys=True, latent_width=576) if mode == "buffers" else None
+        buffers = HistoryBuffers(max_len, ps, device, keys=True, latent_width=576) if mode != "temporary" else None
+        budget = UNBOUNDED_LOGITS if mode == "unbounded" else args.prefill_logits_budget
         sync(device)
         t0 = time.perf_counter()
         for first in range(0, ctx, n):
@@ -582,7 +592,7 @@ def run_prefill(ctx: int, args, device: torch.device, heads_attn: int, warmup: b
                 buffers.begin([("r", first, part["rows"].shape[0])],
                               [LayerSources(layer, {"r": keys[layer]}, {"r": lats[layer]}) for layer in range(layers)])
             for layer in range(layers):
-                prefill_chunk_layer(keys[layer], lats[layer], buffers, layer, first, part, args)
+                prefill_chunk_layer(keys[layer], lats[layer], buffers, layer, first, part, args, budget)
         sync(device)
         t = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated() - base[0], torch.cuda.max_memory_reserved() - base[1]) if cuda \
@@ -592,16 +602,18 @@ def run_prefill(ctx: int, args, device: torch.device, heads_attn: int, warmup: b
         del keys, lats, buffers
     if warmup:
         return result
-    tmp, buf = result["temporary"], result["buffers"]
+    tmp, buf, unb = result["temporary"], result["buffers"], result["unbounded"]
+    budget = args.prefill_logits_budget or PREFILL_LOGITS_BUDGET
     shape = f"ctx{_tokens(ctx)} chunk{n} L{layers} H{args.heads}/{heads_attn}"
     history_b = ctx * (KEY_B + 576 * 2) * layers  # each layer's history read once per chunk, on average half
     emit("prefill", "(5) two history buffers", shape, buf["s"], tmp["s"], history_b * math.ceil(ctx / n) / 2,
-         temporary_s=tmp["s"], buffers_s=buf["s"], **{f"{m}_{k}": v for m in result for k, v in result[m].items()
-                                                        if k != "s"})
+         temporary_s=tmp["s"], buffers_s=buf["s"], unbounded_s=unb["s"], logits_budget=budget,
+         **{f"{m}_{k}": v for m in result for k, v in result[m].items() if k != "s"})
     log(f"    prefill {_tokens(ctx)}: temporary {tmp['s']:.2f} s, peak {_mib(tmp['peak_alloc'])} allocated / "
         f"{_mib(tmp['peak_reserved'])} reserved; buffers {buf['s']:.2f} s (x{tmp['s'] / buf['s']:.2f}), peak "
         f"{_mib(buf['peak_alloc'])} / {_mib(buf['peak_reserved'])} (buffers {_mib(buf['buffer_bytes'])}, "
-        f"sized for {_tokens(max_len)})")
+        f"sized for {_tokens(max_len)}); logits budget {_mib(budget) if budget >= 2**20 else f'{budget} B'}, "
+        f"unbounded (as before): {unb['s']:.2f} s, peak {_mib(unb['peak_alloc'])} / {_mib(unb['peak_reserved'])}")
     return result
 
 
@@ -860,6 +872,9 @@ def main() -> None:
     ap.add_argument("--prefill-contexts", default="32768,65536,131072", help="prompt lengths of section 5")
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
     ap.add_argument("--prefill-layers", type=int, default=4, help="layers of section 5")
+    ap.add_argument("--prefill-logits-budget", type=int, default=None,
+                    help="bytes of the prefill indexer's logits held at once (default: PREFILL_LOGITS_BUDGET, "
+                         "256 MiB; --small: 4096, so its chunks run in row blocks)")
     ap.add_argument("--prefill-max-len", type=int, default=None,
                     help="max_model_len the buffers are sized for (default: the largest prompt)")
     args = ap.parse_args()
@@ -923,6 +938,7 @@ def prefill_section(args, device: torch.device) -> None:
     if args.small:
         args.prefill_contexts, args.prefill_chunk, args.prefill_layers = "96,160", 32, 2
         args.topk, args.heads, args.page_size, heads_attn = 64, 16, 16, 16
+        args.prefill_logits_budget = args.prefill_logits_budget or 4096
     contexts = [int(c) for c in args.prefill_contexts.split(",")]
     args.prefill_max_len = args.prefill_max_len or max(contexts)
     log(f"\n## 5. Prefill of one prompt through {args.prefill_layers} layers of tiered keys + latents: a temporary "

@@ -15,10 +15,11 @@ from hearth.engine.kv_cache import PagedCache, build_context
 from hearth.engine.loader import load_checkpoint
 from hearth.engine.models import dsa_kernels, fused_experts, gqa_kernels
 from hearth.engine.models.deepseek import DeepseekForCausalLM
-from hearth.engine.models.mla import AttentionPaths
+from hearth.engine.models.mla import SELECT_BYTES_PER_PAIR, AttentionPaths
 from hearth.engine.offload_setup import CacheResidency, Placement, PrefetchingExperts, attach_offload, plan_placement
 from hearth.engine.piecewise import PiecewiseDecode, Row
 from hearth.engine.tiers import DecodeTiers, KeyTiers, LatentTiers, PrefillHistories
+from hearth.kernels.indexer import PREFILL_LOGITS_BUDGET
 from hearth.offload.expert_cache import ExpertCache
 from hearth.offload.expert_store import ExpertStore
 from hearth.offload.experts import OffloadedExperts
@@ -57,13 +58,15 @@ class CachePlan:
     """The caches' size: decided from the model and the config before any weight loads (the memory
     planner needs ``kv_bytes``: the paged caches plus, on the kernel path with tiered keys or
     latents, the two prefill history buffers, ``history_bytes`` = 2 x one layer's history at
-    max_model_len; see hearth.engine.tiers)."""
+    max_model_len; see hearth.engine.tiers; plus, for a model with a DSA indexer, ``scratch_bytes``:
+    the most a prefill chunk's indexer selection holds at once, see ``prefill_scratch_bytes``)."""
 
     max_model_len: int
     block_size: int
     num_blocks: int
     kv_bytes: int
     history_bytes: int = 0
+    scratch_bytes: int = 0
 
     @classmethod
     def of(cls, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> CachePlan:
@@ -77,7 +80,22 @@ class CachePlan:
         history_bytes = PrefillHistories.bytes_for(model_config, max_model_len, config.block_size, dtype,
                                                    keys=features.key_tiers, latents=features.latent_tiers) \
             if features.streams_histories else 0
-        return cls(max_model_len, config.block_size, num_blocks, kv_bytes + history_bytes, history_bytes)
+        scratch_bytes = prefill_scratch_bytes(model_config, max_model_len, config.max_num_batched_tokens,
+                                              features.attention.use_kernels)
+        return cls(max_model_len, config.block_size, num_blocks, kv_bytes + history_bytes + scratch_bytes,
+                   history_bytes, scratch_bytes)
+
+
+def prefill_scratch_bytes(model_config: ModelConfig, max_model_len: int, chunk_tokens: int, use_kernels: bool) -> int:
+    """The most a prefill chunk's indexer selection holds at once (a transient of every DSA layer, one
+    layer at a time): the kernel path's fp32 logits, [queries, context] padded to 16 columns, or the plain
+    path's scores, mask and sort (17 bytes a pair), for a chunk of up to ``chunk_tokens`` queries at up to
+    max_model_len, capped by the budget the selection runs in row blocks under (PREFILL_LOGITS_BUDGET,
+    256 MiB; 1 GiB unbounded at a 2,048-token chunk and 128K). 0 without an indexer."""
+    if not model_config.has_indexer:
+        return 0
+    pair = 4 if use_kernels else SELECT_BYTES_PER_PAIR
+    return min(PREFILL_LOGITS_BUDGET, min(chunk_tokens, max_model_len) * (-(-max_model_len // 16) * 16) * pair)
 
 
 def decode_kernels_apply(model_config: ModelConfig, block_size: int, device: torch.device, dtype: torch.dtype) -> bool:

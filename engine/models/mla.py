@@ -33,8 +33,14 @@ from hearth.engine.models.layers import (
     hadamard_matrix,
 )
 from hearth.kernels.fused import mla_latent_write, rope_
+from hearth.kernels.indexer import PREFILL_LOGITS_BUDGET
 
 _SCORE_BUDGET = 1 << 26  # fp32 elements of [queries, heads, keys] scored at once
+# A prefill selection holds per (query, key) pair its fp32 score, the causal mask and the stable sort's
+# fp32 values and int64 indices; a chunk's queries are selected in blocks of rows holding at most
+# _SELECT_BUDGET bytes of these (the kernel path's logits budget).
+SELECT_BYTES_PER_PAIR = 4 + 1 + 4 + 8
+_SELECT_BUDGET = PREFILL_LOGITS_BUDGET
 
 
 @dataclass(frozen=True)
@@ -116,22 +122,42 @@ class Indexer(nn.Module):
         return self._select(q, w, k_all, seq)
 
     def _select(self, q: torch.Tensor, w: torch.Tensor, k_all: torch.Tensor, seq: SeqSlice) -> torch.Tensor:
-        """Exact top-k of the request's queries q (q_len, H, D) over its keys k_all (T, D)."""
+        """Exact top-k of the request's queries q (q_len, H, D) over its keys k_all (T, D). A chunk whose
+        selection would hold more than _SELECT_BUDGET bytes runs in blocks of query rows (a multiple of
+        the rows scored per einsum when at least that many fit), each row's selection as in one block."""
         k_all = k_all.float()
         qf = q.float()
-        chunk = max(1, _SCORE_BUDGET // max(1, self.n_heads * seq.context_len))
-        scores = torch.cat([
-            torch.einsum("qhd,td->qht", qf[i:i + chunk], k_all).relu_().mul_(w[i:i + chunk, :, None]).sum(1)
-            for i in range(0, q.shape[0], chunk)
-        ])  # (q_len, T)
-        causal = _causal_mask(seq, scores.device)
-        scores.masked_fill_(~causal, float("-inf"))
+        chunk = max(1, _SCORE_BUDGET // max(1, self.n_heads * seq.context_len))  # queries per einsum
         k = min(self.topk, seq.context_len)
-        # NOTE: ReLU makes exact ties (often at 0) common; a stable sort breaks them toward earlier
-        # positions so chunked prefill, decode and one-shot prefill select the same keys.
-        idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-        valid = torch.gather(causal, 1, idx)
-        return torch.where(valid, idx, torch.full_like(idx, -1))
+        n_q = q.shape[0]
+        rows = max(1, _SELECT_BUDGET // max(1, seq.context_len * SELECT_BYTES_PER_PAIR))
+        if rows >= n_q:
+            return _select_rows(qf, w, k_all, seq.first_position, chunk, k)
+        if rows >= chunk:
+            rows -= rows % chunk  # each block's einsums over the rows the whole chunk's would take
+        out = torch.empty(n_q, k, dtype=torch.long, device=q.device)
+        for a in range(0, n_q, rows):
+            out[a:a + rows] = _select_rows(qf[a:a + rows], w[a:a + rows], k_all, seq.first_position + a, chunk, k)
+        return out
+
+
+def _select_rows(qf: torch.Tensor, w: torch.Tensor, k_all: torch.Tensor, first: int, chunk: int,
+                 k: int) -> torch.Tensor:
+    """(n, k) int64 top-k positions of the queries qf (n, H, D) fp32 at positions first.. (weights w (n, H))
+    over the keys k_all (T, D) fp32, -1 where a query has fewer than k causal keys; scored ``chunk`` queries
+    per einsum."""
+    scores = torch.cat([
+        torch.einsum("qhd,td->qht", qf[i:i + chunk], k_all).relu_().mul_(w[i:i + chunk, :, None]).sum(1)
+        for i in range(0, qf.shape[0], chunk)
+    ])  # (n, T)
+    q_pos = torch.arange(first, first + qf.shape[0], device=scores.device)
+    causal = torch.arange(k_all.shape[0], device=scores.device)[None, :] <= q_pos[:, None]
+    scores.masked_fill_(~causal, float("-inf"))
+    # NOTE: ReLU makes exact ties (often at 0) common; a stable sort breaks them toward earlier
+    # positions so chunked prefill, decode and one-shot prefill select the same keys.
+    idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    valid = torch.gather(causal, 1, idx)
+    return torch.where(valid, idx, torch.full_like(idx, -1))
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -3,6 +3,7 @@
 
 from hearth.kernels.indexer.cache_write import indexer_k_cache_write
 from hearth.kernels.indexer.lightning import (
+    PREFILL_LOGITS_BUDGET,
     indexer_decode_topk,
     indexer_prefill_topk,
     lightning_indexer_decode,
@@ -10,6 +11,7 @@ from hearth.kernels.indexer.lightning import (
 )
 
 __all__ = [
+    "PREFILL_LOGITS_BUDGET",
     "indexer_decode_topk",
     "indexer_k_cache_write",
     "indexer_prefill_topk",

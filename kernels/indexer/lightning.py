@@ -478,6 +478,33 @@ def _check_prefill(q, weights, kv_cache, block_table, context_len, block_size):
     )
 
 
+def _prefill_config(config: dict | None) -> dict:
+    return {"block_q": 64, "block_t": 128, "num_warps": 4, "num_stages": 3, "fp8_precise": False} | (config or {})
+
+
+def _logits_stride(context_len: int) -> int:
+    """Row stride (columns) of the prefill logits: the context padded to 16."""
+    return triton.cdiv(max(context_len, 1), 16) * 16
+
+
+# The prefill indexer's [rows, context] fp32 logits are held at most this many bytes at once: a chunk
+# whose logits would be larger (2,048 queries x 128K: 1 GiB) is scored and selected in sub-blocks of
+# query rows, each sub-block's logits freed before the next is built. The memory planner counts it
+# (hearth.engine.runner.CachePlan.scratch_bytes).
+PREFILL_LOGITS_BUDGET = 256 << 20
+
+
+def prefill_block_rows(n_q: int, context_len: int, budget: int, align: int = 64) -> int:
+    """Query rows per sub-block of a prefill chunk of n_q queries over context_len keys so that their fp32
+    logits (row stride padded to 16) fit ``budget`` bytes: n_q when the whole chunk fits (one block),
+    else a multiple of ``align`` (the kernel's BLOCK_Q: each sub-block's tiles then hold the rows the
+    whole chunk's tiles would) when at least ``align`` rows fit, else as many as fit, at least 1."""
+    rows = max(1, budget // (_logits_stride(context_len) * 4))
+    if rows >= n_q:
+        return max(n_q, 1)
+    return rows - rows % align if rows >= align else rows
+
+
 def lightning_indexer_prefill(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -502,8 +529,8 @@ def lightning_indexer_prefill(
     """
     _check_prefill(q, weights, kv_cache, block_table, context_len, block_size)
     n_q, heads, _ = q.shape
-    cfg = {"block_q": 64, "block_t": 128, "num_warps": 4, "num_stages": 3, "fp8_precise": False} | (config or {})
-    stride = triton.cdiv(max(context_len, 1), 16) * 16
+    cfg = _prefill_config(config)
+    stride = _logits_stride(context_len)
     logits = torch.empty(n_q, stride, dtype=torch.float32, device=q.device)
     if n_q > 0:
         grid = (triton.cdiv(n_q, cfg["block_q"]), triton.cdiv(context_len, cfg["block_t"]))
@@ -542,18 +569,49 @@ def indexer_prefill_topk(
     k: int,
     *,
     config: dict | None = None,
+    logits_budget: int | None = None,
 ) -> torch.Tensor:
     """Prefill indexer + exact top-k: int32 [T, k] logical positions (<= each query's position), -1 padded.
 
-    Arguments as in `lightning_indexer_prefill`. Materialises the [T, context_len] fp32 logits (chunk T
-    to bound memory), never [T, H, context_len]. The selection is the radix select, or `torch.topk` past
-    `TORCH_TOPK_MIN_WORK` (row, token) pairs, where the radix select's four passes over the scores lose."""
-    logits = lightning_indexer_prefill(q, weights, kv_cache, block_table, context_len, block_size, config=config)
+    Arguments as in `lightning_indexer_prefill`. Never materialises [T, H, context_len]; the fp32 logits
+    are [T, context_len] when they fit ``logits_budget`` bytes (default `PREFILL_LOGITS_BUDGET`), one
+    indexer launch and one selection as ever. A larger chunk runs in sub-blocks of query rows
+    (`prefill_block_rows`), each scored against the keys up to its last query's position (the causal
+    part only) and selected into its rows of the output before the next is scored: the same logits
+    per row (bit for bit while the blocks are whole BLOCK_Qs, whose tiles hold the rows the chunk's
+    would), the same selection, and at most one block's logits held. The selection is the radix select, or `torch.topk`
+    past `TORCH_TOPK_MIN_WORK` (row, token) pairs of the whole chunk, where the radix select's four
+    passes over the scores lose; decided once per chunk, so a split chunk selects every row with the
+    method it would have used whole (a split chunk is past 2^26 pairs at the default budget, and its
+    full sub-blocks alone past the threshold)."""
     n_q = q.shape[0]
-    if n_q * context_len > TORCH_TOPK_MIN_WORK:
-        return _torch_topk_rows(logits, k)
-    lengths = (context_len - n_q + 1 + torch.arange(n_q, device=q.device, dtype=torch.int32)).contiguous()
+    cfg = _prefill_config(config)
+    budget = PREFILL_LOGITS_BUDGET if logits_budget is None else logits_budget
+    rows = prefill_block_rows(n_q, context_len, budget, cfg["block_q"])
+    many = n_q * context_len > TORCH_TOPK_MIN_WORK
+    if rows >= n_q:
+        return _prefill_block_topk(q, weights, kv_cache, block_table, context_len, block_size, k, cfg, many)
+    _check_prefill(q, weights, kv_cache, block_table, context_len, block_size)
     out = torch.empty(n_q, k, dtype=torch.int32, device=q.device)
+    first = context_len - n_q  # query i sits at position first + i
+    for a in range(0, n_q, rows):
+        b = min(a + rows, n_q)
+        _prefill_block_topk(q[a:b], weights[a:b], kv_cache, block_table, first + b, block_size, k, cfg, many,
+                            out=out[a:b])
+    return out
+
+
+def _prefill_block_topk(q, weights, kv_cache, block_table, context_len, block_size, k, cfg, many,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """One block of queries (the last q.shape[0] positions of context_len): logits, then the top-k into
+    ``out`` (allocated when None); the logits are freed on return."""
+    logits = lightning_indexer_prefill(q, weights, kv_cache, block_table, context_len, block_size, config=cfg)
+    n_q = q.shape[0]
+    if many:
+        return _torch_topk_rows(logits, k, out)
+    lengths = (context_len - n_q + 1 + torch.arange(n_q, device=q.device, dtype=torch.int32)).contiguous()
+    if out is None:
+        out = torch.empty(n_q, k, dtype=torch.int32, device=q.device)
     if n_q > 0:
         radix_topk_launch(logits, lengths, k, out, new_workspace(n_q, q.device))
     return out
@@ -564,11 +622,14 @@ def indexer_prefill_topk(
 TORCH_TOPK_MIN_WORK = 1 << 22
 
 
-def _torch_topk_rows(logits: torch.Tensor, k: int) -> torch.Tensor:
+def _torch_topk_rows(logits: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [T, k] indices of each row's k largest logits, -1 for the -inf entries past a query's position
-    (and past the row when it is shorter than k)."""
+    (and past the row when it is shorter than k); into ``out`` when given."""
     n_q, n = logits.shape
-    out = torch.full((n_q, k), -1, dtype=torch.int32, device=logits.device)
+    if out is None:
+        out = torch.full((n_q, k), -1, dtype=torch.int32, device=logits.device)
+    else:
+        out.fill_(-1)
     values, idx = torch.topk(logits, min(k, n), dim=1, sorted=False)
     out[:, : idx.shape[1]] = torch.where(torch.isneginf(values), -1, idx).to(torch.int32)
     return out

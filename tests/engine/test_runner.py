@@ -10,10 +10,12 @@ import torch
 
 from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
+from hearth.engine.kv_cache import PagedCache
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.mla import AttentionPaths
-from hearth.engine.runner import ModelRunner, RunnerFeatures, StepInput
+from hearth.engine.runner import CachePlan, ModelRunner, RunnerFeatures, StepInput
 from hearth.engine.testing.tiny import tiny_config
+from hearth.kernels.indexer import PREFILL_LOGITS_BUDGET
 
 CUDA = torch.device("cuda")  # only its type is read: the decision needs no GPU
 
@@ -92,6 +94,32 @@ def test_latent_tiers_need_a_dsa_model():
     dense = ModelConfig.from_dict(tiny_config("deepseek_v3"))
     with pytest.raises(HearthError, match="latent_hot_rows needs a sparse-attention"):
         RunnerFeatures.decide(EngineConfig(latent_hot_rows=64), dense, 64, torch.device("cpu"), torch.float32, False)
+
+
+def test_the_cache_plan_counts_the_prefill_indexer_scratch():
+    """The planner's KV bytes include what a prefill chunk's indexer selection holds at once: the kernel
+    path's fp32 logits (chunk x context, 16-column rows) up to the 256 MiB budget it runs in row blocks
+    under, the plain path's 17 bytes a pair up to the same; nothing without an indexer."""
+    raw = tiny_config("deepseek_v32")
+    raw.update(index_n_heads=64, index_head_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
+               max_position_embeddings=163840)
+    dsa = ModelConfig.from_dict(raw)
+
+    def plan(model_config, device=CUDA, **changes):
+        config = dataclasses.replace(EngineConfig(max_num_seqs=1), **changes)
+        got = CachePlan.of(model_config, config, torch.bfloat16, device)
+        paged = PagedCache.bytes_per_block(model_config, config.block_size, torch.bfloat16) * got.num_blocks
+        assert got.kv_bytes == paged + got.history_bytes + got.scratch_bytes
+        return got.scratch_bytes
+
+    assert PREFILL_LOGITS_BUDGET == 256 << 20
+    assert plan(dsa, max_model_len=131072) == PREFILL_LOGITS_BUDGET  # unbounded: 2,048 x 128K x 4 = 1 GiB
+    assert plan(dsa, max_model_len=4001) == 2048 * 4016 * 4  # under the budget: the whole chunk's logits
+    assert plan(dsa, max_model_len=4001, max_num_batched_tokens=512) == 512 * 4016 * 4
+    assert plan(dsa, max_model_len=1000) == 1000 * 1008 * 4  # a chunk is at most max_model_len tokens
+    assert plan(dsa, torch.device("cpu"), max_model_len=4001) == 2048 * 4016 * 17  # the plain path
+    assert plan(dsa, torch.device("cpu"), max_model_len=131072) == PREFILL_LOGITS_BUDGET
+    assert plan(ModelConfig.from_dict(tiny_config("deepseek_v3")), max_model_len=2048) == 0
 
 
 def test_from_model_runs_a_model_built_in_memory_and_checks_how_it_was_built():

@@ -147,6 +147,50 @@ def test_prefill_logits_and_topk(block_size, ctx, n_q, q_dtype, device):
     check_topk(idx, logits.contiguous(), (pos + 1).int(), k)
 
 
+@pytest.mark.parametrize("many", [False, True])  # the radix select, torch.topk (the chunk past TORCH_TOPK_MIN_WORK)
+def test_prefill_topk_in_row_blocks_matches_one_block(many, device, monkeypatch):
+    """A chunk whose logits exceed the budget runs in sub-blocks of query rows, each scored up to its last
+    query's position: every row's logits are the one-block logits (bit for bit in blocks of BLOCK_Q rows) and
+    the selection the same, at odd sizes (a last block shorter than the others, rows aligned to BLOCK_Q or
+    not); within the budget, one block and one indexer launch as before."""
+    from hearth.kernels.indexer import lightning
+
+    block_size, ctx, n_q, k = 16, 301, 150, 40
+    cache, table = _filled_cache([ctx], block_size, -(-ctx // block_size) + 1, device)
+    q = _queries((n_q, 16, 128), "fp8", device)
+    w = torch.randn(n_q, 16, device=device)
+    if many:
+        monkeypatch.setattr(lightning, "TORCH_TOPK_MIN_WORK", n_q * ctx - 1)
+    full = lightning_indexer_prefill(q, w, cache, table[0], ctx, block_size)
+    pos = ctx - n_q + torch.arange(n_q, device=device)
+    whole = indexer_prefill_topk(q, w, cache, table[0], ctx, block_size, k)
+    check_topk(whole, full.contiguous(), (pos + 1).int(), k)
+    row_bytes = 304 * 4  # 301 columns padded to 16
+    launches = []
+    real = lightning.lightning_indexer_prefill
+    monkeypatch.setattr(lightning, "lightning_indexer_prefill", lambda q, *a, **kw: launches.append(q.shape[0])
+                        or real(q, *a, **kw))
+    for budget, rows in ((64 * row_bytes + 5, 64), (100 * row_bytes, 64), (37 * row_bytes, 37), (row_bytes - 1, 1)):
+        if rows == 1 and not many:
+            continue  # 150 one-row radix selects: slow in the interpreter, the 37-row blocks cover it
+        assert lightning.prefill_block_rows(n_q, ctx, budget) == rows
+        launches.clear()
+        got = indexer_prefill_topk(q, w, cache, table[0], ctx, block_size, k, logits_budget=budget)
+        assert launches == [rows] * (n_q // rows) + ([n_q % rows] if n_q % rows else [])
+        assert torch.equal(got.sort(dim=1).values, whole.sort(dim=1).values), budget
+    for a, b in ((0, 64), (64, 128), (128, 150)):  # blocks of BLOCK_Q rows: the whole chunk's tiles, bit for bit
+        part = real(q[a:b], w[a:b], cache, table[0], ctx - n_q + b, block_size)
+        assert torch.equal(part, full[a:b, :ctx - n_q + b])
+    # rows in other places of their tiles (blocks under BLOCK_Q rows, past 1M tokens at the default budget):
+    # the same sums, which the interpreter's matmul may round differently in the last bit
+    part = real(q[37:74], w[37:74], cache, table[0], ctx - n_q + 74, block_size)
+    torch.testing.assert_close(part, full[37:74, :ctx - n_q + 74], rtol=1e-6, atol=1e-4)
+    launches.clear()  # logits within the budget: one block, one indexer launch
+    indexer_prefill_topk(q, w, cache, table[0], ctx, block_size, k, logits_budget=n_q * row_bytes)
+    assert launches == [n_q]
+    assert lightning.prefill_block_rows(n_q, ctx, n_q * row_bytes) == n_q
+
+
 def test_layout_errors(device):
     cache, table = _filled_cache([10], 16, 2, device)
     q = torch.randn(1, 1, 16, 128, device=device).to(FP8_E4M3)
