@@ -13,9 +13,9 @@ score (descending, ties by index); rows with length L <= k give their L entries 
 -1. NaN is not supported.
 
 `short_row_select` picks the same entries without the bitonic network (which costs O(N log^2 N)
-compare-exchanges of int64 keys across warps): it finds the k-th largest order key 4 bits a round
-(8 rounds of 16 counts of the row) and returns a mask, which a caller lists in index order with one
-cumsum (the tiered coarse step's candidate pages).
+compare-exchanges of int64 keys across warps): it bisects the k-th largest order key with 32 counts
+of the row and returns a mask, which a caller lists in index order with one cumsum (the tiered coarse
+step's candidate pages).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from hearth.kernels._utils import float_order_key, require
 from hearth.kernels.topk.radix import checked_output
 
 MAX_SHORT_N = 4096  # row entries one program holds (the sort keys of a row live in registers)
-SELECT_BITS: tl.constexpr = tl.constexpr(4)  # bits of the order key `short_row_select` finds a round
-SELECT_WAYS: tl.constexpr = tl.constexpr(16)  # 2 ** SELECT_BITS thresholds counted a round
 
 
 @triton.jit
@@ -49,24 +47,20 @@ def short_row_select(b_x, m_t, k):
     """Mask [N] of the k largest valid entries of the row b_x [N] fp32 (valid where m_t holds): the
     same set as `short_row_topk` (torch's stable descending sort cut at k, ties to the lower index;
     every valid entry when fewer than k), as a mask, so a caller lists them in index order with one
-    cumsum and no sort. The k-th largest order key is found a 4-bit digit at a time, most significant
-    first: 8 rounds, each counting the row against 16 thresholds at once (one reduction of a
-    [N, 16] comparison; the 32-count bisection it replaces took 32 reductions, one after another);
-    entries equal to it are taken lowest index first."""
+    cumsum and no sort. The k-th largest order key is found by bisection over the int32 key range
+    (32 counts of the row in registers, no bitonic network); entries equal to it are taken lowest
+    index first."""
     b_key = float_order_key(tl.where(b_x == 0.0, 0.0, b_x))  # -0 == +0
-    b_u = b_key.to(tl.int64) + 2**31  # the order key as an unsigned value in [0, 2^32)
-    o_d = tl.arange(0, SELECT_WAYS).to(tl.int64)
-    # the largest t with count(u >= t) >= k, digit by digit: every prefix kept satisfies it (t = 0 does
-    # trivially, with fewer than k valid entries too: then every valid entry is taken below)
-    cut = tl.full([], 0, dtype=tl.int64)
-    for r in tl.static_range(32 // SELECT_BITS):
-        shift = 32 - SELECT_BITS * (r + 1)
-        b_thr = cut + (o_d << shift)
-        b_count = tl.sum((m_t[:, None] & (b_u[:, None] >= b_thr[None, :])).to(tl.int32), 0)
-        digit = tl.sum((b_count >= k).to(tl.int64), 0) - 1  # the counts fall with the threshold
-        cut = cut + (tl.maximum(digit, 0) << shift)
-    m_above = m_t & (b_u > cut)
-    m_tie = m_t & (b_u == cut)
+    lo = tl.full([], -(2**31), dtype=tl.int64)  # the largest key t with count(key >= t) >= k so far
+    hi = tl.full([], 2**31 - 1, dtype=tl.int64)
+    for _ in tl.static_range(32):
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((m_t & (b_key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    cut = lo.to(tl.int32)
+    m_above = m_t & (b_key > cut)
+    m_tie = m_t & (b_key == cut)
     room = k - tl.sum(m_above.to(tl.int32), 0)
     return m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= room))
 

@@ -48,7 +48,7 @@ def _select_in_order_kernel(x_ptr, len_ptr, out_ptr, stride, K, N_P2: tl.constex
 
 @pytest.mark.parametrize("n,k", SIZES)
 def test_select_in_registers_picks_the_sorted_selection_in_index_order(n, k, device):
-    """short_row_select (4-bit digits of the cut, no sort network) picks the same set as the sorted top-k, ties to
+    """short_row_select (bisection, no sort network) picks the same set as the sorted top-k, ties to
     the lower index, every valid entry when fewer than k; listed in index order."""
     s = torch.randn(6, n, device=device) * 10
     s[1] = torch.randint(0, 4, (n,), device=device).float()  # ties across the cut
