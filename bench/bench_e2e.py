@@ -714,6 +714,11 @@ TIER_STAGES = {**CHAT_STAGES, "gpu": ("follow-up right after its turn (tiers par
                                       "right after its turn (tiers parked in RAM)"),
                "disk": ("follow-up after a restart (then a warm-up chat)", "after a restart (warm-up chat)")}
 TIER_COUNTERS = ("hits_tokens", "restored_chats", "disk_bytes", "files_rejected")  # tier_cache_*, as deltas
+# the engine's host time (ms) on the follow-up's path, tier_cache_<name> as deltas, in the row as tier_<name>
+# (hearth.engine.tier_cache.TierCache.stats): adopting (of it reading a file back: allocating its pinned
+# tensors, checksumming; the tiers' resume), parking, writing chats the RAM budget pushes out
+TIER_TIMES = ("restore_ms", "resume_ms", "match_ms", "disk_read_ms", "pin_alloc_ms", "disk_crc_ms", "park_ms",
+              "spill_ms", "write_ms")
 
 
 @dataclass
@@ -760,9 +765,25 @@ def tier_row(before: dict, after: dict) -> dict:
            "tier_disk_mb": moved["disk_bytes"] / 1e6, "tier_files_rejected": int(moved["files_rejected"]),
            "tier_disk_chats": int(before.get("tier_cache_disk_chats") or 0),  # on disk when it was sent
            "tier_cache": {k: v for k, v in after.items() if k.startswith("tier_cache_")}}
+    row.update({f"tier_{key}": stats_delta(before, after, f"tier_cache_{key}") for key in TIER_TIMES})
+    row["tier_disk_read_mb"] = stats_delta(before, after, "tier_cache_disk_read_bytes") / 1e6
     row["tier_source"] = ("recomputed" if not row["tier_hit_tokens"] else
                           "disk" if row["tier_restored_chats"] else "ram")
     return row
+
+
+def tier_times_text(row: dict) -> str:
+    """The engine's host time on a tiered follow-up's path, as printed: adopting its tiers (of it the
+    file read back and the tiers' resume), parking, spilling other chats to disk."""
+    text = f"restore {row['tier_restore_ms']:.0f} ms of host time"
+    if row["tier_disk_read_mb"]:
+        text += (f", of it {row['tier_disk_read_mb']:.0f} MB read from disk in {row['tier_disk_read_ms']:.0f} ms "
+                 f"({row['tier_pin_alloc_ms']:.0f} ms allocating, {row['tier_disk_crc_ms']:.0f} ms checksumming)")
+    text += f", resume {row['tier_resume_ms']:.0f} ms; matching {row['tier_match_ms']:.0f} ms, " \
+            f"parking {row['tier_park_ms']:.0f} ms"
+    if row["tier_spill_ms"] >= 1:  # other chats written to disk on the request path
+        text += f", spilling {row['tier_spill_ms']:.0f} ms (writing {row['tier_write_ms']:.0f} ms)"
+    return text
 
 
 def tier_source_text(row: dict) -> str:
@@ -829,7 +850,7 @@ class ChatBench:
             disk = f"; tier files {row['tier_disk_mb']:+.0f} MB" if row["tier_disk_mb"] else ""
             print(f"  {label}: TTFT {turn.ttft * 1e3:.0f} ms, {turn.prompt_tokens} prompt tokens, "
                   f"{turn.cached_tokens} cached ({row['tier_hit_tokens']} from parked tiers, "
-                  f"{tier_source_text(row)}{disk})", flush=True)
+                  f"{tier_source_text(row)}{disk}; {tier_times_text(row)})", flush=True)
             return row
         where = ""
         if row["restored_tokens"]:  # the engine's host time restoring them, of it reading files

@@ -41,6 +41,7 @@ prompt tokens like a prefix-cache hit.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,16 @@ class TierCache:
         self.hit_tokens = 0  # prompt tokens served from parked states
         self.evictions = 0
         self.restored_chats = 0  # chats read back from disk
+        # cumulative host time (ms) on the request path, for ``stats``: ``restore_ms`` adopting parked
+        # chats (reading one back from disk, the evictions that makes, and the tiers' ``resume``: its
+        # device copies), of it ``resume_ms`` the tiers' resume; ``match_ms`` every ``match`` (the
+        # scheduler asks at each step a request waits; it includes reading back); ``park_ms`` parking
+        # ended requests (and the evictions that makes); ``spill_ms`` writing chats the RAM budget
+        # pushes out to disk (in parking or reading back, also counted there); ``flush_ms`` writing
+        # the chats held only in RAM at close
+        self.restore_ms = self.resume_ms = self.match_ms = 0.0
+        self.park_ms = self.spill_ms = self.flush_ms = 0.0
+        self._flushing = False
 
     @property
     def needs_pages(self) -> bool:
@@ -96,6 +107,13 @@ class TierCache:
     # ---- parking --------------------------------------------------------------------------------
     def park(self, seq: Sequence) -> None:
         """Keep the tiers of a request that ends (then the caller drops what is left of them)."""
+        start = time.perf_counter()
+        try:
+            self._park(seq)
+        finally:
+            self.park_ms += _ms_since(start)
+
+    def _park(self, seq: Sequence) -> None:
         covered = self._covered(seq)
         if covered == 0 or self.budget_bytes <= 0:
             return
@@ -140,15 +158,24 @@ class TierCache:
         """Write a chat leaving RAM to disk, unless it is there already (or there is no disk)."""
         if self.store is None or parked.file is not None:
             return
+        start = time.perf_counter()
         if self._cuda:
             torch.cuda.synchronize()  # the host pools' write-through copies must have landed
         parked.file = self.store.write(parked.token_ids, parked.conversation, parked.keys, parked.latents)
+        if self._flushing:
+            self.flush_ms += _ms_since(start)
+        else:
+            self.spill_ms += _ms_since(start)
 
     def flush(self) -> int:
         """Write every chat held only in RAM to disk (the engine is stopping); returns how many."""
         pending = [parked for parked in self._parked.values() if parked.file is None]
-        for parked in pending:
-            self._spill(parked)
+        self._flushing = True
+        try:
+            for parked in pending:
+                self._spill(parked)
+        finally:
+            self._flushing = False
         return sum(parked.file is not None for parked in pending)
 
     def _covered(self, seq: Sequence) -> int:
@@ -169,21 +196,29 @@ class TierCache:
     def match(self, seq: Sequence) -> int:
         """The most leading tokens of seq's prompt a parked state covers (whole pages, leaving one
         to compute); 0 when none does."""
-        key = self._best_in_ram(seq)
-        return 0 if key is None else self._offer(seq, self._parked[key])
+        start = time.perf_counter()
+        try:
+            key = self._best_in_ram(seq)
+            return 0 if key is None else self._offer(seq, self._parked[key])
+        finally:
+            self.match_ms += _ms_since(start)
 
     def adopt(self, seq: Sequence, offered: int, paged_hit: int) -> int:
         """seq's tiers resume from the best parked state, cut to ``paged_hit`` when the latents are
         in the pages; returns the tokens seq starts with."""
+        start, restored = time.perf_counter(), self.restore_ms  # (a read back here counts once)
         key = self._best_in_ram(seq) if offered else None
         tokens = min(offered, paged_hit) if self.needs_pages else offered
         if key is None or tokens == 0:
             return 0
         parked = self._remove(key)
+        resuming = time.perf_counter()
         if self.key_tiers is not None:
             self.key_tiers.resume(seq.request_id, parked.keys, tokens)
         if self.latent_tiers is not None:
             self.latent_tiers.resume(seq.request_id, parked.latents, tokens)
+        self.resume_ms += _ms_since(resuming)
+        self.restore_ms = restored + _ms_since(start)
         self.hit_tokens += tokens
         return tokens
 
@@ -218,6 +253,13 @@ class TierCache:
     def _read_back(self, name: str) -> int | None:
         """Read a chat from disk into RAM, as the most recently parked; its key, or None when its file
         was unsound (then deleted) or does not hold the states of every tiered layer."""
+        start = time.perf_counter()
+        try:
+            return self._read_back_file(name)
+        finally:
+            self.restore_ms += _ms_since(start)
+
+    def _read_back_file(self, name: str) -> int | None:
         assert self.store is not None
         chat = self.store.chats[name]
         states = self.store.read(name)
@@ -270,12 +312,27 @@ class TierCache:
     def stats(self) -> dict[str, float]:
         """For ``Engine.stats``: parked chats and their host bytes, prompt tokens served, evictions;
         with a store, the chats and bytes on disk (any model's files in its folder), chats read back
-        and files deleted as corrupt or stale."""
+        and files deleted as corrupt or stale; and the cumulative host times (``*_ms``) and bytes of
+        the request path (see ``__init__`` and ``TierStore.__init__``): ``disk_read_ms`` is the whole
+        reading of chats' files (of it ``pin_alloc_ms`` allocating their pinned tensors and
+        ``disk_crc_ms`` checksumming), ``write_ms`` every file write (spills and close)."""
         out = {"tier_cache_chats": float(len(self._parked)), "tier_cache_bytes": float(self.nbytes),
-               "tier_cache_hits_tokens": float(self.hit_tokens), "tier_cache_evictions": float(self.evictions)}
+               "tier_cache_hits_tokens": float(self.hit_tokens), "tier_cache_evictions": float(self.evictions),
+               "tier_cache_restore_ms": self.restore_ms, "tier_cache_resume_ms": self.resume_ms,
+               "tier_cache_match_ms": self.match_ms, "tier_cache_park_ms": self.park_ms}
         if self.store is not None:
-            out.update(tier_cache_disk_chats=float(len(self.store.chats)),
-                       tier_cache_disk_bytes=float(self.store.disk_bytes),
+            store = self.store
+            out.update(tier_cache_disk_chats=float(len(store.chats)),
+                       tier_cache_disk_bytes=float(store.disk_bytes),
                        tier_cache_restored_chats=float(self.restored_chats),
-                       tier_cache_files_rejected=float(self.store.files_rejected))
+                       tier_cache_files_rejected=float(store.files_rejected),
+                       tier_cache_disk_read_ms=store.read_ms, tier_cache_disk_read_bytes=float(store.read_bytes),
+                       tier_cache_pin_alloc_ms=store.alloc_ms, tier_cache_disk_crc_ms=store.crc_ms,
+                       tier_cache_spill_ms=self.spill_ms, tier_cache_flush_ms=self.flush_ms,
+                       tier_cache_write_ms=store.write_ms, tier_cache_write_crc_ms=store.write_crc_ms,
+                       tier_cache_write_bytes=float(store.write_bytes), tier_cache_scan_ms=store.scan_ms)
         return out
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3

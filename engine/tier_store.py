@@ -98,6 +98,16 @@ class TierStore:
         self.pin = pin
         self.files_written = 0
         self.files_rejected = 0  # corrupt or stale files deleted instead of used
+        # cumulative host time (ms) and bytes, for ``TierCache.stats``: reading a chat's tensors back
+        # (``read_ms``: the whole ``read``, of it ``alloc_ms`` allocating their (pinned) tensors and
+        # ``crc_ms`` checksumming them; ``read_bytes`` their bytes), writing chats (``write_ms``: the
+        # whole ``write``, of it ``write_crc_ms`` checksumming; ``write_bytes`` the files' sizes) and
+        # indexing the folder when the store opens (``scan_ms``)
+        self.read_ms = self.alloc_ms = self.crc_ms = 0.0
+        self.read_bytes = 0
+        self.write_ms = self.write_crc_ms = 0.0
+        self.write_bytes = 0
+        self.scan_ms = 0.0
         self.chats: OrderedDict[str, StoredChat] = OrderedDict()  # every file, least recently used first
         self.disk_bytes = 0
         private_folder(self.folder)
@@ -119,13 +129,23 @@ class TierStore:
               latents: LatentStates) -> str | None:
         """Save a parked chat (its states are not changed); returns its file's name, or None when it
         does not fit the budget or could not be written (it is then computed again when needed)."""
+        start = time.perf_counter()
+        try:
+            return self._write(token_ids, conversation, keys, latents)
+        finally:
+            self.write_ms += (time.perf_counter() - start) * 1e3
+
+    def _write(self, token_ids: list[int], conversation: str | None, keys: KeyStates,
+               latents: LatentStates) -> str | None:
         tensors: list[torch.Tensor] = []
 
         def entry(tensor: torch.Tensor) -> dict[str, Any]:
             flat = _bytes_of(tensor)
             tensors.append(flat)
-            return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-                    "crc32": zlib.crc32(memoryview(flat.numpy()))}
+            start = time.perf_counter()
+            crc = zlib.crc32(memoryview(flat.numpy()))
+            self.write_crc_ms += (time.perf_counter() - start) * 1e3
+            return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "crc32": crc}
 
         ids = np.asarray(token_ids, dtype="<i4").tobytes()
         header = {
@@ -152,6 +172,7 @@ class TierStore:
             logger.warning("could not write a long chat's cache to %s: %s", self.folder, err)
             return None
         self.files_written += 1
+        self.write_bytes += size
         self._add(StoredChat(name, self.key, self.fingerprint, conversation, list(token_ids),
                              _state_bytes(header), size, size - _state_bytes(header), header))
         self._fit()
@@ -164,6 +185,7 @@ class TierStore:
         The file counts as used now."""
         chat = self.chats[name]
         path = self.folder / name
+        start = time.perf_counter()
         try:
             states = self._read_states(path, chat)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
@@ -171,6 +193,8 @@ class TierStore:
             problem = str(err)
         else:
             problem = "corrupt"
+        finally:
+            self.read_ms += (time.perf_counter() - start) * 1e3
         if states is None:
             self.reject(name, problem)
             return None
@@ -186,23 +210,40 @@ class TierStore:
             file.seek(chat.data_offset)
             for layer in header["keys"]:
                 pages = int(layer["pages"])
+                start = time.perf_counter()
                 pool = PagePool(pages, int(layer["page_size"]), int(layer["head_dim"]), str(layer["fmt"]),
                                 torch.device("cpu"), pin=self.pin)
-                if not _read_into(file, pool.buf, layer["pool"]):
+                self.alloc_ms += (time.perf_counter() - start) * 1e3
+                if not self._read_into(file, pool.buf, layer["pool"]):
                     return None
                 summaries = []
                 for spec in layer["summaries"]:
-                    summary = None if spec is None else _empty(spec, self.pin)
-                    if summary is not None and not _read_into(file, summary, spec):
+                    summary = None if spec is None else self._empty(spec)
+                    if summary is not None and not self._read_into(file, summary, spec):
                         return None
                     summaries.append(summary)
                 keys[int(layer["layer"])] = ParkedPages(pool, pages, tuple(summaries))
             for layer in header["latents"]:
-                host = _empty(layer["host"], self.pin)
-                if host.dim() != 2 or host.shape[0] != int(layer["rows"]) or not _read_into(file, host, layer["host"]):
+                host = self._empty(layer["host"])
+                if host.dim() != 2 or host.shape[0] != int(layer["rows"]) \
+                        or not self._read_into(file, host, layer["host"]):
                     return None
                 latents[int(layer["layer"])] = ParkedRows(host, host.shape[0])
         return keys, latents
+
+    def _empty(self, spec: Mapping[str, Any]) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return _empty(spec, self.pin)
+        finally:
+            self.alloc_ms += (time.perf_counter() - start) * 1e3
+
+    def _read_into(self, file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
+        """``_read_into``, counting the bytes read and the time checksumming them."""
+        ok, got, crc_s = _read_into(file, tensor, spec)
+        self.read_bytes += got
+        self.crc_ms += crc_s * 1e3
+        return ok
 
     # ---- forgetting ------------------------------------------------------------------------
 
@@ -236,6 +277,13 @@ class TierStore:
     def _scan(self) -> None:
         """Index the folder's files, least recently used first: headers and token ids only. Unsound
         files and this model's stale ones are deleted."""
+        start = time.perf_counter()
+        try:
+            self._scan_folder()
+        finally:
+            self.scan_ms += (time.perf_counter() - start) * 1e3
+
+    def _scan_folder(self) -> None:
         found: list[tuple[float, StoredChat]] = []
         now = time.time()
         for path in self.folder.iterdir():
@@ -315,19 +363,22 @@ def _state_bytes(header: Mapping[str, Any]) -> int:
     return sum(_spec_bytes(spec) for spec in _specs(header))
 
 
-def _read_into(file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
-    """Read the next tensor of the file into ``tensor`` (its dtype and shape as the header says);
-    False when they differ, the file is cut short or the checksum does not match."""
+def _read_into(file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> tuple[bool, int, float]:
+    """Read the next tensor of the file into ``tensor`` (its dtype and shape as the header says):
+    whether it is sound (False when they differ, the file is cut short or the checksum does not
+    match), the bytes read and the seconds spent checksumming them."""
     if str(tensor.dtype).removeprefix("torch.") != spec["dtype"] or list(tensor.shape) != list(spec["shape"]):
-        return False
+        return False, 0, 0.0
     view = memoryview(_bytes_of(tensor).numpy())
     done = 0
     while done < len(view):
         got = file.readinto(view[done:])
         if not got:
-            return False
+            return False, done, 0.0
         done += got
-    return zlib.crc32(view) == int(spec["crc32"])
+    start = time.perf_counter()
+    sound = zlib.crc32(view) == int(spec["crc32"])
+    return sound, done, time.perf_counter() - start
 
 
 def _read_index(path: Path, size: int) -> StoredChat:

@@ -50,6 +50,24 @@ def test_the_tier_row_says_where_the_follow_up_found_its_tiers(after, source):
     assert ("NOT adopted" in bench_e2e.tier_source_text(row)) == (source == "recomputed")
 
 
+def test_the_tier_row_takes_the_host_times_of_the_follow_up():
+    before = {**_stats(1024, 0, 5e6, chats=1), "tier_cache_restore_ms": 10.0, "tier_cache_park_ms": 4.0,
+              "tier_cache_disk_read_bytes": 1e6, "tier_cache_disk_read_ms": 2.0}
+    after = {**_stats(1024 + 4096, 1, 5e6, chats=1), "tier_cache_restore_ms": 1510.0, "tier_cache_park_ms": 9.0,
+             "tier_cache_disk_read_bytes": 255e6, "tier_cache_disk_read_ms": 1202.0, "tier_cache_pin_alloc_ms": 300.0,
+             "tier_cache_disk_crc_ms": 150.0, "tier_cache_resume_ms": 250.0, "tier_cache_match_ms": 1205.0,
+             "tier_cache_spill_ms": 800.0, "tier_cache_write_ms": 700.0}
+    row = bench_e2e.tier_row(before, after)
+    assert row["tier_restore_ms"] == 1500 and row["tier_disk_read_ms"] == 1200 and row["tier_disk_read_mb"] == 254
+    assert row["tier_park_ms"] == 5 and row["tier_pin_alloc_ms"] == 300 and row["tier_spill_ms"] == 800
+    text = bench_e2e.tier_times_text(row)
+    assert text.startswith("restore 1500 ms of host time, of it 254 MB read from disk in 1200 ms (300 ms allocating")
+    assert "parking 5 ms" in text and "spilling 800 ms (writing 700 ms)" in text
+    ram = bench_e2e.tier_times_text(bench_e2e.tier_row(before, {**before, "tier_cache_restore_ms": 12.0}))
+    assert ram.startswith("restore 2 ms of host time, resume 0 ms") and "read from disk" not in ram
+    assert "spilling" not in ram
+
+
 def test_a_server_without_tier_counters_reads_as_recomputed():
     row = bench_e2e.tier_row({}, {"prefix_cache_hits_tokens": 9.0})
     assert row["tier_source"] == "recomputed" and row["tier_hit_tokens"] == 0 and row["tier_cache"] == {}

@@ -70,6 +70,10 @@ def test_follow_up_turns_adopt_the_parked_tiers_and_equal_a_full_prefill(v32, ti
         assert cached == covered
         assert answer == _fresh(v32, prompt)
     assert _tier_stats(engine)["tier_cache_hits_tokens"] == _covered(_ids(60, 7)) + cached
+    stats = _tier_stats(engine)  # adopted from RAM twice: host time, no disk (no store at all)
+    assert stats["tier_cache_restore_ms"] >= stats["tier_cache_resume_ms"] > 0
+    assert stats["tier_cache_park_ms"] > 0 and stats["tier_cache_match_ms"] > 0
+    assert "tier_cache_disk_read_bytes" not in stats and "tier_cache_spill_ms" not in stats
     assert _tier_stats(engine)["tier_cache_chats"] == 1  # each turn's state replaced the one it adopted
     assert not engine.runner.key_tiers.tiers  # nothing of a finished request is left on the device
 

@@ -55,13 +55,30 @@ def test_a_parked_chat_survives_a_restart_and_its_next_turn_equals_a_full_prefil
     assert stats["tier_cache_chats"] == 0 and stats["tier_cache_disk_chats"] == 1
     assert stats["tier_cache_disk_bytes"] == file.stat().st_size
     assert engine.stats().extra["prefix_cache_conversations"] == 1
+    assert stats["tier_cache_disk_read_bytes"] == 0 and stats["tier_cache_restore_ms"] == 0
+    assert stats["tier_cache_scan_ms"] > 0
+    [chat] = engine.tier_cache.store.chats.values()
+    tensor_bytes = file.stat().st_size - chat.data_offset
     follow_up = prompt + answer + _ids(15, 5)
     answer2, cached = _turn(engine, follow_up, "chat")
     assert cached == _covered(prompt)
     assert answer2 == _fresh(v32, follow_up)
-    assert _tier_stats(engine)["tier_cache_restored_chats"] == 1
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_restored_chats"] == 1
+    # the file's tensors were read (and checksummed) into pinned-or-not tensors, then adopted
+    assert stats["tier_cache_disk_read_bytes"] == chat.state_bytes == tensor_bytes
+    assert stats["tier_cache_disk_read_ms"] > 0
+    assert stats["tier_cache_disk_read_ms"] >= stats["tier_cache_pin_alloc_ms"] + stats["tier_cache_disk_crc_ms"]
+    assert stats["tier_cache_restore_ms"] >= stats["tier_cache_disk_read_ms"] + stats["tier_cache_resume_ms"]
+    assert stats["tier_cache_resume_ms"] > 0 and stats["tier_cache_match_ms"] > 0
+    assert stats["tier_cache_park_ms"] > 0  # the follow-up's own tiers, parked in RAM
+    assert stats["tier_cache_spill_ms"] == stats["tier_cache_write_ms"] == stats["tier_cache_flush_ms"] == 0
     assert engine.close() >= 1
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_flush_ms"] > 0 and stats["tier_cache_spill_ms"] == 0
+    assert stats["tier_cache_write_ms"] >= stats["tier_cache_flush_ms"] - 1  # (the cache's time includes a sync)
     assert len(_files(tmp_path)) == 1  # the new turn's state replaced the file it extends
+    assert stats["tier_cache_write_bytes"] == _files(tmp_path)[0].stat().st_size
 
 
 def test_a_chat_the_ram_budget_pushes_out_goes_to_disk_and_comes_back(v32, tmp_path):
@@ -77,9 +94,17 @@ def test_a_chat_the_ram_budget_pushes_out_goes_to_disk_and_comes_back(v32, tmp_p
     stats = _tier_stats(engine)
     assert stats["tier_cache_chats"] == 1 and stats["tier_cache_evictions"] == 1
     assert stats["tier_cache_disk_chats"] == 1
+    # parking b wrote a to disk on the request path: its park time holds the spill
+    [file] = _files(tmp_path)
+    assert stats["tier_cache_write_bytes"] == file.stat().st_size and stats["tier_cache_flush_ms"] == 0
+    assert stats["tier_cache_park_ms"] >= stats["tier_cache_spill_ms"] > 0
+    assert stats["tier_cache_spill_ms"] >= stats["tier_cache_write_ms"] >= stats["tier_cache_write_crc_ms"] > 0
+    assert stats["tier_cache_disk_read_bytes"] == 0
     follow_up = chat_a + answer_a + _ids(15, 5)
     assert _turn(engine, follow_up, "a") == (_fresh(v32, follow_up), _covered(chat_a))
-    assert _tier_stats(engine)["tier_cache_restored_chats"] == 1
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_restored_chats"] == 1 and stats["tier_cache_disk_read_bytes"] > 0
+    assert stats["tier_cache_restore_ms"] >= stats["tier_cache_disk_read_ms"] > 0
 
 
 @pytest.mark.parametrize("where", ["tensors", "header"])
