@@ -28,7 +28,8 @@ Latents (``PlannedLatents``, HiSparse-style): every row is written through to pi
 the device holds a ring of the ``ring_rows`` most recent rows and ``cache_rows`` cached rows. A decode
 step maps its selection to device rows with the same residency plan (rows of the ring need nothing;
 misses are gathered from host memory), and sparse MLA reads the device buffer through them. A
-decode read (select + slots) is eleven launches and no torch op
+decode read (select + slots) is seven launches with the one-launch fine top-k (eleven with the radix
+select) and no torch op
 (tests/offload/test_planned_tiers_launches.py).
 
 Prefill chunks run the prefill kernels over the request's whole history of the layer on the device:
@@ -67,7 +68,6 @@ from hearth.kernels.tiered import (
     write_through_page,
 )
 from hearth.kernels.topk.one_launch import (
-    map_through_pages,
     new_one_launch_workspace,
     one_launch_plan,
     one_launch_topk_launch,
@@ -94,8 +94,8 @@ class PlannedKeyConfig:
     # registers, up to 4096 pages; past that "single_pass" runs) or "single_pass"
     candidate_topk: CandidateTopk = "select"
     # the fine top-k over the fine table's keys: "one_launch" (the fine indexer adds its first histogram, one
-    # select launch, one launch mapping table positions to token positions; on the H200 at 128K the planned
-    # read took 66.2 us against 73.8 with "radix", CUDA graphs back to back, 2026-12-02) or "radix" (four
+    # select launch writing token positions through the table's pages; on the H200 at 128K the planned read
+    # took 66.2 us against 73.8 with "radix", CUDA graphs back to back, 2026-12-02) or "radix" (four
     # histogram passes and a gather, writing token positions through the table's pages)
     fine_topk: Literal["radix", "one_launch"] = "one_launch"
 
@@ -154,11 +154,11 @@ class PlannedKeys:
         self._fine_len = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._fine_ws = new_workspace(1, self.device)
         self._selection = torch.full((1, c.topk), -1, dtype=torch.int32, device=self.device)
-        self._one_launch = None  # the one-launch fine top-k's plan, workspace (left clean by every select), indices
+        self._one_launch = None  # the one-launch fine top-k's plan and workspace (left clean by every select)
         if c.fine_topk == "one_launch":
             plan = one_launch_plan(c.topk)
             ws = new_one_launch_workspace(1, plan, self.device)
-            self._one_launch = (plan, ws, torch.full_like(self._selection, -1))
+            self._one_launch = (plan, ws)
         self.num_tokens = 0
         self.version = 0  # bumped whenever a buffer a decode step reads is reallocated (captured graphs go stale)
 
@@ -303,8 +303,8 @@ class PlannedKeys:
         and softmax scales folded in), both contiguous, context_len (1,) int32 on the device
         (= num_tokens, this step's key written). Returns (1, topk) int32, -1 padded: the keys' own
         buffer, rewritten by the next select. Five launches and the fine top-k's (the radix select: four
-        histograms, one gather; the one-launch select: one, and one mapping table positions to token
-        positions), every count derived on the device from context_len: no host sync."""
+        histograms, one gather; the one-launch select: one, which writes token positions through the
+        table's pages), every count derived on the device from context_len: no host sync."""
         c, ps = self.config, self.config.page_size
         qb, wb = q[None, None], w[None, None]
         # 1. coarse: the cold pages' scores (the best summary of each page)
@@ -322,11 +322,11 @@ class PlannedKeys:
             logits, lengths = lightning_indexer_decode(qb, wb, self.dev.buf, self.plan.slot[None], self._fine_len, ps)
             radix_topk_launch(logits, lengths, c.topk, self._selection, self._fine_ws, page_map=(self._pages, ps))
             return self._selection
-        plan, ws, picked = self._one_launch
+        plan, ws = self._one_launch
         logits, lengths = lightning_indexer_decode(qb, wb, self.dev.buf, self.plan.slot[None], self._fine_len, ps,
                                                    workspace=ws, fine_hist=True)
-        one_launch_topk_launch(logits, lengths, picked, ws, plan)
-        return map_through_pages(picked, self._pages, ps, self._selection)
+        one_launch_topk_launch(logits, lengths, self._selection, ws, plan, page_map=(self._pages[0], ps))
+        return self._selection
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every written key (tests): ((num_tokens, 128) e4m3, (num_tokens,) fp32) on the device."""

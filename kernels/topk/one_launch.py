@@ -101,6 +101,17 @@ def _second_digit(b_key):
 
 
 @triton.jit
+def _position(o_t, m_t, p_map, MAP_PAGE: tl.constexpr):
+    """Row position o_t as the index the output holds: itself, or with a page map (MAP_PAGE > 0) the
+    token position it names through the table's pages, p_map[o_t // MAP_PAGE] * MAP_PAGE + o_t % MAP_PAGE
+    (what ``map_through_pages`` does after the select, in the select)."""
+    if MAP_PAGE > 0:
+        b_page = tl.load(p_map + o_t // MAP_PAGE, mask=m_t, other=0)
+        o_t = b_page * MAP_PAGE + o_t % MAP_PAGE
+    return o_t
+
+
+@triton.jit
 def _copy(p_src, p_dst, n):
     """p_dst[0:n] = p_src[0:n] (int32), reading what other programs wrote (bypassing L1)."""
     BLOCK: tl.constexpr = 1024
@@ -129,7 +140,9 @@ def _select_stream(
     i_cut,
     k_rem,
     K,
+    p_map,
     FROM_ROW: tl.constexpr,
+    MAP_PAGE: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
@@ -169,7 +182,7 @@ def _select_stream(
         m_t = o_t < n_src
         b_key = _source_keys(p_x, p_keys, o_t, m_t, FROM_ROW)
         if FROM_ROW:
-            b_idx = o_t
+            b_idx = _position(o_t, m_t, p_map, MAP_PAGE)
         else:
             b_idx = tl.load(p_idx + o_t, mask=m_t, other=0, cache_modifier=".cg")
         m_bin = m_t & (fine_bin(b_key) == i_cut)
@@ -243,8 +256,10 @@ def _finish_row(
     i_cut,
     k_rem,
     K,
+    p_map,
     CAP: tl.constexpr,
     CAP2: tl.constexpr,
+    MAP_PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
@@ -276,10 +291,12 @@ def _finish_row(
             )  # fmt: skip
             path = _PATH_SECOND
         else:
-            _select_stream(p_x, p_keys, p_idx, p_out, n_surv, i_cut, k_rem, K, False, NBINS, BITS, PASSES, BLOCK)
+            _select_stream(p_x, p_keys, p_idx, p_out, n_surv, i_cut, k_rem, K, p_map, False, MAP_PAGE, NBINS, BITS,
+                           PASSES, BLOCK)
             path = _PATH_SCRATCH
     else:
-        _select_stream(p_x, p_keys, p_idx, p_out, n_len, i_cut, k_rem, K, True, NBINS, BITS, PASSES, BLOCK)
+        _select_stream(p_x, p_keys, p_idx, p_out, n_len, i_cut, k_rem, K, p_map, True, MAP_PAGE, NBINS, BITS, PASSES,
+                       BLOCK)
         path = _PATH_ROW
     tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     tl.store(p_ws + _HIST2 + o_b, tl.zeros([NBINS], dtype=tl.int32))
@@ -292,10 +309,12 @@ def _finish_row(
 
 
 @triton.jit
-def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, CAP: tl.constexpr, BLOCK: tl.constexpr):
+def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexpr, MAP_PAGE: tl.constexpr,
+                BLOCK: tl.constexpr):
     """Stream keys [i_start, i_end) of the row: indices above bin i_cut to the output, the bin's
     (key, index) pairs to the scratch, their second digits to the second histogram (quarter-binade
-    bins only), their min and max key to the header."""
+    bins only), their min and max key to the header. Indices are output indices (``_position``): every
+    later step copies them as they are."""
     p_hdr = p_ws + _HEADER
     p_keys = p_ws + _SCRATCH
     second = _shares_prefix(i_cut)
@@ -310,13 +329,13 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, CAP: tl.constexpr, BLOC
         n_gt = tl.sum(m_gt.to(tl.int32), 0)
         if n_gt > 0:
             o_dst = tl.atomic_add(p_hdr + _N_GT, n_gt, sem="relaxed") + tl.cumsum(m_gt.to(tl.int32), 0) - 1
-            tl.store(p_out + o_dst, o_t, mask=m_gt)
+            tl.store(p_out + o_dst, _position(o_t, m_gt, p_map, MAP_PAGE), mask=m_gt)
         m_eq = m_t & (b_bin == i_cut)
         n_eq = tl.sum(m_eq.to(tl.int32), 0)
         if n_eq > 0:
             o_dst = tl.atomic_add(p_hdr + _N_SURV, n_eq, sem="relaxed") + tl.cumsum(m_eq.to(tl.int32), 0) - 1
             tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < CAP))
-            tl.store(p_keys + CAP + o_dst, o_t, mask=m_eq & (o_dst < CAP))
+            tl.store(p_keys + CAP + o_dst, _position(o_t, m_eq, p_map, MAP_PAGE), mask=m_eq & (o_dst < CAP))
             if second:
                 tl.atomic_add(p_ws + _HIST2 + _second_digit(b_key), 1, mask=m_eq, sem="relaxed")
             k_min = tl.minimum(k_min, tl.min(tl.where(m_eq, b_key, _INT_MAX), 0))
@@ -332,6 +351,7 @@ def _topk_one_launch_kernel(
     len_ptr,
     out_ptr,
     ws_ptr,
+    map_ptr,
     stride_x,
     stride_out,
     stride_ws,
@@ -339,6 +359,7 @@ def _topk_one_launch_kernel(
     SEG,
     CAP: tl.constexpr,
     CAP2: tl.constexpr,
+    MAP_PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
@@ -357,22 +378,24 @@ def _topk_one_launch_kernel(
             # row reads the histogram the indexer added, so this one clears it
             for i0 in range(0, K, BLOCK):
                 o_t = i0 + tl.arange(0, BLOCK)
-                tl.store(p_out + o_t, tl.where(o_t < n_len, o_t, -1), mask=o_t < K)
+                m_v = o_t < n_len
+                tl.store(p_out + o_t, tl.where(m_v, _position(o_t, m_v, map_ptr, MAP_PAGE), -1), mask=o_t < K)
             tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     else:
         i_cut, k_rem = pick_bin(tl.load(p_ws + o_b), K, NBINS)
         i_start = i_s * SEG
         if i_start < n_len:
             p_x = x_ptr + i_r.to(tl.int64) * stride_x
-            _scan_slice(p_x, p_out, p_ws, i_start, tl.minimum(i_start + SEG, n_len), i_cut, CAP, BLOCK)
+            _scan_slice(p_x, p_out, p_ws, i_start, tl.minimum(i_start + SEG, n_len), i_cut, map_ptr, CAP, MAP_PAGE,
+                        BLOCK)
         # every thread's stores are done before the (single-thread) release of the arrival
         tl.debug_barrier()
         n_before = tl.atomic_add(p_ws + _HEADER + _ARRIVED, 1, sem="acq_rel")
         if n_before == tl.num_programs(1) - 1:
             tl.debug_barrier()
             _finish_row(
-                x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, i_cut, k_rem, K,
-                CAP, CAP2, BLOCK, RANK_BLOCK, NBINS, BITS, PASSES,
+                x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, i_cut, k_rem, K, map_ptr,
+                CAP, CAP2, MAP_PAGE, BLOCK, RANK_BLOCK, NBINS, BITS, PASSES,
             )  # fmt: skip
 
 
@@ -479,19 +502,29 @@ def one_launch_topk_launch(
     programs: int | None = None,
     block: int = 1024,
     num_warps: int = 8,
+    page_map: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """The selection launch on validated scores / lengths / out whose first histograms are already in
     the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
-    per SM in all)."""
+    per SM in all). page_map (table, page): one row's positions in a table of pages written as the
+    pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
+    launch fewer)."""
     n_rows, n_cols = scores.shape
     check_workspace(workspace, n_rows, plan, scores.device)
     require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
+    if page_map is not None:
+        table, page = page_map
+        require(n_rows == 1, "page_map maps the indices of one row")
+        require(page >= 1, f"page must be >= 1, got {page}")
+        check_tensor("page_map table", table, dtypes=(torch.int32,), ndim=1, device=scores.device)
+        require(table.shape[0] * page >= n_cols, "the page_map table must cover the row")
     seg = _segment(n_rows, n_cols, block, programs, scores.device)
     _topk_one_launch_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
         scores,
         lengths,
         out,
         workspace,
+        out if page_map is None else page_map[0],
         scores.stride(0),
         out.stride(0),
         workspace.stride(0),
@@ -499,6 +532,7 @@ def one_launch_topk_launch(
         seg,
         CAP=plan.capacity,
         CAP2=plan.capacity2,
+        MAP_PAGE=0 if page_map is None else page_map[1],
         BLOCK=block,
         RANK_BLOCK=RANK_BLOCK,
         NBINS=NBINS,

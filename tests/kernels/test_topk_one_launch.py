@@ -116,6 +116,37 @@ def test_every_path_exact_and_the_workspace_cleans_itself(device):
         _assert_clean(ws)
 
 
+def test_page_map_writes_token_positions_on_every_path(device):
+    """With a page map the select writes what `map_through_pages` makes of its plain output (one launch
+    fewer), on every finishing path and for a row no longer than k; the same path is taken."""
+    n, k, page = 3000, 200, 16
+    s, paths = _rows_for_every_path(n, k, device)
+    g = torch.Generator().manual_seed(5)
+    table = torch.randperm(400, generator=g)[: -(-n // page)].to(torch.int32).to(device)  # distinct pages
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(1, plan, device)
+    for row, path in [*zip(s, paths), (s[0], None)]:
+        length = torch.tensor([n if path is not None else k - 3], dtype=torch.int32, device=device)
+        outs = []
+        for page_map in (None, (table, page)):
+            out = torch.full((1, k), POISON, dtype=torch.int32, device=device)
+            fine_hist_launch(row[None], length, k, ws, block=128)
+            one_launch_topk_launch(row[None].contiguous(), length, out, ws, plan, programs=3, block=128,
+                                   page_map=page_map)
+            if path is not None:
+                assert ws[0, HEADER + PATH].item() == path
+            outs.append(out)
+        plain, mapped = outs
+        check_topk(plain, row[None], length, k)
+        want = map_through_pages(plain[0].contiguous(), table, page, torch.empty_like(plain[0]))
+        assert sorted(mapped[0].tolist()) == sorted(want.tolist())
+        _assert_clean(ws)
+    with pytest.raises(ValueError, match="one row"):
+        one_launch_topk_launch(s, torch.full((7,), n, dtype=torch.int32, device=device),
+                               torch.empty(7, k, dtype=torch.int32, device=device),
+                               new_one_launch_workspace(7, plan, device), plan, page_map=(table, page))
+
+
 def test_sub_bin_path_matches_torch_topk(device):
     """Distinct scores: the second-histogram path selects torch.topk's index set exactly."""
     n, k = 2500, 64
