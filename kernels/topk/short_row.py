@@ -15,7 +15,8 @@ score (descending, ties by index); rows with length L <= k give their L entries 
 `short_row_select` picks the same entries without the bitonic network (which costs O(N log^2 N)
 compare-exchanges of int64 keys across warps): it bisects the k-th largest order key with 32 counts
 of the row and returns a mask, which a caller lists in index order with one cumsum (the tiered coarse
-step's candidate pages).
+step's candidate pages); `short_row_hist_select` finds the same cut with 4 radix histograms (8-bit
+digits) of the row in registers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import triton
 import triton.language as tl
 
 from hearth.kernels._utils import float_order_key, require
-from hearth.kernels.topk.radix import checked_output
+from hearth.kernels.topk.radix import checked_output, radix_digit
+from hearth.kernels.topk.single_pass import pick_bin
 
 MAX_SHORT_N = 4096  # row entries one program holds (the sort keys of a row live in registers)
 
@@ -63,6 +65,35 @@ def short_row_select(b_x, m_t, k):
     m_tie = m_t & (b_key == cut)
     room = k - tl.sum(m_above.to(tl.int32), 0)
     return m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= room))
+
+
+@triton.jit
+def short_row_hist_select(b_x, m_t, k, NBINS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr):
+    """`short_row_select`'s mask (the same entries), its cut found by PASSES radix histograms of the
+    row in registers (`tl.histogram` of BITS-bit digits, most significant first, among the entries
+    that share the digits found so far) instead of 32 bisection counts: 4 histograms of 256 bins for
+    8-bit digits. Every valid entry when there are at most k."""
+    b_key = float_order_key(tl.where(b_x == 0.0, 0.0, b_x))  # -0 == +0
+    o_b = tl.arange(0, NBINS)
+    k_rem = k
+    prefix = 0
+    for p in tl.static_range(PASSES):
+        m_hit = m_t
+        if p > 0:
+            m_hit = m_hit & ((b_key >> (32 - BITS * p)) == prefix)
+        # misses go to bin 0 and are subtracted after
+        b_hist = tl.histogram(tl.where(m_hit, radix_digit(b_key, p, NBINS, BITS), 0), NBINS)
+        b_hist -= tl.where(o_b == 0, tl.sum((~m_hit).to(tl.int32), 0), 0)
+        i_sel, k_rem = pick_bin(b_hist, k_rem, NBINS)
+        if p == 0:
+            prefix = i_sel - NBINS // 2
+        else:
+            prefix = prefix * NBINS + i_sel
+    # prefix is the k-th largest key; k_rem entries equal to it are taken, lowest index first
+    m_above = m_t & (b_key > prefix)
+    m_tie = m_t & (b_key == prefix)
+    m_best = m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= k_rem))
+    return tl.where(tl.sum(m_t.to(tl.int32), 0) <= k, m_t, m_best)
 
 
 @triton.jit
