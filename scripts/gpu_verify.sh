@@ -6,7 +6,8 @@
 #   then `kernels` (~9 min: the A/B rows of kernel variants merged untimed, the sparse MLA sweep) and `c2` (~7 min: tiered decode
 #   through the server, the chat cache across a restart, plain and tiered, planned tiers by kernel), one call each; `defaults`
 #   (~6 min: the GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident;
-#   `dtests`: its tests only). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   `dtests`: its tests only); `c2k` (~6.5 min: the C2 kernels' tests and rows), `chat-tiers` (~4 min: a tiered chat's
+#   follow-ups across restarts). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -21,7 +22,7 @@ mkdir -p "$OUT/l"
 fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32 gpt_oss)
 [[ " ${steps[*]} " == *" c2 "* ]] && fams+=(deepseek_v32)
 [[ " ${steps[*]} " == *" defaults "* ]] && fams+=(deepseek_v32)
-[[ " ${steps[*]} " == *" c2k "* ]] && fams+=(deepseek_v32)
+[[ " ${steps[*]} " == *" chat-tiers "* ]] && fams+=(deepseek_v32)
 (( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
 write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
@@ -66,22 +67,25 @@ for step in "${steps[@]}"; do
         timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
             --time-limit 60 --profile --candidate-topk sort select single_pass --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;
-    c2k)  # the C2 kernels and rows changed on CPU evidence: their GPU tests, the planned read by kernel, the tiered
-          # 61-layer stack, prefill's bounded indexer logits, a tiered chat's follow-up across a restart
-        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+    c2k)  # the C2 kernels and rows changed on CPU evidence (~6.5 min): their GPU tests, the planned read by kernel
+          # (candidate select: bisection vs histograms), the tiered 61-layer stack, prefill's bounded indexer logits
+        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
             -p no:cacheprovider -n 8 tests/kernels/test_topk_short.py tests/kernels/test_tiered_residency.py \
+            tests/kernels/test_topk_one_launch.py \
             tests/kernels/test_tiered_write_through.py tests/kernels/test_lightning_indexer.py tests/offload/test_planned_tiers.py \
             tests/offload/test_planned_tiers_launches.py tests/engine/test_tiers_kernels_engine.py \
             tests/engine/test_tiers_graph_step.py tests/engine/test_mla_select.py tests/engine/test_prefill_histories.py \
             tests/engine/test_runner.py > "$OUT/l/tests.log" 2>&1
         echo "rc $?" >> "$OUT/l/tests.log"
         grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12
-        timeout 110 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
-            --stack-modes tiered --budgets 256:4096:256 --time-limit 85 --profile --out "$OUT/l" > "$OUT/longctx.log" 2>&1
-        grep -E -A12 "^\(p\)|planned:|stack with tiered|kernels of planned|graph:" "$OUT/longctx.log" | tail -30
+        timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
+            --stack-modes tiered --budgets 256:4096:256 --time-limit 95 --profile --candidate-topk select hist \
+            --out "$OUT/l" > "$OUT/longctx.log" 2>&1
+        grep -E -A12 "^\(p\)|planned:|stack with tiered|kernels of planned|graph:" "$OUT/longctx.log" | tail -40
         timeout 60 python3 bench/bench_longctx.py --prefill-buffers --prefill-contexts 32768,131072 --prefill-chunk 2048 \
             --prefill-layers 4 --time-limit 50 --out "$OUT/l" > "$OUT/prefill-buffers.log" 2>&1
-        grep -E "^\(5\)|prefill [0-9]+K" "$OUT/prefill-buffers.log" | tail -8
+        grep -E "^\(5\)|prefill [0-9]+K" "$OUT/prefill-buffers.log" | tail -8 ;;
+    chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         wait  # the checkpoint
         timeout 220 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
             --chat-context 65536 > "$OUT/e2e-chat-tiers.log" 2>&1
