@@ -95,7 +95,7 @@ def _coarse_step_kernel(
         o_n = tl.arange(0, N_P2)
         b_s = tl.load(scores_ptr + o_n, mask=o_n < n_cold, other=0.0)
         if HIST:
-            m_best = short_row_hist_select(b_s, o_n < n_cold, C, NBINS, BITS, PASSES)
+            m_best = short_row_hist_select(b_s, o_n < n_cold, C, BITS, PASSES)
         else:
             m_best = short_row_select(b_s, o_n < n_cold, C)
         tl.store(pages_ptr + tl.cumsum(m_best.to(tl.int32), 0) - 1, o_n, mask=m_best)  # in page order

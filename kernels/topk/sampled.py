@@ -57,9 +57,10 @@ SAMPLE_SLACK = 16
 
 
 @triton.jit
-def _select_prefix(b_key, m_valid, k, BITS: tl.constexpr, N_PASSES: tl.constexpr):
+def select_prefix(b_key, m_valid, k, BITS: tl.constexpr, N_PASSES: tl.constexpr):
     """Signed top BITS * N_PASSES bits of the k-th largest valid key (the whole key when that is 32)
-    and the rank it still has among the valid keys sharing that prefix; 1 <= k <= valid keys."""
+    and the rank it still has among the valid keys sharing that prefix; 1 <= k <= valid keys. Radix
+    histograms of the keys in registers, most significant digit first (also `short_row_hist_select`)."""
     NB: tl.constexpr = 1 << BITS
     o_b = tl.arange(0, NB)
     k_rem = k
@@ -101,7 +102,7 @@ def _sample_cutoff(
     m_s = o_pos < n_len
     b_key = float_order_key(tl.load(p_x + o_pos, mask=m_s, other=0.0))
     n_want = tl.where(whole, K, tl.minimum(tl.cdiv(2 * K * SAMPLE, n_len) + SLACK, SAMPLE))
-    prefix, _ = _select_prefix(b_key, m_s, n_want, BITS, SAMPLE_PASSES)
+    prefix, _ = select_prefix(b_key, m_s, n_want, BITS, SAMPLE_PASSES)
     # snap down to a sampled key: at least n_want sampled keys are >= it
     SHIFT: tl.constexpr = 32 - BITS * SAMPLE_PASSES
     return tl.min(tl.where(m_s & ((b_key >> SHIFT) >= prefix), b_key, 0x7FFFFFFF), 0)
@@ -154,7 +155,7 @@ def _finish_row(
         # L1 is not coherent across SMs: other programs wrote these
         b_key = tl.load(p_keys + o_c, mask=m_c, other=0, cache_modifier=".cg")
         b_idx = tl.load(p_idx + o_c, mask=m_c, other=0, cache_modifier=".cg")
-        thr, k_rem = _select_prefix(b_key, m_c, K, BITS, 32 // BITS)
+        thr, k_rem = select_prefix(b_key, m_c, K, BITS, 32 // BITS)
         m_gt = m_c & (b_key > thr)
         tl.store(p_out + tl.cumsum(m_gt.to(tl.int32), 0) - 1, b_idx, mask=m_gt)
         m_eq = m_c & (b_key == thr)

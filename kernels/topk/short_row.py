@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from hearth.kernels._utils import float_order_key, require
-from hearth.kernels.topk.radix import checked_output, radix_digit
-from hearth.kernels.topk.single_pass import pick_bin
+from hearth.kernels.topk.radix import checked_output
+from hearth.kernels.topk.sampled import select_prefix
 
 MAX_SHORT_N = 4096  # row entries one program holds (the sort keys of a row live in registers)
 
@@ -68,27 +68,13 @@ def short_row_select(b_x, m_t, k):
 
 
 @triton.jit
-def short_row_hist_select(b_x, m_t, k, NBINS: tl.constexpr, BITS: tl.constexpr, PASSES: tl.constexpr):
+def short_row_hist_select(b_x, m_t, k, BITS: tl.constexpr, PASSES: tl.constexpr):
     """`short_row_select`'s mask (the same entries), its cut found by PASSES radix histograms of the
     row in registers (`tl.histogram` of BITS-bit digits, most significant first, among the entries
     that share the digits found so far) instead of 32 bisection counts: 4 histograms of 256 bins for
-    8-bit digits. Every valid entry when there are at most k."""
+    8-bit digits (`sampled.select_prefix`). Every valid entry when there are at most k."""
     b_key = float_order_key(tl.where(b_x == 0.0, 0.0, b_x))  # -0 == +0
-    o_b = tl.arange(0, NBINS)
-    k_rem = k
-    prefix = 0
-    for p in tl.static_range(PASSES):
-        m_hit = m_t
-        if p > 0:
-            m_hit = m_hit & ((b_key >> (32 - BITS * p)) == prefix)
-        # misses go to bin 0 and are subtracted after
-        b_hist = tl.histogram(tl.where(m_hit, radix_digit(b_key, p, NBINS, BITS), 0), NBINS)
-        b_hist -= tl.where(o_b == 0, tl.sum((~m_hit).to(tl.int32), 0), 0)
-        i_sel, k_rem = pick_bin(b_hist, k_rem, NBINS)
-        if p == 0:
-            prefix = i_sel - NBINS // 2
-        else:
-            prefix = prefix * NBINS + i_sel
+    prefix, k_rem = select_prefix(b_key, m_t, k, BITS, PASSES)
     # prefix is the k-th largest key; k_rem entries equal to it are taken, lowest index first
     m_above = m_t & (b_key > prefix)
     m_tie = m_t & (b_key == prefix)

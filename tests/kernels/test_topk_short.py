@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from hearth.kernels.topk import topk_indices_short
-from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS
+from hearth.kernels.topk.radix import PASSES, RADIX_BITS
 from hearth.kernels.topk.reference import check_topk, topk_ref
 from hearth.kernels.topk.short_row import short_row_hist_select, short_row_select
 
@@ -46,7 +46,7 @@ def _select_in_order_kernel(x_ptr, len_ptr, out_ptr, stride, K, N_P2: tl.constex
     m_t = o_t < tl.load(len_ptr + i_r)
     b_x = tl.load(x_ptr + i_r * stride + o_t, mask=m_t, other=0.0)
     if HIST:
-        m_best = short_row_hist_select(b_x, m_t, K, NBINS, RADIX_BITS, PASSES)
+        m_best = short_row_hist_select(b_x, m_t, K, RADIX_BITS, PASSES)
     else:
         m_best = short_row_select(b_x, m_t, K)
     tl.store(out_ptr + i_r * stride + tl.cumsum(m_best.to(tl.int32), 0) - 1, o_t, mask=m_best)
