@@ -394,7 +394,7 @@ class Engine:
             self.blocks.drop_conversation(CONVERSATION)
             if self.tier_cache is not None:
                 self.tier_cache.drop_conversation(CONVERSATION)
-                self.tier_cache.hit_tokens = self.tier_cache.evictions = 0
+                self.tier_cache.reset_counters()
             self._generated = 0
             self._recent.clear()
             self.decode_steps.clear()

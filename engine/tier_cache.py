@@ -99,6 +99,12 @@ class TierCache:
         self.park_ms = self.spill_ms = self.flush_ms = 0.0
         self._flushing = False
 
+    def reset_counters(self) -> None:
+        """Zero what ``stats`` counts of the requests so far (the engine's warm-up is not a user's)."""
+        self.hit_tokens = self.evictions = self.restored_chats = 0
+        self.restore_ms = self.resume_ms = self.match_ms = 0.0
+        self.park_ms = self.spill_ms = self.flush_ms = 0.0
+
     @property
     def needs_pages(self) -> bool:
         """Whether the latents live in the paged cache (tiered keys only): see the module doc."""
