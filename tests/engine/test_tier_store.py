@@ -27,7 +27,8 @@ def v32(tmp_path_factory) -> str:
 
 
 def _config(cache: Path, tiers: dict, **options) -> EngineConfig:
-    return EngineConfig(**BASE, **tiers, prefix_cache_dir=str(cache), **options)
+    """(No warm start unless asked for: these tests read chats back on the request path.)"""
+    return EngineConfig(**BASE, **tiers, prefix_cache_dir=str(cache), **{"prefix_cache_preload": False, **options})
 
 
 def _files(cache: Path) -> list[Path]:
@@ -197,3 +198,69 @@ def test_the_store_evicts_the_least_recently_used_files_beyond_its_budget(tmp_pa
     assert sorted(os.listdir(tmp_path / "lru")) == [names[2]]
     # a chat larger than the whole budget is not written
     assert _store(tmp_path / "tiny", size // 2).write(list(range(8)), "d", *_states(3)) is None
+
+
+# ---- the warm start: a restarted engine reads the newest chats into RAM in the background -----------
+
+
+def _preloaded(engine: Engine) -> dict[str, float]:
+    assert engine.tier_cache.wait_preload(60)
+    return _tier_stats(engine)
+
+
+def test_a_restarted_engine_preloads_a_chat_and_its_follow_up_reads_no_disk(v32, tmp_path):
+    prompt, answer = _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    [chat] = engine.tier_cache.store.chats.values()
+    stats = _preloaded(engine)
+    assert stats["tier_cache_chats"] == 1 and stats["tier_cache_preloaded_chats"] == 1
+    assert stats["tier_cache_preloaded_bytes"] == stats["tier_cache_bytes"] == chat.state_bytes
+    assert stats["tier_cache_preload_running"] == 0 and stats["tier_cache_preload_read_ms"] > 0
+    follow_up = prompt + answer + _ids(15, 5)
+    assert _turn(engine, follow_up, "chat") == (_fresh(v32, follow_up), _covered(prompt))
+    stats = _tier_stats(engine)
+    # adopted from RAM: nothing read, checksummed or allocated on the request path
+    assert stats["tier_cache_disk_read_bytes"] == 0 and stats["tier_cache_disk_read_ms"] == 0
+    assert stats["tier_cache_restored_chats"] == 1 and stats["tier_cache_files_rejected"] == 0
+    assert engine.close() >= 1
+
+
+def test_a_corrupt_file_the_preload_reads_is_deleted_and_its_tokens_recomputed(v32, tmp_path):
+    prompt, answer = _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    [file] = _files(tmp_path)
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x40
+    file.write_bytes(bytes(data))
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    stats = _preloaded(engine)
+    assert stats["tier_cache_files_rejected"] == 1 and stats["tier_cache_preloaded_chats"] == 0
+    assert stats["tier_cache_chats"] == stats["tier_cache_disk_chats"] == 0
+    assert not file.exists()
+    follow_up = prompt + answer + _ids(15, 5)
+    assert _turn(engine, follow_up, "chat") == (_fresh(v32, follow_up), 0)
+
+
+def test_a_chat_deleted_before_its_preloaded_copy_is_claimed_is_not_adopted(v32, tmp_path):
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS, "gone")
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    assert engine.tier_cache._preload.wait(60)  # read, not yet claimed by the engine thread
+    assert engine.drop_conversation("gone") >= 1
+    stats = _preloaded(engine)
+    assert stats["tier_cache_chats"] == stats["tier_cache_preloaded_chats"] == 0
+    assert stats["tier_cache_files_rejected"] == 0 and not _files(tmp_path)
+
+
+def test_the_preload_reads_the_newest_chats_that_fit_the_ram_budget(v32, tmp_path):
+    for conversation, seed in (("old", 7), ("mid", 9), ("new", 11)):
+        engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS))
+        _turn(engine, _ids(60, seed), conversation)
+        engine.close()
+        time.sleep(0.02)  # (file times order them)
+    one_chat = max(chat.state_bytes for chat in engine.tier_cache.store.chats.values())
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True,
+                                      tier_cache_host_gib=2.5 * one_chat / 2**30))
+    stats = _preloaded(engine)
+    assert stats["tier_cache_preloaded_chats"] == 2 and stats["tier_cache_bytes"] <= 2.5 * one_chat
+    # the newest is the least likely evicted
+    assert [p.conversation for p in engine.tier_cache._parked.values()] == ["mid", "new"]
+    assert stats["tier_cache_disk_chats"] == 3 and stats["tier_cache_disk_read_bytes"] == 0
