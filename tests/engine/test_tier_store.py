@@ -7,15 +7,16 @@ deleted with their chat."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from hearth.engine import Engine, EngineConfig
+from hearth.engine import Engine, EngineConfig, tier_store
 from hearth.engine.testing.tiny import write_tiny_model
-from hearth.engine.tier_store import TierStore, drop_tiers_from_folder, tier_folder
+from hearth.engine.tier_store import TierPreload, TierStore, drop_tiers_from_folder, tier_folder
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.parked import ParkedPages, ParkedRows
 from tests.engine.test_tier_cache import BASE, EXACT_KEYS, KEYS_AND_LATENTS, _covered, _fresh, _ids, _tier_stats, _turn
@@ -264,3 +265,83 @@ def test_the_preload_reads_the_newest_chats_that_fit_the_ram_budget(v32, tmp_pat
     # the newest is the least likely evicted
     assert [p.conversation for p in engine.tier_cache._parked.values()] == ["mid", "new"]
     assert stats["tier_cache_disk_chats"] == 3 and stats["tier_cache_disk_read_bytes"] == 0
+
+
+def test_engine_close_stops_a_running_preload(v32, tmp_path, monkeypatch):
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    started = threading.Event()
+    real = tier_store.read_chat
+
+    def stuck(path, chat, pin, tally, stopping):  # (a read that lasts until the preload is stopped)
+        started.set()
+        stopping.wait(30)
+        return real(path, chat, pin, tally, stopping)
+
+    monkeypatch.setattr(tier_store, "read_chat", stuck)
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    assert started.wait(30) and engine.tier_cache.preload_running
+    engine.close()
+    assert not engine.tier_cache._preload._thread.is_alive()
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_preload_running"] == 0 and stats["tier_cache_preloaded_chats"] == 0
+    assert stats["tier_cache_files_rejected"] == 0 and len(_files(tmp_path)) == 1  # (stopped: not judged)
+
+
+def _three_chats(folder: Path) -> tuple[TierStore, list[str]]:
+    store = _store(folder, 1 << 20)
+    return store, [store.write(list(range(8)), conversation, *_states(seed))
+                   for seed, conversation in enumerate("abc")]
+
+
+def test_the_preload_plans_the_newest_chats_up_to_its_budget(tmp_path):
+    store, names = _three_chats(tmp_path)
+    size = store.chats[names[0]].state_bytes
+    assert [chat.name for chat in TierPreload.plan(store, int(2.5 * size))] == [names[2], names[1]]
+    assert TierPreload.plan(store, size // 2) == []
+
+
+def test_a_request_waits_for_a_file_being_preloaded_and_reads_one_not_begun_itself(tmp_path, monkeypatch):
+    store, names = _three_chats(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    reads = []
+    real = tier_store.read_chat
+
+    def slow(path, chat, *args):
+        reads.append(chat.name)
+        started.set()
+        assert release.wait(30)
+        return real(path, chat, *args)
+
+    monkeypatch.setattr(tier_store, "read_chat", slow)
+    preload = TierPreload(store.folder, TierPreload.plan(store, 1 << 20), pin=False)
+    assert started.wait(30)  # c's read has begun (newest first)
+    assert preload.take(names[1]) is None  # b's has not: the request reads it, the preload skips it
+    threading.Timer(0.2, release.set).start()
+    chat, (states, _) = preload.take(names[2])  # waits for c's read
+    assert chat.name == names[2] and states is not None and states[1][1].rows == 8
+    assert preload.wait(30)
+    [(chat, (states, _))] = preload.claim()
+    assert chat.name == names[0] and states is not None
+    assert reads == [names[2], names[0]] and not preload.running
+    assert preload.take(names[0]) is None  # (claimed already)
+
+
+def test_cancel_stops_a_read_under_way_and_skips_the_rest(tmp_path, monkeypatch):
+    store, names = _three_chats(tmp_path)
+    started = threading.Event()
+    reads = []
+    real = tier_store.read_chat
+
+    def slow(path, chat, pin, tally, stopping):
+        reads.append(chat.name)
+        started.set()
+        stopping.wait(30)
+        return real(path, chat, pin, tally, stopping)  # (raises Cancelled: stopping is set)
+
+    monkeypatch.setattr(tier_store, "read_chat", slow)
+    preload = TierPreload(store.folder, TierPreload.plan(store, 1 << 20), pin=False)
+    assert started.wait(30) and preload.running
+    assert preload.cancel(timeout=30)
+    assert reads == [names[2]] and not preload.running
+    assert preload.claim() == [] and preload.take(names[2]) is None and preload.take(names[1]) is None
+    assert all((tmp_path / name).exists() for name in names)
