@@ -209,9 +209,10 @@ def _preloaded(engine: Engine) -> dict[str, float]:
     return _tier_stats(engine)
 
 
-def test_a_restarted_engine_preloads_a_chat_and_its_follow_up_reads_no_disk(v32, tmp_path):
-    prompt, answer = _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
-    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+@pytest.mark.parametrize("tiers", [KEYS_AND_LATENTS, EXACT_KEYS], ids=["keys+latents", "keys"])
+def test_a_restarted_engine_preloads_a_chat_and_its_follow_up_reads_no_disk(v32, tmp_path, tiers):
+    prompt, answer = _first_turn(v32, tmp_path, tiers)
+    engine = Engine.load(v32, _config(tmp_path, tiers, prefix_cache_preload=True))
     [chat] = engine.tier_cache.store.chats.values()
     stats = _preloaded(engine)
     assert stats["tier_cache_chats"] == 1 and stats["tier_cache_preloaded_chats"] == 1
