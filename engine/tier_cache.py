@@ -37,6 +37,12 @@ prompt tokens like a prefix-cache hit.
   conversation extends is deleted on disk too, and ``drop_conversation`` deletes the conversation's
   files. With tiered keys only, the latent pages the adopted keys need come back from the prefix
   cache's own files.
+- Warm start: with ``preload`` (``prefix_cache_preload``), a ``TierPreload`` thread reads the store's
+  newest chats, up to the RAM budget, into tensors of its own; this (the engine's) thread places them
+  (``settle_preload``: before it looks for a chat on disk, and in ``stats``) as the least recently
+  parked, only while the budget has room, after checking each file is still indexed (a file deleted
+  meanwhile is dropped, an unsound one rejected as a read of its own would). A request needing a file
+  still planned reads it itself (the thread skips it) or waits for the read under way.
 """
 
 from __future__ import annotations
