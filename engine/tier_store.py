@@ -296,7 +296,7 @@ class TierPreload:
     def __init__(self, folder: Path, chats: list[StoredChat], *, pin: bool) -> None:
         self.folder = folder
         self.pin = pin
-        self.tally = ReadTally()  # the thread's (read_ms too); the engine thread reads it for stats only
+        self.tally = ReadTally()  # the thread's reads (and read_ms, ms); the engine thread only reports them
         self.read_ms = 0.0
         self.stopping = threading.Event()
         self._items: dict[str, tuple[StoredChat, Future[Any]]] = {chat.name: (chat, Future()) for chat in chats}
@@ -310,7 +310,7 @@ class TierPreload:
         first that would exceed it)."""
         chats: list[StoredChat] = []
         left = budget
-        for chat in reversed([chat for chat in store.usable()]):
+        for chat in reversed(list(store.usable())):
             if chat.state_bytes > left:
                 break
             chats.append(chat)
