@@ -713,12 +713,13 @@ CHAT_STAGES = {"gpu": ("follow-up, pages in the device cache", "in the device ca
 TIER_STAGES = {**CHAT_STAGES, "gpu": ("follow-up right after its turn (tiers parked in RAM)",
                                       "right after its turn (tiers parked in RAM)"),
                "disk": ("follow-up after a restart (then a warm-up chat)", "after a restart (warm-up chat)")}
-TIER_COUNTERS = ("hits_tokens", "restored_chats", "disk_bytes", "files_rejected")  # tier_cache_*, as deltas
+# tier_cache_*, as deltas
+TIER_COUNTERS = ("hits_tokens", "restored_chats", "disk_bytes", "files_rejected", "preloaded_chats")
 # the engine's host time (ms) on the follow-up's path, tier_cache_<name> as deltas, in the row as tier_<name>
 # (hearth.engine.tier_cache.TierCache.stats): adopting (of it reading a file back: allocating its pinned
 # tensors, checksumming; the tiers' resume), parking, writing chats the RAM budget pushes out
 TIER_TIMES = ("restore_ms", "resume_ms", "match_ms", "disk_read_ms", "pin_alloc_ms", "disk_crc_ms", "park_ms",
-              "spill_ms", "write_ms")
+              "spill_ms", "write_ms", "preload_wait_ms")
 
 
 @dataclass
@@ -757,8 +758,9 @@ def stats_delta(before: dict, after: dict, key: str) -> float:
 def tier_row(before: dict, after: dict) -> dict:
     """A tiered chat's follow-up: what the parked tiers' counters (``tier_cache_*``) moved between the
     stats before and after it, and where its tiers came from (``tier_source``): "disk" (a parked
-    chat's file read back), "ram" (a chat parked in RAM) or "recomputed" (none adopted: its whole
-    prompt prefilled). ``tier_disk_mb`` is the change of the files' bytes (negative when the turn's
+    chat's file read back on its path), "preloaded" (from RAM, on a server whose warm start read
+    chats' files into RAM: a restarted one's), "ram" (a chat parked in RAM) or "recomputed" (none
+    adopted: its whole prompt prefilled). ``tier_disk_mb`` is the change of the files' bytes (negative when the turn's
     longer chat, parked in RAM, replaced the file it was read from)."""
     moved = {key: stats_delta(before, after, f"tier_cache_{key}") for key in TIER_COUNTERS}
     row = {"tier_hit_tokens": int(moved["hits_tokens"]), "tier_restored_chats": int(moved["restored_chats"]),
@@ -767,8 +769,10 @@ def tier_row(before: dict, after: dict) -> dict:
            "tier_cache": {k: v for k, v in after.items() if k.startswith("tier_cache_")}}
     row.update({f"tier_{key}": stats_delta(before, after, f"tier_cache_{key}") for key in TIER_TIMES})
     row["tier_disk_read_mb"] = stats_delta(before, after, "tier_cache_disk_read_bytes") / 1e6
-    row["tier_source"] = ("recomputed" if not row["tier_hit_tokens"] else
-                          "disk" if row["tier_restored_chats"] else "ram")
+    row["tier_preloaded"] = int(after.get("tier_cache_preloaded_chats") or 0)  # by the server's warm start
+    read_back = row["tier_restored_chats"] - int(moved["preloaded_chats"])  # (by the engine itself)
+    row["tier_source"] = ("recomputed" if not row["tier_hit_tokens"] else "disk" if read_back > 0 else
+                          "preloaded" if row["tier_preloaded"] else "ram")
     return row
 
 
@@ -792,6 +796,9 @@ def tier_source_text(row: dict) -> str:
         return f"adopted from disk ({row['tier_restored_chats']} chat file read back)"
     if row["tier_source"] == "ram":
         return "adopted from RAM"
+    if row["tier_source"] == "preloaded":
+        wait = f", {row['tier_preload_wait_ms']:.0f} ms waiting for its read" if row["tier_preload_wait_ms"] else ""
+        return f"adopted from RAM (the warm start's copy of its file{wait})"
     rejected = row["tier_files_rejected"]
     return "NOT adopted (recomputed" + (f"; {rejected} files rejected)" if rejected else ")")
 

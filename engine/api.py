@@ -181,7 +181,8 @@ class EngineConfig:
     prefix_cache_*: hearth.engine.prefix_store. Pages are spilled when the device reuses them and
         when the engine stops, restored when a new prompt starts with them. With tiered latents off
         (their pages are not shared); with tiered keys only the pages hold latents.
-        prefix_cache_preload: ``Preload``, started by ``Engine.load`` before the weights load.
+        prefix_cache_preload: ``Preload``, started by ``Engine.load`` before the weights load; with
+        tiers also the parked long chats' warm start (``hearth.engine.tier_store.TierPreload``).
     tier_cache_host_gib, tier_cache_disk_gib: hearth.engine.tier_cache (tiered keys or latents only):
         finished requests' tiers parked in RAM for their chat's next turn, then in files in
         ``prefix_cache_dir`` (hearth.engine.tier_store; None: as much as ``prefix_cache_disk_gib``).
@@ -222,8 +223,9 @@ class EngineConfig:
         "only, nothing survives a restart).", none_text="none")
     prefix_cache_preload: bool = _option(
         True, "Warm chat caches at start",
-        "When the engine starts, read the most recently used chats' cache pages from the chat cache folder into RAM "
-        "in the background (up to the RAM size above), so the next turn of those chats does not wait for the disk.")
+        "When the engine starts, read the most recently used chats' cache pages (and long chats' keys and latents) "
+        "from the chat cache folder into RAM in the background (up to the RAM sizes set here), so the next turn of "
+        "those chats does not wait for the disk.")
     tier_cache_host_gib: float | None = _option(
         None, "Long chat cache in RAM",
         "With GPU key pages or latent rows: RAM that keeps the keys and latents of finished answers, so a chat's "

@@ -154,7 +154,8 @@ class Engine:
         # only, the pages hold the latents and stay a prefix cache (RAM and disk behind it).
         tiered = runner.key_tiers is not None or runner.latent_tiers is not None
         self.tier_cache = TierCache(runner.model_config, runner.key_tiers, runner.latent_tiers, runner.block_size,
-                                    _tier_cache_bytes(config), _tier_store(runner, config)) if tiered else None
+                                    _tier_cache_bytes(config), _tier_store(runner, config),
+                                    preload=config.prefix_cache_preload) if tiered else None
         self.prefix_tier = None if runner.latent_tiers is not None else _prefix_tier(runner, config, preload)
         if preload is not None and (self.prefix_tier is None or self.prefix_tier.store.preload is not preload):
             preload.cancel(wait=False)  # (no pages on disk to warm: tiered latents)
@@ -343,7 +344,10 @@ class Engine:
         folder starts with them, and the conversations' tokenised prompts beside them, and the
         parked long chats held only in RAM; returns how many pages and chats were written. Call it
         between steps."""
-        chats = self.tier_cache.flush() if self.tier_cache is not None else 0
+        chats = 0
+        if self.tier_cache is not None:
+            self.tier_cache.stop_preload()
+            chats = self.tier_cache.flush()
         tier = self.prefix_tier
         if tier is None or tier.store.folder is None:
             return chats
@@ -419,6 +423,8 @@ class Engine:
         """Stop the engine's background work without saving anything (its load failed after it was built)."""
         if self.prefix_tier is not None:
             self.prefix_tier.store.cancel_preload()
+        if self.tier_cache is not None:
+            self.tier_cache.stop_preload()
 
     def has_unfinished(self) -> bool:
         with self._lock:

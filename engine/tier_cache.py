@@ -37,6 +37,12 @@ prompt tokens like a prefix-cache hit.
   conversation extends is deleted on disk too, and ``drop_conversation`` deletes the conversation's
   files. With tiered keys only, the latent pages the adopted keys need come back from the prefix
   cache's own files.
+- Warm start: with ``preload`` (``prefix_cache_preload``), a ``TierPreload`` thread reads the store's
+  newest chats, up to the RAM budget, into tensors of its own; this (the engine's) thread places them
+  (``settle_preload``: before it looks for a chat on disk, and in ``stats``) as the least recently
+  parked, only while the budget has room, after checking each file is still indexed (a file deleted
+  meanwhile is dropped, an unsound one rejected as a read of its own would). A request needing a file
+  still planned reads it itself (the thread skips it) or waits for the read under way.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import torch
 from hearth.engine.block_manager import common_pages
 from hearth.engine.config import ModelConfig
 from hearth.engine.scheduler import Sequence
-from hearth.engine.tier_store import StoredChat, TierStore
+from hearth.engine.tier_store import StoredChat, TierPreload, TierStore
 from hearth.engine.tiers import KeyTiers, LatentTiers
 
 
@@ -70,8 +76,10 @@ class TierCache:
     """Parked tiers of finished requests, least recently parked first (see the module doc)."""
 
     def __init__(self, model_config: ModelConfig, key_tiers: KeyTiers | None, latent_tiers: LatentTiers | None,
-                 page_size: int, budget_bytes: int, store: TierStore | None = None) -> None:
-        """``store``: where parked chats go when they leave RAM (None: they are forgotten)."""
+                 page_size: int, budget_bytes: int, store: TierStore | None = None, *,
+                 preload: bool = False) -> None:
+        """``store``: where parked chats go when they leave RAM (None: they are forgotten);
+        ``preload``: read its newest chats into RAM in the background (``TierPreload``)."""
         self.key_tiers, self.latent_tiers = key_tiers, latent_tiers
         self.page_size = page_size
         self.budget_bytes = budget_bytes
@@ -98,6 +106,15 @@ class TierCache:
         self.restore_ms = self.resume_ms = self.match_ms = 0.0
         self.park_ms = self.spill_ms = self.flush_ms = 0.0
         self._flushing = False
+        # the warm start: chats the preload read and this thread placed in RAM, their bytes, and the
+        # time requests waited for a file the preload was reading
+        self.preloaded_chats = self.preloaded_bytes = 0
+        self.preload_wait_ms = 0.0
+        self._preload: TierPreload | None = None
+        if store is not None and preload and budget_bytes > 0:
+            chats = TierPreload.plan(store, budget_bytes)
+            if chats:
+                self._preload = TierPreload(store.folder, chats, pin=store.pin)
 
     def reset_counters(self) -> None:
         """Zero what ``stats`` counts of the requests so far (the engine's warm-up is not a user's)."""
@@ -231,6 +248,7 @@ class TierCache:
     def _best_in_ram(self, seq: Sequence) -> int | None:
         """The key of the parked state covering most of seq's prompt, read back from disk when the
         best is there (a file found unsound is deleted and the next best taken)."""
+        self.settle_preload()
         while True:
             key = self._best(seq)
             if not isinstance(key, str):
@@ -268,7 +286,22 @@ class TierCache:
     def _read_back_file(self, name: str) -> int | None:
         assert self.store is not None
         chat = self.store.chats[name]
-        states = self.store.read(name)
+        taken = None
+        if self._preload is not None:  # (the preload's read of it, waited for when it has begun)
+            start = time.perf_counter()
+            taken = self._preload.take(name)
+            self.preload_wait_ms += _ms_since(start)
+        if taken is None:
+            return self._place(chat, self.store.read(name), used=True, preloaded=False)
+        return self._place(chat, self.store.settle_read(name, *taken[1]), used=True, preloaded=True)
+
+    def _place(self, chat: StoredChat, states: tuple[dict[int, Any], dict[int, Any]] | None, *,
+               used: bool, preloaded: bool) -> int | None:
+        """Put a chat read from its file into RAM: ``used`` by a request, as the most recently parked
+        (evicting others beyond the budget), else (preloaded, not asked for yet) as the least
+        recently parked, only when the budget has room; its key, or None when its file was unsound
+        (deleted), its states do not hold every tiered layer (deleted) or there was no room."""
+        assert self.store is not None
         if states is None:
             return None
         keys, latents = states
@@ -276,13 +309,49 @@ class TierCache:
                 or set(latents) != self._latent_layers \
                 or any(state.pages * self.page_size < len(chat.token_ids) for state in keys.values()) \
                 or any(state.rows < len(chat.token_ids) for state in latents.values()):
-            self.store.reject(name, "its layers or sizes do not fit this engine's tiers")
+            self.store.reject(chat.name, "its layers or sizes do not fit this engine's tiers")
             return None
         nbytes = sum(state.nbytes for state in (*keys.values(), *latents.values()))
-        key = self._insert(_Parked(chat.token_ids, chat.conversation, keys, latents, nbytes, file=name))
-        self._fit(keep=key)
+        if not used and self.nbytes + nbytes > self.budget_bytes:
+            self.stop_preload(timeout=0)  # (RAM filled up meanwhile: nothing is evicted for a preload)
+            return None
+        key = self._insert(_Parked(chat.token_ids, chat.conversation, keys, latents, nbytes, file=chat.name))
+        if used:
+            self._fit(keep=key)
+        else:  # (preloaded newest first, each older than any chat this engine parked or used)
+            self._parked.move_to_end(key, last=False)
         self.restored_chats += 1
+        if preloaded:
+            self.preloaded_chats += 1
+            self.preloaded_bytes += nbytes
         return key
+
+    # ---- the warm start (TierPreload) -----------------------------------------------------------
+    def settle_preload(self) -> None:
+        """Place the chats the preload read since the last call in RAM (a file deleted meanwhile is
+        dropped, an unsound one rejected as a read of this thread's would be)."""
+        if self._preload is None or self.store is None:
+            return
+        for chat, (states, problem) in self._preload.claim():
+            if self.store.chats.get(chat.name) is not chat:
+                continue  # (its file was deleted or evicted meanwhile: the copy goes)
+            self._place(chat, self.store.settle_read(chat.name, states, problem, used=False),
+                        used=False, preloaded=True)
+
+    def wait_preload(self, timeout: float | None = None) -> bool:
+        """Wait until the preload read (or skipped) every file it planned, then place them; False
+        on timeout."""
+        done = self._preload is None or self._preload.wait(timeout)
+        self.settle_preload()
+        return done
+
+    def stop_preload(self, timeout: float | None = 10.0) -> bool:
+        """Stop the preload (its outcomes not placed yet are dropped); whether its thread ended."""
+        return self._preload is None or self._preload.cancel(timeout)
+
+    @property
+    def preload_running(self) -> bool:
+        return self._preload is not None and self._preload.running
 
     def _offer(self, seq: Sequence, parked: _Parked | StoredChat) -> int:
         limit = (seq.num_tokens - 1) // self.page_size  # (the last token is computed for its logits)
@@ -322,6 +391,7 @@ class TierCache:
         the request path (see ``__init__`` and ``TierStore.__init__``): ``disk_read_ms`` is the whole
         reading of chats' files (of it ``pin_alloc_ms`` allocating their pinned tensors and
         ``disk_crc_ms`` checksumming), ``write_ms`` every file write (spills and close)."""
+        self.settle_preload()  # (the engine host asks for stats on the engine thread)
         out = {"tier_cache_chats": float(len(self._parked)), "tier_cache_bytes": float(self.nbytes),
                "tier_cache_hits_tokens": float(self.hit_tokens), "tier_cache_evictions": float(self.evictions),
                "tier_cache_restore_ms": self.restore_ms, "tier_cache_resume_ms": self.resume_ms,
@@ -336,7 +406,12 @@ class TierCache:
                        tier_cache_pin_alloc_ms=store.alloc_ms, tier_cache_disk_crc_ms=store.crc_ms,
                        tier_cache_spill_ms=self.spill_ms, tier_cache_flush_ms=self.flush_ms,
                        tier_cache_write_ms=store.write_ms, tier_cache_write_crc_ms=store.write_crc_ms,
-                       tier_cache_write_bytes=float(store.write_bytes), tier_cache_scan_ms=store.scan_ms)
+                       tier_cache_write_bytes=float(store.write_bytes), tier_cache_scan_ms=store.scan_ms,
+                       tier_cache_preloaded_chats=float(self.preloaded_chats),
+                       tier_cache_preloaded_bytes=float(self.preloaded_bytes),
+                       tier_cache_preload_running=float(self.preload_running),
+                       tier_cache_preload_wait_ms=self.preload_wait_ms,
+                       tier_cache_preload_read_ms=self._preload.read_ms if self._preload is not None else 0.0)
         return out
 
 

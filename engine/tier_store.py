@@ -29,11 +29,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,8 @@ from hearth.engine.cache_files import header_frame, private_folder, read_header_
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.parked import ParkedPages, ParkedRows
 
-__all__ = ["FORMAT_VERSION", "StoredChat", "TierStore", "drop_tiers_from_folder", "tier_folder"]
+__all__ = ["FORMAT_VERSION", "ReadTally", "StoredChat", "TierPreload", "TierStore", "read_chat",
+           "drop_tiers_from_folder", "tier_folder"]
 
 logger = logging.getLogger("hearth.engine.tier_store")
 
@@ -61,6 +64,7 @@ _DTYPES = {name: getattr(torch, name) for name in
 
 KeyStates = dict[int, ParkedPages]
 LatentStates = dict[int, ParkedRows]
+Outcome = tuple[tuple[KeyStates, LatentStates] | None, str]  # ``read_chat``'s
 
 
 def tier_folder(cache_dir: str | Path) -> Path:
@@ -184,66 +188,28 @@ class TierStore:
         """A usable chat's states in host RAM, or None when its file is unsound (then deleted).
         The file counts as used now."""
         chat = self.chats[name]
-        path = self.folder / name
         start = time.perf_counter()
+        tally = ReadTally()
         try:
-            states = self._read_states(path, chat)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as err:
-            states = None
-            problem = str(err)
-        else:
-            problem = "corrupt"
+            states, problem = read_chat(self.folder / name, chat, self.pin, tally)
         finally:
             self.read_ms += (time.perf_counter() - start) * 1e3
+            self.alloc_ms += tally.alloc_ms
+            self.crc_ms += tally.crc_ms
+            self.read_bytes += tally.bytes
+        return self.settle_read(name, states, problem)
+
+    def settle_read(self, name: str, states: tuple[KeyStates, LatentStates] | None,
+                    problem: str, used: bool = True) -> tuple[KeyStates, LatentStates] | None:
+        """What ``read_chat`` made of an indexed file (here or in a ``TierPreload``): None after
+        deleting an unsound file, else ``states``; with ``used`` the file counts as used now."""
         if states is None:
             self.reject(name, problem)
             return None
-        self.chats.move_to_end(name)
-        touch(path)
+        if used:
+            self.chats.move_to_end(name)
+            touch(self.folder / name)
         return states
-
-    def _read_states(self, path: Path, chat: StoredChat) -> tuple[KeyStates, LatentStates] | None:
-        header = chat.header
-        keys: KeyStates = {}
-        latents: LatentStates = {}
-        with open(path, "rb", buffering=0) as file:
-            file.seek(chat.data_offset)
-            for layer in header["keys"]:
-                pages = int(layer["pages"])
-                start = time.perf_counter()
-                pool = PagePool(pages, int(layer["page_size"]), int(layer["head_dim"]), str(layer["fmt"]),
-                                torch.device("cpu"), pin=self.pin)
-                self.alloc_ms += (time.perf_counter() - start) * 1e3
-                if not self._read_into(file, pool.buf, layer["pool"]):
-                    return None
-                summaries = []
-                for spec in layer["summaries"]:
-                    summary = None if spec is None else self._empty(spec)
-                    if summary is not None and not self._read_into(file, summary, spec):
-                        return None
-                    summaries.append(summary)
-                keys[int(layer["layer"])] = ParkedPages(pool, pages, tuple(summaries))
-            for layer in header["latents"]:
-                host = self._empty(layer["host"])
-                if host.dim() != 2 or host.shape[0] != int(layer["rows"]) \
-                        or not self._read_into(file, host, layer["host"]):
-                    return None
-                latents[int(layer["layer"])] = ParkedRows(host, host.shape[0])
-        return keys, latents
-
-    def _empty(self, spec: Mapping[str, Any]) -> torch.Tensor:
-        start = time.perf_counter()
-        try:
-            return _empty(spec, self.pin)
-        finally:
-            self.alloc_ms += (time.perf_counter() - start) * 1e3
-
-    def _read_into(self, file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
-        """``_read_into``, counting the bytes read and the time checksumming them."""
-        ok, got, crc_s = _read_into(file, tensor, spec)
-        self.read_bytes += got
-        self.crc_ms += crc_s * 1e3
-        return ok
 
     # ---- forgetting ------------------------------------------------------------------------
 
@@ -311,6 +277,101 @@ class TierStore:
         self._fit()
 
 
+class TierPreload:
+    """Warm start of the parked long chats: read the tensors of ``chats`` (a store's newest usable
+    files, newest first, planned by the engine thread: ``plan``) into host RAM in a background
+    thread, so that a chat's next turn after a restart finds its states in RAM instead of reading,
+    checksumming and allocating them on the request path.
+
+    Threads. The store is not thread-safe, so the thread never touches it (nor the ``TierCache``):
+    it reads each planned file with ``read_chat`` into tensors of its own (pinned with ``pin``) and
+    sets the file's ``Future`` to ``read_chat``'s outcome. Only the engine thread ``claim``s
+    outcomes and ``take``s one; the ``TierCache`` then checks each against the store's index (the
+    file may have been deleted meanwhile) and rejects an unsound file exactly as a read of its own.
+    A file the engine needs that the thread has not begun leaves the plan (``Future.cancel``: the
+    engine reads it itself and the thread skips it); one whose read has begun is waited for. No
+    file is read twice at once. ``cancel`` stops it: files not begun are skipped, a read under way
+    stops at its next tensor, and the (daemon) thread is joined, at most ``timeout`` seconds."""
+
+    def __init__(self, folder: Path, chats: list[StoredChat], *, pin: bool) -> None:
+        self.folder = folder
+        self.pin = pin
+        self.tally = ReadTally()  # the thread's reads (and read_ms, ms); the engine thread only reports them
+        self.read_ms = 0.0
+        self.stopping = threading.Event()
+        self._items: dict[str, tuple[StoredChat, Future[Any]]] = {chat.name: (chat, Future()) for chat in chats}
+        self._pending = dict(self._items)  # engine thread: outcomes not yet claimed
+        self._thread = threading.Thread(target=self._run, name="hearth-tier-preload", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def plan(store: TierStore, budget: int) -> list[StoredChat]:
+        """The store's usable chats, newest first, up to ``budget`` bytes of states (stopping at the
+        first that would exceed it)."""
+        chats: list[StoredChat] = []
+        left = budget
+        for chat in reversed(list(store.usable())):
+            if chat.state_bytes > left:
+                break
+            chats.append(chat)
+            left -= chat.state_bytes
+        return chats
+
+    @property
+    def running(self) -> bool:
+        """Whether outcomes are still to come or to be claimed."""
+        return not self.stopping.is_set() and bool(self._pending)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every planned file was read or skipped; False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def cancel(self, timeout: float | None = 10.0) -> bool:
+        """Stop, dropping every outcome not claimed; whether the thread ended within ``timeout``."""
+        self.stopping.set()
+        for _, result in self._items.values():
+            result.cancel()
+        self._pending = {}
+        return self.wait(timeout)
+
+    def claim(self) -> list[tuple[StoredChat, Outcome]]:
+        """(Engine thread.) The files read since the last claim, newest first (a file whose read
+        failed for another reason than the file, or stopped, is left out: it stays on disk)."""
+        done = [name for name, (_, result) in self._pending.items() if result.done()]
+        return [claimed for name in done if (claimed := self._claim(name)) is not None]
+
+    def take(self, name: str) -> tuple[StoredChat, Outcome] | None:
+        """(Engine thread.) A file the engine needs now: its outcome, after waiting for its read when
+        it has begun; None when the engine must read it itself (not begun: it leaves the plan, or
+        never planned, or already claimed)."""
+        item = self._items.get(name)
+        if item is None or item[1].cancel() or item[1].cancelled():
+            self._pending.pop(name, None)
+            return None
+        item[1].exception()  # (waits for the read, begun: it cannot be cancelled now; one file's read)
+        return self._claim(name)
+
+    def _claim(self, name: str) -> tuple[StoredChat, Outcome] | None:
+        item = self._pending.pop(name, None)
+        if item is None or item[1].cancelled() or item[1].exception() is not None:
+            return None
+        return item[0], item[1].result()
+
+    def _run(self) -> None:
+        for name, (chat, result) in self._items.items():
+            if self.stopping.is_set():
+                result.cancel()
+            elif result.set_running_or_notify_cancel():  # (False: the engine took it back)
+                start = time.perf_counter()
+                try:
+                    result.set_result(read_chat(self.folder / name, chat, self.pin, self.tally, self.stopping))
+                except BaseException as err:  # (every read ends its Future; Cancelled: claimed as nothing)
+                    result.set_exception(err)
+                finally:
+                    self.read_ms += (time.perf_counter() - start) * 1e3
+
+
 def drop_tiers_from_folder(cache_dir: str | Path, conversation: str) -> int:
     """``TierStore.drop`` for a chat cache folder no engine has open: any model's files."""
     folder = tier_folder(cache_dir)
@@ -363,6 +424,82 @@ def _state_bytes(header: Mapping[str, Any]) -> int:
     return sum(_spec_bytes(spec) for spec in _specs(header))
 
 
+@dataclass
+class ReadTally:
+    """Host time (ms) and bytes of reading chats' tensors: ``alloc_ms`` allocating their (pinned)
+    tensors, ``crc_ms`` checksumming them, ``bytes`` read."""
+
+    alloc_ms: float = 0.0
+    crc_ms: float = 0.0
+    bytes: int = 0
+
+
+_READ_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)
+
+
+class Cancelled(Exception):
+    """A ``TierPreload`` stopped in the middle of a file (nothing is known about it)."""
+
+
+def read_chat(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
+              stopping: threading.Event | None = None) -> tuple[tuple[KeyStates, LatentStates] | None, str]:
+    """Read an indexed chat's tensors from its file into new host tensors (pinned with ``pin``),
+    checking each one's checksum: its states, or None and what is wrong with the file. Touches no
+    store (``TierStore.read`` and the ``TierPreload`` thread both use it); raises ``Cancelled`` when
+    ``stopping`` is set between two tensors."""
+    try:
+        states = _read_states(path, chat, pin, tally, stopping)
+    except _READ_ERRORS as err:
+        return None, str(err)
+    return states, "corrupt"
+
+
+def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
+                 stopping: threading.Event | None) -> tuple[KeyStates, LatentStates] | None:
+    header = chat.header
+    keys: KeyStates = {}
+    latents: LatentStates = {}
+
+    def empty(spec: Mapping[str, Any]) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return _empty(spec, pin)
+        finally:
+            tally.alloc_ms += (time.perf_counter() - start) * 1e3
+
+    def read_into(tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
+        if stopping is not None and stopping.is_set():
+            raise Cancelled
+        ok, got, crc_s = _read_into(file, tensor, spec)
+        tally.bytes += got
+        tally.crc_ms += crc_s * 1e3
+        return ok
+
+    with open(path, "rb", buffering=0) as file:
+        file.seek(chat.data_offset)
+        for layer in header["keys"]:
+            pages = int(layer["pages"])
+            start = time.perf_counter()
+            pool = PagePool(pages, int(layer["page_size"]), int(layer["head_dim"]), str(layer["fmt"]),
+                            torch.device("cpu"), pin=pin)
+            tally.alloc_ms += (time.perf_counter() - start) * 1e3
+            if not read_into(pool.buf, layer["pool"]):
+                return None
+            summaries = []
+            for spec in layer["summaries"]:
+                summary = None if spec is None else empty(spec)
+                if summary is not None and not read_into(summary, spec):
+                    return None
+                summaries.append(summary)
+            keys[int(layer["layer"])] = ParkedPages(pool, pages, tuple(summaries))
+        for layer in header["latents"]:
+            host = empty(layer["host"])
+            if host.dim() != 2 or host.shape[0] != int(layer["rows"]) or not read_into(host, layer["host"]):
+                return None
+            latents[int(layer["layer"])] = ParkedRows(host, host.shape[0])
+    return keys, latents
+
+
 def _read_into(file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> tuple[bool, int, float]:
     """Read the next tensor of the file into ``tensor`` (its dtype and shape as the header says):
     whether it is sound (False when they differ, the file is cut short or the checksum does not
@@ -401,12 +538,6 @@ def _read_index(path: Path, size: int) -> StoredChat:
     state_bytes = _state_bytes(header)
     return StoredChat(path.name, str(header["model_key"]), str(header["fingerprint"]), conversation,
                       np.frombuffer(ids, dtype="<i4").tolist(), state_bytes, size, size - state_bytes, header)
-
-
-
-
-
-
 
 
 def _unlink(path: Path) -> None:

@@ -89,10 +89,14 @@ def test_chat_cache_tiers_on_the_cpu_adopts_the_parked_tiers_after_each_restart(
     # the first server wrote its parked chats on the way out; each restart found them
     assert [found["disk_chats"] > 0 for found in res["tier_files_at_start"]] == [False, True, True]
     assert all(found["files_rejected"] == 0 for found in res["tier_files_at_start"])
-    for stage, source in (("gpu", "ram"), ("host", "ram"), ("disk", "disk"), ("cold", "disk")):
+    # after a restart: the warm start's copy in RAM, or the file read back (the warm start had not read
+    # it yet, or parking the warm-up chat evicted it)
+    for stage, sources in (("gpu", {"ram"}), ("host", {"ram"}), ("disk", {"disk", "preloaded"}),
+                           ("cold", {"disk", "preloaded"})):
         row = res[stage]
-        assert row["tier_source"] == source, (stage, row)
+        assert row["tier_source"] in sources, (stage, row)
         assert row["tier_hit_tokens"] >= 1024 and row["cached_tokens"] == row["tier_hit_tokens"], (stage, row)
-        assert row["tier_restored_chats"] == (source == "disk"), (stage, row)
+        if row["tier_source"] != "preloaded":
+            assert row["tier_restored_chats"] == (row["tier_source"] == "disk"), (stage, row)
     assert all(r["tier_source"] == "recomputed" and r["cached_tokens"] == 0 for r in res["full"]["runs"])
-    assert "tiers adopted from disk" in run.stdout
+    assert "tiers adopted from" in run.stdout

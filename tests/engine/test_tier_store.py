@@ -7,15 +7,16 @@ deleted with their chat."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from hearth.engine import Engine, EngineConfig
+from hearth.engine import Engine, EngineConfig, tier_store
 from hearth.engine.testing.tiny import write_tiny_model
-from hearth.engine.tier_store import TierStore, drop_tiers_from_folder, tier_folder
+from hearth.engine.tier_store import TierPreload, TierStore, drop_tiers_from_folder, tier_folder
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.parked import ParkedPages, ParkedRows
 from tests.engine.test_tier_cache import BASE, EXACT_KEYS, KEYS_AND_LATENTS, _covered, _fresh, _ids, _tier_stats, _turn
@@ -27,7 +28,8 @@ def v32(tmp_path_factory) -> str:
 
 
 def _config(cache: Path, tiers: dict, **options) -> EngineConfig:
-    return EngineConfig(**BASE, **tiers, prefix_cache_dir=str(cache), **options)
+    """(No warm start unless asked for: these tests read chats back on the request path.)"""
+    return EngineConfig(**BASE, **tiers, prefix_cache_dir=str(cache), **{"prefix_cache_preload": False, **options})
 
 
 def _files(cache: Path) -> list[Path]:
@@ -197,3 +199,150 @@ def test_the_store_evicts_the_least_recently_used_files_beyond_its_budget(tmp_pa
     assert sorted(os.listdir(tmp_path / "lru")) == [names[2]]
     # a chat larger than the whole budget is not written
     assert _store(tmp_path / "tiny", size // 2).write(list(range(8)), "d", *_states(3)) is None
+
+
+# ---- the warm start: a restarted engine reads the newest chats into RAM in the background -----------
+
+
+def _preloaded(engine: Engine) -> dict[str, float]:
+    assert engine.tier_cache.wait_preload(60)
+    return _tier_stats(engine)
+
+
+@pytest.mark.parametrize("tiers", [KEYS_AND_LATENTS, EXACT_KEYS], ids=["keys+latents", "keys"])
+def test_a_restarted_engine_preloads_a_chat_and_its_follow_up_reads_no_disk(v32, tmp_path, tiers):
+    prompt, answer = _first_turn(v32, tmp_path, tiers)
+    engine = Engine.load(v32, _config(tmp_path, tiers, prefix_cache_preload=True))
+    [chat] = engine.tier_cache.store.chats.values()
+    stats = _preloaded(engine)
+    assert stats["tier_cache_chats"] == 1 and stats["tier_cache_preloaded_chats"] == 1
+    assert stats["tier_cache_preloaded_bytes"] == stats["tier_cache_bytes"] == chat.state_bytes
+    assert stats["tier_cache_preload_running"] == 0 and stats["tier_cache_preload_read_ms"] > 0
+    follow_up = prompt + answer + _ids(15, 5)
+    assert _turn(engine, follow_up, "chat") == (_fresh(v32, follow_up), _covered(prompt))
+    stats = _tier_stats(engine)
+    # adopted from RAM: nothing read, checksummed or allocated on the request path
+    assert stats["tier_cache_disk_read_bytes"] == 0 and stats["tier_cache_disk_read_ms"] == 0
+    assert stats["tier_cache_restored_chats"] == 1 and stats["tier_cache_files_rejected"] == 0
+    assert engine.close() >= 1
+
+
+def test_a_corrupt_file_the_preload_reads_is_deleted_and_its_tokens_recomputed(v32, tmp_path):
+    prompt, answer = _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    [file] = _files(tmp_path)
+    data = bytearray(file.read_bytes())
+    data[-3] ^= 0x40
+    file.write_bytes(bytes(data))
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    stats = _preloaded(engine)
+    assert stats["tier_cache_files_rejected"] == 1 and stats["tier_cache_preloaded_chats"] == 0
+    assert stats["tier_cache_chats"] == stats["tier_cache_disk_chats"] == 0
+    assert not file.exists()
+    follow_up = prompt + answer + _ids(15, 5)
+    assert _turn(engine, follow_up, "chat") == (_fresh(v32, follow_up), 0)
+
+
+def test_a_chat_deleted_before_its_preloaded_copy_is_claimed_is_not_adopted(v32, tmp_path):
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS, "gone")
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    assert engine.tier_cache._preload.wait(60)  # read, not yet claimed by the engine thread
+    assert engine.drop_conversation("gone") >= 1
+    stats = _preloaded(engine)
+    assert stats["tier_cache_chats"] == stats["tier_cache_preloaded_chats"] == 0
+    assert stats["tier_cache_files_rejected"] == 0 and not _files(tmp_path)
+
+
+def test_the_preload_reads_the_newest_chats_that_fit_the_ram_budget(v32, tmp_path):
+    for conversation, seed in (("old", 7), ("mid", 9), ("new", 11)):
+        engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS))
+        _turn(engine, _ids(60, seed), conversation)
+        engine.close()
+        time.sleep(0.02)  # (file times order them)
+    one_chat = max(chat.state_bytes for chat in engine.tier_cache.store.chats.values())
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True,
+                                      tier_cache_host_gib=2.5 * one_chat / 2**30))
+    stats = _preloaded(engine)
+    assert stats["tier_cache_preloaded_chats"] == 2 and stats["tier_cache_bytes"] <= 2.5 * one_chat
+    # the newest is the least likely evicted
+    assert [p.conversation for p in engine.tier_cache._parked.values()] == ["mid", "new"]
+    assert stats["tier_cache_disk_chats"] == 3 and stats["tier_cache_disk_read_bytes"] == 0
+
+
+def test_engine_close_stops_a_running_preload(v32, tmp_path, monkeypatch):
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    started = threading.Event()
+    real = tier_store.read_chat
+
+    def stuck(path, chat, pin, tally, stopping):  # (a read that lasts until the preload is stopped)
+        started.set()
+        stopping.wait(30)
+        return real(path, chat, pin, tally, stopping)
+
+    monkeypatch.setattr(tier_store, "read_chat", stuck)
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    assert started.wait(30) and engine.tier_cache.preload_running
+    engine.close()
+    assert not engine.tier_cache._preload._thread.is_alive()
+    stats = _tier_stats(engine)
+    assert stats["tier_cache_preload_running"] == 0 and stats["tier_cache_preloaded_chats"] == 0
+    assert stats["tier_cache_files_rejected"] == 0 and len(_files(tmp_path)) == 1  # (stopped: not judged)
+
+
+def _three_chats(folder: Path) -> tuple[TierStore, list[str]]:
+    store = _store(folder, 1 << 20)
+    return store, [store.write(list(range(8)), conversation, *_states(seed))
+                   for seed, conversation in enumerate("abc")]
+
+
+def test_the_preload_plans_the_newest_chats_up_to_its_budget(tmp_path):
+    store, names = _three_chats(tmp_path)
+    size = store.chats[names[0]].state_bytes
+    assert [chat.name for chat in TierPreload.plan(store, int(2.5 * size))] == [names[2], names[1]]
+    assert TierPreload.plan(store, size // 2) == []
+
+
+def test_a_request_waits_for_a_file_being_preloaded_and_reads_one_not_begun_itself(tmp_path, monkeypatch):
+    store, names = _three_chats(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    reads = []
+    real = tier_store.read_chat
+
+    def slow(path, chat, *args):
+        reads.append(chat.name)
+        started.set()
+        assert release.wait(30)
+        return real(path, chat, *args)
+
+    monkeypatch.setattr(tier_store, "read_chat", slow)
+    preload = TierPreload(store.folder, TierPreload.plan(store, 1 << 20), pin=False)
+    assert started.wait(30)  # c's read has begun (newest first)
+    assert preload.take(names[1]) is None  # b's has not: the request reads it, the preload skips it
+    threading.Timer(0.2, release.set).start()
+    chat, (states, _) = preload.take(names[2])  # waits for c's read
+    assert chat.name == names[2] and states is not None and states[1][1].rows == 8
+    assert preload.wait(30)
+    [(chat, (states, _))] = preload.claim()
+    assert chat.name == names[0] and states is not None
+    assert reads == [names[2], names[0]] and not preload.running
+    assert preload.take(names[0]) is None  # (claimed already)
+
+
+def test_cancel_stops_a_read_under_way_and_skips_the_rest(tmp_path, monkeypatch):
+    store, names = _three_chats(tmp_path)
+    started = threading.Event()
+    reads = []
+    real = tier_store.read_chat
+
+    def slow(path, chat, pin, tally, stopping):
+        reads.append(chat.name)
+        started.set()
+        stopping.wait(30)
+        return real(path, chat, pin, tally, stopping)  # (raises Cancelled: stopping is set)
+
+    monkeypatch.setattr(tier_store, "read_chat", slow)
+    preload = TierPreload(store.folder, TierPreload.plan(store, 1 << 20), pin=False)
+    assert started.wait(30) and preload.running
+    assert preload.cancel(timeout=30)
+    assert reads == [names[2]] and not preload.running
+    assert preload.claim() == [] and preload.take(names[2]) is None and preload.take(names[1]) is None
+    assert all((tmp_path / name).exists() for name in names)
