@@ -55,6 +55,7 @@ class MainWindow(QMainWindow):
         self.choices: list[ModelChoice] = []
         self.connected: Connected | None = None
         self._restarting = False
+        self._closing = False  # (a stats poll that fails while the window closes finds the store closed)
         self.setWindowTitle("Hearth")
         self.setWindowIcon(icon("hearth"))
         self.resize(1280, 820)
@@ -222,7 +223,7 @@ class MainWindow(QMainWindow):
         self.status.showMessage(message, 15_000)
 
     def show_engine_died(self, reason: str) -> None:
-        if self._restarting:
+        if self._restarting or self._closing:
             return
         self.connected = None
         self.chat.set_connected(None)
@@ -244,7 +245,7 @@ class MainWindow(QMainWindow):
         return self.backend.stats()
 
     def _on_poll_failed(self, message: str) -> None:
-        if self.connected is not None and not self._restarting and not self.backend.is_alive():
+        if self.connected is not None and not self._restarting and not self._closing and not self.backend.is_alive():
             self.show_engine_died(message)
 
     # ---- settings and quitting --------------------------------------------------------------
@@ -271,6 +272,7 @@ class MainWindow(QMainWindow):
         save_settings(self.settings)
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt's virtual
+        self._closing = True  # (the engine stops below: that is no crash to show)
         self.server_tab.stop_server()
         self.chat.save_partial()
         self.chat.save_system_prompt()

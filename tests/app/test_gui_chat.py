@@ -260,6 +260,17 @@ def test_engine_crash_shows_restart_and_restart_recovers(qtbot, open_window, bac
     assert window.store.thread(window.chat.conversation_id)[-1].is_complete
 
 
+def test_a_stats_poll_failing_while_the_window_closes_is_no_crash(qtbot, open_window, monkeypatch):
+    """A poll still in flight when the window closes fails once the engine is gone and the chat store
+    closed (seen in CI as 'Cannot operate on a closed database'): it is ignored, not shown as a crash."""
+    window = open_window()
+    window.close()
+    monkeypatch.setattr(window.backend, "is_alive", lambda: False)
+    window.poller.failed.emit("the engine process exited")
+    qtbot.wait(50)
+    assert window.connected is not None and not window.crash_banner.isVisible()
+
+
 def test_demo_model_shows_what_to_download(qtbot, open_window):
     window = open_window()
     qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
