@@ -790,6 +790,21 @@ def tier_times_text(row: dict) -> str:
     return text
 
 
+def server_steps_text(row: dict) -> str:
+    """Where a follow-up's time went on the server, beside the tiers' host times: its prompt steps,
+    decode graphs captured on its path, and the pages the prefix cache restored (from disk or RAM)."""
+    text = f"server: {row['prompt_steps']} prompt steps {row['prompt_step_ms']:.0f} ms"
+    if row["graph_captures"]:
+        text += f", {row['graph_captures']} decode graph captures {row['graph_capture_ms']:.0f} ms"
+    if row["restored_tokens"]:
+        text += f", {row['restored_tokens']} page tokens restored in {row['restore_ms']:.0f} ms"
+        if row["disk_read_mb"]:
+            text += f" ({row['disk_read_mb']:.0f} MB from disk in {row['disk_read_ms']:.0f} ms)"
+        if row["preload_wait_ms"]:
+            text += f", {row['preload_wait_ms']:.0f} ms waiting for the pages' warm start"
+    return text
+
+
 def tier_source_text(row: dict) -> str:
     """Where a tiered follow-up's tiers came from, as printed."""
     if row["tier_source"] == "disk":
@@ -850,14 +865,18 @@ class ChatBench:
                "preload_wait_ms": delta("prefix_cache_preload_wait_ms"),
                # the server's warm start when the follow-up was sent (its stats snapshot: <= 0.25 s old)
                "preloaded_mb": (before.get("prefix_cache_preloaded_bytes") or 0.0) / 1e6,
-               "preload_running": bool(before.get("prefix_cache_preload_running"))}
+               "preload_running": bool(before.get("prefix_cache_preload_running")),
+               # the server's steps while it ran (its prompt chunks, whole-step graphs captured for it)
+               "prompt_steps": int(delta("prompt_steps")), "prompt_step_ms": delta("prompt_step_ms_sum"),
+               "graph_captures": int(delta("decode_graph_captures")),
+               "graph_capture_ms": delta("decode_graph_capture_ms")}
         row["from_ram"] = bool(row["restored_tokens"]) and row["disk_read_mb"] == 0
         if self.tiers:
             row.update(tier_row(before, after))
             disk = f"; tier files {row['tier_disk_mb']:+.0f} MB" if row["tier_disk_mb"] else ""
             print(f"  {label}: TTFT {turn.ttft * 1e3:.0f} ms, {turn.prompt_tokens} prompt tokens, "
                   f"{turn.cached_tokens} cached ({row['tier_hit_tokens']} from parked tiers, "
-                  f"{tier_source_text(row)}{disk}; {tier_times_text(row)})", flush=True)
+                  f"{tier_source_text(row)}{disk}; {tier_times_text(row)}; {server_steps_text(row)})", flush=True)
             return row
         where = ""
         if row["restored_tokens"]:  # the engine's host time restoring them, of it reading files

@@ -25,6 +25,7 @@ the previous step's sampled tokens, never read back to the host first).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -34,6 +35,17 @@ from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSl
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 TIER_GRAPHS = 4  # decode graphs kept for steps with per-request tiers (one per set of requests)
+
+
+def capturing(graph: torch.cuda.CUDAGraph, pool: object | None) -> torch.cuda.graph:
+    """``torch.cuda.graph`` capturing into ``pool``, refusing unsafe CUDA calls of this thread only.
+
+    The default ("global") makes a call that may synchronise from *any* thread during a capture fail
+    and invalidate the capture: a warm-start thread pinning host memory for files it reads
+    (``cudaHostAlloc``) while the engine captures a decode graph then kills the warm-up (seen on the
+    H200) and its file reads fail. Those threads never touch the capturing stream, so their calls are
+    safe here; this thread's own unsafe calls still fail the capture."""
+    return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -157,6 +169,7 @@ class DecodeGraphs:
         self._pool = None
         self.replays = 0
         self.captures = 0
+        self.capture_ms = 0.0  # host time capturing (its two warm-up forwards included)
 
     def fits(self, num_requests: int, block_tables: Sequence[Sequence[int]]) -> bool:
         return num_requests <= self.max_batch and all(len(t) <= self.max_blocks for t in block_tables)
@@ -209,6 +222,13 @@ class DecodeGraphs:
         # this step's real ones, so the cache writes are the ones the replay repeats (a tiered step
         # repeats its ring and write-through writes and re-plans the same selection: all hits).
         self.captures += 1
+        start = time.perf_counter()
+        try:
+            return self._warm_and_capture(b, seq_ids)
+        finally:
+            self.capture_ms += 1e3 * (time.perf_counter() - start)
+
+    def _warm_and_capture(self, b: int, seq_ids: Sequence[str | None]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -216,7 +236,7 @@ class DecodeGraphs:
                 self._forward(b, seq_ids)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             out = self._forward(b, seq_ids)
         self._pool = graph.pool()
         return graph, out

@@ -453,7 +453,7 @@ class Engine:
         decoding = bool(chunks) and all(c.num_tokens == 1 for c in chunks)
         if decoding and flight is None:
             self.decode_steps["sync_previous_step_not_in_flight"] += 1
-        self.timer.begin(decoding)
+        self.timer.begin(decoding, prompt=bool(chunks))
         marks = self.timer.around_run()
         if chunks:
             if self.decoder is not None:
@@ -753,7 +753,8 @@ class Engine:
             generated_tokens=self._generated,
             decode_tokens_per_s=rate,
             extra={**{f"expert_cache_{k}": float(v) for k, v in self.runner.expert_stats().items()},
-                   **self.timer.summary(), **{f"decode_steps_{k}": float(v) for k, v in self.decode_steps.items()},
+                   **self.timer.summary(), **self.runner.graph_stats(),
+                   **{f"decode_steps_{k}": float(v) for k, v in self.decode_steps.items()},
                    **self.prefix_cache_stats(),
                    **({} if self.warm_up_s is None else {"warm_up_s": self.warm_up_s})},
         )

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hearth.engine.cuda_graphs import TIER_GRAPHS, batch_buckets
+from hearth.engine.cuda_graphs import TIER_GRAPHS, batch_buckets, capturing
 from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice, build_context
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.dsa_kernels import stacked_selections
@@ -336,7 +336,7 @@ class PiecewiseDecode:
             out = fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with capturing(graph, self.pool):
             captured = fn()
         self.pool = graph.pool()
         return out, graph, captured

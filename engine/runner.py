@@ -294,6 +294,13 @@ class ModelRunner:
                          host_cpu_per_token_ms=speeds.cpu_ms_per_token, host_transfer_ms=speeds.transfer_ms)
         return stats
 
+    def graph_stats(self) -> dict[str, float]:
+        """Whole-step decode graphs captured since the load and the host time capturing them (a new
+        batch size, or a new set of requests with per-request tiers, captures on the request path)."""
+        if self.graphs is None:
+            return {}
+        return {"decode_graph_captures": float(self.graphs.captures), "decode_graph_capture_ms": self.graphs.capture_ms}
+
     def reset_stats(self) -> None:
         """Zero what ``expert_stats`` counts (after the engine's warm-up: the counters describe users' work)."""
         if self.expert_cache is not None:

@@ -18,6 +18,9 @@ two ``/hearth/stats`` snapshots): decode steps, their wall time, the GPU time of
 gap between consecutive decode steps (the engine thread's time outside ``Engine.step``: handing the
 events to the server, stats snapshots, waiting for the GIL).
 
+Steps that read prompt tokens (prefill chunks, alone or with decodes) count in ``prompt_*`` totals:
+their number and wall time, so that a client can tell a slow first token's prefill from the rest.
+
 The runahead decoder's micro-steps (one layer's attention or experts for the requests at that layer)
 are not decode steps of the kind above: their own totals count them, their wall time and the tokens
 they finished (``runahead_*``), so a window's time per token under runahead is its wall time over
@@ -34,7 +37,8 @@ import torch
 
 _WINDOW = 256  # recent decode steps averaged
 _TOTALS = ("decode_steps", "decode_step_ms_sum", "decode_gaps", "decode_gap_ms_sum", "decode_run_gpu_steps",
-           "decode_run_gpu_ms_sum", "runahead_steps", "runahead_step_ms_sum", "runahead_tokens")
+           "decode_run_gpu_ms_sum", "runahead_steps", "runahead_step_ms_sum", "runahead_tokens",
+           "prompt_steps", "prompt_step_ms_sum")
 
 
 @dataclass
@@ -43,6 +47,7 @@ class StepTimer:
     _pending: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     _start: float = 0.0
     _decode: bool = False
+    _prompt: bool = False
     step_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
     run_gpu_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
     # Two event pairs used in turn: a step records one while the other (the step before's) is read.
@@ -51,8 +56,11 @@ class StepTimer:
     _last_end: float | None = None  # when the last decode step ended (None: the step after was not one)
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_TOTALS, 0.0))
 
-    def begin(self, decode: bool) -> None:
+    def begin(self, decode: bool, prompt: bool = False) -> None:
+        """A step starts: one where every request decodes a token (``decode``), or one that reads
+        prompt tokens (``prompt``: its wall time goes to the ``prompt_*`` totals)."""
         self._decode = decode
+        self._prompt = prompt and not decode
         self._start = time.perf_counter()
         if decode and self._last_end is not None:
             self.totals["decode_gaps"] += 1
@@ -70,6 +78,9 @@ class StepTimer:
         return self._pairs[self._turn]
 
     def end(self, events: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        if self._prompt:
+            self.totals["prompt_steps"] += 1
+            self.totals["prompt_step_ms_sum"] += 1e3 * (time.perf_counter() - self._start)
         if not self._decode:
             return
         self._last_end = time.perf_counter()

@@ -34,7 +34,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ from hearth.engine.cache_files import header_frame, private_folder, read_header_
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.parked import ParkedPages, ParkedRows
 
-__all__ = ["FORMAT_VERSION", "ReadTally", "StoredChat", "TierPreload", "TierStore", "read_chat",
+__all__ = ["FORMAT_VERSION", "HostMemoryError", "ReadTally", "StoredChat", "TierPreload", "TierStore", "read_chat",
            "drop_tiers_from_folder", "tier_folder"]
 
 logger = logging.getLogger("hearth.engine.tier_store")
@@ -185,13 +185,16 @@ class TierStore:
     # ---- reading ---------------------------------------------------------------------------
 
     def read(self, name: str) -> tuple[KeyStates, LatentStates] | None:
-        """A usable chat's states in host RAM, or None when its file is unsound (then deleted).
-        The file counts as used now."""
+        """A usable chat's states in host RAM, or None when its file is unsound (then deleted) or
+        host memory for them is short (then kept). The file counts as used now."""
         chat = self.chats[name]
         start = time.perf_counter()
         tally = ReadTally()
         try:
             states, problem = read_chat(self.folder / name, chat, self.pin, tally)
+        except HostMemoryError as err:
+            logger.warning("long chat cache: no host memory to read %s (kept on disk): %s", name, err)
+            return None
         finally:
             self.read_ms += (time.perf_counter() - start) * 1e3
             self.alloc_ms += tally.alloc_ms
@@ -441,12 +444,17 @@ class Cancelled(Exception):
     """A ``TierPreload`` stopped in the middle of a file (nothing is known about it)."""
 
 
+class HostMemoryError(Exception):
+    """The (pinned) host tensors of a file's states could not be allocated: not the file's fault
+    (its sizes were checked against its length when indexed), so it stays on disk."""
+
+
 def read_chat(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
               stopping: threading.Event | None = None) -> tuple[tuple[KeyStates, LatentStates] | None, str]:
     """Read an indexed chat's tensors from its file into new host tensors (pinned with ``pin``),
     checking each one's checksum: its states, or None and what is wrong with the file. Touches no
     store (``TierStore.read`` and the ``TierPreload`` thread both use it); raises ``Cancelled`` when
-    ``stopping`` is set between two tensors."""
+    ``stopping`` is set between two tensors and ``HostMemoryError`` when its tensors cannot be had."""
     try:
         states = _read_states(path, chat, pin, tally, stopping)
     except _READ_ERRORS as err:
@@ -460,12 +468,17 @@ def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
     keys: KeyStates = {}
     latents: LatentStates = {}
 
-    def empty(spec: Mapping[str, Any]) -> torch.Tensor:
+    def allocated(make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return _empty(spec, pin)
+            return make(*args, **kwargs)
+        except RuntimeError as err:  # (out of host memory, or pinning refused)
+            raise HostMemoryError(str(err)) from err
         finally:
             tally.alloc_ms += (time.perf_counter() - start) * 1e3
+
+    def empty(spec: Mapping[str, Any]) -> torch.Tensor:
+        return allocated(_empty, spec, pin)
 
     def read_into(tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
         if stopping is not None and stopping.is_set():
@@ -479,10 +492,8 @@ def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
         file.seek(chat.data_offset)
         for layer in header["keys"]:
             pages = int(layer["pages"])
-            start = time.perf_counter()
-            pool = PagePool(pages, int(layer["page_size"]), int(layer["head_dim"]), str(layer["fmt"]),
-                            torch.device("cpu"), pin=pin)
-            tally.alloc_ms += (time.perf_counter() - start) * 1e3
+            pool = allocated(PagePool, pages, int(layer["page_size"]), int(layer["head_dim"]), str(layer["fmt"]),
+                             torch.device("cpu"), pin=pin)
             if not read_into(pool.buf, layer["pool"]):
                 return None
             summaries = []

@@ -87,7 +87,7 @@ for step in "${steps[@]}"; do
         grep -E "^\(5\)|prefill [0-9]+K" "$OUT/prefill-buffers.log" | tail -8 ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         wait  # the checkpoint
-        timeout 220 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
+        timeout 300 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
             --chat-context 65536 > "$OUT/e2e-chat-tiers.log" 2>&1
         grep -E "TTFT|target|tier" "$OUT/e2e-chat-tiers.log" | tail -14 ;;
     defaults|dtests)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first

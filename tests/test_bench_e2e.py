@@ -96,6 +96,7 @@ def test_chat_cache_tiers_on_the_cpu_adopts_the_parked_tiers_after_each_restart(
         row = res[stage]
         assert row["tier_source"] in sources, (stage, row)
         assert row["tier_hit_tokens"] >= 1024 and row["cached_tokens"] == row["tier_hit_tokens"], (stage, row)
+        assert row["prompt_steps"] >= 1 and row["prompt_step_ms"] > 0, (stage, row)  # (its new tokens' prefill)
         if row["tier_source"] != "preloaded":
             assert row["tier_restored_chats"] == (row["tier_source"] == "disk"), (stage, row)
     assert all(r["tier_source"] == "recomputed" and r["cached_tokens"] == 0 for r in res["full"]["runs"])

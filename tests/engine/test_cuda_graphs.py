@@ -3,11 +3,13 @@ kernel path: greedy, for one request and for a batch padded up to a bucket. GPU 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from hearth.engine import Engine, EngineConfig, SamplingParams
-from hearth.engine.cuda_graphs import batch_buckets
+from hearth.engine.cuda_graphs import batch_buckets, capturing
 from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
 from tests.engine.conftest import run_to_completion
 
@@ -84,3 +86,24 @@ def test_piecewise_graphs_with_mli_equal_eager(kernel_model):
     assert graphed.runner.pieces is not None and graphed.runner.pieces.capture
     assert _generate(graphed, prompts, 40) == _generate(eager, prompts, 40)
     assert graphed.runner.pieces.replays > 0
+
+
+def test_a_capture_survives_another_thread_pinning_host_memory():
+    """A warm-start thread reading files into pinned memory while the engine captures a decode graph
+    (seen on the H200: the global capture mode failed the capture and the thread's allocation)."""
+    x = torch.arange(1024, dtype=torch.float32, device="cuda")
+    pinned: list[torch.Tensor] = []
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with capturing(graph, None):
+        y = x * 2
+        # a size the caching host allocator has not seen, so that it asks CUDA for new memory
+        thread = threading.Thread(target=lambda: pinned.append(torch.empty(3 << 20, pin_memory=True)))
+        thread.start()
+        thread.join()
+        y += 1
+    assert len(pinned) == 1 and pinned[0].is_pinned()
+    x.fill_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(y, 3.0))

@@ -295,6 +295,8 @@ def test_page_growth_stays_overlapped_and_steps_are_counted_by_kind(model_dir):
     assert stats["decode_steps_overlapped"] == steps["overlapped"]
     assert stats["decode_steps"] == steps["overlapped"] + 1  # the step timer saw every decode step
     assert stats["decode_gaps"] == stats["decode_steps"] - 1 and stats["decode_step_ms_sum"] > 0
+    # the steps that read the four prompts (at most one each) count apart, with their wall time
+    assert 1 <= stats["prompt_steps"] <= 4 and stats["prompt_step_ms_sum"] > 0
 
 
 def test_a_joining_prompt_makes_the_next_step_synchronous_and_says_why(model_dir):

@@ -201,6 +201,25 @@ def test_the_store_evicts_the_least_recently_used_files_beyond_its_budget(tmp_pa
     assert _store(tmp_path / "tiny", size // 2).write(list(range(8)), "d", *_states(3)) is None
 
 
+def test_host_memory_refused_for_a_read_keeps_the_file(tmp_path, monkeypatch):
+    """Pinned host memory refused while a file is read (out of memory, or a CUDA graph being captured
+    under the global capture mode) is not the file's fault: it stays, and reads once memory is there."""
+    store, names = _three_chats(tmp_path)
+    real = tier_store._empty
+
+    def refused(spec, pin):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(tier_store, "_empty", refused)
+    assert store.read(names[0]) is None
+    preload = TierPreload(store.folder, TierPreload.plan(store, 1 << 20), pin=False)
+    assert preload.wait(30) and preload.claim() == []  # (every read failed: nothing to adopt)
+    assert store.files_rejected == 0 and sorted(os.listdir(store.folder)) == sorted(names)
+    monkeypatch.setattr(tier_store, "_empty", real)
+    keys, latents = store.read(names[0])
+    assert keys[0].pages == 2 and latents[1].rows == 8
+
+
 # ---- the warm start: a restarted engine reads the newest chats into RAM in the background -----------
 
 

@@ -38,7 +38,8 @@ def test_short_rows_refuse_long_rows(device):
 
 
 @triton.jit
-def _select_in_order_kernel(x_ptr, len_ptr, out_ptr, stride, K, N_P2: tl.constexpr, HIST: tl.constexpr):
+def _select_in_order_kernel(x_ptr, len_ptr, out_ptr, stride, K, N_P2: tl.constexpr, HIST: tl.constexpr,
+                            BITS: tl.constexpr, NPASS: tl.constexpr):
     """Row r's short_row_select (HIST: short_row_hist_select), its entries listed in index order (as the
     tiered coarse step does)."""
     i_r = tl.program_id(0)
@@ -46,7 +47,7 @@ def _select_in_order_kernel(x_ptr, len_ptr, out_ptr, stride, K, N_P2: tl.constex
     m_t = o_t < tl.load(len_ptr + i_r)
     b_x = tl.load(x_ptr + i_r * stride + o_t, mask=m_t, other=0.0)
     if HIST:
-        m_best = short_row_hist_select(b_x, m_t, K, RADIX_BITS, PASSES)
+        m_best = short_row_hist_select(b_x, m_t, K, BITS, NPASS)
     else:
         m_best = short_row_select(b_x, m_t, K)
     tl.store(out_ptr + i_r * stride + tl.cumsum(m_best.to(tl.int32), 0) - 1, o_t, mask=m_best)
@@ -66,7 +67,8 @@ def test_select_in_registers_picks_the_sorted_selection_in_index_order(n, k, his
     s[5] = -torch.finfo(torch.float32).max  # all tied near its bottom
     lengths = torch.tensor([n, max(n - 2, 0), n, n // 2 + 1, min(k, n), n], dtype=torch.int32, device=device)
     out = torch.full((6, n), -1, dtype=torch.int32, device=device)
-    _select_in_order_kernel[(6,)](s, lengths, out, n, k, N_P2=triton.next_power_of_2(n), HIST=hist)
+    _select_in_order_kernel[(6,)](s, lengths, out, n, k, N_P2=triton.next_power_of_2(n), HIST=hist,
+                                 BITS=RADIX_BITS, NPASS=PASSES)
     want = topk_ref(s, lengths, k).cpu()
     for r in range(6):
         picked = sorted(i for i in want[r].tolist() if i >= 0)
