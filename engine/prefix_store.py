@@ -65,14 +65,12 @@ import json
 import logging
 import os
 import struct
-import threading
 import time
 import uuid
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +79,7 @@ import torch
 
 from hearth.engine.cache_files import header_frame, private_folder, read_header_frame, touch, write_atomically
 from hearth.engine.kv_cache import PagedCache
+from hearth.engine.warm_start import BackgroundReads
 
 __all__ = ["FORMAT_VERSION", "PageTier", "Preload", "PrefixStore", "fingerprint", "model_key"]
 
@@ -446,8 +445,8 @@ class PrefixStore:
         items = preload.claim(needed)
         if needed:
             self.counters.preload_wait_s += time.perf_counter() - start
-        for item in items:
-            if not self._adopt(item):
+        for item, result in items:
+            if not self._adopt(item, result):
                 preload.cancel(wait=False)
                 return
 
@@ -456,13 +455,13 @@ class PrefixStore:
         if self.preload is not None:
             self.preload.cancel()
 
-    def _adopt(self, item: _PreloadItem) -> bool:
+    def _adopt(self, item: _PreloadItem, result: Future[_PreloadOutcome]) -> bool:
         """Put a preloaded segment's pages in RAM, at the least recently used end (older segments
         before newer ones), unless the segment changed since the preload read its header (deleted,
         rewritten, evicted: its copy is dropped) or they no longer fit: False (the preload stops; no
         page is evicted for it). A segment with a bad page is rejected as ``_load`` rejects it."""
         try:
-            buffer, sound = item.result.result()
+            buffer, sound = result.result()
         except Exception as err:  # (pinned memory ran out, say): the pages stay on disk
             logger.warning("could not preload prefix cache file %s: %s", item.name, err)
             return True
@@ -762,13 +761,15 @@ def _io_pool() -> ThreadPoolExecutor:
 
 @dataclass
 class _PreloadItem:
-    """A segment the preload reads: its header as read then, the pages it reads (in file order:
-    those no newer segment holds) and the outcome (the pages' buffer, each read task's result)."""
+    """A segment the preload reads: its header as read then and the pages it reads (in file order:
+    those no newer segment holds)."""
 
     name: str
     segment: _Segment
     hashes: list[int]
-    result: Future[tuple[torch.Tensor, list[bool | None]]] = field(default_factory=Future)
+
+
+_PreloadOutcome = tuple[torch.Tensor, list[bool | None]]  # the pages' buffer, each read task's result
 
 
 class Preload:
@@ -796,7 +797,8 @@ class Preload:
     read twice and no buffer is shared by two readers.
 
     ``cancel`` stops it: segments not begun are skipped, read tasks not begun return at once, and
-    (``wait``) the thread is joined; ``wait`` is its completion handle.
+    (``wait``) the thread is joined; ``wait`` is its completion handle. The thread, the futures and
+    the taking back are ``warm_start.BackgroundReads``'s (shared with ``tier_store.TierPreload``).
     """
 
     def __init__(self, folder: str | Path, key: str, budget: int, *, pin: bool) -> None:
@@ -804,73 +806,41 @@ class Preload:
         self.key = key
         self.budget = budget
         self.pin = pin
-        self.stopping = threading.Event()
-        self._planned = threading.Event()
-        self._plan: list[_PreloadItem] = []  # written by the thread before _planned is set
-        self._pending: dict[str, _PreloadItem] | None = None  # engine thread: items not yet claimed
-        self._thread = threading.Thread(target=self._run, name="hearth-preload", daemon=True)
-        self._thread.start()
+        self._reads: BackgroundReads[_PreloadItem, _PreloadOutcome] = BackgroundReads(
+            "hearth-preload", self._read, lambda item: item.name, self._plan)
+        self.stopping = self._reads.stopping
+        self._reads.start()
 
     @property
     def running(self) -> bool:
         """Whether segments are still being read or wait to be claimed."""
         if self.stopping.is_set():
             return False
-        return self._thread.is_alive() or self._pending is None or bool(self._pending)
+        return self._reads.thread.is_alive() or self._reads.outstanding
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every planned segment was read (or skipped); False on timeout."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._reads.wait(timeout)
 
     def cancel(self, wait: bool = True) -> None:
-        self.stopping.set()
-        for item in self._plan if self._planned.is_set() else []:
-            item.result.cancel()
-        self._pending = {}
-        if wait:
-            self._thread.join()
+        self._reads.cancel(None if wait else 0)
 
-    def claim(self, needed: set[str]) -> list[_PreloadItem]:
+    def claim(self, needed: set[str]) -> list[tuple[_PreloadItem, Future[_PreloadOutcome]]]:
         """(Engine thread.) The segments read since the last claim, newest first, after waiting for
-        those in ``needed`` whose read has begun; those in ``needed`` not begun leave the plan."""
-        if self.stopping.is_set():
+        those in ``needed`` whose read has begun; those in ``needed`` not begun leave the plan. Their
+        futures have ended (a failed read's with its exception)."""
+        if self.stopping.is_set() or not self._reads.plan_known(wait=bool(needed)):
             return []
-        if self._pending is None:
-            if not needed and not self._planned.is_set():
-                return []
-            self._planned.wait()
-            self._pending = {item.name: item for item in self._plan}
-        waiting = []
-        for name in needed:
-            item = self._pending.get(name)
-            if item is None:
-                continue
-            if item.result.cancel():
-                del self._pending[name]
-            else:
-                waiting.append(item.result)
-        wait_all(waiting)
-        done = [item for item in self._pending.values() if item.result.done()]
-        for item in done:
-            del self._pending[item.name]
-        return done
+        self._reads.withdraw(needed)
+        return self._reads.claim()
 
-    def _run(self) -> None:
+    def _plan(self) -> list[_PreloadItem]:
+        """(The thread.) ``_plan_items``, or nothing when the folder cannot be listed."""
         try:
-            self._plan = self._plan_items()
+            return self._plan_items()
         except OSError as err:
             logger.warning("could not list prefix cache files in %s: %s", self.folder, err)
-        finally:
-            self._planned.set()
-        for item in self._plan:
-            if self.stopping.is_set():
-                item.result.cancel()
-            elif item.result.set_running_or_notify_cancel():  # (False: a request took it back)
-                try:
-                    item.result.set_result(self._read(item))
-                except Exception as err:
-                    item.result.set_exception(err)
+            return []
 
     def _plan_items(self) -> list[_PreloadItem]:
         """This model's segments, newest first, with the pages each holds that no newer one does,
@@ -898,7 +868,7 @@ class Preload:
                 left -= cost
         return items
 
-    def _read(self, item: _PreloadItem) -> tuple[torch.Tensor, list[bool | None]]:
+    def _read(self, item: _PreloadItem) -> _PreloadOutcome:
         buffer = torch.empty(len(item.hashes), item.segment.page_bytes, dtype=torch.uint8, pin_memory=self.pin)
         tasks = _read_tasks(self.folder / item.name, item.segment, item.hashes, buffer)
         return buffer, list(_io_pool().map(self._read_unless_stopping, tasks))

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from hearth.engine.cache_files import header_frame, private_folder, read_header_frame, touch, write_atomically
+from hearth.engine.warm_start import BackgroundReads
 from hearth.offload.coarse_index import PagePool
 from hearth.offload.parked import ParkedPages, ParkedRows
 
@@ -294,18 +295,19 @@ class TierPreload:
     A file the engine needs that the thread has not begun leaves the plan (``Future.cancel``: the
     engine reads it itself and the thread skips it); one whose read has begun is waited for. No
     file is read twice at once. ``cancel`` stops it: files not begun are skipped, a read under way
-    stops at its next tensor, and the (daemon) thread is joined, at most ``timeout`` seconds."""
+    stops at its next tensor, and the (daemon) thread is joined, at most ``timeout`` seconds. The
+    thread, the futures and the taking back are ``warm_start.BackgroundReads``'s (shared with
+    ``prefix_store.Preload``)."""
 
     def __init__(self, folder: Path, chats: list[StoredChat], *, pin: bool) -> None:
         self.folder = folder
         self.pin = pin
         self.tally = ReadTally()  # the thread's reads (and read_ms, ms); the engine thread only reports them
         self.read_ms = 0.0
-        self.stopping = threading.Event()
-        self._items: dict[str, tuple[StoredChat, Future[Any]]] = {chat.name: (chat, Future()) for chat in chats}
-        self._pending = dict(self._items)  # engine thread: outcomes not yet claimed
-        self._thread = threading.Thread(target=self._run, name="hearth-tier-preload", daemon=True)
-        self._thread.start()
+        self._reads: BackgroundReads[StoredChat, Outcome] = BackgroundReads(
+            "hearth-tier-preload", self._read, lambda chat: chat.name, chats)
+        self.stopping = self._reads.stopping
+        self._reads.start()
 
     @staticmethod
     def plan(store: TierStore, budget: int) -> list[StoredChat]:
@@ -323,56 +325,44 @@ class TierPreload:
     @property
     def running(self) -> bool:
         """Whether outcomes are still to come or to be claimed."""
-        return not self.stopping.is_set() and bool(self._pending)
+        return not self.stopping.is_set() and self._reads.outstanding
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every planned file was read or skipped; False on timeout."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return self._reads.wait(timeout)
 
     def cancel(self, timeout: float | None = 10.0) -> bool:
         """Stop, dropping every outcome not claimed; whether the thread ended within ``timeout``."""
-        self.stopping.set()
-        for _, result in self._items.values():
-            result.cancel()
-        self._pending = {}
-        return self.wait(timeout)
+        return self._reads.cancel(timeout)
 
     def claim(self) -> list[tuple[StoredChat, Outcome]]:
         """(Engine thread.) The files read since the last claim, newest first (a file whose read
         failed for another reason than the file, or stopped, is left out: it stays on disk)."""
-        done = [name for name, (_, result) in self._pending.items() if result.done()]
-        return [claimed for name in done if (claimed := self._claim(name)) is not None]
+        return _read_outcomes(self._reads.claim())
 
     def take(self, name: str) -> tuple[StoredChat, Outcome] | None:
         """(Engine thread.) A file the engine needs now: its outcome, after waiting for its read when
         it has begun; None when the engine must read it itself (not begun: it leaves the plan, or
-        never planned, or already claimed)."""
-        item = self._items.get(name)
-        if item is None or item[1].cancel() or item[1].cancelled():
-            self._pending.pop(name, None)
-            return None
-        item[1].exception()  # (waits for the read, begun: it cannot be cancelled now; one file's read)
-        return self._claim(name)
+        never planned, or already claimed). Waits even after ``cancel`` (for the read under way to
+        stop), so that the engine's read never overlaps the thread's."""
+        self._reads.withdraw([name])
+        found = _read_outcomes(self._reads.claim(name))
+        return found[0] if found else None
 
-    def _claim(self, name: str) -> tuple[StoredChat, Outcome] | None:
-        item = self._pending.pop(name, None)
-        if item is None or item[1].cancelled() or item[1].exception() is not None:
-            return None
-        return item[0], item[1].result()
+    def _read(self, chat: StoredChat) -> Outcome:
+        """(The thread.) One planned file."""
+        start = time.perf_counter()
+        try:
+            return read_chat(self.folder / chat.name, chat, self.pin, self.tally, self.stopping)
+        finally:
+            self.read_ms += (time.perf_counter() - start) * 1e3
 
-    def _run(self) -> None:
-        for name, (chat, result) in self._items.items():
-            if self.stopping.is_set():
-                result.cancel()
-            elif result.set_running_or_notify_cancel():  # (False: the engine took it back)
-                start = time.perf_counter()
-                try:
-                    result.set_result(read_chat(self.folder / name, chat, self.pin, self.tally, self.stopping))
-                except BaseException as err:  # (every read ends its Future; Cancelled: claimed as nothing)
-                    result.set_exception(err)
-                finally:
-                    self.read_ms += (time.perf_counter() - start) * 1e3
+
+def _read_outcomes(claimed: list[tuple[StoredChat, Future[Outcome]]]) -> list[tuple[StoredChat, Outcome]]:
+    """The claimed reads that ended with ``read_chat``'s outcome: not skipped, nor stopped
+    (``Cancelled``), nor failed for another reason than the file (``HostMemoryError``, say)."""
+    return [(chat, result.result()) for chat, result in claimed
+            if not result.cancelled() and result.exception() is None]
 
 
 def drop_tiers_from_folder(cache_dir: str | Path, conversation: str) -> int:

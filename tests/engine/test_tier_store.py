@@ -301,7 +301,7 @@ def test_engine_close_stops_a_running_preload(v32, tmp_path, monkeypatch):
     engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
     assert started.wait(30) and engine.tier_cache.preload_running
     engine.close()
-    assert not engine.tier_cache._preload._thread.is_alive()
+    assert engine.tier_cache._preload.wait(timeout=0)  # (its thread ended)
     stats = _tier_stats(engine)
     assert stats["tier_cache_preload_running"] == 0 and stats["tier_cache_preloaded_chats"] == 0
     assert stats["tier_cache_files_rejected"] == 0 and len(_files(tmp_path)) == 1  # (stopped: not judged)
