@@ -435,7 +435,23 @@ class Engine:
     def step(self, launched: Callable[[], None] | None = None) -> list[Event]:
         """Run one scheduling step; returns the events it produced, in order. ``launched`` (if
         given) is called once the step's model work is launched and before the host waits for its
-        tokens: work handed to other threads then runs while this one waits on the device."""
+        tokens: work handed to other threads then runs while this one waits on the device.
+
+        The warm starts (the chat cache's reads from disk) hold while requests run, from this step
+        until a step leaves none (``warm_start.BackgroundReads``)."""
+        self._yield_warm_starts(True)
+        try:
+            return self._step(launched)
+        finally:
+            self._yield_warm_starts(self.has_unfinished())
+
+    def _yield_warm_starts(self, busy: bool) -> None:
+        if self.prefix_tier is not None:
+            self.prefix_tier.store.yield_preload(busy)
+        if self.tier_cache is not None:
+            self.tier_cache.yield_preload(busy)
+
+    def _step(self, launched: Callable[[], None] | None) -> list[Event]:
         events = self._take_intake()
         flight, self._flight = self._flight, None
         if flight is not None:

@@ -450,6 +450,11 @@ class PrefixStore:
                 preload.cancel(wait=False)
                 return
 
+    def yield_preload(self, busy: bool) -> None:
+        """The engine serves requests (``busy``) or is idle: the warm start holds meanwhile."""
+        if self.preload is not None:
+            self.preload.set_busy(busy)
+
     def cancel_preload(self) -> None:
         """Stop the preload and wait for its reads in progress (the engine is stopping)."""
         if self.preload is not None:
@@ -824,6 +829,10 @@ class Preload:
 
     def cancel(self, wait: bool = True) -> None:
         self._reads.cancel(None if wait else 0)
+
+    def set_busy(self, busy: bool) -> None:
+        """(Engine thread.) Hold between segments while the engine serves requests."""
+        self._reads.set_busy(busy)
 
     def claim(self, needed: set[str]) -> list[tuple[_PreloadItem, Future[_PreloadOutcome]]]:
         """(Engine thread.) The segments read since the last claim, newest first, after waiting for

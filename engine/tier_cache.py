@@ -345,6 +345,12 @@ class TierCache:
         self.settle_preload()
         return done
 
+    def yield_preload(self, busy: bool) -> None:
+        """The engine serves requests (``busy``) or is idle: the preload holds meanwhile
+        (``warm_start.BackgroundReads.set_busy``)."""
+        if self._preload is not None:
+            self._preload.set_busy(busy)
+
     def stop_preload(self, timeout: float | None = 10.0) -> bool:
         """Stop the preload (its outcomes not placed yet are dropped); whether its thread ended."""
         return self._preload is None or self._preload.cancel(timeout)

@@ -335,6 +335,10 @@ class TierPreload:
         """Stop, dropping every outcome not claimed; whether the thread ended within ``timeout``."""
         return self._reads.cancel(timeout)
 
+    def set_busy(self, busy: bool) -> None:
+        """(Engine thread.) Hold between tensors while the engine serves requests."""
+        self._reads.set_busy(busy)
+
     def claim(self) -> list[tuple[StoredChat, Outcome]]:
         """(Engine thread.) The files read since the last claim, newest first (a file whose read
         failed for another reason than the file, or stopped, is left out: it stays on disk)."""
@@ -353,7 +357,8 @@ class TierPreload:
         """(The thread.) One planned file."""
         start = time.perf_counter()
         try:
-            return read_chat(self.folder / chat.name, chat, self.pin, self.tally, self.stopping)
+            return read_chat(self.folder / chat.name, chat, self.pin, self.tally, self.stopping,
+                             between=lambda: self._reads.pause(chat.name))
         finally:
             self.read_ms += (time.perf_counter() - start) * 1e3
 
@@ -427,6 +432,7 @@ class ReadTally:
     bytes: int = 0
 
 
+_CHUNK = 16 << 20  # bytes read and checksummed at once (a warm start yields to requests between chunks)
 _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)
 
 
@@ -439,21 +445,22 @@ class HostMemoryError(Exception):
     (its sizes were checked against its length when indexed), so it stays on disk."""
 
 
-def read_chat(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
-              stopping: threading.Event | None = None) -> tuple[tuple[KeyStates, LatentStates] | None, str]:
+def read_chat(path: Path, chat: StoredChat, pin: bool, tally: ReadTally, stopping: threading.Event | None = None,
+              between: Callable[[], None] | None = None) -> tuple[tuple[KeyStates, LatentStates] | None, str]:
     """Read an indexed chat's tensors from its file into new host tensors (pinned with ``pin``),
     checking each one's checksum: its states, or None and what is wrong with the file. Touches no
-    store (``TierStore.read`` and the ``TierPreload`` thread both use it); raises ``Cancelled`` when
-    ``stopping`` is set between two tensors and ``HostMemoryError`` when its tensors cannot be had."""
+    store (``TierStore.read`` and the ``TierPreload`` thread both use it). Calls ``between`` before
+    each tensor and each ``_CHUNK`` of one (a warm start holds there while requests run); raises
+    ``Cancelled`` when ``stopping`` is set then, and ``HostMemoryError`` when its tensors cannot be had."""
     try:
-        states = _read_states(path, chat, pin, tally, stopping)
+        states = _read_states(path, chat, pin, tally, stopping, between)
     except _READ_ERRORS as err:
         return None, str(err)
     return states, "corrupt"
 
 
-def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
-                 stopping: threading.Event | None) -> tuple[KeyStates, LatentStates] | None:
+def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally, stopping: threading.Event | None,
+                 between: Callable[[], None] | None) -> tuple[KeyStates, LatentStates] | None:
     header = chat.header
     keys: KeyStates = {}
     latents: LatentStates = {}
@@ -470,10 +477,14 @@ def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
     def empty(spec: Mapping[str, Any]) -> torch.Tensor:
         return allocated(_empty, spec, pin)
 
-    def read_into(tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
+    def pause() -> None:
+        if between is not None:
+            between()
         if stopping is not None and stopping.is_set():
             raise Cancelled
-        ok, got, crc_s = _read_into(file, tensor, spec)
+
+    def read_into(tensor: torch.Tensor, spec: Mapping[str, Any]) -> bool:
+        ok, got, crc_s = _read_into(file, tensor, spec, pause)
         tally.bytes += got
         tally.crc_ms += crc_s * 1e3
         return ok
@@ -501,22 +512,28 @@ def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally,
     return keys, latents
 
 
-def _read_into(file: Any, tensor: torch.Tensor, spec: Mapping[str, Any]) -> tuple[bool, int, float]:
-    """Read the next tensor of the file into ``tensor`` (its dtype and shape as the header says):
-    whether it is sound (False when they differ, the file is cut short or the checksum does not
-    match), the bytes read and the seconds spent checksumming them."""
+def _read_into(file: Any, tensor: torch.Tensor, spec: Mapping[str, Any],
+               pause: Callable[[], None]) -> tuple[bool, int, float]:
+    """Read the next tensor of the file into ``tensor`` (its dtype and shape as the header says),
+    ``_CHUNK`` bytes at a time with ``pause`` before each: whether it is sound (False when they
+    differ, the file is cut short or the checksum does not match), the bytes read and the seconds
+    spent checksumming them."""
     if str(tensor.dtype).removeprefix("torch.") != spec["dtype"] or list(tensor.shape) != list(spec["shape"]):
         return False, 0, 0.0
     view = memoryview(_bytes_of(tensor).numpy())
-    done = 0
+    done, crc, crc_s = 0, 0, 0.0
     while done < len(view):
-        got = file.readinto(view[done:])
+        pause()
+        got = file.readinto(view[done:done + _CHUNK])
         if not got:
-            return False, done, 0.0
+            return False, done, crc_s
+        start = time.perf_counter()
+        crc = zlib.crc32(view[done:done + got], crc)
+        crc_s += time.perf_counter() - start
         done += got
-    start = time.perf_counter()
-    sound = zlib.crc32(view) == int(spec["crc32"])
-    return sound, done, time.perf_counter() - start
+    if not done:
+        pause()
+    return crc == int(spec["crc32"]), done, crc_s
 
 
 def _read_index(path: Path, size: int) -> StoredChat:

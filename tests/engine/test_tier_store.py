@@ -292,10 +292,10 @@ def test_engine_close_stops_a_running_preload(v32, tmp_path, monkeypatch):
     started = threading.Event()
     real = tier_store.read_chat
 
-    def stuck(path, chat, pin, tally, stopping):  # (a read that lasts until the preload is stopped)
+    def stuck(path, chat, pin, tally, stopping, **kwargs):  # (a read that lasts until the preload is stopped)
         started.set()
         stopping.wait(30)
-        return real(path, chat, pin, tally, stopping)
+        return real(path, chat, pin, tally, stopping, **kwargs)
 
     monkeypatch.setattr(tier_store, "read_chat", stuck)
     engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
@@ -326,11 +326,11 @@ def test_a_request_waits_for_a_file_being_preloaded_and_reads_one_not_begun_itse
     reads = []
     real = tier_store.read_chat
 
-    def slow(path, chat, *args):
+    def slow(path, chat, *args, **kwargs):
         reads.append(chat.name)
         started.set()
         assert release.wait(30)
-        return real(path, chat, *args)
+        return real(path, chat, *args, **kwargs)
 
     monkeypatch.setattr(tier_store, "read_chat", slow)
     preload = TierPreload(store.folder, TierPreload.plan(store, 1 << 20), pin=False)
@@ -352,11 +352,11 @@ def test_cancel_stops_a_read_under_way_and_skips_the_rest(tmp_path, monkeypatch)
     reads = []
     real = tier_store.read_chat
 
-    def slow(path, chat, pin, tally, stopping):
+    def slow(path, chat, pin, tally, stopping, **kwargs):
         reads.append(chat.name)
         started.set()
         stopping.wait(30)
-        return real(path, chat, pin, tally, stopping)  # (raises Cancelled: stopping is set)
+        return real(path, chat, pin, tally, stopping, **kwargs)  # (raises Cancelled: stopping is set)
 
     monkeypatch.setattr(tier_store, "read_chat", slow)
     preload = TierPreload(store.folder, TierPreload.plan(store, 1 << 20), pin=False)
@@ -365,3 +365,18 @@ def test_cancel_stops_a_read_under_way_and_skips_the_rest(tmp_path, monkeypatch)
     assert reads == [names[2]] and not preload.running
     assert preload.claim() == [] and preload.take(names[2]) is None and preload.take(names[1]) is None
     assert all((tmp_path / name).exists() for name in names)
+
+
+def test_the_preload_holds_while_the_engine_serves_requests(v32, tmp_path, monkeypatch):
+    """Steps with requests hold the warm start (it shares the host with the request path it is meant
+    to shorten); the step that leaves none lets it go on."""
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    reads = engine.tier_cache._preload._reads
+    seen = []
+    real = engine._step
+    monkeypatch.setattr(engine, "_step", lambda launched: seen.append(reads._busy) or real(launched))
+    assert not reads._busy
+    _turn(engine, _ids(30, 9), "other")
+    assert seen and all(seen) and not reads._busy
+    assert engine.close() >= 1
