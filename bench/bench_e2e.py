@@ -78,6 +78,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hearth.engine.stack_samples import ENV as STACK_SAMPLES_ENV
+from hearth.engine.stack_samples import read_samples, top_stacks
+
 if TYPE_CHECKING:
     from hearth.engine.config import ModelConfig
 
@@ -349,7 +352,10 @@ class Floors:
 class Server:
     """``hearth --cli serve`` in its own process (as a user starts it); ``url`` once it answers."""
 
-    def __init__(self, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int, log: Path) -> None:
+    def __init__(self, model: Path, flags: list[str], max_model_len: int, max_num_seqs: int, log: Path,
+                 samples: Path | None = None) -> None:
+        """``samples``: where the server writes its engine and HTTP threads' stack samples
+        (``hearth.engine.stack_samples``; ``--stack-samples``)."""
         with socket.socket() as probe:  # a free port for the server to bind
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -358,7 +364,12 @@ class Server:
                "--max-num-seqs", str(max_num_seqs), *flags]
         self.log = log.open("w")
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.samples = samples
+        env = None
+        if samples is not None:
+            samples.unlink(missing_ok=True)
+            env = {**os.environ, STACK_SAMPLES_ENV: str(samples)}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.load_s = math.nan
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -853,8 +864,11 @@ class ChatBench:
         with the cache counters it moved (for a tiered chat also ``tier_row``'s)."""
         before = server.stats()
         request = self.prompts.request(chat.turn(self.prompts.text(CHAT_FOLLOW_UP_TOKENS)))
+        sent = time.time()
         turn = send(server, self.model, request, 2, chat.conversation)
         after = server.stats()
+        if server.samples is not None and turn.ttft >= SLOW_TTFT_S:
+            print_stack_samples(server.samples, sent, sent + turn.ttft, label)
         def delta(key: str) -> float:
             return stats_delta(before, after, key)
 
@@ -893,6 +907,20 @@ class ChatBench:
         print(f"  {label}: TTFT {turn.ttft * 1e3:.0f} ms, {turn.prompt_tokens} prompt tokens, "
               f"{turn.cached_tokens} cached ({row['restored_tokens']} restored from RAM or disk{where})", flush=True)
         return row
+
+
+SLOW_TTFT_S = 0.3  # a follow-up this slow gets its server's stack samples printed (--stack-samples)
+
+
+def print_stack_samples(path: Path, start: float, end: float, label: str) -> None:
+    """The commonest stacks of the server's engine and HTTP threads between a follow-up's sending and
+    its first token (the sampler writes them twice a second: waited for)."""
+    time.sleep(0.7)
+    for thread in ("hearth-engine", "MainThread"):
+        stacks = read_samples(path, start, end, thread)
+        print(f"    {label}: {thread} stack samples over {end - start:.2f} s: {len(stacks)}", flush=True)
+        for n, stack in top_stacks(stacks, frames=5, top=6):
+            print(f"      {n:5d}  {stack}", flush=True)
 
 
 def drop_file_cache(folder: Path) -> bool:
@@ -962,7 +990,8 @@ def measure_chat_cache(folder: Path, prompts: Prompts, args: argparse.Namespace,
         print(f"  server flags: {' '.join(flags)} --max-model-len {max_len} --max-num-seqs 1", flush=True)
 
         def start(log_tail: str, warm_up_chat: bool = True) -> Server:
-            server = Server(folder, flags, max_len, 1, args.logs / f"server-chat-cache{suffix}{log_tail}.log")
+            samples = args.logs / f"server-chat-cache{suffix}{log_tail}.stacks.jsonl" if args.stack_samples else None
+            server = Server(folder, flags, max_len, 1, args.logs / f"server-chat-cache{suffix}{log_tail}.log", samples)
             try:
                 server.wait()
                 print(f"  server ready: {server.load_text()}", flush=True)
@@ -1141,6 +1170,9 @@ def main() -> None:
                         help="chat-cache(-tiers): device cache pages (default: one chat's context)")
     parser.add_argument("--runner", action="store_true", help="also time ModelRunner.run in-process")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--stack-samples", action="store_true",
+                        help="chat-cache rows: the servers sample their engine and HTTP threads' stacks into "
+                             "--logs and a follow-up slower than 0.3 s prints its commonest stacks")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script itself (with a tiny family)")
     args = parser.parse_args()

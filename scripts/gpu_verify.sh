@@ -88,7 +88,7 @@ for step in "${steps[@]}"; do
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         wait  # the checkpoint
         timeout 300 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
-            --chat-context 65536 > "$OUT/e2e-chat-tiers.log" 2>&1
+            --chat-context 65536 ${CHAT_ARGS:-} > "$OUT/e2e-chat-tiers.log" 2>&1
         grep -E "TTFT|target|tier" "$OUT/e2e-chat-tiers.log" | tail -14 ;;
     defaults|dtests)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
         HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \

@@ -80,7 +80,8 @@ def test_chat_cache_tiers_on_the_cpu_adopts_the_parked_tiers_after_each_restart(
     out = tmp_path / "e2e.json"
     cmd = [sys.executable, str(BENCH / "bench_e2e.py"), "--family", "tiny", "--device", "cpu",
            "--dir", str(tmp_path / "ckpt"), "--configs", "chat-cache-tiers", "--chat-context", "1024",
-           "--max-model-len", "2048", "--reps", "1", "--logs", str(tmp_path / "logs"), "--json", str(out)]
+           "--max-model-len", "2048", "--reps", "1", "--logs", str(tmp_path / "logs"), "--json", str(out),
+           "--stack-samples"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert run.returncode == 0, run.stdout + run.stderr
     res = json.loads(out.read_text())["configs"]["chat-cache-tiers"]
@@ -101,3 +102,6 @@ def test_chat_cache_tiers_on_the_cpu_adopts_the_parked_tiers_after_each_restart(
             assert row["tier_restored_chats"] == (row["tier_source"] == "disk"), (stage, row)
     assert all(r["tier_source"] == "recomputed" and r["cached_tokens"] == 0 for r in res["full"]["runs"])
     assert "tiers adopted from" in run.stdout
+    # each server sampled its engine thread (--stack-samples), while it served at least
+    samples = sorted((tmp_path / "logs").glob("server-chat-cache-tiers*.stacks.jsonl"))
+    assert len(samples) == 3 and all('"hearth-engine"' in path.read_text() for path in samples)

@@ -140,6 +140,11 @@ class EngineHost:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The engine thread (every ``Engine`` call but loading runs on it)."""
+        return self._thread
+
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()

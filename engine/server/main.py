@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from hearth.engine.api import HearthError
@@ -38,6 +39,8 @@ from hearth.engine.flags import add_engine_arguments, engine_config
 from hearth.engine.server.app import create_app
 from hearth.engine.server.host import EngineHost
 from hearth.engine.server.security import AccessPolicy, LoadPaths, add_security_arguments, is_loopback
+from hearth.engine.stack_samples import ENV as STACK_SAMPLES_ENV
+from hearth.engine.stack_samples import StackSampler
 
 API_KEY_ENV = "HEARTH_API_KEY"
 DEFAULT_PORT = 8000
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                           cors_origins=tuple(args.cors_origin), max_body_bytes=int(args.max_body_mib * 2**20))
     load_paths = LoadPaths.of(args.allow_load_path, [args.model] if args.model else ())
     host.start()
+    sampler = _stack_sampler(host)
     # uvicorn stops gracefully on SIGTERM, then raises it again: as Ctrl-C, it then ends up in the
     # ``finally`` below, which saves the chat cache, instead of killing the process.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -102,7 +106,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         host.close()
+        if sampler is not None:
+            sampler.stop()
     return 0
+
+
+def _stack_sampler(host: EngineHost) -> StackSampler | None:
+    """The developers' stack samples of the engine thread and this (the HTTP loop's) thread, when the
+    environment names their file (``hearth.engine.stack_samples``)."""
+    path = os.environ.get(STACK_SAMPLES_ENV)
+    if not path:
+        return None
+    logger.info("sampling the engine's stacks into %s (a diagnostic: it slows the server a little)", path)
+    return StackSampler([host.thread, threading.main_thread()], path).start()
 
 
 def _interrupt(signum: int, frame: object) -> None:
