@@ -46,7 +46,7 @@ import torch
 from hearth.engine.cache_files import header_frame, private_folder, read_header_frame, touch, write_atomically
 from hearth.engine.warm_start import BackgroundReads
 from hearth.offload.coarse_index import PagePool
-from hearth.offload.parked import ParkedPages, ParkedRows
+from hearth.offload.parked import ParkedPages, ParkedRows, headroom
 
 __all__ = ["FORMAT_VERSION", "HostMemoryError", "ReadTally", "StoredChat", "TierPreload", "TierStore", "read_chat",
            "drop_tiers_from_folder", "tier_folder"]
@@ -398,10 +398,13 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _empty(spec: Mapping[str, Any], pin: bool) -> torch.Tensor:
+def _empty(spec: Mapping[str, Any], pin: bool, extra_rows: int = 0) -> torch.Tensor:
+    """A host tensor for ``spec`` with ``extra_rows`` more rows (room for the next turn's tokens)."""
     shape = [int(n) for n in spec["shape"]]
     if any(n < 0 for n in shape):
         raise ValueError("negative tensor shape")
+    if extra_rows and shape:
+        shape[0] += extra_rows
     return torch.empty(shape, dtype=_DTYPES[spec["dtype"]], pin_memory=pin)
 
 
@@ -474,8 +477,8 @@ def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally, stop
         finally:
             tally.alloc_ms += (time.perf_counter() - start) * 1e3
 
-    def empty(spec: Mapping[str, Any]) -> torch.Tensor:
-        return allocated(_empty, spec, pin)
+    def empty(spec: Mapping[str, Any], extra_rows: int = 0) -> torch.Tensor:
+        return allocated(_empty, spec, pin, extra_rows)
 
     def pause() -> None:
         if between is not None:
@@ -492,10 +495,10 @@ def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally, stop
     with open(path, "rb", buffering=0) as file:
         file.seek(chat.data_offset)
         for layer in header["keys"]:
-            pages = int(layer["pages"])
-            pool = allocated(PagePool, pages, int(layer["page_size"]), int(layer["head_dim"]), str(layer["fmt"]),
-                             torch.device("cpu"), pin=pin)
-            if not read_into(pool.buf, layer["pool"]):
+            pages, page_size = int(layer["pages"]), int(layer["page_size"])
+            pool = allocated(PagePool, pages + headroom(pages), page_size, int(layer["head_dim"]),
+                             str(layer["fmt"]), torch.device("cpu"), pin=pin)
+            if not read_into(pool.buf[:pages], layer["pool"]):
                 return None
             summaries = []
             for spec in layer["summaries"]:
@@ -505,10 +508,11 @@ def _read_states(path: Path, chat: StoredChat, pin: bool, tally: ReadTally, stop
                 summaries.append(summary)
             keys[int(layer["layer"])] = ParkedPages(pool, pages, tuple(summaries))
         for layer in header["latents"]:
-            host = empty(layer["host"])
-            if host.dim() != 2 or host.shape[0] != int(layer["rows"]) or not read_into(host, layer["host"]):
+            rows = int(layer["rows"])
+            host = empty(layer["host"], headroom(rows))
+            if host.dim() != 2 or host.shape[0] - headroom(rows) != rows or not read_into(host[:rows], layer["host"]):
                 return None
-            latents[int(layer["layer"])] = ParkedRows(host, host.shape[0])
+            latents[int(layer["layer"])] = ParkedRows(host, rows)
     return keys, latents
 
 

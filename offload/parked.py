@@ -22,6 +22,22 @@ import torch
 from hearth.offload.coarse_index import PagePool
 
 
+def grown_capacity(needed: int) -> int:
+    """The capacity a tier's host pool grows to when it must hold ``needed`` rows (pages or tokens):
+    the next power of two. From a power of two that is doubling; a pool resumed from a chat file
+    (its exact size plus ``headroom``) lands back on a power of two. Powers of two matter beyond the
+    amortised copies: the planned tiers' coarse step is compiled per power of two of the pool's pages,
+    so an odd capacity is a kernel compiled (seconds) on some request's path and wider rows scored."""
+    return 1 << max(0, needed - 1).bit_length()
+
+
+def headroom(used: int) -> int:
+    """Rows (pages or tokens) a state read from a chat file is given beyond its ``used`` ones, so that
+    the next turn's tokens fit without growing the pool (a copy of the whole pool, pinned anew, on
+    the request path: 0.37 s for a 64K chat of three layers on the H200): an eighth more, at least one."""
+    return max(used // 8, 1)
+
+
 def _nbytes(tensors: tuple[torch.Tensor | None, ...]) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 

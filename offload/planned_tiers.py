@@ -75,7 +75,7 @@ from hearth.kernels.topk.one_launch import (
 from hearth.kernels.topk.radix import new_workspace, radix_topk_launch
 from hearth.kernels.topk.single_pass import new_scratch
 from hearth.offload.coarse_index import PagePool, quantize_means
-from hearth.offload.parked import ParkedPages, ParkedRows, whole_pages
+from hearth.offload.parked import ParkedPages, ParkedRows, grown_capacity, whole_pages
 
 MEAN_GROUP = 16  # tokens per summary mean; also the block size of the summary pool (kernel layout)
 HEAD_DIM = 128
@@ -179,7 +179,7 @@ class PlannedKeys:
         copy waits for the write-through copies in flight."""
         if pages <= self.host.num_pages:
             return
-        cap = max(pages, 2 * self.host.num_pages)
+        cap = grown_capacity(pages)
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.host.grow(cap)
@@ -394,7 +394,7 @@ class PlannedLatents:
     def _grow(self, rows: int) -> None:
         if rows <= self.host.shape[0]:
             return
-        cap = max(rows, 2 * self.host.shape[0])
+        cap = grown_capacity(rows)
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
         host = torch.zeros(cap, self.config.width, dtype=self.config.dtype, pin_memory=self._cuda)

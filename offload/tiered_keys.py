@@ -67,7 +67,7 @@ from hearth.offload.coarse_index import (
     summarize_pages,
     to_device,
 )
-from hearth.offload.parked import ParkedPages, whole_pages
+from hearth.offload.parked import ParkedPages, grown_capacity, whole_pages
 
 CANDIDATE_FACTOR = 8  # default candidate pages: page_size tokens each, for 8x the selected tokens
 
@@ -234,7 +234,7 @@ class TieredKeys:
     def _grow(self, pages: int) -> None:
         if pages <= self.host.num_pages:
             return
-        cap = max(pages, 2 * self.host.num_pages)
+        cap = grown_capacity(pages)
         self._sync()  # write-through copies into the old pool must land before it is copied
         self.host.grow(cap)
         slot = torch.full((cap,), -1, dtype=torch.long)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hearth.offload.coarse_index import new_stream, to_device
-from hearth.offload.parked import ParkedRows
+from hearth.offload.parked import ParkedRows, grown_capacity
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class TieredLatents:
     def _grow(self, rows: int) -> None:
         if rows <= self.host.shape[0]:
             return
-        cap = max(rows, 2 * self.host.shape[0])
+        cap = grown_capacity(rows)
         self._sync()
         host = torch.zeros(cap, self.config.width, dtype=self.config.dtype, pin_memory=self._cuda)
         host[: self.num_tokens] = self.host[: self.num_tokens]
