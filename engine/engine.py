@@ -104,7 +104,7 @@ from hearth.engine.text.harmony import uses_harmony
 from hearth.engine.text.tokenizer import Tokenizer
 from hearth.engine.tier_cache import TierCache
 from hearth.engine.tier_store import FORMAT_VERSION as TIER_FORMAT
-from hearth.engine.tier_store import TierStore, tier_folder
+from hearth.engine.tier_store import TierPreload, TierStore, tier_folder
 from hearth.engine.warm_up import ANSWER_TOKENS, CONVERSATION, Limits, warm_up_rounds, warm_up_token_ids
 from hearth.offload.expert_cache import ExpertCache
 
@@ -139,9 +139,11 @@ class Engine:
     """Continuous batching over a loaded model: requests join and leave at any step."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
-                 generation_defaults: Mapping[str, Any] | None = None, *, preload: Preload | None = None) -> None:
-        """``preload``: the warm start ``Engine.load`` began before the weights loaded (else one is
-        started here when ``config`` asks for it)."""
+                 generation_defaults: Mapping[str, Any] | None = None, *, preload: Preload | None = None,
+                 tier_preload: TierPreload | None = None) -> None:
+        """``preload`` / ``tier_preload``: the warm starts of the chat cache's pages and of its parked
+        long chats that ``Engine.load`` began before the weights loaded (else they are started here
+        when ``config`` asks for them; one the model does not use is stopped)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -153,9 +155,12 @@ class Engine:
         # in RAM, then on disk, for its chat's next turn (hearth.engine.tier_cache). With tiered keys
         # only, the pages hold the latents and stay a prefix cache (RAM and disk behind it).
         tiered = runner.key_tiers is not None or runner.latent_tiers is not None
+        warm_tiers = tier_preload or config.prefix_cache_preload
         self.tier_cache = TierCache(runner.model_config, runner.key_tiers, runner.latent_tiers, runner.block_size,
                                     _tier_cache_bytes(config), _tier_store(runner, config),
-                                    preload=config.prefix_cache_preload) if tiered else None
+                                    preload=warm_tiers) if tiered else None
+        if tier_preload is not None and not tiered:
+            tier_preload.cancel(timeout=0)
         self.prefix_tier = None if runner.latent_tiers is not None else _prefix_tier(runner, config, preload)
         if preload is not None and (self.prefix_tier is None or self.prefix_tier.store.preload is not preload):
             preload.cancel(wait=False)  # (no pages on disk to warm: tiered latents)
@@ -204,14 +209,18 @@ class Engine:
     def load(cls, path: str, config: EngineConfig | None = None) -> Engine:
         """Load a model folder (config.json, safetensors, tokenizer files)."""
         config = config or EngineConfig()
-        preload = _start_preload(path, config)  # the chat cache's warm start reads while the weights load
+        # the chat cache's warm starts read while the weights load
+        preload, tier_preload = _start_preload(path, config), _start_tier_preload(path, config)
         try:
             runner = ModelRunner.load(str(path), config)
             tokenizer = Tokenizer.from_pretrained(path, runner.model_config.model_type)
-            return cls(runner, tokenizer, config, generation_defaults(Path(path)), preload=preload)
+            return cls(runner, tokenizer, config, generation_defaults(Path(path)), preload=preload,
+                       tier_preload=tier_preload)
         except BaseException:
             if preload is not None:
                 preload.cancel()
+            if tier_preload is not None:
+                tier_preload.cancel()
             raise
 
     # ---- requests --------------------------------------------------------------------------
@@ -850,6 +859,19 @@ def _start_preload(checkpoint: str | Path, config: EngineConfig) -> Preload | No
         return None
     pin = resolve_device(config.device).type == "cuda"  # (the pages go to a CUDA device through pinned memory)
     return Preload(config.prefix_cache_dir, model_key(checkpoint), _host_cache_bytes(config), pin=pin)
+
+
+def _start_tier_preload(checkpoint: str | Path, config: EngineConfig) -> TierPreload | None:
+    """The warm start of the parked long chats' files (``TierPreload``), begun before the weights load
+    (a model of hundreds of GB loads for minutes; its newest chats are in RAM by then), when ``config``
+    keeps chat caches on disk and asks for it, and the folder holds chats of this model."""
+    if not (config.prefix_cache_offload and config.prefix_cache_dir and config.prefix_cache_preload):
+        return None
+    chats = TierPreload.plan_folder(tier_folder(config.prefix_cache_dir), model_key(checkpoint),
+                                    _tier_cache_bytes(config))
+    if not chats:
+        return None
+    return TierPreload(tier_folder(config.prefix_cache_dir), chats, pin=resolve_device(config.device).type == "cuda")
 
 
 def _tier_store(runner: ModelRunner, config: EngineConfig) -> TierStore | None:

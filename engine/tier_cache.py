@@ -60,6 +60,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.scheduler import Sequence
 from hearth.engine.tier_store import StoredChat, TierPreload, TierStore
 from hearth.engine.tiers import KeyTiers, LatentTiers
+from hearth.offload.parked import headroom
 
 
 @dataclass
@@ -77,9 +78,11 @@ class TierCache:
 
     def __init__(self, model_config: ModelConfig, key_tiers: KeyTiers | None, latent_tiers: LatentTiers | None,
                  page_size: int, budget_bytes: int, store: TierStore | None = None, *,
-                 preload: bool = False) -> None:
+                 preload: bool | TierPreload = False) -> None:
         """``store``: where parked chats go when they leave RAM (None: they are forgotten);
-        ``preload``: read its newest chats into RAM in the background (``TierPreload``)."""
+        ``preload``: read its newest chats into RAM in the background (``TierPreload``), or the
+        warm start ``Engine.load`` began from the folder before the weights loaded (its chats are
+        checked against the store as they are placed)."""
         self.key_tiers, self.latent_tiers = key_tiers, latent_tiers
         self.page_size = page_size
         self.budget_bytes = budget_bytes
@@ -111,7 +114,12 @@ class TierCache:
         self.preloaded_chats = self.preloaded_bytes = 0
         self.preload_wait_ms = 0.0
         self._preload: TierPreload | None = None
-        if store is not None and preload and budget_bytes > 0:
+        if isinstance(preload, TierPreload):
+            if store is not None and budget_bytes > 0:
+                self._preload = preload
+            else:
+                preload.cancel(timeout=0)
+        elif store is not None and preload and budget_bytes > 0:
             chats = TierPreload.plan(store, budget_bytes)
             if chats:
                 self._preload = TierPreload(store.folder, chats, pin=store.pin)
@@ -230,6 +238,10 @@ class TierCache:
         """seq's tiers resume from the best parked state, cut to ``paged_hit`` when the latents are
         in the pages; returns the tokens seq starts with."""
         start, restored = time.perf_counter(), self.restore_ms  # (a read back here counts once)
+        room = seq.num_tokens + headroom(seq.num_tokens)  # (the prompt and an eighth: no pool grows in its prefill)
+        for tiers in (self.key_tiers, self.latent_tiers):
+            if tiers is not None:
+                tiers.reserve(seq.request_id, room)
         key = self._best_in_ram(seq) if offered else None
         tokens = min(offered, paged_hit) if self.needs_pages else offered
         if key is None or tokens == 0:
@@ -291,7 +303,7 @@ class TierCache:
             start = time.perf_counter()
             taken = self._preload.take(name)
             self.preload_wait_ms += _ms_since(start)
-        if taken is None:
+        if taken is None or self._indexed(taken[0]) is not chat:
             return self._place(chat, self.store.read(name), used=True, preloaded=False)
         return self._place(chat, self.store.settle_read(name, *taken[1]), used=True, preloaded=True)
 
@@ -332,11 +344,22 @@ class TierCache:
         dropped, an unsound one rejected as a read of this thread's would be)."""
         if self._preload is None or self.store is None:
             return
-        for chat, (states, problem) in self._preload.claim():
-            if self.store.chats.get(chat.name) is not chat:
-                continue  # (its file was deleted or evicted meanwhile: the copy goes)
+        for read, (states, problem) in self._preload.claim():
+            chat = self._indexed(read)
+            if chat is None:
+                continue  # (its file was deleted, evicted or found stale meanwhile: the copy goes)
             self._place(chat, self.store.settle_read(chat.name, states, problem, used=False),
                         used=False, preloaded=True)
+
+    def _indexed(self, read: StoredChat) -> StoredChat | None:
+        """The store's entry of the file a preload read, if it is still that file and usable (a warm
+        start begun before the store opened planned from the files alone: no fingerprint check)."""
+        assert self.store is not None
+        chat = self.store.chats.get(read.name)
+        if chat is None or chat.size != read.size or chat.fingerprint != self.store.fingerprint \
+                or read.fingerprint != chat.fingerprint:
+            return None
+        return chat
 
     def wait_preload(self, timeout: float | None = None) -> bool:
         """Wait until the preload read (or skipped) every file it planned, then place them; False

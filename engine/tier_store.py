@@ -34,7 +34,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,14 +313,26 @@ class TierPreload:
     def plan(store: TierStore, budget: int) -> list[StoredChat]:
         """The store's usable chats, newest first, up to ``budget`` bytes of states (stopping at the
         first that would exceed it)."""
-        chats: list[StoredChat] = []
-        left = budget
-        for chat in reversed(list(store.usable())):
-            if chat.state_bytes > left:
-                break
-            chats.append(chat)
-            left -= chat.state_bytes
-        return chats
+        return _newest_within(reversed(list(store.usable())), budget)
+
+    @staticmethod
+    def plan_folder(folder: Path, key: str, budget: int) -> list[StoredChat]:
+        """Before any store opens (``Engine.load`` starts the warm start before the weights load, when
+        the tier config that makes the store's fingerprint is not known yet): the chat files of the
+        model ``key`` in ``folder``, newest first, up to ``budget`` bytes. Read-only: files that are
+        unsound or stale are the store's to delete, and the engine drops their copies
+        (``TierCache.settle_preload``)."""
+        found: list[tuple[float, StoredChat]] = []
+        for path in folder.glob(f"*{_SUFFIX}") if folder.is_dir() else ():
+            try:
+                stat = path.stat()
+                chat = _read_index(path, stat.st_size)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if chat.model_key == key:
+                found.append((stat.st_mtime, chat))
+        found.sort(key=lambda item: (item[0], item[1].name), reverse=True)
+        return _newest_within((chat for _, chat in found), budget)
 
     @property
     def running(self) -> bool:
@@ -368,6 +380,18 @@ def _read_outcomes(claimed: list[tuple[StoredChat, Future[Outcome]]]) -> list[tu
     (``Cancelled``), nor failed for another reason than the file (``HostMemoryError``, say)."""
     return [(chat, result.result()) for chat, result in claimed
             if not result.cancelled() and result.exception() is None]
+
+
+def _newest_within(chats: Iterable[StoredChat], budget: int) -> list[StoredChat]:
+    """``chats`` (newest first) up to ``budget`` bytes of states, stopping at the first that would exceed it."""
+    taken: list[StoredChat] = []
+    left = budget
+    for chat in chats:
+        if chat.state_bytes > left:
+            break
+        taken.append(chat)
+        left -= chat.state_bytes
+    return taken
 
 
 def drop_tiers_from_folder(cache_dir: str | Path, conversation: str) -> int:

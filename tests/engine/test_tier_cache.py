@@ -221,3 +221,16 @@ def test_follow_up_turn_on_the_kernel_path_adopts_the_planned_tiers(tmp_path_fac
     adopted, cached = _turn(engine, follow_up, sampling=sampling)
     assert cached == (70 + 8 - 1) // BS * BS
     assert adopted == _turn(Engine.load(path, config), follow_up, sampling=sampling)[0]
+
+
+def test_a_request_s_tiers_start_with_room_for_its_prompt(v32):
+    """Host pools sized at admission for the prompt and an eighth more: the prefill and a short answer
+    grow none (growing doubled from a few pages, pinning and copying several times the prompt)."""
+    engine = Engine.load(v32, EngineConfig(**BASE, **KEYS_AND_LATENTS))
+    prompt = _ids(300, 11)
+    _turn(engine, prompt, "long")
+    [parked] = engine.tier_cache._parked.values()
+    room = 300 + 300 // 8
+    assert {state.host.num_pages for state in parked.keys.values()} == {-(-room // BS)}
+    assert {state.host.shape[0] for state in parked.latents.values()} == {room}
+    assert not engine.tier_cache.key_tiers._reserved  # (forgotten with the request)

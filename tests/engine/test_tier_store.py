@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hearth.engine import Engine, EngineConfig, tier_store
+from hearth.engine import engine as engine_module
 from hearth.engine.testing.tiny import write_tiny_model
 from hearth.engine.tier_store import TierPreload, TierStore, drop_tiers_from_folder, tier_folder
 from hearth.offload.coarse_index import PagePool
@@ -384,3 +385,44 @@ def test_the_preload_holds_while_the_engine_serves_requests(v32, tmp_path, monke
     _turn(engine, _ids(30, 9), "other")
     assert seen and all(seen) and not reads._busy
     assert engine.close() >= 1
+
+
+def test_the_warm_start_reads_the_chat_files_while_the_weights_load(v32, tmp_path, monkeypatch):
+    """``Engine.load`` starts the tier files' warm start from the folder alone, before the weights load
+    (the store, whose fingerprint needs the loaded runner, checks each file as its copy is placed)."""
+    prompt, answer = _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    events: list[str] = []
+    read, load = tier_store.read_chat, engine_module.ModelRunner.load
+
+    def reading(*args, **kwargs):
+        events.append("read")
+        return read(*args, **kwargs)
+
+    def loading(*args, **kwargs):
+        deadline = time.monotonic() + 30
+        while "read" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        events.append("weights")
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(tier_store, "read_chat", reading)
+    monkeypatch.setattr(engine_module.ModelRunner, "load", loading)
+    engine = Engine.load(v32, _config(tmp_path, KEYS_AND_LATENTS, prefix_cache_preload=True))
+    assert events == ["read", "weights"]
+    stats = _preloaded(engine)
+    assert stats["tier_cache_preloaded_chats"] == 1 and stats["tier_cache_files_rejected"] == 0
+    follow_up = prompt + answer + _ids(15, 5)
+    assert _turn(engine, follow_up, "chat") == (_fresh(v32, follow_up), _covered(prompt))
+    assert _tier_stats(engine)["tier_cache_disk_read_bytes"] == 0  # (its copy was in RAM)
+    assert engine.close() >= 1
+
+
+def test_an_early_warm_start_s_stale_copy_is_never_used(v32, tmp_path):
+    """A file of another tier config is read by the warm start begun before the store knew the
+    config (it plans by model only); the store finds it stale: deleted, its copy dropped, recomputed."""
+    _first_turn(v32, tmp_path, KEYS_AND_LATENTS)
+    engine = Engine.load(v32, _config(tmp_path, EXACT_KEYS, prefix_cache_preload=True))
+    stats = _preloaded(engine)
+    assert stats["tier_cache_preloaded_chats"] == 0 and stats["tier_cache_chats"] == 0
+    assert stats["tier_cache_files_rejected"] == 1 and _files(tmp_path) == []
+    assert engine.close() == 0

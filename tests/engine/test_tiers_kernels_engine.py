@@ -50,7 +50,7 @@ def test_tiers_on_the_kernel_path_equal_tiers_off(kernel_model, kernel_path, mon
     made = []
     for tiers in (runner.key_tiers, runner.latent_tiers):
         new = tiers._new
-        tiers._new = lambda new=new: made.append(new()) or made[-1]
+        tiers._new = lambda tokens, new=new: made.append(new(tokens)) or made[-1]
     temporary = []  # prefill histories read into temporary buffers (none: both prompts fit the two buffers)
     for cls in (PlannedKeys, PlannedLatents):
         monkeypatch.setattr(cls, "history", lambda self, *args, real=cls.history: temporary.append(self) or
