@@ -53,7 +53,7 @@ class StackSampler:
                 frames, now = sys._current_frames(), time.time()
                 for target in self.targets:
                     frame = frames.get(target.ident or -1)
-                    stack = []
+                    stack: list[str] = []
                     while frame is not None and len(stack) < _DEPTH:
                         code = frame.f_code
                         stack.append(f"{Path(code.co_filename).name}:{code.co_name}:{frame.f_lineno}")
