@@ -53,7 +53,8 @@ class ParkedPages:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held: the pool's whole allocation (it grows by doubling) and the summaries."""
+        """Host bytes held: the pool's whole allocation (it grows to powers of two, and a chat read
+        from its file has an eighth more room) and the summaries."""
         return _nbytes((self.host.buf, *self.summaries))
 
 

@@ -175,8 +175,8 @@ class PlannedKeys:
         return sum(t.numel() * t.element_size() for t in held) + self.plan.device_bytes()
 
     def _grow(self, pages: int) -> None:
-        """Room for pages pages (host pool, summaries, residency table): doubling; the host pool's
-        copy waits for the write-through copies in flight."""
+        """Room for pages pages (host pool, summaries, residency table): the next power of two
+        (``parked.grown_capacity``); the host pool's copy waits for the write-through copies in flight."""
         if pages <= self.host.num_pages:
             return
         cap = grown_capacity(pages)
