@@ -7,7 +7,7 @@
 #   through the server, the chat cache across a restart, plain and tiered, planned tiers by kernel), one call each; `defaults`
 #   (~6 min: the GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident;
 #   `dtests`: its tests only); `c2k` (~6.5 min: the C2 kernels' tests and rows), `chat-tiers` (~4 min: a tiered chat's
-#   follow-ups across restarts). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   follow-ups across restarts), `c2close` (~9 min: C2's open rows, then its tests). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -22,7 +22,7 @@ mkdir -p "$OUT/l"
 fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32 gpt_oss)
 [[ " ${steps[*]} " == *" c2 "* ]] && fams+=(deepseek_v32)
 [[ " ${steps[*]} " == *" defaults "* ]] && fams+=(deepseek_v32)
-[[ " ${steps[*]} " == *" chat-tiers "* ]] && fams+=(deepseek_v32)
+[[ " ${steps[*]} " == *" chat-tiers "* || " ${steps[*]} " == *" c2close "* ]] && fams+=(deepseek_v32)
 (( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
 write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
@@ -85,6 +85,21 @@ for step in "${steps[@]}"; do
         timeout 60 python3 bench/bench_longctx.py --prefill-buffers --prefill-contexts 32768,131072 --prefill-chunk 2048 \
             --prefill-layers 4 --time-limit 50 --out "$OUT/l" > "$OUT/prefill-buffers.log" 2>&1
         grep -E "^\(5\)|prefill [0-9]+K" "$OUT/prefill-buffers.log" | tail -8 ;;
+    c2close)  # C2's open rows in one call (~9 min): the planned read by candidate select (bisection vs its narrowed,
+              # early-stopping form), the tiered chat's follow-ups, then the GPU tests of what changed since
+        timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
+            --time-limit 65 --profile --candidate-topk select narrow --out "$OUT/l" > "$OUT/longctx.log" 2>&1
+        grep -E -A12 "^\(p\)|planned:|kernels of planned|graph:" "$OUT/longctx.log" | tail -30
+        wait  # the checkpoint
+        timeout 300 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
+            --chat-context 65536 ${CHAT_ARGS:-} > "$OUT/e2e-chat-tiers.log" 2>&1
+        grep -E "TTFT|target|tier" "$OUT/e2e-chat-tiers.log" | tail -14
+        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-130} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+            -p no:cacheprovider -n 8 tests/kernels/test_topk_short.py tests/offload/test_planned_tiers_launches.py \
+            tests/engine/test_tier_store.py tests/engine/test_tier_cache.py tests/engine/test_warm_start.py \
+            tests/engine/test_tiers_kernels_engine.py ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
+        echo "rc $?" >> "$OUT/l/tests.log"
+        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12 ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         wait  # the checkpoint
         timeout 300 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \

@@ -11,7 +11,8 @@ kernel derives n_pages = ceil(context / page), n_cold = max(n_pages - hot, 0), n
    (``hearth.kernels.topk.short_row``, rows of at most MAX_SHORT_N pages, ties to the lower page),
    selects with Triton's bitonic top-k and sorts the winners back into page order; ``select``
    selects the same pages in registers by bisecting the k-th largest score (``short_row_select``)
-   and lists them in page order with one cumsum, no sort network; ``hist`` finds the same cut with
+   and lists them in page order with one cumsum, no sort network; ``narrow`` bisects only the row's
+   own key range and stops at the first midpoint exactly C pages reach (fewer counts); ``hist`` finds the same cut with
    4 radix histograms of the row in registers (``short_row_hist_select``). Page order keeps the fine
    table's logical positions in token order, so the fine top-k meets ties in the order the
    full-cache kernel does (with every cold page a candidate the table is the full cache's: tiny
@@ -39,6 +40,7 @@ from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS
 from hearth.kernels.topk.short_row import (
     MAX_SHORT_N,
     short_row_hist_select,
+    short_row_narrow_select,
     short_row_select,
     short_row_sizes,
     short_row_topk,
@@ -46,8 +48,8 @@ from hearth.kernels.topk.short_row import (
 )
 from hearth.kernels.topk.single_pass import select_row
 
-CandidateTopk = Literal["sort", "select", "hist", "single_pass"]
-CANDIDATE_TOPKS = ("sort", "select", "hist", "single_pass")
+CandidateTopk = Literal["sort", "select", "narrow", "hist", "single_pass"]
+CANDIDATE_TOPKS = ("sort", "select", "narrow", "hist", "single_pass")
 
 
 @triton.jit
@@ -74,6 +76,7 @@ def _coarse_step_kernel(
     HOT: tl.constexpr,
     SORT: tl.constexpr,
     SELECT: tl.constexpr,
+    NARROW: tl.constexpr,
     HIST: tl.constexpr,
     N_P2: tl.constexpr,
     K_P2: tl.constexpr,
@@ -91,11 +94,13 @@ def _coarse_step_kernel(
     n_cold = ring_start_of(n_tok, PAGE, HOT)
     n_valid = tl.minimum(n_cold, C)
     # 1. candidates -> pages[0:n_valid]
-    if SELECT | HIST:
+    if SELECT | NARROW | HIST:
         o_n = tl.arange(0, N_P2)
         b_s = tl.load(scores_ptr + o_n, mask=o_n < n_cold, other=0.0)
         if HIST:
             m_best = short_row_hist_select(b_s, o_n < n_cold, C, BITS, PASSES)
+        elif NARROW:
+            m_best = short_row_narrow_select(b_s, o_n < n_cold, C)
         else:
             m_best = short_row_select(b_s, o_n < n_cold, C)
         tl.store(pages_ptr + tl.cumsum(m_best.to(tl.int32), 0) - 1, o_n, mask=m_best)  # in page order
@@ -168,7 +173,8 @@ def coarse_step(
         page_scores, context_len, pages, fine_len, fine_workspace, scratch,
         plan.slot_of, plan.owner, plan.hit_stamp, plan.victims, plan.clock, plan.slot, plan.miss_src,
         plan.miss_dst, plan.n_miss, candidates, plan.num_slots, scratch.shape[-1] // 2,
-        PAGE=page_size, HOT=hot, SORT=method == "sort", SELECT=method == "select", HIST=method == "hist", N_P2=n_p2,
+        PAGE=page_size, HOT=hot, SORT=method == "sort", SELECT=method == "select",
+        NARROW=method == "narrow", HIST=method == "hist", N_P2=n_p2,
         K_P2=k_p2,
         T_P2=triton.next_power_of_2(n_table),
         S_CHUNK=slot_chunk(plan.num_slots), WS_N=fine_workspace.numel(),

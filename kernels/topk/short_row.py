@@ -15,8 +15,9 @@ score (descending, ties by index); rows with length L <= k give their L entries 
 `short_row_select` picks the same entries without the bitonic network (which costs O(N log^2 N)
 compare-exchanges of int64 keys across warps): it bisects the k-th largest order key with 32 counts
 of the row and returns a mask, which a caller lists in index order with one cumsum (the tiered coarse
-step's candidate pages); `short_row_hist_select` finds the same cut with 4 radix histograms (8-bit
-digits) of the row in registers.
+step's candidate pages); `short_row_narrow_select` bisects only the row's own key range and stops at
+the first midpoint exactly k entries reach; `short_row_hist_select` finds the same cut with 4 radix
+histograms (8-bit digits) of the row in registers.
 """
 
 from __future__ import annotations
@@ -60,6 +61,31 @@ def short_row_select(b_x, m_t, k):
         enough = tl.sum((m_t & (b_key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
+    cut = lo.to(tl.int32)
+    m_above = m_t & (b_key > cut)
+    m_tie = m_t & (b_key == cut)
+    room = k - tl.sum(m_above.to(tl.int32), 0)
+    return m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= room))
+
+
+@triton.jit
+def short_row_narrow_select(b_x, m_t, k):
+    """`short_row_select`'s mask (the same entries) in fewer counts: the bisection starts from the
+    row's own key range [min, max] (two reductions) instead of the whole int32 range, and stops at
+    the first midpoint that exactly k entries reach (then no entry ties at the cut). Each count is
+    a reduction across the program's warps, which is most of a step's cost: a row of ~2K page scores
+    whose keys span ~2^26 needs ~12-16 counts instead of 32. Every valid entry when there are at most k."""
+    b_key = float_order_key(tl.where(b_x == 0.0, 0.0, b_x))  # -0 == +0
+    # lo: a key that at least k entries reach (the least valid key reaches them all); hi: the greatest
+    lo = tl.min(tl.where(m_t, b_key, 2**31 - 1), 0).to(tl.int64)
+    hi = tl.max(tl.where(m_t, b_key, -(2**31)), 0).to(tl.int64)
+    done = (tl.sum(m_t.to(tl.int32), 0) <= k).to(tl.int32)  # at most k valid entries: take them all
+    while (lo < hi) & (done == 0):
+        mid = (lo + hi + 1) >> 1
+        reach = tl.sum((m_t & (b_key >= mid.to(tl.int32))).to(tl.int32), 0)
+        lo = tl.where(reach >= k, mid, lo)
+        hi = tl.where(reach >= k, hi, mid - 1)
+        done = (reach == k).to(tl.int32)
     cut = lo.to(tl.int32)
     m_above = m_t & (b_key > cut)
     m_tie = m_t & (b_key == cut)

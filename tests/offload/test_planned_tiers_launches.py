@@ -91,7 +91,8 @@ def _tiers(candidate_topk: str, candidates: int, seed: int = 0, fine_topk: str =
 
 
 @pytest.mark.parametrize("candidate_topk,fine_topk", [("sort", "radix"), ("select", "radix"), ("single_pass", "radix"),
-                                                      ("select", "one_launch"), ("hist", "one_launch")])
+                                                      ("select", "one_launch"), ("narrow", "one_launch"),
+                                                      ("hist", "one_launch")])
 def test_one_decode_read_is_a_few_launches(monkeypatch, candidate_topk, fine_topk):
     keys, lat, q, w, n = _tiers(candidate_topk, candidates=4, fine_topk=fine_topk)
     launches = _Launches(monkeypatch)
@@ -145,9 +146,9 @@ def test_sort_and_single_pass_select_the_same_pages():
         PlannedKeyConfig(candidate_topk="radix")
 
 
-@pytest.mark.parametrize("method", ["select", "hist"])
+@pytest.mark.parametrize("method", ["select", "narrow", "hist"])
 def test_select_lists_the_same_candidate_pages_as_sort(method):
-    """The in-register selects (bisection; radix histograms) and the bitonic sort give the same fine
+    """The in-register selects (bisection; bisection of the row's key range; radix histograms) and the bitonic sort give the same fine
     table, page for page (ties included: each is torch's stable order cut at the candidate count), over
     moving queries."""
     (ka, _, q, w, _), (kb, _, _, _, _) = _tiers("sort", candidates=3), _tiers(method, candidates=3)
