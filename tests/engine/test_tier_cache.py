@@ -234,3 +234,32 @@ def test_a_request_s_tiers_start_with_room_for_its_prompt(v32):
     assert {state.host.num_pages for state in parked.keys.values()} == {-(-room // BS)}
     assert {state.host.shape[0] for state in parked.latents.values()} == {room}
     assert not engine.tier_cache.key_tiers._reserved  # (forgotten with the request)
+
+
+def test_a_resumed_request_s_tiers_take_the_parked_pools_without_pinning_their_own(v32, monkeypatch):
+    """A follow-up that resumes parked tiers makes its tier objects with the least host room (their
+    pools are replaced by the parked ones at once): none is sized for the prompt, and each layer's
+    host pool afterwards is the parked state's own buffer."""
+    engine = Engine.load(v32, EngineConfig(**BASE, **KEYS_AND_LATENTS))
+    prompt = _ids(300, 11)
+    answer, _ = _turn(engine, prompt, "long")
+    [parked] = engine.tier_cache._parked.values()
+    parked_host = {id(state.host.buf) for state in parked.keys.values()} | {id(s.host) for s in parked.latents.values()}
+    made: list[int] = []
+    held: set[int] = set()
+    for tiers in (engine.tier_cache.key_tiers, engine.tier_cache.latent_tiers):
+        def spy(tokens: int, _new=tiers._new) -> object:
+            made.append(tokens)
+            return _new(tokens)
+        monkeypatch.setattr(tiers, "_new", spy)
+        resume = tiers.resume
+
+        def watch(seq_id, states, num_tokens, _tiers=tiers, _resume=resume) -> None:
+            _resume(seq_id, states, num_tokens)
+            for (sid, _), t in _tiers.tiers.items():
+                if sid == seq_id:
+                    held.add(id(t.host.buf) if hasattr(t.host, "buf") else id(t.host))
+        monkeypatch.setattr(tiers, "resume", watch)
+    _, cached = _turn(engine, prompt + answer + _ids(20, 5), "long")
+    assert cached > 0 and made and set(made) == {0}
+    assert held == parked_host
