@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from hearth.engine.block_manager import BlockManager, hash_block
+from hearth.engine.block_manager import BlockManager, common_pages, hash_block
 
 BS = 4  # block size used throughout
 
@@ -347,3 +347,26 @@ def test_placeholder_token_gets_its_value_before_its_block_is_registered():
     bm.append("b", [6, 7, 8])
     assert bm.can_append("a") and bm.can_append("b")
     assert not bm.can_append_each(["a", "b"])  # both need a new block and one is free
+
+
+def test_common_pages_equals_a_page_by_page_comparison():
+    """common_pages (runs of pages compared in order, the first differing run bisected) counts the
+    leading whole pages two token lists share, as a page-by-page walk does: lists of any length, a
+    difference anywhere (the first token, inside or at the edge of a scanned run, past the end)."""
+    def walk(a: list[int], b: list[int], size: int) -> int:
+        n = 0
+        while (n + 1) * size <= min(len(a), len(b)) and a[n * size:(n + 1) * size] == b[n * size:(n + 1) * size]:
+            n += 1
+        return n
+
+    rng = random.Random(3)
+    for _ in range(400):
+        size = rng.choice([1, 3, 16, 64])
+        a = [rng.randrange(4) for _ in range(rng.randrange(0, 6000))]
+        b = a[:rng.randrange(0, len(a) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(0, 300))]
+        assert common_pages(a, b, size) == walk(a, b, size) == common_pages(b, a, size)
+    a = list(range(64 * 64 * 3))
+    for at in (0, 63, 64, 64 * 64 - 1, 64 * 64, 64 * 64 * 2 + 5):  # around the edges of the scanned runs
+        b = a[:at] + [-1] + a[at + 1:]
+        assert common_pages(a, b, 64) == at // 64
+    assert common_pages(a, a + [1], 64) == len(a) // 64
