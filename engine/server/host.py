@@ -37,6 +37,7 @@ from hearth.engine.api import (
     Finished,
     HearthError,
     RequestStats,
+    TokenDelta,
 )
 from hearth.engine.config import ModelConfig
 from hearth.engine.engine import Engine, check_conversation_id
@@ -123,6 +124,10 @@ class EngineHost:
         self._model: LoadedModel | None = None
         self._loading: str | None = None
         self._sinks: dict[str, Sink] = {}
+        # requests whose first token has not been dispatched: a step that gives one its first token
+        # flushes the relay at once instead of at the next step's launch, which may capture a CUDA
+        # graph first (tens of ms on the first token of a chat whose tiers were just resumed)
+        self._awaiting_first: set[str] = set()
         self._snapshot_at = 0.0
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()  # held by the engine thread while it steps
@@ -193,6 +198,7 @@ class EngineHost:
         with self._lock:
             engine, model, self._engine, self._model = self._engine, self._model, None, None
             sinks, self._sinks = self._sinks, {}
+            self._awaiting_first.clear()
         if engine is not None:
             with self._step_lock:
                 saved = engine.close()  # the cached pages and long chats, for the next engine on this model
@@ -230,11 +236,13 @@ class EngineHost:
                     raise self._not_ready()
                 raise NoModelError("the model was replaced while this request was prepared; send it again")
             self._sinks[request_id] = sink
+            self._awaiting_first.add(request_id)
             try:
                 engine.add_request(prompt_token_ids=ids, sampling=sampling, request_id=request_id,
                                    conversation_id=conversation_id)
             except BaseException:
                 self._sinks.pop(request_id, None)
+                self._awaiting_first.discard(request_id)
                 raise
             self._counts["requests_total"] += 1
         self._wake.set()
@@ -309,11 +317,17 @@ class EngineHost:
             if now - self._snapshot_at >= _SNAPSHOT_EVERY_S or any(isinstance(e, Finished) for e in events):
                 self._take_snapshot(engine)  # not every step: stats cost host time a decode step cannot spare
                 self._snapshot_at = now
-            self._dispatch(events)
+            if self._dispatch(events):
+                self.relay.flush()  # a first token: to its client now (see _awaiting_first)
 
-    def _dispatch(self, events: list[Event]) -> None:
+    def _dispatch(self, events: list[Event]) -> bool:
+        """Pass events to their requests' sinks; whether one was a request's first token."""
+        first = False
         for event in events:
             with self._lock:
+                if event.request_id in self._awaiting_first and isinstance(event, (TokenDelta, Finished)):
+                    self._awaiting_first.discard(event.request_id)
+                    first = True
                 if isinstance(event, Finished):
                     sink = self._sinks.pop(event.request_id, None)
                     if sink is not None:
@@ -322,6 +336,7 @@ class EngineHost:
                     sink = self._sinks.get(event.request_id)
             if sink is not None:
                 sink(event)
+        return first
 
     def _count(self, finished: Finished) -> None:
         key = {"abort": "requests_aborted", "error": "requests_failed"}.get(finished.reason, "requests_finished")

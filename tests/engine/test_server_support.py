@@ -226,3 +226,45 @@ def test_the_event_relay_wakes_each_loop_once_per_flush_and_keeps_order():
     assert wakes["n"] == 3 + 1  # one per step with events, and the stop
     relay.sink(loop, got["a"].append)(TokenDelta("a", (9,), "late"))
     relay.flush()  # the loop is closed (a server shutting down): dropped without an error
+
+
+def test_a_request_s_first_token_is_relayed_before_the_next_step_starts(tmp_path):
+    """The relay normally hands a step's events to the loop when the next step is launched (which may
+    first capture a CUDA graph); a request's first token is relayed as soon as its step ends."""
+    import asyncio
+    import threading
+
+    from hearth.engine.api import TokenDelta
+
+    log: list[str] = []
+    done = threading.Event()
+    loop = asyncio.new_event_loop()
+    try:
+        for engine_host in in_process_host(tmp_path, max_model_len=64):
+            engine, relay = engine_host._engine, engine_host.relay
+            real_step, real_flush = engine.step, relay.flush
+
+            def step(launched=None):
+                log.append("step")
+                return real_step(launched=launched)
+
+            def flush():
+                log.append("flush")
+                real_flush()
+
+            engine.step, relay.flush = step, flush
+            queue = relay.sink(loop, lambda event: None)
+
+            def sink(event):
+                log.append("token" if isinstance(event, TokenDelta) else "end")
+                queue(event)
+                if not isinstance(event, TokenDelta):
+                    done.set()
+
+            engine_host.submit(sink, sampling={"max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                               prompt_token_ids=list(range(3, 20)))
+            assert done.wait(120)
+    finally:
+        loop.close()
+    first = log.index("token")
+    assert "step" in log[first:] and log[first + 1:].index("flush") < log[first + 1:].index("step")
