@@ -855,9 +855,10 @@ def main() -> None:
     ap.add_argument("--skip-stack", action="store_true")
     ap.add_argument("--planned", action="store_true",
                     help="also time the kernel path of tiered keys + latents (section 1p, CUDA only)")
-    ap.add_argument("--candidate-topk", nargs="+", choices=CANDIDATE_TOPKS, default=["select"],
+    ap.add_argument("--candidate-topk", nargs="+", choices=CANDIDATE_TOPKS, default=["narrow"],
                     help="section 1p's candidate-page top-k, one run each: the row in registers sorted by the "
-                         "bitonic top-k (sort) or bisected (select), or the single-pass select")
+                         "bitonic top-k (sort), bisected (select; narrow: over the row's own key range, stopping "
+                         "at an exact count) or cut by radix histograms (hist), or the single-pass select")
     ap.add_argument("--fine-topk", nargs="+", choices=["radix", "one_launch"], default=["one_launch"],
                     help="section 1p's fine top-k, one run each (with every --candidate-topk): the radix select "
                          "or the one-launch select after the fine indexer's histogram")
