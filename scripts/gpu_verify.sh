@@ -19,7 +19,7 @@ fi
 source scripts/gpu_env.sh
 steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests)
 mkdir -p "$OUT/l"
-fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32 gpt_oss)
+fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32) && [[ -z ${E2E_DS_ONLY:-} ]] && fams+=(gpt_oss)
 [[ " ${steps[*]} " == *" c2 "* ]] && fams+=(deepseek_v32)
 [[ " ${steps[*]} " == *" defaults "* ]] && fams+=(deepseek_v32)
 [[ " ${steps[*]} " == *" chat-tiers "* || " ${steps[*]} " == *" c2close "* ]] && fams+=(deepseek_v32)
