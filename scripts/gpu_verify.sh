@@ -7,7 +7,8 @@
 #   through the server, the chat cache across a restart, plain and tiered, planned tiers by kernel), one call each; `defaults`
 #   (~6 min: the GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident;
 #   `dtests`: its tests only); `c2k` (~6.5 min: the C2 kernels' tests and rows), `chat-tiers` (~4 min: a tiered chat's
-#   follow-ups across restarts), `c2close` (~9 min: C2's open rows, then its tests). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   follow-ups across restarts), `c2close` (~9 min: C2's open rows, then its tests),
+#   `c2stack` (~5 min: the planned read and the tiered stack by candidate select, the tier tests). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -98,6 +99,19 @@ for step in "${steps[@]}"; do
             -p no:cacheprovider -n 8 tests/kernels/test_topk_short.py tests/offload/test_planned_tiers_launches.py \
             tests/engine/test_tier_store.py tests/engine/test_tier_cache.py tests/engine/test_warm_start.py \
             tests/engine/test_tiers_kernels_engine.py ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
+        echo "rc $?" >> "$OUT/l/tests.log"
+        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12 ;;
+    c2stack)  # the planned read and the tiered 61-layer stack with the default candidate select (narrow) beside the
+              # bisection, then the GPU tests of the tier cache, the tiered pieces and graph steps (~5 min)
+        timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
+            --stack-modes tiered --budgets 256:4096:256 --time-limit 95 --profile --candidate-topk narrow select \
+            --out "$OUT/l" > "$OUT/longctx.log" 2>&1
+        grep -E -A12 "^\(p\)|planned:|stack with tiered|kernels of planned|graph:" "$OUT/longctx.log" | tail -40
+        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+            -p no:cacheprovider -n 8 tests/engine/test_tier_cache.py tests/engine/test_tiers_pieces.py \
+            tests/engine/test_tiers_graph_step.py tests/engine/test_tiers_kernels_engine.py tests/offload/test_planned_tiers.py \
+            tests/offload/test_planned_tiers_launches.py tests/kernels/test_topk_short.py tests/engine/test_server_support.py \
+            ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
         echo "rc $?" >> "$OUT/l/tests.log"
         grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12 ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
