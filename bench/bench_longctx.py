@@ -518,6 +518,9 @@ def run_planned(ctx: int, budgets: list[tuple[int, int, int | None, str, bool]],
              recall_mean=sum(recalls) / len(recalls), key_mb=key_b / 2**20,
              key_ratio=base["all_key_bytes"] / key_b, page_misses_per_step=sum(misses[1:]) / max(1, steps - 1))
         per_step = sum(misses[1:]) / max(1, steps - 1)
+        base.setdefault("planned", []).append(dict(label=f"c{cand} {kcfg.candidate_topk} {kcfg.fine_topk}",
+                                                   slowdown=t / t_base, recall=min(recalls),
+                                                   key_ratio=base["all_key_bytes"] / key_b))
         log(f"    planned: x{t / t_base:.2f} of all-on-GPU {'graph' if base['all_graph'] else 'eager'} "
             f"(target <= 1.15); recall min {min(recalls):.4f} (>= 0.99); keys {key_b / 2**20:.2f} MB/layer, "
             f"{base['all_key_bytes'] / key_b:.2f}x less (>= 4); page misses/step {per_step:.1f}")
@@ -794,13 +797,20 @@ def targets(layers_by_ctx: dict, stacks_by_ctx: dict) -> None:
             slow = t["t"] / (l128["all_graph"] or l128["all_eager"])
             slow_e = t["t"] / l128["all_eager"]
             ok = ratio >= 4 and slow <= 1.15 and t["recall_seeds"] >= 0.99
-            log(f"  tiered {t['label']} @128K: key memory {ratio:.2f}x smaller (>= 4), per-layer time x{slow:.2f} of "
+            log(f"  tiered {t['label']} @128K (the host-synchronised path of the CPU engine, not the GPU's): key "
+                f"memory {ratio:.2f}x smaller (>= 4), per-layer time x{slow:.2f} of "
                 f"all-on-GPU {'graph' if l128['all_graph'] else 'eager'} (x{slow_e:.2f} of eager; <= 1.15), recall "
                 f"min {t['recall']:.4f} mean {t['recall_mean']:.4f}, min over key sets {t['recall_seeds']:.4f} "
                 f"(>= 0.99): {'MET' if ok else 'NOT MET'}")
             out[f"tiered_{t['label'].replace(' ', '_')}"] = dict(key_ratio=ratio, slowdown=slow, slowdown_eager=slow_e,
                                                                  recall=t["recall"], recall_seeds=t["recall_seeds"],
                                                                  met=ok)
+        for t in l128.get("planned", []):  # the kernel path (what the engine runs on a GPU)
+            ok = t["key_ratio"] >= 4 and t["slowdown"] <= 1.15 and t["recall"] >= 0.99
+            log(f"  planned tiers {t['label']} @128K (the GPU engine's path): key memory {t['key_ratio']:.2f}x "
+                f"smaller (>= 4), per-layer time x{t['slowdown']:.2f} of all-on-GPU (<= 1.15), recall min "
+                f"{t['recall']:.4f} (>= 0.99): {'MET' if ok else 'NOT MET'}")
+            out[f"planned_{t['label'].replace(' ', '_')}"] = dict(t, met=ok)
     for ctx, stack in sorted(stacks_by_ctx.items()):
         tiered = stack.get("tiered keys+latents r=1 (planned)")
         if tiered:
