@@ -272,6 +272,17 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
                            f"bytes {summary[f'runahead_bytes_over_{b}']:.2f}x"
                            for b in ("sync", "prefetch") if b in row)
         print(f"{tag} {ratios}; same greedy tokens: {same}", flush=True)
+        if "sync" in row:  # O2's targets: >= 1.5x sync where sync leaves the link idle >= 30%, >= 1.2x prefetch at 8+
+            idle = 1 - row["sync"]["link_floor_s"] / max(row["sync"]["elapsed_s"], 1e-12)
+            summary["sync_link_idle"] = idle
+            verdicts = [f"sync leaves the link idle {100 * idle:.0f}% of its time"]
+            if idle >= 0.30:
+                ok = summary["runahead_over_sync"] >= 1.5
+                verdicts.append(f"runahead/sync >= 1.5x: {'MET' if ok else 'NOT MET'}")
+            if concurrency >= 8 and "prefetch" in row:
+                ok = summary["runahead_over_prefetch"] >= 1.2
+                verdicts.append(f"runahead/prefetch >= 1.2x: {'MET' if ok else 'NOT MET'}")
+            print(f"{tag} {'; '.join(verdicts)}", flush=True)
     return summary
 
 
