@@ -279,8 +279,9 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
                 summary[f"runahead_p99_over_{base}"] = ra["itl_p99_ms"] / max(b["itl_p99_ms"], 1e-9)
                 summary[f"runahead_bytes_over_{base}"] = ra["gb_fetched"] / max(b["gb_fetched"], 1e-12)
         ratios = ", ".join(f"runahead/{b} {summary[f'runahead_over_{b}']:.2f}x tok/s, "
-                           f"p99 {summary[f'runahead_p99_over_{b}']:.2f}x, "
-                           f"bytes {summary[f'runahead_bytes_over_{b}']:.2f}x"
+                           f"p99 {summary[f'runahead_p99_over_{b}']:.2f}x, bytes "
+                           + (f"{summary[f'runahead_bytes_over_{b}']:.2f}x" if row[b]["gb_fetched"] >= 0.01
+                              else f"{ra['gb_fetched']:.2f} vs {row[b]['gb_fetched']:.2f} GB")
                            for b in ("sync", "prefetch") if b in row)
         print(f"{tag} {ratios}; same greedy tokens: {same}", flush=True)
         if "sync" in row:  # O2's targets: >= 1.5x sync where sync leaves the link idle >= 30%, >= 1.2x prefetch at 8+
