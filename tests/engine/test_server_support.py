@@ -239,32 +239,34 @@ def test_a_request_s_first_token_is_relayed_before_the_next_step_starts(tmp_path
     log: list[str] = []
     done = threading.Event()
     loop = asyncio.new_event_loop()
+    hosts = in_process_host(tmp_path, max_model_len=64)
+    engine_host = next(hosts)
     try:
-        for engine_host in in_process_host(tmp_path, max_model_len=64):
-            engine, relay = engine_host._engine, engine_host.relay
-            real_step, real_flush = engine.step, relay.flush
+        engine, relay = engine_host._engine, engine_host.relay
+        real_step, real_flush = engine.step, relay.flush
 
-            def step(launched=None):
-                log.append("step")
-                return real_step(launched=launched)
+        def step(launched=None):
+            log.append("step")
+            return real_step(launched=launched)
 
-            def flush():
-                log.append("flush")
-                real_flush()
+        def flush():
+            log.append("flush")
+            real_flush()
 
-            engine.step, relay.flush = step, flush
-            queue = relay.sink(loop, lambda event: None)
+        engine.step, relay.flush = step, flush
+        queue = relay.sink(loop, lambda event: None)
 
-            def sink(event):
-                log.append("token" if isinstance(event, TokenDelta) else "end")
-                queue(event)
-                if not isinstance(event, TokenDelta):
-                    done.set()
+        def sink(event):
+            log.append("token" if isinstance(event, TokenDelta) else "end")
+            queue(event)
+            if not isinstance(event, TokenDelta):
+                done.set()
 
-            engine_host.submit(sink, sampling={"max_tokens": 4, "temperature": 0, "ignore_eos": True},
-                               prompt_token_ids=list(range(3, 20)))
-            assert done.wait(120)
+        engine_host.submit(sink, sampling={"max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                           prompt_token_ids=list(range(3, 20)))
+        assert done.wait(120)
     finally:
+        hosts.close()
         loop.close()
     first = log.index("token")
     assert "step" in log[first:] and log[first + 1:].index("flush") < log[first + 1:].index("step")

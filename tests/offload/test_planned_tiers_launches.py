@@ -148,9 +148,9 @@ def test_sort_and_single_pass_select_the_same_pages():
 
 @pytest.mark.parametrize("method", ["select", "narrow", "hist"])
 def test_select_lists_the_same_candidate_pages_as_sort(method):
-    """The in-register selects (bisection; bisection of the row's key range; radix histograms) and the bitonic sort give the same fine
-    table, page for page (ties included: each is torch's stable order cut at the candidate count), over
-    moving queries."""
+    """The in-register selects (bisection; bisection of the row's key range; radix histograms) and the
+    bitonic sort give the same fine table, page for page (ties included: each is torch's stable order cut
+    at the candidate count), over moving queries."""
     (ka, _, q, w, _), (kb, _, _, _, _) = _tiers("sort", candidates=3), _tiers(method, candidates=3)
     for step in range(6):
         qs = (q.float() + 0.3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(DEVICE)
