@@ -118,9 +118,14 @@ SchedulerName = Literal["sync", "runahead", "prefetch"]
 # measurements on the H200 (docs/benchmarks.md, 2026-12-01: DeepSeek-V3.2 widths, 64 of 256 experts
 # cached, 8 requests: sync 91 tok/s, runahead 78, prefetch 73; one request: 27.9 / 39.3 / 27.1 ms per
 # token). One request always decodes with "sync": the others only pay with several requests in flight.
-# Since piecewise graphs (third run, 2026-12-01 night): runahead 106 tok/s and prefetch 91 at 8 requests,
-# sync not re-run at 8 in that run; the choice stays "sync" until the three are measured side by side.
-AUTO_SEVERAL_REQUESTS: SchedulerName = "sync"
+# Since piecewise graphs (third run, 2026-12-01 night): runahead 106 tok/s and prefetch 91 at 8 requests.
+# The three side by side (bench/bench_runahead.py, H200, 2026-12-02 sixth session, schedulers in rotated
+# order): where the requests' experts outnumber a layer's pool (32 requests, 64 or 128 of 256 slots)
+# runahead 70.7 / 104.0 tok/s against sync 56.0 / 78.2 and prefetch 50.3 / 78.2 under uniform routing
+# (1.26x / 1.33x sync), 313.9 / 336.1 against 296.2 / 330.4 and 201.7 / 339.4 under skewed routing; within
+# the pool (1 and 8 requests) auto runs the sync step either way (``pool_requests`` below), and through the
+# server 1 and 8 requests ran at 0.99x sync. So several requests run runahead.
+AUTO_SEVERAL_REQUESTS: SchedulerName = "runahead"
 
 
 def auto_scheduler(num_requests: int, several: SchedulerName | None = None,
@@ -324,8 +329,8 @@ class EngineConfig:
         section=BASIC, none_text="off", unit=" rows", minimum=1)
     scheduler: Literal["auto", "sync", "runahead", "prefetch"] = _option(
         "auto", "Scheduler",
-        "How answers advance when experts live in RAM: auto (sync for one answer, "
-        f"{AUTO_SEVERAL_REQUESTS} for several), sync (together, layer by layer), runahead "
+        "How answers advance when experts live in RAM: auto (sync for one answer and for as many as the "
+        f"expert cache holds at once, {AUTO_SEVERAL_REQUESTS} for more), sync (together, layer by layer), runahead "
         "(ready requests run ahead while others wait for experts), prefetch (sync plus guessing the next layer's "
         "experts).", section=BASIC)
 
