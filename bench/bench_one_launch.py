@@ -1,0 +1,97 @@
+"""K2 item 1: the one-launch decode top-k (`hearth.kernels.topk.one_launch`) by programs per row.
+
+The kernel splits each row over grid axis 1 and its default is about two programs per SM over all rows
+(`_programs_per_row`): 128 per row at b1 x 128K (1,024 keys each, 12 us on the H200), but only 5 per
+row at b64 x 128K, where each program scans ~27K keys one 1,024-key block after another (204 us,
+2026-12-02; the issue's target is 100). Nothing in the kernel needs its programs resident together
+(the last to arrive on a row finishes it), so more programs per row only adds waves. This times the
+first histogram (`fine_hist_launch`, what the fused indexer adds) plus the selection for each
+programs-per-row count, checks every result against torch (`check_topk`), and prints the best.
+
+    python bench/bench_one_launch.py [--rows 1 8 64] [--n 131072] [--programs 0 8 16 32 64 128]
+        [--warps 8 4] [--out DIR]      (programs 0: the default)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from hearth.kernels.topk.one_launch import (
+    _programs_per_row,
+    fine_hist_launch,
+    new_one_launch_workspace,
+    one_launch_plan,
+    one_launch_topk_launch,
+)
+from hearth.kernels.topk.reference import check_topk
+
+K = 2048
+
+
+def median_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+
+
+def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int]) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    scores = torch.randn(rows, n, device="cuda", generator=g)
+    if kind == "relu":
+        scores = torch.relu(scores - 2.5)
+    lengths = torch.full((rows,), n, dtype=torch.int32, device="cuda")
+    out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
+    plan = one_launch_plan(K)
+    ws = new_one_launch_workspace(rows, plan, scores.device)
+    default = _programs_per_row(rows, n, 1024, scores.device)
+    t_hist = median_us(lambda: (fine_hist_launch(scores, lengths, K, ws), ws[:, :256].zero_()))
+    t_zero = median_us(lambda: ws[:, :256].zero_())
+    results = []
+    for p in programs:
+        for w in warps:
+            per_row = p or default
+
+            def both(per_row=per_row, w=w) -> None:
+                fine_hist_launch(scores, lengths, K, ws)
+                one_launch_topk_launch(scores, lengths, out, ws, plan, programs=per_row, num_warps=w)
+
+            both()
+            check_topk(out, scores, lengths, K)
+            t = median_us(both)
+            both()
+            check_topk(out, scores, lengths, K)  # the workspace came out of the replays reusable
+            select = t - (t_hist - t_zero)
+            results.append(dict(kind=kind, rows=rows, n=n, programs_per_row=per_row, default=p == 0, warps=w,
+                                hist_plus_select_us=t, select_us=select))
+            print(f"{kind:5s} {rows:3d} x {n:6d}  programs/row {per_row:4d}{' (default)' if p == 0 else '':10s} "
+                  f"warps {w:2d}: histogram + select {t:7.1f} us, select ~{select:7.1f} us", flush=True)
+    best = min(results, key=lambda r: r["hist_plus_select_us"])
+    base = next(r for r in results if r["default"] and r["warps"] == warps[0]) if 0 in programs else None
+    gain = f", {base['hist_plus_select_us'] / best['hist_plus_select_us']:.2f}x the default" if base else ""
+    print(f"{kind:5s} {rows:3d} x {n:6d}  best: {best['programs_per_row']} programs/row, {best['warps']} warps, "
+          f"{best['hist_plus_select_us']:.1f} us{gain}", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--n", type=int, default=131072)
+    ap.add_argument("--programs", type=int, nargs="+", default=[0, 8, 16, 32, 64, 128])
+    ap.add_argument("--warps", type=int, nargs="+", default=[8, 4])
+    ap.add_argument("--kinds", nargs="+", default=["randn", "relu"], choices=["randn", "relu"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    results = [r for kind in args.kinds for rows in args.rows
+               for r in run(kind, rows, args.n, args.programs, args.warps)]
+    Path(args.out, "one_launch_programs.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
