@@ -10,6 +10,8 @@ programs-per-row count, checks every result against torch (`check_topk`), and pr
 
     python bench/bench_one_launch.py [--rows 1 8 64] [--n 131072] [--programs 0 8 16 32 64 128]
         [--warps 8 4] [--out DIR]      (programs 0: the default)
+
+Without a GPU it runs on the CPU under TRITON_INTERPRET=1 (tests, small --n): the same checks, wall times.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -34,19 +37,30 @@ from hearth.kernels.topk.reference import check_topk
 K = 2048
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def median_us(fn) -> float:
+    """Median microseconds of CUDA-graph replays (on the CPU: of three wall-timed calls)."""
     fn()
+    if DEVICE == "cpu":
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[1] * 1e6
     torch.cuda.synchronize()
     return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
 
 
 def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int]) -> list[dict]:
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    scores = torch.randn(rows, n, device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    scores = torch.randn(rows, n, device=DEVICE, generator=g)
     if kind == "relu":
         scores = torch.relu(scores - 2.5)
-    lengths = torch.full((rows,), n, dtype=torch.int32, device="cuda")
-    out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
+    lengths = torch.full((rows,), n, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(rows, K, dtype=torch.int32, device=DEVICE)
     plan = one_launch_plan(K)
     ws = new_one_launch_workspace(rows, plan, scores.device)
     default = _programs_per_row(rows, n, 1024, scores.device)
