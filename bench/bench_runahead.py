@@ -253,7 +253,6 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
     return {name: row[name] for name in args.schedulers}
 
 
-
 def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dict:
     tokens = [r["tokens"] for r in row.values()]
     same = all(t == tokens[0] for t in tokens)

@@ -27,19 +27,29 @@ fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32) && [[ -z ${E2
 (( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
 write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
+gpu_tests() {  # gpu_tests LIMIT_S FILE...: the files' tests on the GPU (8 workers, + $EXTRA_TESTS) -> $OUT/tests.txt
+    local limit=$1; shift
+    HEARTH_TEST_DEVICE=cuda timeout "$limit" python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+        -p no:cacheprovider -n 8 "$@" ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
+    echo "rc $?" >> "$OUT/l/tests.log"
+    grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -25
+}
+chat_tiers() {  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
+    wait  # the checkpoint
+    timeout 300 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
+        --chat-context 65536 ${CHAT_ARGS:-} > "$OUT/e2e-chat-tiers.log" 2>&1
+    grep -E "TTFT|target|tier" "$OUT/e2e-chat-tiers.log" | tail -14
+}
 for step in "${steps[@]}"; do
     case $step in
     tests)
-        HEARTH_TEST_DEVICE=cuda timeout 500 python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
-            -p no:cacheprovider -n 8 tests/kernels tests/offload tests/engine/test_gpt_oss.py \
-            tests/engine/test_fused_experts.py tests/engine/test_offload_engine.py tests/engine/test_piecewise.py \
-            tests/engine/test_runahead.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_engine.py \
+        gpu_tests 500 tests/kernels tests/offload tests/engine/test_gpt_oss.py tests/engine/test_fused_experts.py \
+            tests/engine/test_offload_engine.py tests/engine/test_piecewise.py tests/engine/test_runahead.py \
+            tests/engine/test_cuda_graphs.py tests/engine/test_tiers_engine.py \
             tests/engine/test_tiers_graph_step.py tests/engine/test_prefix_store.py tests/engine/test_runner.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_conformance.py tests/engine/test_warm_up.py \
             tests/engine/test_tiers_pieces.py tests/engine/test_mli.py tests/engine/test_tier_cache.py \
-            tests/engine/test_tiers_kernels_engine.py > "$OUT/l/tests.log" 2>&1
-        echo "rc $?" >> "$OUT/l/tests.log"
-        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -25 ;;
+            tests/engine/test_tiers_kernels_engine.py ;;
     e2e)
         wait  # the checkpoints
         E=(python3 bench/bench_e2e.py --logs "$OUT/l" --reps 1 --decode-tokens 128)
@@ -70,15 +80,12 @@ for step in "${steps[@]}"; do
         grep -A16 "kernels of\|planned:" "$OUT/longctx.log" | tail -40 ;;
     c2k)  # the C2 kernels and rows changed on CPU evidence (~6.5 min): their GPU tests, the planned read by kernel
           # (candidate select: bisection vs histograms), the tiered 61-layer stack, prefill's bounded indexer logits
-        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
-            -p no:cacheprovider -n 8 tests/kernels/test_topk_short.py tests/kernels/test_tiered_residency.py \
-            tests/kernels/test_topk_one_launch.py \
-            tests/kernels/test_tiered_write_through.py tests/kernels/test_lightning_indexer.py tests/offload/test_planned_tiers.py \
+        gpu_tests ${TESTS_TIMEOUT:-200} tests/kernels/test_topk_short.py tests/kernels/test_tiered_residency.py \
+            tests/kernels/test_topk_one_launch.py tests/kernels/test_tiered_write_through.py \
+            tests/kernels/test_lightning_indexer.py tests/offload/test_planned_tiers.py \
             tests/offload/test_planned_tiers_launches.py tests/engine/test_tiers_kernels_engine.py \
-            tests/engine/test_tiers_graph_step.py tests/engine/test_mla_select.py tests/engine/test_prefill_histories.py \
-            tests/engine/test_runner.py > "$OUT/l/tests.log" 2>&1
-        echo "rc $?" >> "$OUT/l/tests.log"
-        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12
+            tests/engine/test_tiers_graph_step.py tests/engine/test_mla_select.py \
+            tests/engine/test_prefill_histories.py tests/engine/test_runner.py
         timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
             --stack-modes tiered --budgets 256:4096:256 --time-limit 95 --profile --candidate-topk select hist \
             --out "$OUT/l" > "$OUT/longctx.log" 2>&1
@@ -91,43 +98,30 @@ for step in "${steps[@]}"; do
         timeout 80 python3 bench/bench_longctx.py --planned --contexts 131072 --skip-stack --budgets 256:4096:256 \
             --time-limit 65 --profile --candidate-topk select narrow --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -E -A12 "^\(p\)|planned:|kernels of planned|graph:" "$OUT/longctx.log" | tail -30
-        wait  # the checkpoint
-        timeout 300 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
-            --chat-context 65536 ${CHAT_ARGS:-} > "$OUT/e2e-chat-tiers.log" 2>&1
-        grep -E "TTFT|target|tier" "$OUT/e2e-chat-tiers.log" | tail -14
-        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-130} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
-            -p no:cacheprovider -n 8 tests/kernels/test_topk_short.py tests/offload/test_planned_tiers_launches.py \
-            tests/engine/test_tier_store.py tests/engine/test_tier_cache.py tests/engine/test_warm_start.py \
-            tests/engine/test_tiers_kernels_engine.py ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
-        echo "rc $?" >> "$OUT/l/tests.log"
-        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12 ;;
+        chat_tiers
+        gpu_tests ${TESTS_TIMEOUT:-130} tests/kernels/test_topk_short.py \
+            tests/offload/test_planned_tiers_launches.py tests/engine/test_tier_store.py \
+            tests/engine/test_tier_cache.py tests/engine/test_warm_start.py \
+            tests/engine/test_tiers_kernels_engine.py ;;
     c2stack)  # the planned read and the tiered 61-layer stack with the default candidate select (narrow) beside the
               # bisection, then the GPU tests of the tier cache, the tiered pieces and graph steps (~5 min)
         timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
             --stack-modes tiered --budgets 256:4096:256 --time-limit 95 --profile --candidate-topk narrow select \
             --out "$OUT/l" > "$OUT/longctx.log" 2>&1
         grep -E -A12 "^\(p\)|planned:|stack with tiered|kernels of planned|graph:" "$OUT/longctx.log" | tail -40
-        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
-            -p no:cacheprovider -n 8 tests/engine/test_tier_cache.py tests/engine/test_tiers_pieces.py \
-            tests/engine/test_tiers_graph_step.py tests/engine/test_tiers_kernels_engine.py tests/offload/test_planned_tiers.py \
-            tests/offload/test_planned_tiers_launches.py tests/kernels/test_topk_short.py tests/engine/test_server_support.py \
-            ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
-        echo "rc $?" >> "$OUT/l/tests.log"
-        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12 ;;
+        gpu_tests ${TESTS_TIMEOUT:-200} tests/engine/test_tier_cache.py tests/engine/test_tiers_pieces.py \
+            tests/engine/test_tiers_graph_step.py tests/engine/test_tiers_kernels_engine.py \
+            tests/offload/test_planned_tiers.py tests/offload/test_planned_tiers_launches.py \
+            tests/kernels/test_topk_short.py tests/engine/test_server_support.py ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
-        wait  # the checkpoint
-        timeout 300 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --configs chat-cache-tiers \
-            --chat-context 65536 ${CHAT_ARGS:-} > "$OUT/e2e-chat-tiers.log" 2>&1
-        grep -E "TTFT|target|tier" "$OUT/e2e-chat-tiers.log" | tail -14 ;;
+        chat_tiers ;;
     defaults|dtests)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
-        HEARTH_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
-            -p no:cacheprovider -n 8 tests/offload/test_planned_tiers.py tests/offload/test_planned_tiers_launches.py \
-            tests/kernels/test_lightning_indexer.py tests/kernels/test_topk_one_launch.py tests/kernels/test_sparse_mla.py \
-            tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py tests/engine/test_tiers_graph_step.py \
-            tests/engine/test_mli.py tests/offload/test_gpu_offload.py tests/offload/test_experts.py \
-            ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
-        echo "rc $?" >> "$OUT/l/tests.log"
-        grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -12
+        gpu_tests ${TESTS_TIMEOUT:-200} tests/offload/test_planned_tiers.py \
+            tests/offload/test_planned_tiers_launches.py tests/kernels/test_lightning_indexer.py \
+            tests/kernels/test_topk_one_launch.py tests/kernels/test_sparse_mla.py \
+            tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py \
+            tests/engine/test_tiers_graph_step.py tests/engine/test_mli.py tests/offload/test_gpu_offload.py \
+            tests/offload/test_experts.py
         [[ $step == dtests ]] && continue
         timeout 80 python3 bench/bench_offload.py --parts prefill --layers 2 --prefill-variants halves ring ring4 ring16 \
             --json "$OUT/l/prefill_ab.json" > "$OUT/prefill-ab.log" 2>&1

@@ -46,6 +46,16 @@ def short_row_topk(b_x, m_t, N_P2: tl.constexpr, K_P2: tl.constexpr):
 
 
 @triton.jit
+def _mask_at_cut(b_key, m_t, cut, k):
+    """The k valid entries whose order keys b_key are the largest, given the k-th largest key cut:
+    every key above it, then keys equal to it lowest index first."""
+    m_above = m_t & (b_key > cut)
+    m_tie = m_t & (b_key == cut)
+    room = k - tl.sum(m_above.to(tl.int32), 0)
+    return m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= room))
+
+
+@triton.jit
 def short_row_select(b_x, m_t, k):
     """Mask [N] of the k largest valid entries of the row b_x [N] fp32 (valid where m_t holds): the
     same set as `short_row_topk` (torch's stable descending sort cut at k, ties to the lower index;
@@ -61,11 +71,7 @@ def short_row_select(b_x, m_t, k):
         enough = tl.sum((m_t & (b_key >= mid.to(tl.int32))).to(tl.int32), 0) >= k
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid - 1)
-    cut = lo.to(tl.int32)
-    m_above = m_t & (b_key > cut)
-    m_tie = m_t & (b_key == cut)
-    room = k - tl.sum(m_above.to(tl.int32), 0)
-    return m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= room))
+    return _mask_at_cut(b_key, m_t, lo.to(tl.int32), k)
 
 
 @triton.jit
@@ -86,11 +92,7 @@ def short_row_narrow_select(b_x, m_t, k):
         lo = tl.where(reach >= k, mid, lo)
         hi = tl.where(reach >= k, hi, mid - 1)
         done = (reach == k).to(tl.int32)
-    cut = lo.to(tl.int32)
-    m_above = m_t & (b_key > cut)
-    m_tie = m_t & (b_key == cut)
-    room = k - tl.sum(m_above.to(tl.int32), 0)
-    return m_above | (m_tie & (tl.cumsum(m_tie.to(tl.int32), 0) <= room))
+    return _mask_at_cut(b_key, m_t, lo.to(tl.int32), k)
 
 
 @triton.jit
