@@ -26,7 +26,12 @@ Routing (--routing, both by default):
 
     python bench/bench_runahead.py [--moe-layers 3] [--concurrency 1 4 8 16 32] [--tokens 8]
         [--cache-fraction 0.25 0.5] [--routing uniform skewed] [--budget-s 300] [--small]
-        [--max-lead LAYERS] [--fetch-depth EXPERTS]
+        [--max-lead LAYERS] [--fetch-depth EXPERTS] [--attention kernels|torch]
+
+Attention runs the user's path by default (the Triton DSA kernels and CUDA graphs where the engine
+applies them, so sync's link-idle share is what a user's engine leaves); every run recorded before
+2026-12-03 ran plain-torch attention without graphs (--attention torch), whose slow layers left the
+link idle 43-59% of sync's time.
 
 The host store is built once and the dense model once per routing; each (cache fraction, routing,
 concurrency, scheduler) gets a fresh expert cache, cache fractions outermost. --budget-s skips the
@@ -172,11 +177,14 @@ class RoutingProbe:
 
 
 def synthetic_runner(config: ModelConfig, engine_config: EngineConfig, store: ExpertStore, slots: int,
-                     model: DeepseekForCausalLM) -> ModelRunner:
+                     model: DeepseekForCausalLM, attention: str = "torch") -> ModelRunner:
     """A ModelRunner over an in-memory synthetic model (nothing read from disk): routed experts from
-    ``store`` behind a GPU cache of ``slots`` per layer, plain-torch attention as in the recorded runs.
-    The model is shared across runners: each attaches its own expert cache to its MoE layers."""
-    engine_config = dataclasses.replace(engine_config, max_model_len=1024, use_kernels="never",
+    ``store`` behind a GPU cache of ``slots`` per layer. ``attention``: "torch" runs plain-torch attention
+    and no CUDA graphs (the runs recorded before 2026-12-03); "kernels" the user's path (the Triton DSA
+    kernels and CUDA graphs where the engine applies them). The model is shared across runners: each
+    attaches its own expert cache to its MoE layers."""
+    use_kernels = "auto" if attention == "kernels" else "never"
+    engine_config = dataclasses.replace(engine_config, max_model_len=1024, use_kernels=use_kernels,
                                         num_cache_blocks=engine_config.num_cache_blocks or 64 * 32)
     return ModelRunner.from_model(model, engine_config, expert_store=store, expert_cache_slots=slots)
 
@@ -190,6 +198,7 @@ def run_case(engine: Engine, concurrency: int, tokens: int, prompt_len: int) -> 
     engine.runner.expert_cache.reset_stats()
     if engine.decoder is not None:  # per-case counters (the warm-up ran on the same decoder)
         engine.decoder.micro_steps = engine.decoder.expert_steps = engine.decoder.waits = engine.decoder.deferred = 0
+        engine.decoder.seconds = dict.fromkeys(engine.decoder.seconds, 0.0)
     start = time.perf_counter()
     while engine.has_unfinished():
         for event in engine.step():
@@ -213,7 +222,7 @@ def run_case(engine: Engine, concurrency: int, tokens: int, prompt_len: int) -> 
         **({} if engine.decoder is None else {
             "attention_steps": engine.decoder.micro_steps - engine.decoder.expert_steps,
             "expert_steps": engine.decoder.expert_steps, "waits": engine.decoder.waits,
-            "deferred": engine.decoder.deferred}),
+            "deferred": engine.decoder.deferred, "seconds": dict(engine.decoder.seconds)}),
     }
 
 
@@ -228,7 +237,7 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
     for scheduler in args.schedulers[turn:] + args.schedulers[:turn]:
         config_e = EngineConfig(block_size=64, max_num_seqs=max(args.concurrency), scheduler=scheduler,
                                 max_num_batched_tokens=4096)
-        runner = synthetic_runner(config, config_e, store, slots, model)
+        runner = synthetic_runner(config, config_e, store, slots, model, args.attention)
         engine = Engine(runner, tokenizer, config_e)
         if engine.decoder is not None:
             engine.decoder.max_lead = args.max_lead or engine.decoder.max_lead
@@ -264,6 +273,11 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
         if "expert_steps" in r:
             print(f"{tag} {scheduler:9s} micro-steps: {r['attention_steps']} attention, {r['expert_steps']} experts, "
                   f"{r['waits']} waits, {r['deferred']} attention batches held back", flush=True)
+            sec = r["seconds"]
+            print(f"{tag} {scheduler:9s} wall s: attention {sec['attn']:.2f}, experts {sec['experts']:.2f}, "
+                  f"sync steps {sec['sync']:.2f}, waiting for copies {sec['wait']:.2f}; micro-steps run with no "
+                  f"copy queued: {sec['starved_room']:.2f} s for want of a free slot, {sec['starved_need']:.2f} s "
+                  f"with no missing expert routed yet", flush=True)
     summary = {"routing": routing, "cache_fraction": fraction, "concurrency": concurrency, "same_tokens": same,
                **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in row.items()}}
     if "sync" in row and "reuse" in row["sync"]:
@@ -311,6 +325,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=None, help="skip configurations after this many seconds")
     parser.add_argument("--max-lead", type=int, default=None, help="runahead lead bound in layers (default one token)")
     parser.add_argument("--fetch-depth", type=int, default=None, help="runahead copies kept queued (default ~384 MB)")
+    parser.add_argument("--attention", choices=["kernels", "torch"], default="kernels",
+                        help="kernels: the user's path (Triton DSA kernels, CUDA graphs); torch: plain-torch "
+                             "attention without graphs, as every run recorded before 2026-12-03")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()

@@ -72,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Protocol
 
 import torch
@@ -184,6 +185,11 @@ class RunaheadDecoder:
         self.micro_steps = self.expert_steps = self.waits = self.deferred = self.sync_steps = 0
         self.rows = 0  # requests' tokens the micro-steps ran, summed (rows per call = rows / micro_steps)
         self.sync_rows = 0  # of them, in sync steps
+        # Where the decoder's wall time went, in seconds: micro-steps by kind ("attn", "experts", "sync"),
+        # blocking waits for copies ("wait"), and of the micro-steps' time, how much ran while the link had
+        # no copy queued (bench_runahead prints it): "starved_room" (needs known, no slot free: computing is
+        # behind) and "starved_need" (no request has routed to a missing expert: nothing known to fetch).
+        self.seconds = dict.fromkeys(("attn", "experts", "sync", "wait", "starved_room", "starved_need"), 0.0)
         self._unfetched = 0  # experts waiting pairs need that are neither held nor queued
         self._blocked: set[int] = set()  # layers whose pool had no room for an expert a waiting pair needs
         self._planned: set[int] = set()  # layers whose eviction plan this decoder set
@@ -239,22 +245,34 @@ class RunaheadDecoder:
     @torch.inference_mode()
     def step(self) -> list[tuple[str, torch.Tensor]]:
         """One micro-step; returns (request_id, logits (vocab,)) of requests that finished a token."""
+        start = perf_counter()
         lockstep = self._lockstep()
         if lockstep:
-            return self._run_sync(lockstep)
+            out = self._run_sync(lockstep)
+            self.seconds["sync"] += perf_counter() - start
+            return out
         self._hold_and_fetch()
+        starved = None if self._queued or self.residency is None else \
+            ("starved_room" if self._unfetched else "starved_need")
         kind, layer, group = self._pick()
         if kind is None:
             self._wait()
+            self.seconds["wait"] += perf_counter() - start
             return []
         self.micro_steps += 1
         if kind == "attn":
             self.max_lead_seen = max(self.max_lead_seen, max(self._lead(f) for f in group))
             self.rows += len(group)
             self._run_attention(group)
-            return self._finish_tokens(group)
-        self.expert_steps += 1
-        return self._finish_tokens(self._run_experts(layer))
+            out = self._finish_tokens(group)
+        else:
+            self.expert_steps += 1
+            out = self._finish_tokens(self._run_experts(layer))
+        elapsed = perf_counter() - start
+        self.seconds["attn" if kind == "attn" else "experts"] += elapsed
+        if starved is not None:
+            self.seconds[starved] += elapsed
+        return out
 
     def _lockstep(self) -> list[Flight]:
         """The flights, when the sync step should run their whole token round as one call: every flight

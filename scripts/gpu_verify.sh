@@ -113,6 +113,16 @@ for step in "${steps[@]}"; do
             tests/engine/test_tiers_graph_step.py tests/engine/test_tiers_kernels_engine.py \
             tests/offload/test_planned_tiers.py tests/offload/test_planned_tiers_launches.py \
             tests/kernels/test_topk_short.py tests/engine/test_server_support.py ;;
+    o2k)  # the one-launch top-k by programs per row, runahead beside sync and prefetch on the user's attention path
+          # (kernels, graphs) with the decoder's time split, then the top-k and runahead GPU tests (~7 min)
+        timeout 150 python3 bench/bench_one_launch.py --programs 0 8 16 32 64 128 256 --out "$OUT/l" \
+            > "$OUT/one-launch.log" 2>&1
+        tail -30 "$OUT/one-launch.log"
+        timeout 230 python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 --tokens 16 --cache-fraction 0.25 \
+            --routing uniform --budget-s 200 --json "$OUT/runahead.json" ${RUNAHEAD_ARGS:-} > "$OUT/runahead.log" 2>&1
+        grep -v "^store" "$OUT/runahead.log" | tail -30
+        gpu_tests ${TESTS_TIMEOUT:-150} tests/kernels/test_topk_one_launch.py tests/kernels/test_topk_short.py \
+            tests/kernels/test_topk.py tests/engine/test_runahead.py tests/test_bench_runahead.py ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         chat_tiers ;;
     defaults|dtests)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
