@@ -172,10 +172,27 @@ class CacheResidency:
 
     def compute(self, layer: int, x: torch.Tensor, handles: list[ExpertLease], weights: torch.Tensor) -> torch.Tensor:
         del layer  # the slots say where the experts are
+        self.wait_landed(handles)
+        slots = torch.tensor(self.slots(handles), dtype=torch.int32, pin_memory=x.is_cuda)
+        return self.compute_slots(x, slots.to(x.device, non_blocking=True), weights)
+
+    @property
+    def capturable(self) -> bool:
+        """Can :meth:`compute_slots` run inside a CUDA graph (the fused kernel on the GPU: no host sync)?"""
+        return self.cache.is_cuda and self.use_kernel
+
+    def slots(self, handles: list[ExpertLease]) -> list[int]:
+        """The cache slot of each handle's expert."""
+        return [h.slots[0] for h in handles]
+
+    def wait_landed(self, handles: list[ExpertLease]) -> None:
+        """Make the current stream wait for the handles' copies (a no-op once landed)."""
         for handle in handles:
-            handle.wait()  # no-op once landed; keeps the read after the copy if called early
-        slots = torch.tensor([h.slots[0] for h in handles], dtype=torch.int32, pin_memory=x.is_cuda)
-        slot_ids = slots.to(x.device, non_blocking=True).unsqueeze(1)  # (P, 1)
+            handle.wait()
+
+    def compute_slots(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """(P, D) fp32: row p is weights[p] * the expert at cache slot slots[p] (int32, -1: zero) of x[p]."""
+        slot_ids = slots.to(torch.int32).unsqueeze(1)  # (P, 1)
         w = self.cache.weights
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (P, D)
         if self.use_kernel:

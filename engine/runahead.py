@@ -79,7 +79,7 @@ import torch
 
 from hearth.engine.kv_cache import ForwardContext, PagedCache, SeqSlice, slots_for
 from hearth.engine.models.deepseek import DeepseekForCausalLM
-from hearth.engine.piecewise import PiecewiseDecode, Row
+from hearth.engine.piecewise import Piece, PiecewiseDecode, Row
 from hearth.engine.runner import StepInput
 from hearth.engine.tiers import DecodeTiers
 
@@ -134,15 +134,12 @@ class Flight:
     block_table: list[int]
     token: int  # the token in flight (embedded by its first attention micro-step)
     round: int  # the decoder's token round of this token (comparable across requests)
-    hidden: torch.Tensor | None = None  # (1, D) residual stream, from the first attention micro-step
+    row: int  # its row in the decoder's FlightRows (residual stream, MoE input, routing weights, pair outputs)
+    embedded: bool = False  # the token's embedding is in its hidden row (from its first attention micro-step)
     layer: int = 0
     phase: str = "attn"  # "attn": waits to start the layer; "moe": routed, waits for its experts
-    normed: torch.Tensor | None = None  # (1, D) MoE input
-    weights: torch.Tensor | None = None  # (1, K) fp32 routing weights
     experts: list[int] | None = None  # (K,) routed experts of the current layer, once routed
     todo: list[int] | None = None  # k of the pairs not computed yet
-    rows: torch.Tensor | None = None  # (K, D) fp32: pair k's weighted expert output
-    shared: torch.Tensor | None = None  # (1, D) shared experts' output (or None)
     selection: torch.Tensor | None = None  # last full indexer layer's top-k, for shared layers
     seq_slice: SeqSlice | None = None  # the token's cache slots, built once and reused by every layer
 
@@ -200,6 +197,9 @@ class RunaheadDecoder:
         self._held: dict[int, dict[int, object]] = {}  # layer -> expert -> handle
         self._landed: set[tuple[int, int]] = set()  # (layer, expert) held and on the device
         self._queued: list[tuple[int, int]] = []  # held, not landed yet, in the order copies were queued
+        config = model.config
+        self.slab = FlightRows(config.hidden_size, config.num_experts_per_tok or 1,
+                               model.model.embed_tokens.weight.dtype, device)
 
     def start(self, request_id: str, token_id: int, position: int, block_table: list[int],
               tokens_done: int = 0) -> None:
@@ -210,15 +210,19 @@ class RunaheadDecoder:
         round_ = self._next_round.pop(request_id, joined)
         if self.tiers is not None:  # every layer's tiers count the token before its first launch
             self.tiers.prepare([(request_id, position)])
-        self.flights[request_id] = Flight(request_id, position, block_table, token_id, round_)
+        old = self.flights.get(request_id)
+        row = old.row if old is not None else self.slab.take()
+        self.flights[request_id] = Flight(request_id, position, block_table, token_id, round_, row)
 
     def drop(self, request_id: str) -> None:
         """Forget a request (finished, aborted or preempted), releasing experts only it was waiting for."""
         self._next_round.pop(request_id, None)
         self._used.pop(request_id, None)
         flight = self.flights.pop(request_id, None)
-        if flight is not None and flight.phase == "moe":
-            self._release_unneeded(flight.layer)
+        if flight is not None:
+            self.slab.give(flight.row)
+            if flight.phase == "moe":
+                self._release_unneeded(flight.layer)
         if not self.flights:
             self._clear_plans()
 
@@ -298,6 +302,7 @@ class RunaheadDecoder:
         logits = self.sync_step([StepInput(f.block_table, f.position, [f.token], f.request_id) for f in flights])
         for flight in flights:
             del self.flights[flight.request_id]
+            self.slab.give(flight.row)
             self._next_round[flight.request_id] = flight.round + 1
             self._used.pop(flight.request_id, None)  # its experts were not recorded: predict nothing from them
         self._clear_plans()
@@ -518,20 +523,21 @@ class RunaheadDecoder:
             ctx.selections = {i: f.selection for i, f in enumerate(group)}
         return ctx
 
-    def _hidden(self, group: list[Flight]) -> torch.Tensor:
-        """(T, D) residual rows of ``group``, embedding the tokens of flights at their first layer."""
-        fresh = [f for f in group if f.hidden is None]
+    def _hidden(self, group: list[Flight], rows: torch.Tensor) -> torch.Tensor:
+        """(T, D) residual rows of ``group`` (its FlightRows ``rows``), embedding the tokens of flights at
+        their first layer."""
+        fresh = [f for f in group if not f.embedded]
         if fresh:
-            ids = _to_device([[f.token for f in fresh]], self.device)[0]
-            embedded = self.model.embed(ids)
-            for i, flight in enumerate(fresh):
-                flight.hidden = embedded[i:i + 1]
-        return torch.cat([f.hidden for f in group])
+            ids = _to_device([[f.token for f in fresh], [f.row for f in fresh]], self.device)
+            self.slab.hidden[ids[1]] = self.model.embed(ids[0])
+            for flight in fresh:
+                flight.embedded = True
+        return self.slab.hidden[rows]
 
-    def _attend(self, group: list[Flight]) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None,
-                                                    torch.Tensor | None]:
-        """Attention of ``group`` at its layer: (hidden, normed, routing, shared); routing None when the
-        layer is done (a dense layer, or experts computed in place)."""
+    def _attend(self, group: list[Flight], rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                         tuple | None, torch.Tensor | None]:
+        """Attention of ``group`` (its FlightRows ``rows``) at its layer: (hidden, normed, routing, shared);
+        routing None when the layer is done (a dense layer, or experts computed in place)."""
         index = group[0].layer
         layer = self.model.layers[index]
         pieces = self.pieces
@@ -540,14 +546,14 @@ class RunaheadDecoder:
             ids = [f.request_id for f in group]  # tiered requests: their tokens were reserved by ``start``
             tiers = None if self.tiers is None else (ids, self.tiers.layout(ids))
             out, chosen = pieces.attend_rows(index, [Row(f.block_table, f.position) for f in group],
-                                             self._hidden(group), selections, tiers)
+                                             self._hidden(group, rows), selections, tiers)
             for i, flight in enumerate(group):
                 flight.selection = chosen[i] if chosen is not None else flight.selection
             if "ids" not in out:
                 return out["hidden"], None, None, None
             return out["hidden"], out["normed"], (out["ids"], out["weights"]), out.get("shared")
         ctx = self._context(group)
-        hidden = layer.attend(self._hidden(group), ctx)  # (T, D)
+        hidden = layer.attend(self._hidden(group, rows), ctx)  # (T, D)
         normed = layer.ffn_input(hidden)
         routing = layer.route(normed)
         for i, flight in enumerate(group):
@@ -558,73 +564,147 @@ class RunaheadDecoder:
         return hidden, normed, routing, shared
 
     def _run_attention(self, group: list[Flight]) -> None:
-        hidden, normed, routing, shared = self._attend(group)
-        for i, flight in enumerate(group):
-            flight.hidden = hidden[i:i + 1]
+        rows = _to_device([[f.row for f in group]], self.device)[0]
+        hidden, normed, routing, shared = self._attend(group, rows)
+        slab = self.slab
+        slab.hidden[rows] = hidden
         if routing is None:
             for flight in group:
                 self._advance(flight)
             return
         # NOTE: the one host sync of the layer: which experts to fetch is a scheduling decision.
+        slab.normed[rows] = normed
+        slab.weights[rows] = routing[1].float()
+        if shared is not None:
+            slab.shared[rows] = shared
         chosen = routing[0].tolist()
         k = len(chosen[0])
         for i, flight in enumerate(group):
-            flight.normed = normed[i:i + 1]
-            flight.weights = routing[1][i:i + 1]
             flight.experts = chosen[i]
             flight.todo = list(range(k))
-            flight.rows = torch.zeros((k, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
-            flight.shared = shared[i:i + 1] if shared is not None else None
             flight.phase = "moe"
             self._used.setdefault(flight.request_id, {})[flight.layer] = list(dict.fromkeys(chosen[i]))
 
     def _run_experts(self, layer_idx: int) -> list[Flight]:
         """Every waiting pair of the layer whose expert has landed; returns the flights that advanced."""
         flights = [(f, ks) for f in self._waiting(layer_idx) if (ks := self._computable(f))]
-        k_total = len(flights[0][0].experts)
-        rows, flat, ks_all, handles = [], [], [], []
-        for i, (flight, ks) in enumerate(flights):
-            for k in ks:
-                rows.append(i)
-                flat.append(i * k_total + k)
-                ks_all.append(k)
-                handles.append(self._held[layer_idx][flight.experts[k]])
-        self.rows += len(flights)
-        index = _to_device([rows, flat, ks_all], self.device)  # (3, P)
-        x = torch.cat([f.normed for f, _ in flights])[index[0]]  # (P, D)
-        weights = torch.cat([f.weights for f, _ in flights]).reshape(-1)[index[1]]  # (P,)
-        out = self.residency.compute(layer_idx, x, handles, weights)  # (P, D) fp32
-        start = 0
+        rows, ks_all, handles = [], [], []
         for flight, ks in flights:
-            flight.rows.index_copy_(0, index[2, start:start + len(ks)], out[start:start + len(ks)])
+            rows += [flight.row] * len(ks)
+            ks_all += ks
+            handles += [self._held[layer_idx][flight.experts[k]] for k in ks]
             flight.todo = [k for k in flight.todo if k not in ks]
-            start += len(ks)
-        self._release_unneeded(layer_idx)
+        self.rows += len(flights)
         done = [f for f, _ in flights if not f.todo]
-        if done:
-            routed = torch.stack([f.rows for f in done]).sum(1).to(done[0].hidden.dtype)  # (T, K, D) -> (T, D)
-            for i, flight in enumerate(done):
-                out_i = routed[i:i + 1] if flight.shared is None else routed[i:i + 1] + flight.shared
-                flight.hidden = flight.hidden + out_i
-                self._advance(flight)
+        shared = self.model.layers[layer_idx].mlp.shared_experts is not None
+        self.slab.run_pairs(self.residency, layer_idx, rows, ks_all, handles, [f.row for f in done], shared,
+                            self.pieces)
+        self._release_unneeded(layer_idx)  # after the compute is queued: a freed slot is refilled behind it
+        for flight in done:
+            self._advance(flight)
         return done
 
     def _advance(self, flight: Flight) -> None:
         flight.layer += 1
         flight.phase = "attn"
-        flight.normed = flight.weights = flight.experts = flight.todo = flight.rows = flight.shared = None
+        flight.experts = flight.todo = None
 
     def _finish_tokens(self, group: list[Flight]) -> list[tuple[str, torch.Tensor]]:
         done = [f for f in group if f.layer == self.num_layers]
         if not done:
             return []
-        logits = self.model.logits(torch.cat([f.hidden for f in done]))
+        logits = self.model.logits(self.slab.hidden[_to_device([[f.row for f in done]], self.device)[0]])
         for flight in done:
             del self.flights[flight.request_id]
+            self.slab.give(flight.row)
             self._next_round[flight.request_id] = flight.round + 1
         if not self.flights:
             self._clear_plans()
         return [(f.request_id, logits[i]) for i, f in enumerate(done)]
+
+
+class FlightRows:
+    """The flights' tensors, one row per flight in decoder-wide buffers: residual stream ``hidden``, MoE
+    input ``normed`` and shared experts' output ``shared`` (dtype, (R, D)), routing ``weights`` (fp32,
+    (R, K)) and each pair's weighted expert output ``rows`` (fp32, (R, K, D)). Row R is scratch: padding
+    indices point there. So a micro-step gathers and scatters all its requests in one launch each, and
+    an expert micro-step is a fixed sequence of launches over a (4, P) index plan, captured as one CUDA
+    graph per pair bucket where the residency's compute is capturable (the fused kernel on the GPU)."""
+
+    def __init__(self, hidden_size: int, k: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 16) -> None:
+        self.hidden_size, self.k, self.dtype, self.device = hidden_size, k, dtype, device
+        self.capacity = 0
+        self.free: list[int] = []
+        self.graphs: dict[tuple[int, bool], object] = {}  # (pair bucket, shared experts) -> Piece
+        self.replays = 0
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        d, k, dev, old = self.hidden_size, self.k, self.device, self.capacity
+        buffers = {"hidden": ((d,), self.dtype), "normed": ((d,), self.dtype), "shared": ((d,), self.dtype),
+                   "weights": ((k,), torch.float32), "rows": ((k, d), torch.float32)}
+        for name, (shape, dtype) in buffers.items():
+            new = torch.zeros((capacity + 1, *shape), dtype=dtype, device=dev)
+            if old:
+                new[:old].copy_(getattr(self, name)[:old])
+            setattr(self, name, new)
+        self.plan = torch.zeros((4, k * capacity), dtype=torch.long, device=dev)  # grows with the pair buckets
+        self.free += range(capacity - 1, old - 1, -1)  # taken lowest first (pop from the end)
+        self.capacity = self.scratch = capacity
+        self.graphs = {}  # they read the old buffers
+
+    def take(self) -> int:
+        if not self.free:
+            self._grow(2 * self.capacity)
+        return self.free.pop()
+
+    def give(self, row: int) -> None:
+        self.free.append(row)
+
+    def run_pairs(self, residency: Residency, layer: int, rows: list[int], ks: list[int], handles: list,
+                  done: list[int], shared: bool, pieces: PiecewiseDecode | None) -> None:
+        """Pair p (flight row ``rows[p]``, its k ``ks[p]``, the expert ``handles[p]`` holds) into
+        ``self.rows``; then the ``done`` rows' routed output (summed over k in order, in the activation
+        dtype, + shared experts when ``shared``) into their residual stream, as the layer-synchronous
+        MoE adds it."""
+        n = len(rows)
+        capture = pieces is not None and pieces.capture and getattr(residency, "capturable", False)
+        if not capture:
+            plan = _to_device([rows, ks], self.device)
+            x, w = self.normed[plan[0]], self.weights[plan[0], plan[1]]
+            self.rows[plan[0], plan[1]] = residency.compute(layer, x, handles, w)
+            if done:
+                self._finish(_to_device([done], self.device)[0], shared)
+            return
+        b = pieces.bucket(n) if n <= pieces.max_batch else -(-n // pieces.max_batch) * pieces.max_batch
+        if b > self.plan.shape[1]:
+            self.plan = torch.zeros((4, b), dtype=torch.long, device=self.device)
+            self.graphs = {}  # they read the old plan
+        pad = b - n
+        host = torch.tensor([rows + [self.scratch] * pad, ks + [0] * pad,
+                             residency.slots(handles) + [-1] * pad, done + [self.scratch] * (b - len(done))],
+                            dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.plan[:, :b].copy_(host, non_blocking=True)
+        residency.wait_landed(handles)  # the compute stream waits for the copies the graph reads
+        piece = self.graphs.get((b, shared))
+        if piece is None:
+            piece = self.graphs[(b, shared)] = Piece(lambda: self._pairs(residency, b, shared), pieces, True)
+        piece()
+        self.replays += piece.graph is not None
+
+    def _pairs(self, residency: Residency, b: int, shared: bool) -> dict:
+        plan = self.plan[:, :b]
+        out = residency.compute_slots(self.normed[plan[0]], plan[2], self.weights[plan[0], plan[1]])
+        self.rows[plan[0], plan[1]] = out
+        self._finish(plan[3], shared)
+        return {}
+
+    def _finish(self, done: torch.Tensor, shared: bool) -> None:
+        routed = self.rows[done].sum(1).to(self.dtype)  # (T, K, D) -> (T, D)
+        if shared:
+            routed = routed + self.shared[done]
+        self.hidden[done] = self.hidden[done] + routed
 
 
 def _to_device(values: list[list[int]], device: torch.device) -> torch.Tensor:

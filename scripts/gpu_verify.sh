@@ -122,7 +122,8 @@ for step in "${steps[@]}"; do
             --routing uniform --budget-s 200 --json "$OUT/runahead.json" ${RUNAHEAD_ARGS:-} > "$OUT/runahead.log" 2>&1
         grep -v "^store" "$OUT/runahead.log" | tail -30
         gpu_tests ${TESTS_TIMEOUT:-150} tests/kernels/test_topk_one_launch.py tests/kernels/test_topk_short.py \
-            tests/kernels/test_topk.py tests/engine/test_runahead.py tests/test_bench_runahead.py ;;
+            tests/kernels/test_topk.py tests/engine/test_runahead.py tests/test_bench_runahead.py \
+            tests/engine/test_tiers_pieces.py tests/engine/test_offload_engine.py tests/engine/test_piecewise.py ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         chat_tiers ;;
     defaults|dtests)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first

@@ -89,6 +89,8 @@ class LinkResidency(CacheResidency):
         self.needed_evicted = 0
         self.held = 0
 
+    capturable = False  # its clock ticks once per compute call: the decoder must call compute, not a graph
+
     def fetch_depth(self) -> int:
         return 2
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hearth.engine import Engine, EngineConfig, SamplingParams
+from hearth.engine.offload_setup import CacheResidency
 from hearth.engine.piecewise import PiecewiseDecode
 from hearth.engine.testing.tiny import KERNEL_SHAPES, write_tiny_model
 from hearth.offload.experts import OffloadedExperts
@@ -111,11 +112,15 @@ def test_runahead_runs_tiered_attention_pieces_per_group(kernel_model, kernel_pa
     requests into the pieces of that group's tier key (no padding rows), tokens equal tiers off. (3 slots:
     with room for both requests' experts at once they would decode as sync, ``api.auto_scheduler``.)"""
     prompts, sampling = [PROMPT, PROMPT[:90]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    expected = run_to_completion(_engine(kernel_model, slots=3, scheduler="runahead"), prompts, sampling)
+    plain = _engine(kernel_model, slots=3, scheduler="runahead")
+    plain.runner.residency.use_kernel = True  # the expert micro-steps in the fused kernel, as captured below
+    expected = run_to_completion(plain, prompts, sampling)
     tiered = _engine(kernel_model, slots=3, scheduler="runahead", **TIERS)
     pieces = tiered.runner.pieces
     assert tiered.decoder is not None and tiered.decoder.pieces is pieces
     _emulate_captures(pieces, monkeypatch)
+    tiered.runner.residency.use_kernel = True
+    monkeypatch.setattr(CacheResidency, "capturable", property(lambda self: self.use_kernel))
     groups = []
     attend_rows = pieces.attend_rows
 
@@ -128,6 +133,9 @@ def test_runahead_runs_tiered_attention_pieces_per_group(kernel_model, kernel_pa
     assert tiered.decoder.micro_steps > 0 and groups and all(t is not None and len(t[0]) == n for n, t in groups)
     assert max(n for n, _ in groups) == 2  # both requests in one attention piece
     assert all(piece.graph is not None for piece in pieces._all_pieces())
+    # the expert micro-steps: one captured launch sequence per pair bucket, replayed
+    slab = tiered.decoder.slab
+    assert slab.graphs and all(piece.graph is not None for piece in slab.graphs.values()) and slab.replays > 0
     assert tiered.decoder.num_held == 0
 
 
