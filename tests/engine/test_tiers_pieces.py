@@ -164,3 +164,23 @@ def test_tiered_pieces_in_cuda_graphs_equal_tiers_off(kernel_model, kernel_path,
     assert run_to_completion(tiered, [PROMPT], sampling) == expected
     assert None not in layouts and len(layouts) >= 2, layouts  # the layout changed: attention recaptured
     assert pieces.replays > 0 and all(piece.graph is not None for piece in pieces._all_pieces())
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need a GPU (the CPU tests above emulate them)")
+def test_runahead_expert_micro_steps_in_cuda_graphs_equal_eager(kernel_model, kernel_path):
+    """Real captures of the runahead decoder's expert micro-steps (one graph per pair bucket over its
+    flight rows): three requests through a 3-slot pool (their experts never fit at once, so the decoder
+    runs ahead), tokens equal the same decoder with graphs off."""
+    prompts = [PROMPT, PROMPT[:90], PROMPT[:70]]
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    config = dict(device=TEST_DEVICE, dtype="bfloat16", block_size=16, max_num_batched_tokens=64,
+                  offload="always", expert_cache_slots=3, host_experts="off", scheduler="runahead")
+    eager = Engine.load(str(kernel_model), EngineConfig(**config, cuda_graphs=False))
+    expected = run_to_completion(eager, prompts, sampling)
+    assert eager.decoder.expert_steps > 0 and eager.decoder.slab.replays == 0
+    graphs = Engine.load(str(kernel_model), EngineConfig(**config))
+    assert run_to_completion(graphs, prompts, sampling) == expected
+    slab = graphs.decoder.slab
+    assert graphs.decoder.expert_steps > 0 and slab.replays > 0
+    assert all(piece.graph is not None for piece in slab.graphs.values())
+    assert graphs.decoder.num_held == 0
