@@ -636,7 +636,7 @@ class FlightRows:
         self.hidden_size, self.k, self.dtype, self.device = hidden_size, k, dtype, device
         self.capacity = 0
         self.free: list[int] = []
-        self.graphs: dict[tuple[int, bool], object] = {}  # (pair bucket, shared experts) -> Piece
+        self.graphs: dict[tuple[int, bool, int], Piece] = {}  # (pair bucket, shared experts, residency) -> Piece
         self.replays = 0
         self._grow(capacity)
 
@@ -687,11 +687,12 @@ class FlightRows:
                             dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.plan[:, :b].copy_(host, non_blocking=True)
         residency.wait_landed(handles)  # the compute stream waits for the copies the graph reads
-        piece = self.graphs.get((b, shared))
+        key = (b, shared, id(residency))
+        piece = self.graphs.get(key)
         if piece is None:
-            piece = self.graphs[(b, shared)] = Piece(lambda: self._pairs(residency, b, shared), pieces, True)
-        piece()
+            piece = self.graphs[key] = Piece(lambda: self._pairs(residency, b, shared), pieces, True)
         self.replays += piece.graph is not None
+        piece()
 
     def _pairs(self, residency: Residency, b: int, shared: bool) -> dict:
         plan = self.plan[:, :b]
