@@ -16,6 +16,14 @@ expert when its copy lands, one fetched expert serves every waiting request of t
 it, and a request whose experts are all resident runs ahead. A request that finishes its last layer
 gets logits; the engine samples and starts its next token at layer 0 at once.
 
+The flights' tensors (residual stream, MoE input, routing weights, shared experts' output, each
+pair's output) are rows of decoder-wide buffers (:class:`FlightRows`), so a micro-step gathers and
+scatters its requests in one launch each whatever their number. Attention micro-steps run the
+runner's per-layer pieces (CUDA graphs where captured); an expert micro-step is one (4, P) index plan
+uploaded and a fixed sequence of launches over it (gather, the fused MoE over the pairs' cache slots,
+scatter, the finished requests' sum over k + shared experts + residual), captured as one CUDA graph
+per pair bucket where the residency's compute can be (the fused kernel on the GPU).
+
 Progress is counted in *rounds* (the decoder's own token count, shared by all requests: a request
 joins at the round of the most lagging one) times layers plus the layer.
 
