@@ -22,7 +22,7 @@ steps=("$@"); [[ ${#steps[@]} -eq 0 ]] && steps=(tests)
 mkdir -p "$OUT/l"
 fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32) && [[ -z ${E2E_DS_ONLY:-} ]] && fams+=(gpt_oss)
 [[ " ${steps[*]} " == *" c2 "* ]] && fams+=(deepseek_v32)
-[[ " ${steps[*]} " == *" defaults "* ]] && fams+=(deepseek_v32)
+[[ " ${steps[*]} " == *" defaults "* || " ${steps[*]} " == *" o2e "* ]] && fams+=(deepseek_v32)
 [[ " ${steps[*]} " == *" chat-tiers "* || " ${steps[*]} " == *" c2close "* ]] && fams+=(deepseek_v32)
 (( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
@@ -113,6 +113,12 @@ for step in "${steps[@]}"; do
             tests/engine/test_tiers_graph_step.py tests/engine/test_tiers_kernels_engine.py \
             tests/offload/test_planned_tiers.py tests/offload/test_planned_tiers_launches.py \
             tests/kernels/test_topk_short.py tests/engine/test_server_support.py ;;
+    o2e)  # O2's scheduler rows on the user's path: sync, prediction prefetch and runahead through the server, one run
+        wait  # the checkpoint
+        timeout 400 python3 bench/bench_e2e.py --logs "$OUT/l" --reps 1 --decode-tokens 96 --dir /tmp/ckpt-deepseek_v32 \
+            --json "$OUT/e2e-o2.json" --configs offload-sync offload-prefetch offload-runahead --concurrency 8 32 \
+            > "$OUT/e2e-o2.log" 2>&1
+        grep -vE "server flags|this window" "$OUT/e2e-o2.log" | tail -14 ;;
     o2k)  # the one-launch top-k by programs per row, runahead beside sync and prefetch on the user's attention path
           # (kernels, graphs) with the decoder's time split, then the top-k and runahead GPU tests (~7 min)
         timeout 150 python3 bench/bench_one_launch.py --programs 0 8 16 32 64 128 256 --out "$OUT/l" \
