@@ -57,12 +57,14 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.engine import Engine
 from hearth.engine.loader import materialize_buffers
 from hearth.engine.models.deepseek import DeepseekForCausalLM
+from hearth.engine.models.mla import PLAIN_ATTENTION, AttentionPaths
 from hearth.engine.runner import ModelRunner
 from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
 from hearth.engine.text.tokenizer import Tokenizer
 from hearth.offload.expert_store import ExpertLayout, ExpertStore
 
 LINK_GBPS = 55.0
+BLOCK_SIZE = 64
 VOCAB = 512
 SCHEDULERS = ("sync", "prefetch", "runahead")
 _TURNS = itertools.count()  # configurations run so far (run_config rotates the schedulers' order)
@@ -105,10 +107,12 @@ def build_store(config: ModelConfig, device: torch.device) -> ExpertStore:
     return store
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> DeepseekForCausalLM:
-    """Random dense weights on the device; routed experts stay on the meta device (served by the cache)."""
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                attention: AttentionPaths = PLAIN_ATTENTION) -> DeepseekForCausalLM:
+    """Random dense weights on the device; routed experts stay on the meta device (served by the cache).
+    ``attention``: the paths the runner will choose (``attention_paths``)."""
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config)
+        model = DeepseekForCausalLM(config, attention=attention)
     gen = torch.Generator(device=device).manual_seed(1)
     for name, param in list(model.named_parameters()):
         if ".mlp.experts." in name:
@@ -176,6 +180,13 @@ class RoutingProbe:
                 "distinct_per_layer_step": statistics.fmean(distinct) if distinct else 0.0}
 
 
+def attention_paths(config: ModelConfig, device: torch.device, attention: str) -> AttentionPaths:
+    """The attention paths ``synthetic_runner(..., attention)`` runs this model with on ``device``."""
+    engine_config = EngineConfig(block_size=BLOCK_SIZE, max_model_len=1024,
+                                 use_kernels="auto" if attention == "kernels" else "never")
+    return ModelRunner.features_for(config, engine_config, device, offload=True).attention
+
+
 def synthetic_runner(config: ModelConfig, engine_config: EngineConfig, store: ExpertStore, slots: int,
                      model: DeepseekForCausalLM, attention: str = "torch") -> ModelRunner:
     """A ModelRunner over an in-memory synthetic model (nothing read from disk): routed experts from
@@ -235,7 +246,7 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
     # 865 ms p99 where runahead ran the very same sync steps at 52.5)
     turn = next(_TURNS) % len(args.schedulers)
     for scheduler in args.schedulers[turn:] + args.schedulers[:turn]:
-        config_e = EngineConfig(block_size=64, max_num_seqs=max(args.concurrency), scheduler=scheduler,
+        config_e = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=max(args.concurrency), scheduler=scheduler,
                                 max_num_batched_tokens=4096)
         runner = synthetic_runner(config, config_e, store, slots, model, args.attention)
         engine = Engine(runner, tokenizer, config_e)
@@ -352,7 +363,8 @@ def main() -> None:
                     print(f"{routing:7s} cache {fraction:.0%} c={concurrency:3d} skipped (--budget-s)", flush=True)
                     continue
                 if routing not in models:
-                    models[routing] = build_model(config, device, dtype)
+                    models[routing] = build_model(config, device, dtype,
+                                                  attention_paths(config, device, args.attention))
                     if routing == "skewed":
                         skew_routing(models[routing])
                         print("skewed routing is SYNTHETIC (Pareto expert popularity + context-dominated router "

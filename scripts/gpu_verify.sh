@@ -8,7 +8,8 @@
 #   (~6 min: the GPU tests and rows of defaults flipped on CPU evidence, the tiered 61-layer stack, the user's path resident;
 #   `dtests`: its tests only); `c2k` (~6.5 min: the C2 kernels' tests and rows), `chat-tiers` (~4 min: a tiered chat's
 #   follow-ups across restarts), `c2close` (~9 min: C2's open rows, then its tests),
-#   `c2stack` (~5 min: the planned read and the tiered stack by candidate select, the tier tests). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   `c2stack` (~5 min: the planned read and the tiered stack by candidate select, the tier tests), `one-launch` (~2 min),
+#   `o2r` (~6 min: runahead / sync / prefetch on the kernel path, runahead tests), `o2e` (~7 min: the same through the server). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -119,16 +120,17 @@ for step in "${steps[@]}"; do
             --json "$OUT/e2e-o2.json" --configs offload-sync offload-prefetch offload-runahead --concurrency 8 32 \
             > "$OUT/e2e-o2.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-o2.log" | tail -14 ;;
-    o2k)  # the one-launch top-k by programs per row, runahead beside sync and prefetch on the user's attention path
-          # (kernels, graphs) with the decoder's time split, then the top-k and runahead GPU tests (~7 min)
+    one-launch)  # the one-launch top-k by programs per row (~2 min)
         timeout 150 python3 bench/bench_one_launch.py --programs 0 8 16 32 64 128 256 --out "$OUT/l" \
             > "$OUT/one-launch.log" 2>&1
-        tail -30 "$OUT/one-launch.log"
+        tail -30 "$OUT/one-launch.log" ;;
+    o2r)  # runahead beside sync and prefetch on the user's attention path (kernels, graphs) with the decoder's time
+          # split, then the top-k and runahead GPU tests (~6 min)
         timeout 230 python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 --tokens 16 --cache-fraction 0.25 \
             --routing uniform --budget-s 200 --json "$OUT/runahead.json" ${RUNAHEAD_ARGS:-} > "$OUT/runahead.log" 2>&1
         grep -v "^store" "$OUT/runahead.log" | tail -30
         gpu_tests ${TESTS_TIMEOUT:-150} tests/kernels/test_topk_one_launch.py tests/kernels/test_topk_short.py \
-            tests/kernels/test_topk.py tests/engine/test_runahead.py tests/test_bench_runahead.py \
+            tests/kernels/test_topk.py tests/engine/test_runahead.py \
             tests/engine/test_tiers_pieces.py tests/engine/test_offload_engine.py tests/engine/test_piecewise.py ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         chat_tiers ;;
