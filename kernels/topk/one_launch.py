@@ -473,6 +473,15 @@ def _programs_per_row(n_rows: int, n_cols: int, block: int, device: torch.device
     return max(1, min(triton.cdiv(max(n_cols, 1), block), triton.cdiv(2 * sm_count(device, 4), max(n_rows, 1))))
 
 
+def _select_warps(seg: int, block: int) -> int:
+    """Warps of a selection program that scans ``seg`` keys: 8, or 4 for long slices (more than 8 blocks,
+    where programs are few per row and the SMs hold more of them at once). H200, 2026-12-03
+    (``bench/bench_one_launch.py``): 64 x 128K rows (5 programs of ~26K keys each) 166.6 us with 4 warps
+    against 207.5 with 8; 1 and 8 rows (1K and 4K keys a program) 15.6 and 31.7 us with 8 against 17.1 and
+    34.0 with 4."""
+    return 4 if seg > 8 * block else 8
+
+
 def _segment(n_rows: int, n_cols: int, block: int, programs: int | None, device: torch.device) -> int:
     if programs is None:
         programs = _programs_per_row(n_rows, n_cols, block, device)
@@ -501,14 +510,14 @@ def one_launch_topk_launch(
     *,
     programs: int | None = None,
     block: int = 1024,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     page_map: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """The selection launch on validated scores / lengths / out whose first histograms are already in
     the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
     per SM in all). page_map (table, page): one row's positions in a table of pages written as the
     pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
-    launch fewer)."""
+    launch fewer). num_warps: default ``_select_warps`` of the programs' slice."""
     n_rows, n_cols = scores.shape
     check_workspace(workspace, n_rows, plan, scores.device)
     require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
@@ -538,7 +547,7 @@ def one_launch_topk_launch(
         NBINS=NBINS,
         BITS=RADIX_BITS,
         PASSES=PASSES,
-        num_warps=num_warps,
+        num_warps=num_warps or _select_warps(seg, block),
     )
 
 
