@@ -124,11 +124,12 @@ for step in "${steps[@]}"; do
         timeout 150 python3 bench/bench_one_launch.py --programs 0 8 16 32 64 128 256 --out "$OUT/l" \
             > "$OUT/one-launch.log" 2>&1
         tail -30 "$OUT/one-launch.log" ;;
-    o2r)  # the top-k and runahead GPU tests, then runahead beside sync and prefetch on the user's attention path
-          # (kernels, graphs) with the decoder's time split (~6 min)
-        gpu_tests ${TESTS_TIMEOUT:-150} tests/engine/test_tiers_pieces.py tests/engine/test_offload_engine.py \
-            tests/engine/test_piecewise.py tests/engine/test_runahead.py tests/kernels/test_topk_one_launch.py \
-            tests/kernels/test_topk_short.py tests/kernels/test_topk.py
+    o2r|o2t|o2b)  # o2t: the top-k and runahead GPU tests (~2.5 min); o2b: runahead beside sync and prefetch on the
+          # user's attention path (kernels, graphs) with the decoder's time split (~4 min); o2r: both
+        [[ $step != o2b ]] && gpu_tests ${TESTS_TIMEOUT:-150} tests/engine/test_tiers_pieces.py \
+            tests/engine/test_offload_engine.py tests/engine/test_piecewise.py tests/engine/test_runahead.py \
+            tests/kernels/test_topk_one_launch.py tests/kernels/test_topk_short.py tests/kernels/test_topk.py
+        [[ $step == o2t ]] && continue
         timeout 230 python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 --tokens 12 --cache-fraction 0.25 \
             --routing uniform --budget-s 200 --json "$OUT/runahead.json" ${RUNAHEAD_ARGS:-} > "$OUT/runahead.log" 2>&1
         grep -v "^store" "$OUT/runahead.log" | tail -30 ;;
