@@ -182,9 +182,13 @@ class RoutingProbe:
 
 def attention_paths(config: ModelConfig, device: torch.device, attention: str) -> AttentionPaths:
     """The attention paths ``synthetic_runner(..., attention)`` runs this model with on ``device``."""
-    engine_config = EngineConfig(block_size=BLOCK_SIZE, max_model_len=1024,
-                                 use_kernels="auto" if attention == "kernels" else "never")
+    engine_config = EngineConfig(block_size=BLOCK_SIZE, **_runner_options(attention))
     return ModelRunner.features_for(config, engine_config, device, offload=True).attention
+
+
+def _runner_options(attention: str) -> dict:
+    """The EngineConfig fields every synthetic runner of ``attention`` ("kernels" or "torch") sets."""
+    return {"max_model_len": 1024, "use_kernels": "auto" if attention == "kernels" else "never"}
 
 
 def synthetic_runner(config: ModelConfig, engine_config: EngineConfig, store: ExpertStore, slots: int,
@@ -194,8 +198,7 @@ def synthetic_runner(config: ModelConfig, engine_config: EngineConfig, store: Ex
     and no CUDA graphs (the runs recorded before 2026-12-03); "kernels" the user's path (the Triton DSA
     kernels and CUDA graphs where the engine applies them). The model is shared across runners: each
     attaches its own expert cache to its MoE layers."""
-    use_kernels = "auto" if attention == "kernels" else "never"
-    engine_config = dataclasses.replace(engine_config, max_model_len=1024, use_kernels=use_kernels,
+    engine_config = dataclasses.replace(engine_config, **_runner_options(attention),
                                         num_cache_blocks=engine_config.num_cache_blocks or 64 * 32)
     return ModelRunner.from_model(model, engine_config, expert_store=store, expert_cache_slots=slots)
 
