@@ -91,6 +91,7 @@ from hearth.engine.api import (
     auto_scheduler,
 )
 from hearth.engine.block_manager import BlockManager
+from hearth.engine.link_gate import AHEAD, SYNC, RunaheadGate
 from hearth.engine.overlap import Flight, TokenReadback, device_index
 from hearth.engine.prefix_store import PageTier, PrefixStore, Preload, fingerprint, model_key
 from hearth.engine.runahead import RunaheadDecoder
@@ -196,7 +197,14 @@ class Engine:
         self.scheduler.on_preempt.append(lambda seq: self._release(seq, park=True))
         self._pool_requests = None if expert_cache is None else \
             _pool_requests(expert_cache, runner.model_config.num_experts_per_tok)
-        self._auto_choice = auto_scheduler(1, self._several, self._pool_requests)
+        # auto runs runahead for several requests only where sync rounds leave the link idle and a trial
+        # beats them (hearth.engine.link_gate); a host-memory cache has no link to measure (nor a copy to
+        # overlap), so runahead runs there as asked (the CPU tests exercise it)
+        self.runahead_gate = RunaheadGate(expert_cache.copy_seconds) \
+            if self._auto and expert_cache.is_cuda else None
+        self._gate_interval: tuple[str, int, int] | None = None  # the last step, as the gate counts it
+        self._gate_start = 0.0
+        self._auto_choice = self._auto_pick(1)
         self._flight: Flight | None = None  # overlapped decode: the step launched and not yet landed
         # Steps by how they ran: "overlapped"; "sync_<why>" for a step after a flight that could not
         # launch from it (it may read a prompt too); "sync_previous_step_not_in_flight" for a decode
@@ -461,12 +469,14 @@ class Engine:
             self.tier_cache.yield_preload(busy)
 
     def _step(self, launched: Callable[[], None] | None) -> list[Event]:
+        self._gate_tick()
         events = self._take_intake()
         flight, self._flight = self._flight, None
         if flight is not None:
             rows, fallback = self._next_rows(flight)
             if rows:
                 self.decode_steps["overlapped"] += 1
+                self._gate_count(SYNC, len(rows))
                 return events + self._overlapped_step(flight, rows, launched)
             self.decode_steps[f"sync_{fallback}"] += 1
             events += self._land(flight)
@@ -506,10 +516,45 @@ class Engine:
                 self._flight = self._fly(requests, rows)
             else:
                 events += self._sample(requests, rows)
+        if chunks and decoding:
+            self._gate_count(SYNC, len(chunks))
         if self.decoder is not None and len(self.decoder):
+            if not chunks:
+                self._gate_count(AHEAD, len(self.decoder))
             events += self._runahead_step()
         self.timer.end(marks)
         return events
+
+    # ---- auto's runahead gate (hearth.engine.link_gate) ------------------------------------
+
+    def _auto_pick(self, num_requests: int) -> SchedulerName:
+        choice = auto_scheduler(num_requests, self._several, self._pool_requests)
+        if choice == "runahead" and self.runahead_gate is not None and not self.runahead_gate.allows(num_requests):
+            return "sync"
+        return choice
+
+    def _gate_count(self, kind: str, num_requests: int) -> None:
+        """This step is one the gate measures: a sync decode round of every request answered, or a
+        runahead micro-step (its finished tokens are added by _runahead_step)."""
+        if self.runahead_gate is None:
+            return
+        mixed = self.scheduler.waiting or (kind == SYNC and self.decoder is not None and len(self.decoder))
+        self._gate_interval = None if mixed else (kind, num_requests, 0)
+
+    def _gate_tick(self) -> None:
+        """Give the gate the interval since the previous step's start, if that step counts."""
+        if self.runahead_gate is None:
+            return
+        now = time.perf_counter()
+        interval, self._gate_interval = self._gate_interval, None
+        if interval is not None:
+            kind, n, tokens = interval
+            if kind == SYNC:
+                self.runahead_gate.sync_round(n, now - self._gate_start)
+            else:
+                self.runahead_gate.ahead(n, tokens, now - self._gate_start)
+        self.runahead_gate.begin()
+        self._gate_start = now
 
     # ---- overlapped decode (the module doc) ------------------------------------------------
 
@@ -535,7 +580,7 @@ class Engine:
         live = [i for i, r in enumerate(flight.requests) if r.seq.status is Status.RUNNING]
         if len(live) != len(scheduler.running):
             return [], "request_not_in_flight"
-        if self._auto and auto_scheduler(len(live), self._several, self._pool_requests) != self._auto_choice:
+        if self._auto and self._auto_pick(len(live)) != self._auto_choice:
             return [], "scheduler_change"
         rows = [i for i in live if not self._ends_by_length(flight.requests[i].seq)]
         if not rows:
@@ -606,7 +651,7 @@ class Engine:
         request's next token in flight; switching away lets the tokens in flight finish in the decoder
         while the others decode synchronously."""
         answering = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs)
-        choice = self._auto_choice = auto_scheduler(answering, self._several, self._pool_requests)
+        choice = self._auto_choice = self._auto_pick(answering)
         starting = choice == "runahead" and not self._runahead
         self._runahead = choice == "runahead"
         for seq in list(self.scheduler.running) if starting else []:
@@ -623,6 +668,8 @@ class Engine:
             seqs = [self._requests[r].seq for r in list(self.decoder.flights) if r in self._requests]
             return self._fail_all(seqs, _OOM_MESSAGE)
         self.timer.runahead(time.perf_counter() - start, len(done))
+        if self._gate_interval is not None and self._gate_interval[0] == AHEAD:
+            self._gate_interval = (AHEAD, self._gate_interval[1], len(done))
         if not done:
             return []
         seqs = []

@@ -200,6 +200,7 @@ class ExpertCache:
         self._stats = {layer: LayerCacheStats() for layer in store.layers}
         self.copies = 0  # experts copied into slots since the cache was built (never reset: callers compare)
         self._copy_events: list = []  # (layer, start event, end event), resolved in stats()
+        self._copy_ms_total = 0.0  # copy-stream busy time of the resolved copies, never reset (copy_seconds)
 
     def _pool(self, layer: int) -> _Pool:
         return self._pool_of[layer]
@@ -369,9 +370,26 @@ class ExpertCache:
         """{'layers': {layer: counters}, 'total': counters}; waits for copies still in flight."""
         for layer, start, end in self._copy_events:
             end.synchronize()
-            self._stats[layer].copy_ms += start.elapsed_time(end)
+            ms = start.elapsed_time(end)
+            self._stats[layer].copy_ms += ms
+            self._copy_ms_total += ms
         self._copy_events.clear()
         return {"layers": {l: s.as_dict() for l, s in self._stats.items()}, "total": summarize(self._stats)}
+
+    def copy_seconds(self) -> float:
+        """Copy-stream busy time so far, in seconds, of the copies that have landed (never waits: copies
+        still in flight count once they land). Only grows, also across :meth:`reset_stats`; 0 on a
+        host-memory cache, where nothing crosses a link. Auto's runahead gate reads it (``link_gate``)."""
+        done = 0
+        for layer, start, end in self._copy_events:
+            if not end.query():
+                break  # one copy stream: later copies land later
+            ms = start.elapsed_time(end)
+            self._stats[layer].copy_ms += ms
+            self._copy_ms_total += ms
+            done += 1
+        del self._copy_events[:done]
+        return self._copy_ms_total / 1e3
 
     def reset_stats(self) -> None:
         self.stats()

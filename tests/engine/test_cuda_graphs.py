@@ -52,8 +52,10 @@ def test_graph_decode_equals_eager(kernel_model):
 
 
 def _offloaded(path, **options) -> Engine:
-    return Engine.load(str(path), EngineConfig(device="cuda", dtype="bfloat16", offload="always",
-                                               expert_cache_slots=4, **options))
+    engine = Engine.load(str(path), EngineConfig(device="cuda", dtype="bfloat16", offload="always",
+                                                 expert_cache_slots=4, **options))
+    engine.runahead_gate = None  # "runahead" runs the decoder (auto's gate: tests/engine/test_link_gate.py)
+    return engine
 
 
 @pytest.mark.parametrize("scheduler", ["sync", "runahead", "prefetch"])
@@ -71,8 +73,8 @@ def test_piecewise_graphs_with_offloaded_experts_equal_eager_pieces(kernel_model
     assert pieces.replays > 0
     graphed_kinds = {kind for (kind, _, _), piece in pieces._pieces.items() if piece.graph is not None}
     assert "attn" in graphed_kinds
-    # the runahead decoder's expert micro-steps run eagerly (one grouped launch each); the sync and
-    # prefetch steps replay the experts pieces too
+    # the sync and prefetch steps replay the experts pieces; the runahead decoder's expert micro-steps
+    # replay its own graphs (tests/engine/test_tiers_pieces.py)
     assert ("experts" in graphed_kinds) == (scheduler != "runahead")
 
 

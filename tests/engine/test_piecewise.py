@@ -68,6 +68,7 @@ def test_padding_rows_fetch_nothing(model_dir):
 def test_runahead_micro_steps_run_the_pieces(model_dir, resident_tokens):
     # 5 slots: room for two requests' experts (top-2) at once, not three (those would decode as sync)
     engine = Engine.load(model_dir, _config(offload="always", expert_cache_slots=5, scheduler="runahead"))
+    engine.runahead_gate = None  # the decoder itself (auto's gate: tests/engine/test_link_gate.py)
     pieces = engine.runner.pieces
     calls = []
     attend_rows = pieces.attend_rows

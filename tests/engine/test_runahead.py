@@ -124,8 +124,12 @@ class LinkResidency(CacheResidency):
 
 
 def _engine(model_dir, scheduler: str, **options) -> Engine:
-    return Engine.load(model_dir, EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16,
-                                               scheduler=scheduler, **options))
+    """The engine; "runahead" runs the decoder itself (on a GPU cache auto's gate would first measure
+    sync rounds: tests/engine/test_link_gate.py and the gate test at the end)."""
+    engine = Engine.load(model_dir, EngineConfig(device=TEST_DEVICE, dtype="float32", block_size=16,
+                                                 scheduler=scheduler, **options))
+    engine.runahead_gate = None
+    return engine
 
 
 def _prompts():
@@ -527,3 +531,37 @@ def test_a_lone_prompt_after_several_requests_is_read_as_under_sync(model_dir, m
     assert seen["runahead"] == seen["sync"]
     assert len(seen["sync"][1]) >= 3 * 2  # three chunks through both MoE layers
     assert all(free == OFFLOAD["expert_cache_slots"] for _, _, free in seen["sync"][1])
+
+
+@pytest.mark.parametrize("link", ["busy", "half", "unused"])
+def test_auto_gate_runs_runahead_only_where_overlap_could_pay(model_dir, sync_tokens, link):
+    """The engine's runahead gate (hearth.engine.link_gate; on a GPU cache it reads the copy stream's
+    busy time, here a simulated link): five requests, more than the 6-slot pools hold at once. A link
+    busy for the whole of every sync round, or never used, leaves nothing to overlap: the decoder never
+    starts, every token is a sync step. A link busy half of each round starts a runahead trial after a
+    window of sync rounds. Tokens equal sync's either way."""
+    from time import perf_counter
+
+    from hearth.engine.link_gate import RunaheadGate
+
+    busy = {"busy": perf_counter, "half": lambda: perf_counter() / 2, "unused": lambda: 0.0}[link]
+    engine = _engine(model_dir, "runahead", **OFFLOAD)
+    engine.decoder.residency = LinkResidency(engine, LINKS["slow_even"])
+    engine.runahead_gate = gate = RunaheadGate(busy, window=2)
+    tokens = _run(engine, _prompts())[0]
+    assert tokens == sync_tokens
+    if link == "half":
+        assert gate.trials >= 1 and engine.decoder.micro_steps > 0
+        assert gate.state(5).busy == pytest.approx(0.5, abs=0.05)
+    else:
+        assert gate.trials == 0 and engine.decoder.micro_steps == 0
+        assert len(gate.state(5).rounds) == 2 and gate.state(5).idle in (pytest.approx(0, abs=0.05), 1.0)
+
+
+def test_the_gate_is_on_only_where_a_link_is_measured(model_dir):
+    """auto and runahead get the gate over a GPU cache (it reads the copy stream's busy time); over a
+    host-memory cache nothing crosses a link, so runahead runs as asked; sync needs none."""
+    config = dict(device=TEST_DEVICE, dtype="float32", block_size=16, **OFFLOAD)
+    for scheduler in ("auto", "runahead", "sync"):
+        engine = Engine.load(model_dir, EngineConfig(scheduler=scheduler, **config))
+        assert (engine.runahead_gate is not None) == (scheduler != "sync" and TEST_DEVICE == "cuda")

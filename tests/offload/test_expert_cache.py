@@ -187,3 +187,11 @@ def test_available_counts_slots_not_held(store):
     assert shared.available(0) == shared.available(1) == 2
     shared.release(lease)
     assert shared.available(1) == 4
+
+
+def test_copy_seconds_is_zero_on_a_host_cache(store):
+    """Nothing crosses a link on a host-memory cache: the busy time auto's runahead gate reads stays 0."""
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    _use(cache, 0, [1, 2, 3])
+    assert cache.copies == 3
+    assert cache.copy_seconds() == 0.0

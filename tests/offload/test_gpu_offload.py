@@ -157,3 +157,23 @@ def test_mxfp4_experts_are_fetched_packed_into_their_slots(tmp_path):
     w = torch.rand(4, 4, device="cuda")
     got, ref = offloaded(0, x, ids, w).float(), resident(0, x, ids, w).float()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_copy_seconds_counts_landed_copies_without_waiting(store):
+    """The link's busy time the runahead gate reads: 0 before any copy, never waiting on copies in
+    flight, the copies' whole time once they land, and never going back (stats and resets keep it)."""
+    cache = ExpertCache(store, "cuda", slots_per_layer=6)
+    assert cache.copy_seconds() == 0.0
+    lease = cache.acquire(0, [1, 2, 3, 4])
+    in_flight = cache.copy_seconds()  # does not block: counts only what has landed
+    lease.wait()
+    torch.cuda.current_stream().synchronize()
+    landed = cache.copy_seconds()
+    assert landed >= in_flight and landed > 0
+    # four FP8 DeepSeek-V3-width experts (~44 MB each) over any PCIe / C2C link take well over 0.1 ms
+    assert landed > 1e-4
+    total_ms = cache.stats()["total"]["copy_ms"]
+    assert abs(total_ms / 1e3 - landed) < 1e-6
+    cache.release(lease)
+    cache.reset_stats()
+    assert cache.copy_seconds() == landed
