@@ -6,7 +6,10 @@ Model: hidden 7168, MLA 128 heads (q_lora 1536, kv_lora 512 + 64 rope), indexer 
 (vocab cut to 512: the head is not what is measured). Experts live in pinned host memory behind a
 GPU cache of --cache-fraction of each layer's experts. For each concurrency and scheduler
 (sync = layer-synchronous with on-demand fetch and overlap; prefetch = sync + next-layer router
-prediction; runahead) it runs the same greedy requests and prints tok/s, p50/p99 inter-token latency,
+prediction; runahead = what a user's "runahead" / auto runs: the decoder behind auto's gate, which
+runs it only where sync rounds leave the link idle and a trial beats them (hearth.engine.link_gate);
+runahead-always = the decoder whenever auto's pool rule picks runahead, no gate) it runs the same
+greedy requests and prints tok/s, p50/p99 inter-token latency,
 hit rate, bytes fetched and the link floor (bytes / 55 GB/s), and whether the schedulers' greedy
 tokens agree.
 
@@ -66,7 +69,7 @@ from hearth.offload.expert_store import ExpertLayout, ExpertStore
 LINK_GBPS = 55.0
 BLOCK_SIZE = 64
 VOCAB = 512
-SCHEDULERS = ("sync", "prefetch", "runahead")
+SCHEDULERS = ("sync", "prefetch", "runahead", "runahead-always")
 _TURNS = itertools.count()  # configurations run so far (run_config rotates the schedulers' order)
 POPULARITY_ALPHA, POPULARITY_SCALE, SKEWED_EMBED_SCALE = 1.2, 0.3, 0.1
 
@@ -149,12 +152,23 @@ def skew_routing(model: DeepseekForCausalLM, seed: int = 2) -> None:
 class RoutingProbe:
     """Records each MoE layer's routing of full decode batches (T == concurrency rows, stable order in
     the sync scheduler) and reports reuse between a request's consecutive tokens and distinct experts
-    per layer per step."""
+    per layer per step. On the piecewise path (``pieces``: the router runs inside captured graphs) it
+    reads the routing the pieces hand to the routed experts."""
 
-    def __init__(self, model: DeepseekForCausalLM) -> None:
+    def __init__(self, model: DeepseekForCausalLM, pieces=None) -> None:
         self.gates = {layer.layer: layer.mlp.gate for layer in model.layers if layer.is_moe}
         self.rows = 0
         self.calls: dict[int, list[list[set[int]]]] = {i: [] for i in self.gates}
+        self.pieces = pieces if pieces is not None and pieces.offloaded else None
+        if self.pieces is not None:
+            routed = self.pieces.routed_experts
+
+            def probed(layer: int, b: int, n: int) -> None:
+                if self.rows and n == self.rows:
+                    self.calls[layer].append([set(row) for row in self.pieces.expert_ids[:n].tolist()])
+                routed(layer, b, n)
+            self.pieces.routed_experts = probed
+            return
         for i, gate in self.gates.items():
             gate.forward = self._wrap(i, gate.forward)
 
@@ -167,8 +181,11 @@ class RoutingProbe:
         return probed
 
     def remove(self) -> None:
+        if self.pieces is not None:
+            del self.pieces.routed_experts  # back to the class's method
+            return
         for gate in self.gates.values():
-            del gate.forward  # back to the class's method
+            del gate.forward
 
     def summary(self) -> dict:
         reuse, distinct = [], []
@@ -232,6 +249,8 @@ def run_case(engine: Engine, concurrency: int, tokens: int, prompt_len: int) -> 
         "hit_rate": stats.get("hit_rate", 0.0),
         "gb_fetched": stats.get("bytes_fetched", 0) / 1e9,
         "link_floor_s": stats.get("bytes_fetched", 0) / (LINK_GBPS * 1e9),
+        "copy_s": stats.get("copy_ms", 0.0) / 1e3,  # the copy stream's measured busy time
+        "cpu_computed": stats.get("cpu_computed", 0),  # missed experts the host computed instead of fetching
         "elapsed_s": elapsed,
         **({} if engine.decoder is None else {
             "attention_steps": engine.decoder.micro_steps - engine.decoder.expert_steps,
@@ -249,10 +268,13 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
     # 865 ms p99 where runahead ran the very same sync steps at 52.5)
     turn = next(_TURNS) % len(args.schedulers)
     for scheduler in args.schedulers[turn:] + args.schedulers[:turn]:
-        config_e = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=max(args.concurrency), scheduler=scheduler,
-                                max_num_batched_tokens=4096)
+        config_e = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=max(args.concurrency),
+                                scheduler=scheduler.removesuffix("-always"), max_num_batched_tokens=4096,
+                                host_experts=args.host_experts)
         runner = synthetic_runner(config, config_e, store, slots, model, args.attention)
         engine = Engine(runner, tokenizer, config_e)
+        if scheduler == "runahead-always":  # the decoder whenever auto's rule picks runahead, no gate
+            engine.runahead_gate = None
         if engine.decoder is not None:
             engine.decoder.max_lead = args.max_lead or engine.decoder.max_lead
             engine.decoder.fetch_depth = args.fetch_depth
@@ -261,10 +283,15 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
         # captures inside the timed run of whichever scheduler came first (a fresh H200: sync at 33.9 tok/s
         # with a 663 ms p99, 62.9 on a warm cache)
         run_case(engine, concurrency, args.tokens, args.prompt_len)
-        probe = RoutingProbe(model) if scheduler == "sync" else None
+        probe = RoutingProbe(model, runner.pieces) if scheduler == "sync" else None
         if probe is not None:
             probe.rows = concurrency
         row[scheduler] = run_case(engine, concurrency, args.tokens, args.prompt_len)
+        gate = engine.runahead_gate
+        if gate is not None:  # what auto's gate measured and chose (warm-up and timed case)
+            at = gate.state(concurrency)
+            row[scheduler]["gate"] = {"trials": gate.trials, "lost": gate.lost, "mode": at.mode,
+                                      "sync_link_idle": at.idle, "sync_round_s": at.round_s}
         if probe is not None:
             row[scheduler].update(probe.summary())
             probe.remove()
@@ -283,7 +310,13 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
     for scheduler, r in row.items():
         print(f"{tag} {scheduler:9s} {r['tok_s']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:7.1f} ms "
               f"p99 {r['itl_p99_ms']:7.1f} ms  hit {r['hit_rate']:.2f}  fetched {r['gb_fetched']:6.2f} GB "
-              f"(link floor {r['link_floor_s']:.2f} s of {r['elapsed_s']:.2f} s)", flush=True)
+              f"(link floor {r['link_floor_s']:.2f} s of {r['elapsed_s']:.2f} s; copy stream busy "
+              f"{r['copy_s']:.2f} s; {r['cpu_computed']} experts computed on the host)", flush=True)
+        if "gate" in r:
+            g = r["gate"]
+            idle = "unmeasured" if g["sync_link_idle"] is None else f"{100 * g['sync_link_idle']:.0f}%"
+            print(f"{tag} {scheduler:9s} gate: sync rounds left the link idle {idle}; runahead trials "
+                  f"{g['trials']}, lost to sync {g['lost']}; now {g['mode']}", flush=True)
         if "expert_steps" in r:
             print(f"{tag} {scheduler:9s} micro-steps: {r['attention_steps']} attention, {r['expert_steps']} experts, "
                   f"{r['waits']} waits, {r['deferred']} attention batches held back", flush=True)
@@ -317,6 +350,8 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
             verdicts = [f"sync leaves the link idle {100 * idle:.0f}% of its time"]
             if ra.get("expert_steps", 1) == 0 and ra.get("attention_steps", 1) == 0:
                 verdicts.append("runahead ran sync's steps only (it never ran ahead: any gap is noise)")
+            ok = summary["runahead_over_sync"] >= 0.97
+            verdicts.append(f"runahead never slower than sync (3% noise): {'MET' if ok else 'NOT MET'}")
             if idle >= 0.30:
                 ok = summary["runahead_over_sync"] >= 1.5
                 verdicts.append(f"runahead/sync >= 1.5x: {'MET' if ok else 'NOT MET'}")
@@ -324,6 +359,12 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
                 ok = summary["runahead_over_prefetch"] >= 1.2
                 verdicts.append(f"runahead/prefetch >= 1.2x: {'MET' if ok else 'NOT MET'}")
             print(f"{tag} {'; '.join(verdicts)}", flush=True)
+    if "runahead-always" in row and "sync" in row:  # the decoder without auto's gate, for the record
+        always, sync = row["runahead-always"], row["sync"]
+        summary["always_over_sync"] = always["tok_s"] / sync["tok_s"]
+        summary["always_bytes_over_sync"] = always["gb_fetched"] / max(sync["gb_fetched"], 1e-12)
+        print(f"{tag} runahead-always/sync {summary['always_over_sync']:.2f}x tok/s, bytes "
+              f"{summary['always_bytes_over_sync']:.2f}x", flush=True)
     return summary
 
 
@@ -342,6 +383,8 @@ def main() -> None:
     parser.add_argument("--attention", choices=["kernels", "torch"], default="kernels",
                         help="kernels: the user's path (Triton DSA kernels, CUDA graphs); torch: plain-torch "
                              "attention without graphs, as every run recorded before 2026-12-03")
+    parser.add_argument("--host-experts", choices=["auto", "on", "off"], default="auto",
+                        help="missed experts computed on the host (EngineConfig.host_experts; auto: the default)")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()

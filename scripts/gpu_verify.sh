@@ -128,9 +128,10 @@ for step in "${steps[@]}"; do
           # user's attention path (kernels, graphs) with the decoder's time split (~4 min); o2r: both
         [[ $step != o2b ]] && gpu_tests ${TESTS_TIMEOUT:-150} tests/engine/test_tiers_pieces.py \
             tests/engine/test_offload_engine.py tests/engine/test_piecewise.py tests/engine/test_runahead.py \
+            tests/engine/test_link_gate.py tests/engine/test_cuda_graphs.py tests/offload/test_gpu_offload.py \
             tests/kernels/test_topk_one_launch.py tests/kernels/test_topk_short.py tests/kernels/test_topk.py
         [[ $step == o2t ]] && continue
-        timeout 230 python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 --tokens 12 --cache-fraction 0.25 \
+        timeout ${RUNAHEAD_TIMEOUT:-230} python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 --tokens 12 --cache-fraction 0.25 \
             --routing uniform --budget-s 200 --json "$OUT/runahead.json" ${RUNAHEAD_ARGS:-} > "$OUT/runahead.log" 2>&1
         grep -v "^store" "$OUT/runahead.log" | tail -30 ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times

@@ -28,13 +28,15 @@ def test_the_schedulers_take_turns_and_each_row_has_its_verdict_inputs(tmp_path,
     monkeypatch.setattr(sys, "argv", ["bench_runahead.py", "--small", "--concurrency", "1", "2", "--tokens", "2",
                                       "--cache-fraction", "0.25", "--routing", "uniform", "--json", str(out)])
     bench_runahead.main()
-    # two configurations of three schedulers, each run twice (warm-up, then timed) with the timed length
+    # two configurations of four schedulers, each run twice (warm-up, then timed) with the timed length
+    # ("runahead-always" is the "runahead" engine with auto's gate taken off)
     order = [s for s, _ in runs[::2]]
-    assert order == ["sync", "prefetch", "runahead", "prefetch", "runahead", "sync"]
+    assert order == ["sync", "prefetch", "runahead", "runahead", "prefetch", "runahead", "runahead", "sync"]
     assert [s for s, _ in runs[1::2]] == order and {t for _, t in runs} == {2}
     results = json.loads(out.read_text())["results"]
     assert [r["concurrency"] for r in results] == [1, 2]
     for row in results:
-        assert list(row)[4:7] == ["sync", "prefetch", "runahead"]  # reported in the asked order
+        assert list(row)[4:8] == ["sync", "prefetch", "runahead", "runahead-always"]  # in the asked order
+        assert row["always_over_sync"] > 0
         assert 0.0 <= row["sync_link_idle"] <= 1.0 and row["runahead_over_sync"] > 0
     assert "sync leaves the link idle" in capsys.readouterr().out
