@@ -39,13 +39,24 @@ class HostSpeeds:
                 f"{self.cpu_ms_per_token:.3f} ms/token, transfers {self.transfer_ms:.3f} ms/call")
 
 
-def choose_host_experts(tokens: Sequence[int], speeds: HostSpeeds | None, policy: str = "auto") -> list[bool]:
+# The least share of a call's all-link time the host must be predicted to save. On the H200 (FP8
+# DeepSeek-V3 experts, ~30 ms each on the host's 16 cores, 0.8 ms per copy) 32 requests missing ~80
+# experts per layer sent 2 of them to the host for a predicted 2.5% saving, and the sync step ran at
+# 82 tok/s against 160 with the host off (bench/bench_runahead.py --host-experts, docs/benchmarks.md).
+HOST_MIN_SAVING = 0.25
+
+
+def choose_host_experts(tokens: Sequence[int], speeds: HostSpeeds | None, policy: str = "auto",
+                        min_saving: float = HOST_MIN_SAVING) -> list[bool]:
     """For each missed expert (serving ``tokens[i]`` (token, k) pairs): True = compute it on the host.
 
     ``on``: all of them; ``off`` (or no speeds): none. ``auto``: the experts serving the fewest tokens
     go to the host while that shortens the call, modelled as the later of the link (copies one after
     another) and the host (transfers + experts one after another) finishing; ties go to the link,
-    which also leaves the expert cached for the next step.
+    which also leaves the expert cached for the next step. The host is used only when the model says
+    it saves at least ``min_saving`` of the all-link time: what the model leaves out (the host's
+    compute holds the thread that queues the next layer, its memory traffic meets the copies') ate
+    every marginal win measured (see HOST_MIN_SAVING).
     """
     if policy not in HOST_POLICIES:
         raise ValueError(f"host expert policy must be one of {HOST_POLICIES}, got {policy!r}")
@@ -62,6 +73,8 @@ def choose_host_experts(tokens: Sequence[int], speeds: HostSpeeds | None, policy
         ms = max(host_ms, (n - k) * speeds.link_ms_per_expert)
         if ms < best_ms:
             best_k, best_ms = k, ms
+    if best_ms > (1 - min_saving) * n * speeds.link_ms_per_expert:
+        best_k = 0
     chosen = set(by_tokens[:best_k])
     return [i in chosen for i in range(n)]
 

@@ -26,6 +26,14 @@ def test_auto_fetches_when_the_host_is_slow():
     assert choose_host_experts([1] * 6, SLOW_HOST) == [False] * 6
 
 
+def test_auto_keeps_marginal_wins_on_the_link():
+    """32 requests missing 80 experts of a layer: two on a slow host would end the call 2.5% sooner by
+    the model; that win is below the least saving, so every miss is fetched (on the H200 such picks
+    halved the sync step's throughput)."""
+    assert choose_host_experts([1] * 80, SLOW_HOST) == [False] * 80
+    assert sum(choose_host_experts([1] * 80, SLOW_HOST, min_saving=0.0)) == 2
+
+
 def test_auto_balances_link_and_host():
     # 6 misses of 1 token: k on the host costs 0.05 + 0.15 k, the rest 0.8 (6 - k): best k = 5 (0.8 ms).
     assert sum(choose_host_experts([1] * 6, FAST_HOST)) == 5
