@@ -306,6 +306,9 @@ def run_config(config: ModelConfig, store: ExpertStore, model: DeepseekForCausal
 def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dict:
     tokens = [r["tokens"] for r in row.values()]
     same = all(t == tokens[0] for t in tokens)
+    first = next(iter(row))  # the schedulers whose greedy tokens differ from the first one's (batch-size
+    # dependent kernels can flip a near-tie of a random model: runahead splits its requests into groups)
+    differ = [name for name, r in row.items() if r["tokens"] != row[first]["tokens"]]
     tag = f"{routing:7s} cache {fraction:.0%} c={concurrency:3d}"
     for scheduler, r in row.items():
         print(f"{tag} {scheduler:9s} {r['tok_s']:8.1f} tok/s  ITL p50 {r['itl_p50_ms']:7.1f} ms "
@@ -326,6 +329,7 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
                   f"copy queued: {sec['starved_room']:.2f} s for want of a free slot, {sec['starved_need']:.2f} s "
                   f"with no missing expert routed yet", flush=True)
     summary = {"routing": routing, "cache_fraction": fraction, "concurrency": concurrency, "same_tokens": same,
+               "tokens_differ": differ,
                **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in row.items()}}
     if "sync" in row and "reuse" in row["sync"]:
         print(f"{tag} routing: reuse between consecutive tokens {row['sync']['reuse']:.2f}, distinct experts "
@@ -343,7 +347,8 @@ def print_row(routing: str, fraction: float, concurrency: int, row: dict) -> dic
                            + (f"{summary[f'runahead_bytes_over_{b}']:.2f}x" if row[b]["gb_fetched"] >= 0.01
                               else f"{ra['gb_fetched']:.2f} vs {row[b]['gb_fetched']:.2f} GB")
                            for b in ("sync", "prefetch") if b in row)
-        print(f"{tag} {ratios}; same greedy tokens: {same}", flush=True)
+        print(f"{tag} {ratios}; same greedy tokens: "
+              f"{same or 'no, ' + ', '.join(differ) + ' differ from ' + first}", flush=True)
         if "sync" in row:  # O2's targets: >= 1.5x sync where sync leaves the link idle >= 30%, >= 1.2x prefetch at 8+
             idle = 1 - row["sync"]["link_floor_s"] / max(row["sync"]["elapsed_s"], 1e-12)
             summary["sync_link_idle"] = idle

@@ -36,7 +36,8 @@ def test_the_schedulers_take_turns_and_each_row_has_its_verdict_inputs(tmp_path,
     results = json.loads(out.read_text())["results"]
     assert [r["concurrency"] for r in results] == [1, 2]
     for row in results:
-        assert list(row)[4:8] == ["sync", "prefetch", "runahead", "runahead-always"]  # in the asked order
+        assert list(row)[5:9] == ["sync", "prefetch", "runahead", "runahead-always"]  # in the asked order
+        assert isinstance(row["tokens_differ"], list)
         assert row["always_over_sync"] > 0
         assert 0.0 <= row["sync_link_idle"] <= 1.0 and row["runahead_over_sync"] > 0
     assert "sync leaves the link idle" in capsys.readouterr().out
