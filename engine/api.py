@@ -139,8 +139,10 @@ def auto_scheduler(num_requests: int, several: SchedulerName | None = None,
     experts in one lease and queues all their copies at once, so the link has nothing more to carry under
     runahead, which only adds calls (7 per token round instead of 1 and 3% more copies, running ahead
     evicting what others were about to use, in a CPU simulation of 8 requests, 64 of 256 slots, top-8;
-    on the H200 runahead ran at 0.87x sync there). Runahead pays where sync must stream a layer's experts
-    through the pool in rounds."""
+    on the H200 runahead ran at 0.87x sync there). Beyond that the engine's runahead gate
+    (``hearth.engine.link_gate``) still runs sync until its measured rounds leave both the link and the
+    compute idle a fair share of the time and a runahead trial beats them: on the H200's kernel path sync
+    kept the link 92-97% busy at 32 requests and runahead, always on, ran at 0.93x sync."""
     if num_requests <= 1:
         return "sync"
     choice = several or AUTO_SEVERAL_REQUESTS
@@ -330,9 +332,10 @@ class EngineConfig:
     scheduler: Literal["auto", "sync", "runahead", "prefetch"] = _option(
         "auto", "Scheduler",
         "How answers advance when experts live in RAM: auto (sync for one answer and for as many as the "
-        f"expert cache holds at once, {AUTO_SEVERAL_REQUESTS} for more), sync (together, layer by layer), runahead "
-        "(ready requests run ahead while others wait for experts), prefetch (sync plus guessing the next layer's "
-        "experts).", section=BASIC)
+        f"expert cache holds at once, {AUTO_SEVERAL_REQUESTS} for more where measured sync steps leave the GPU "
+        "link room to overlap and it beats them), sync (together, layer by layer), runahead "
+        "(ready requests run ahead while others wait for experts; the same measured choice), prefetch (sync plus "
+        "guessing the next layer's experts).", section=BASIC)
 
     def __post_init__(self) -> None:
         for option in engine_options():
