@@ -13,8 +13,10 @@ the round's wall time; medians, so a round that compiled or captured does not de
 serialises the link's copies with the compute between them; runahead at best overlaps them, so it can
 save at most the smaller of the busy and the idle share. Runahead is tried only where that share is at
 least ``min_gain`` (a link busy 90% of a round, or idle 100% because every expert is resident, leaves
-nothing worth a split). A trial runs ``window`` rounds' worth of tokens and must beat sync's median
-round time; a trial that loses goes back to sync, and the next trial waits twice as long
+nothing worth a split). A trial's first ``window`` rounds' worth of tokens warm it in and are not
+judged (they carry the switch itself: every request's token put in flight, and the first calls at
+group sizes sync never ran, which compile and capture); each later window must beat sync's median
+round time. A trial that loses goes back to sync, and the next trial waits twice as long
 (``max_backoff`` windows at most). A runahead that keeps winning is re-checked against fresh sync
 rounds every ``recheck`` windows, since what the link carries changes as contexts grow and caches warm.
 
@@ -44,7 +46,7 @@ class _AtConcurrency:
     backoff: int = 1  # windows the next hold lasts after a lost trial
     tokens: int = 0  # runahead: tokens finished in the current window
     seconds: float = 0.0  # runahead: wall time of the current window
-    windows: int = 0  # runahead windows won since the last sync check
+    windows: int = 0  # runahead windows judged since the trial began (the first one warms in, unjudged)
 
     @property
     def idle(self) -> float | None:
@@ -98,12 +100,13 @@ class RunaheadGate:
         s.round_s = statistics.median(t for t, _ in s.rounds)
         s.busy = statistics.median(b / t for t, b in s.rounds)
         if min(s.busy, 1.0 - s.busy) >= self.min_gain:
-            s.mode, s.tokens, s.seconds, s.windows = AHEAD, 0, 0.0, 0
+            s.mode, s.tokens, s.seconds, s.windows = AHEAD, 0, 0.0, -1
             self.trials += 1
 
     def ahead(self, num_requests: int, tokens: int, seconds: float) -> None:
         """Runahead ran for ``seconds`` with ``num_requests`` requests in flight and finished ``tokens``
-        of their tokens. Each ``window`` rounds' worth of tokens is judged against sync's round time."""
+        of their tokens. Each ``window`` rounds' worth of tokens after the trial's first is judged against
+        sync's round time."""
         s = self.state(num_requests)
         if s.mode != AHEAD:
             return
@@ -113,6 +116,9 @@ class RunaheadGate:
             return
         round_s = s.seconds * num_requests / s.tokens
         s.tokens, s.seconds = 0, 0.0
+        if s.windows < 0:  # the warm-in window
+            s.windows = 0
+            return
         if s.round_s is not None and round_s > s.round_s:  # lost: back to sync, longer before the next try
             self.lost += 1
             self._to_sync(s, hold=s.backoff * self.window)

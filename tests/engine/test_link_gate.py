@@ -67,6 +67,8 @@ def test_a_winning_trial_keeps_runahead_and_a_losing_one_backs_off():
     gate = RunaheadGate(link, min_gain=0.15, window=2, max_backoff=4)
     _sync_rounds(gate, link, 4, 2, seconds=0.10, busy=0.05)
     assert gate.allows(4)
+    gate.ahead(4, tokens=8, seconds=2.0)  # the warm-in window (switch, compiles, captures): not judged
+    assert gate.allows(4) and gate.lost == 0
     gate.ahead(4, tokens=8, seconds=0.15)  # 2 rounds' worth in 0.15 s: 0.075 s per round, faster
     assert gate.allows(4) and gate.lost == 0
     gate.ahead(4, tokens=5, seconds=0.20)  # a window is 8 tokens: not judged yet
@@ -82,6 +84,8 @@ def test_a_winning_trial_keeps_runahead_and_a_losing_one_backs_off():
             rounds += 1
             assert rounds < 100
         holds.append(rounds)
+        gate.ahead(4, tokens=8, seconds=0.5)  # warm-in
+        assert gate.allows(4)
         gate.ahead(4, tokens=8, seconds=0.5)  # loses again
     assert holds == [2 * 1 + 1, 2 * 2 + 1, 2 * 4 + 1, 2 * 4 + 1]  # window x backoff (capped at 4), then 1 round
     assert gate.trials == 5 and gate.lost == 5
@@ -91,7 +95,7 @@ def test_runahead_is_rechecked_against_fresh_sync_rounds():
     link = Link()
     gate = RunaheadGate(link, min_gain=0.15, window=1, recheck=3)
     _sync_rounds(gate, link, 2, 1, seconds=0.10, busy=0.05)
-    for _ in range(2):
+    for _ in range(3):  # the warm-in window, then two winning ones
         gate.ahead(2, tokens=2, seconds=0.05)
         assert gate.allows(2)
     gate.ahead(2, tokens=2, seconds=0.05)  # the third window won: sync is measured again
