@@ -9,7 +9,8 @@
 #   `dtests`: its tests only); `c2k` (~6.5 min: the C2 kernels' tests and rows), `chat-tiers` (~4 min: a tiered chat's
 #   follow-ups across restarts), `c2close` (~9 min: C2's open rows, then its tests),
 #   `c2stack` (~5 min: the planned read and the tiered stack by candidate select, the tier tests), `one-launch` (~2 min),
-#   `o2r` (~6 min: runahead / sync / prefetch on the kernel path, runahead tests), `o2e` (~7 min: the same through the server). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   `o2r` (~6 min: runahead / sync / prefetch on the kernel path, runahead tests), `o2e` (~7 min: the same through the server),
+#   `o2g` (~2.5 min: auto's runahead gate on skewed small-cache rows). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -134,6 +135,11 @@ for step in "${steps[@]}"; do
         timeout ${RUNAHEAD_TIMEOUT:-230} python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 --tokens 12 --cache-fraction 0.25 \
             --routing uniform --budget-s 200 --json "$OUT/runahead.json" ${RUNAHEAD_ARGS:-} > "$OUT/runahead.log" 2>&1
         grep -v "^store" "$OUT/runahead.log" | tail -30 ;;
+    o2g)  # auto's runahead gate where sync leaves the link partly idle (skewed routing, small caches), ~2.5 min
+        timeout 200 python3 bench/bench_runahead.py --moe-layers 3 --concurrency 8 32 --tokens 16 \
+            --cache-fraction 0.05 0.1 --routing skewed --budget-s 150 --json "$OUT/runahead-gate.json" \
+            > "$OUT/runahead-gate.log" 2>&1
+        grep -v "^store" "$OUT/runahead-gate.log" | grep -E "tok/s|gate:|never slower" | tail -40 ;;
     chat-tiers)  # a tiered 64K chat's follow-ups across chat switches and restarts, with the tier cache's host times
         chat_tiers ;;
     defaults|dtests)  # the defaults flipped on CPU evidence after the last GPU run: their GPU tests, then their rows, most needed first
