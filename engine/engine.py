@@ -460,7 +460,10 @@ class Engine:
         try:
             return self._step(launched)
         finally:
-            self._yield_warm_starts(self.has_unfinished())
+            busy = self.has_unfinished()
+            self._yield_warm_starts(busy)
+            if not busy:  # the time until the next request arrives is no decode round
+                self._gate_interval = None
 
     def _yield_warm_starts(self, busy: bool) -> None:
         if self.prefix_tier is not None:

@@ -550,6 +550,7 @@ def test_auto_gate_runs_runahead_only_where_overlap_could_pay(model_dir, sync_to
     engine.runahead_gate = gate = RunaheadGate(busy, window=2)
     tokens = _run(engine, _prompts())[0]
     assert tokens == sync_tokens
+    assert engine._gate_interval is None  # idle until the next request: nothing for the gate to time
     if link == "half":
         assert gate.trials >= 1 and engine.decoder.micro_steps > 0
         assert gate.state(5).busy == pytest.approx(0.5, abs=0.05)
