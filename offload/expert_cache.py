@@ -199,7 +199,7 @@ class ExpertCache:
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._stats = {layer: LayerCacheStats() for layer in store.layers}
         self.copies = 0  # experts copied into slots since the cache was built (never reset: callers compare)
-        self._copy_events: list = []  # (layer, start event, end event), resolved in stats()
+        self._copy_events: list = []  # (layer, start event, end event), resolved by _resolve_copies
         self._copy_ms_total = 0.0  # copy-stream busy time of the resolved copies, never reset (copy_seconds)
 
     def _pool(self, layer: int) -> _Pool:
@@ -368,28 +368,30 @@ class ExpertCache:
 
     def stats(self) -> dict:
         """{'layers': {layer: counters}, 'total': counters}; waits for copies still in flight."""
-        for layer, start, end in self._copy_events:
-            end.synchronize()
-            ms = start.elapsed_time(end)
-            self._stats[layer].copy_ms += ms
-            self._copy_ms_total += ms
-        self._copy_events.clear()
+        self._resolve_copies(wait=True)
         return {"layers": {l: s.as_dict() for l, s in self._stats.items()}, "total": summarize(self._stats)}
 
     def copy_seconds(self) -> float:
         """Copy-stream busy time so far, in seconds, of the copies that have landed (never waits: copies
         still in flight count once they land). Only grows, also across :meth:`reset_stats`; 0 on a
         host-memory cache, where nothing crosses a link. Auto's runahead gate reads it (``link_gate``)."""
+        self._resolve_copies(wait=False)
+        return self._copy_ms_total / 1e3
+
+    def _resolve_copies(self, wait: bool) -> None:
+        """Add the timed copies' busy time to the counters: all of them (``wait``: waiting for those in
+        flight) or those that have landed."""
         done = 0
         for layer, start, end in self._copy_events:
-            if not end.query():
+            if wait:
+                end.synchronize()
+            elif not end.query():
                 break  # one copy stream: later copies land later
             ms = start.elapsed_time(end)
             self._stats[layer].copy_ms += ms
             self._copy_ms_total += ms
             done += 1
         del self._copy_events[:done]
-        return self._copy_ms_total / 1e3
 
     def reset_stats(self) -> None:
         self.stats()
