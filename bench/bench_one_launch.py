@@ -9,7 +9,7 @@ first histogram (`fine_hist_launch`, what the fused indexer adds) plus the selec
 programs-per-row count, checks every result against torch (`check_topk`), and prints the best.
 
     python bench/bench_one_launch.py [--rows 1 8 64] [--n 131072] [--programs 0 8 16 32 64 128]
-        [--warps 8 4] [--out DIR]      (programs 0: the default)
+        [--warps 8 4] [--scans 0 1 2] [--blocks 1024 4096] [--out DIR]      (programs 0: the default)
 
 Without a GPU it runs on the CPU under TRITON_INTERPRET=1 (tests, small --n): the same checks, wall times.
 """
@@ -54,7 +54,8 @@ def median_us(fn) -> float:
     return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
 
 
-def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int]) -> list[dict]:
+def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], scans: list[int],
+        blocks: list[int]) -> list[dict]:
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     scores = torch.randn(rows, n, device=DEVICE, generator=g)
     if kind == "relu":
@@ -63,33 +64,35 @@ def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int]) -> 
     out = torch.empty(rows, K, dtype=torch.int32, device=DEVICE)
     plan = one_launch_plan(K)
     ws = new_one_launch_workspace(rows, plan, scores.device)
-    default = _programs_per_row(rows, n, 1024, scores.device)
     t_hist = median_us(lambda: (fine_hist_launch(scores, lengths, K, ws), ws[:, :256].zero_()))
     t_zero = median_us(lambda: ws[:, :256].zero_())
     results = []
-    for p in programs:
-        for w in warps:
-            per_row = p or default
+    variants = [(p, w, sc, b) for p in programs for w in warps for sc in scans for b in blocks]
+    for p, w, sc, b in variants:
+        per_row = p or _programs_per_row(rows, n, b, scores.device)
 
-            def both(per_row=per_row, w=w) -> None:
-                fine_hist_launch(scores, lengths, K, ws)
-                one_launch_topk_launch(scores, lengths, out, ws, plan, programs=per_row, num_warps=w)
+        def both(per_row=per_row, w=w, sc=sc, b=b) -> None:
+            fine_hist_launch(scores, lengths, K, ws)
+            one_launch_topk_launch(scores, lengths, out, ws, plan, programs=per_row, num_warps=w, scan=sc,
+                                   block=b)
 
-            both()
-            check_topk(out, scores, lengths, K)
-            t = median_us(both)
-            both()
-            check_topk(out, scores, lengths, K)  # the workspace came out of the replays reusable
-            select = t - (t_hist - t_zero)
-            results.append(dict(kind=kind, rows=rows, n=n, programs_per_row=per_row, default=p == 0, warps=w,
-                                hist_plus_select_us=t, select_us=select))
-            print(f"{kind:5s} {rows:3d} x {n:6d}  programs/row {per_row:4d}{' (default)' if p == 0 else '':10s} "
-                  f"warps {w:2d}: histogram + select {t:7.1f} us, select ~{select:7.1f} us", flush=True)
+        both()
+        check_topk(out, scores, lengths, K)
+        t = median_us(both)
+        both()
+        check_topk(out, scores, lengths, K)  # the workspace came out of the replays reusable
+        select = t - (t_hist - t_zero)
+        results.append(dict(kind=kind, rows=rows, n=n, programs_per_row=per_row, default=p == 0, warps=w,
+                            scan=sc, block=b, hist_plus_select_us=t, select_us=select))
+        print(f"{kind:5s} {rows:3d} x {n:6d}  programs/row {per_row:4d}{' (default)' if p == 0 else '':10s} "
+              f"warps {w:2d} scan {sc} block {b:4d}: histogram + select {t:7.1f} us, select ~{select:7.1f} us",
+              flush=True)
     best = min(results, key=lambda r: r["hist_plus_select_us"])
-    base = next(r for r in results if r["default"] and r["warps"] == warps[0]) if 0 in programs else None
+    base = next((r for r in results if r["default"] and r["warps"] == warps[0] and r["scan"] == scans[0]
+                 and r["block"] == blocks[0]), None)
     gain = f", {base['hist_plus_select_us'] / best['hist_plus_select_us']:.2f}x the default" if base else ""
     print(f"{kind:5s} {rows:3d} x {n:6d}  best: {best['programs_per_row']} programs/row, {best['warps']} warps, "
-          f"{best['hist_plus_select_us']:.1f} us{gain}", flush=True)
+          f"scan {best['scan']}, block {best['block']}: {best['hist_plus_select_us']:.1f} us{gain}", flush=True)
     return results
 
 
@@ -99,11 +102,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--programs", type=int, nargs="+", default=[0, 8, 16, 32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[8, 4])
+    ap.add_argument("--scans", type=int, nargs="+", default=[0], help="_scan_slice's SCAN variants (0 1 2)")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1024], help="keys per step of a selection program")
     ap.add_argument("--kinds", nargs="+", default=["randn", "relu"], choices=["randn", "relu"])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     results = [r for kind in args.kinds for rows in args.rows
-               for r in run(kind, rows, args.n, args.programs, args.warps)]
+               for r in run(kind, rows, args.n, args.programs, args.warps, args.scans, args.blocks)]
     Path(args.out, "one_launch_programs.json").write_text(json.dumps(results, indent=1))
 
 

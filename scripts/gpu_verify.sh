@@ -122,9 +122,9 @@ for step in "${steps[@]}"; do
             > "$OUT/e2e-o2.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-o2.log" | tail -14 ;;
     one-launch)  # the one-launch top-k by programs per row (~2 min)
-        timeout 150 python3 bench/bench_one_launch.py --programs 0 8 16 32 64 128 256 --out "$OUT/l" \
+        timeout ${ONE_LAUNCH_TIMEOUT:-150} python3 bench/bench_one_launch.py ${ONE_LAUNCH_ARGS:---programs 0 8 16 32 64 128 256} --out "$OUT/l" \
             > "$OUT/one-launch.log" 2>&1
-        tail -30 "$OUT/one-launch.log" ;;
+        tail -${ONE_LAUNCH_TAIL:-30} "$OUT/one-launch.log" ;;
     o2r|o2t|o2b)  # o2t: the top-k and runahead GPU tests (~2.5 min); o2b: runahead beside sync and prefetch on the
           # user's attention path (kernels, graphs) with the decoder's time split (~4 min); o2r: both
         [[ $step != o2b ]] && gpu_tests ${TESTS_TIMEOUT:-150} tests/engine/test_tiers_pieces.py \

@@ -70,6 +70,7 @@ FINE_LO = 444
 SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 CAPACITY2 = 512  # sub-bin entries ranked pairwise by the finish
 RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
+SCAN = 0  # how a selection program streams its slice (`_scan_slice`)
 # the same numbers for the kernels (Triton reads module globals only when they are tl.constexpr)
 _HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
 _N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in range(6))
@@ -309,37 +310,111 @@ def _finish_row(
 
 
 @triton.jit
+def _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max, p_out, p_ws, p_map, CAP: tl.constexpr,
+                MAP_PAGE: tl.constexpr):
+    """Write one block's keys above bin i_cut to p_out[o_gt:] and the bin's (key, index) pairs to the
+    scratch at o_eq (their second digits to the second histogram when the bin shares a prefix); returns the
+    block's counts and the bin's running min / max key."""
+    p_keys = p_ws + _SCRATCH
+    b_bin = fine_bin(b_key)
+    m_gt = m_t & (b_bin > i_cut)
+    m_eq = m_t & (b_bin == i_cut)
+    n_gt = tl.sum(m_gt.to(tl.int32), 0)
+    n_eq = tl.sum(m_eq.to(tl.int32), 0)
+    if n_gt > 0:
+        tl.store(p_out + o_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1, _position(o_t, m_gt, p_map, MAP_PAGE), mask=m_gt)
+    if n_eq > 0:
+        o_dst = o_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+        tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < CAP))
+        tl.store(p_keys + CAP + o_dst, _position(o_t, m_eq, p_map, MAP_PAGE), mask=m_eq & (o_dst < CAP))
+        if second:
+            tl.atomic_add(p_ws + _HIST2 + _second_digit(b_key), 1, mask=m_eq, sem="relaxed")
+        k_min = tl.minimum(k_min, tl.min(tl.where(m_eq, b_key, _INT_MAX), 0))
+        k_max = tl.maximum(k_max, tl.max(tl.where(m_eq, b_key, _INT_MIN), 0))
+    return n_gt, n_eq, k_min, k_max
+
+
+@triton.jit
+def _reserve(p_hdr, n_gt, n_eq):
+    """Reserve n_gt output slots and n_eq scratch slots of the row in one 64-bit atomic on the adjacent
+    counters (n_gt the low word, n_eq the high one; neither exceeds 2^31); returns where each range starts."""
+    p_pair = p_hdr.to(tl.pointer_type(tl.int64))  # _N_GT, _N_SURV: words 0 and 1 of an 8-byte aligned header
+    old = tl.atomic_add(p_pair, n_gt.to(tl.int64) + (n_eq.to(tl.int64) << 32), sem="relaxed")
+    return (old & 0xFFFFFFFF).to(tl.int32), (old >> 32).to(tl.int32)
+
+
+@triton.jit
 def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexpr, MAP_PAGE: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, SCAN: tl.constexpr):
     """Stream keys [i_start, i_end) of the row: indices above bin i_cut to the output, the bin's
     (key, index) pairs to the scratch, their second digits to the second histogram (quarter-binade
     bins only), their min and max key to the header. Indices are output indices (``_position``): every
-    later step copies them as they are."""
+    later step copies them as they are.
+
+    SCAN 0: one block at a time, each reserving its output and scratch slots with two returning atomics
+    (a round trip to L2 before the block's stores, then the next block's load). SCAN 1: the same with the
+    next block's keys loaded before this block's (one, packed) atomic. SCAN 2: two passes over the slice,
+    the first only counting (independent loads, the next block prefetched), one packed atomic for the whole
+    slice, the second writing at running offsets (no atomic but the second histogram's)."""
     p_hdr = p_ws + _HEADER
-    p_keys = p_ws + _SCRATCH
     second = _shares_prefix(i_cut)
     k_min = _INT_MAX
     k_max = _INT_MIN
-    for i0 in range(i_start, i_end, BLOCK):
-        o_t = i0 + tl.arange(0, BLOCK)
-        m_t = o_t < i_end
-        b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
-        b_bin = fine_bin(b_key)
-        m_gt = m_t & (b_bin > i_cut)
-        n_gt = tl.sum(m_gt.to(tl.int32), 0)
-        if n_gt > 0:
-            o_dst = tl.atomic_add(p_hdr + _N_GT, n_gt, sem="relaxed") + tl.cumsum(m_gt.to(tl.int32), 0) - 1
-            tl.store(p_out + o_dst, _position(o_t, m_gt, p_map, MAP_PAGE), mask=m_gt)
-        m_eq = m_t & (b_bin == i_cut)
-        n_eq = tl.sum(m_eq.to(tl.int32), 0)
-        if n_eq > 0:
-            o_dst = tl.atomic_add(p_hdr + _N_SURV, n_eq, sem="relaxed") + tl.cumsum(m_eq.to(tl.int32), 0) - 1
-            tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < CAP))
-            tl.store(p_keys + CAP + o_dst, _position(o_t, m_eq, p_map, MAP_PAGE), mask=m_eq & (o_dst < CAP))
-            if second:
-                tl.atomic_add(p_ws + _HIST2 + _second_digit(b_key), 1, mask=m_eq, sem="relaxed")
-            k_min = tl.minimum(k_min, tl.min(tl.where(m_eq, b_key, _INT_MAX), 0))
-            k_max = tl.maximum(k_max, tl.max(tl.where(m_eq, b_key, _INT_MIN), 0))
+    o_b = tl.arange(0, BLOCK)
+    if SCAN == 0:
+        for i0 in range(i_start, i_end, BLOCK):
+            o_t = i0 + o_b
+            m_t = o_t < i_end
+            b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+            b_bin = fine_bin(b_key)
+            n_gt = tl.sum((m_t & (b_bin > i_cut)).to(tl.int32), 0)
+            n_eq = tl.sum((m_t & (b_bin == i_cut)).to(tl.int32), 0)
+            o_gt = 0
+            o_eq = 0
+            if n_gt > 0:
+                o_gt = tl.atomic_add(p_hdr + _N_GT, n_gt, sem="relaxed")
+            if n_eq > 0:
+                o_eq = tl.atomic_add(p_hdr + _N_SURV, n_eq, sem="relaxed")
+            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max, p_out, p_ws,
+                                             p_map, CAP, MAP_PAGE)
+    elif SCAN == 1:
+        b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
+        for i0 in range(i_start, i_end, BLOCK):
+            o_t = i0 + o_b
+            m_t = o_t < i_end
+            b_key = float_order_key(b_x)
+            b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)  # in flight over the atomic
+            b_bin = fine_bin(b_key)
+            n_gt = tl.sum((m_t & (b_bin > i_cut)).to(tl.int32), 0)
+            n_eq = tl.sum((m_t & (b_bin == i_cut)).to(tl.int32), 0)
+            o_gt = 0
+            o_eq = 0
+            if (n_gt > 0) | (n_eq > 0):
+                o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
+            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max, p_out, p_ws,
+                                             p_map, CAP, MAP_PAGE)
+    else:
+        n_gt = 0
+        n_eq = 0
+        b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
+        for i0 in range(i_start, i_end, BLOCK):
+            o_t = i0 + o_b
+            b_bin = fine_bin(float_order_key(b_x))
+            b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
+            n_gt += tl.sum(((o_t < i_end) & (b_bin > i_cut)).to(tl.int32), 0)
+            n_eq += tl.sum(((o_t < i_end) & (b_bin == i_cut)).to(tl.int32), 0)
+        if (n_gt > 0) | (n_eq > 0):
+            o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
+            b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
+            for i0 in range(i_start, i_end, BLOCK):
+                o_t = i0 + o_b
+                m_t = o_t < i_end
+                b_key = float_order_key(b_x)
+                b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
+                d_gt, d_eq, k_min, k_max = _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max,
+                                                       p_out, p_ws, p_map, CAP, MAP_PAGE)
+                o_gt += d_gt
+                o_eq += d_eq
     if k_min <= k_max:  # this slice had survivors
         tl.atomic_min(p_hdr + _KEY_MIN, k_min, sem="relaxed")
         tl.atomic_max(p_hdr + _KEY_MAX, k_max, sem="relaxed")
@@ -365,6 +440,7 @@ def _topk_one_launch_kernel(
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -387,7 +463,7 @@ def _topk_one_launch_kernel(
         if i_start < n_len:
             p_x = x_ptr + i_r.to(tl.int64) * stride_x
             _scan_slice(p_x, p_out, p_ws, i_start, tl.minimum(i_start + SEG, n_len), i_cut, map_ptr, CAP, MAP_PAGE,
-                        BLOCK)
+                        BLOCK, SCAN)
         # every thread's stores are done before the (single-thread) release of the arrival
         tl.debug_barrier()
         n_before = tl.atomic_add(p_ws + _HEADER + _ARRIVED, 1, sem="acq_rel")
@@ -512,12 +588,14 @@ def one_launch_topk_launch(
     block: int = 1024,
     num_warps: int | None = None,
     page_map: tuple[torch.Tensor, int] | None = None,
+    scan: int = SCAN,
 ) -> None:
     """The selection launch on validated scores / lengths / out whose first histograms are already in
     the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
     per SM in all). page_map (table, page): one row's positions in a table of pages written as the
     pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
-    launch fewer). num_warps: default ``_select_warps`` of the programs' slice."""
+    launch fewer). num_warps: default ``_select_warps`` of the programs' slice. scan: how a program streams
+    its slice (``_scan_slice``'s SCAN 0 / 1 / 2)."""
     n_rows, n_cols = scores.shape
     check_workspace(workspace, n_rows, plan, scores.device)
     require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
@@ -547,6 +625,7 @@ def one_launch_topk_launch(
         NBINS=NBINS,
         BITS=RADIX_BITS,
         PASSES=PASSES,
+        SCAN=scan,
         num_warps=num_warps or _select_warps(seg, block),
     )
 
@@ -561,6 +640,7 @@ def topk_indices_one_launch(
     capacity: int | None = None,
     programs: int | None = None,
     block: int = 1024,
+    scan: int = SCAN,
 ) -> torch.Tensor:
     """Exact top-k indices per row, unsorted: the first histogram (`fine_hist_launch`) and the
     one-launch selection, two launches (after the fused indexer only the second runs).
@@ -569,7 +649,8 @@ def topk_indices_one_launch(
     int32 lengths [R], optional int32 out [R, k]; ties broken arbitrarily; rows with L <= k give 0..L-1
     then -1). workspace: from `new_one_launch_workspace(R, one_launch_plan(k, capacity=capacity))`,
     reused across calls (else one is allocated per call); capacity / programs / block: the survivor
-    buffer, programs per row and keys per step (tests use them to force every path)."""
+    buffer, programs per row and keys per step (tests use them to force every path); scan: how a program
+    streams its slice (`_scan_slice`)."""
     out = checked_output(scores, lengths, k, out)
     plan = one_launch_plan(k, capacity=capacity)
     if out.shape[0] == 0:
@@ -578,7 +659,7 @@ def topk_indices_one_launch(
         workspace = new_one_launch_workspace(out.shape[0], plan, scores.device)
     check_workspace(workspace, out.shape[0], plan, scores.device)
     fine_hist_launch(scores, lengths, k, workspace, block=block)
-    one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block)
+    one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block, scan=scan)
     return out
 
 

@@ -100,7 +100,9 @@ def _rows_for_every_path(n: int, k: int, device) -> tuple[torch.Tensor, list[int
     return s, paths
 
 
-def test_every_path_exact_and_the_workspace_cleans_itself(device):
+@pytest.mark.parametrize("scan", [0, 1, 2])
+def test_every_path_exact_and_the_workspace_cleans_itself(scan, device):
+    """Each way of streaming a slice (`_scan_slice`'s SCAN) takes every finishing path exactly."""
     n, k = 3000, 200
     s, paths = _rows_for_every_path(n, k, device)
     plan = one_launch_plan(k)  # capacity 800
@@ -110,13 +112,14 @@ def test_every_path_exact_and_the_workspace_cleans_itself(device):
         lengths[0] = n - 17 * call  # decode moves the lengths; the workspace is never re-zeroed
         out = torch.full((s.shape[0], k), POISON, dtype=torch.int32, device=device)
         fine_hist_launch(s, lengths, k, ws, block=128)
-        one_launch_topk_launch(s, lengths, out, ws, plan, programs=3, block=128)
+        one_launch_topk_launch(s, lengths, out, ws, plan, programs=3, block=128, scan=scan)
         check_topk(out, s, lengths, k)
         assert ws[:, HEADER + PATH].tolist() == paths
         _assert_clean(ws)
 
 
-def test_page_map_writes_token_positions_on_every_path(device):
+@pytest.mark.parametrize("scan", [0, 2])
+def test_page_map_writes_token_positions_on_every_path(scan, device):
     """With a page map the select writes what `map_through_pages` makes of its plain output (one launch
     fewer), on every finishing path and for a row no longer than k; the same path is taken."""
     n, k, page = 3000, 200, 16
@@ -132,7 +135,7 @@ def test_page_map_writes_token_positions_on_every_path(device):
             out = torch.full((1, k), POISON, dtype=torch.int32, device=device)
             fine_hist_launch(row[None], length, k, ws, block=128)
             one_launch_topk_launch(row[None].contiguous(), length, out, ws, plan, programs=3, block=128,
-                                   page_map=page_map)
+                                   page_map=page_map, scan=scan)
             if path is not None:
                 assert ws[0, HEADER + PATH].item() == path
             outs.append(out)
@@ -223,7 +226,8 @@ def test_indexer_one_launch_next_n_2_reuses_its_workspace(kernel, device):
 @requires_cuda
 @pytest.mark.parametrize("rows,n", [(1, 131072), (8, 131072), (64, 131072), (64, 8192)])
 @pytest.mark.parametrize("kind", ["randn", "relu_zeros", "narrow"])
-def test_one_launch_real_shapes_gpu(rows, n, kind):
+@pytest.mark.parametrize("scan", [0, 1, 2])
+def test_one_launch_real_shapes_gpu(rows, n, kind, scan):
     k = 2048
     s = torch.randn(rows, n, device="cuda")
     if kind == "relu_zeros":
@@ -236,7 +240,7 @@ def test_one_launch_real_shapes_gpu(rows, n, kind):
     ws = new_one_launch_workspace(rows, plan, s.device)
     for _ in range(2):
         out = torch.full((rows, k), POISON, dtype=torch.int32, device="cuda")
-        topk_indices_one_launch(s, lengths, k, out=out, workspace=ws)
+        topk_indices_one_launch(s, lengths, k, out=out, workspace=ws, scan=scan)
         check_topk(out, s, lengths, k)
         _assert_clean(ws)
 
