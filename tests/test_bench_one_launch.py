@@ -16,8 +16,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_one_launch.py"
 def test_every_programs_per_row_count_selects_the_exact_top_k(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, str(BENCH), "--rows", "1", "3", "--n", "4500", "--programs", "0", "3",
-                           "--warps", "4", "--scans", "0", "2", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=900)
+                           "--warps", "4", "--scans", "0", "2", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "one_launch_programs.json").read_text())
     assert {(r["kind"], r["rows"]) for r in results} == {(k, rows) for k in ("randn", "relu") for rows in (1, 3)}
