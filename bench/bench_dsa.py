@@ -238,6 +238,14 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
     paths = ws[:, HEADER + PATH].tolist()  # the finishing path of each row (one_launch.PATH_*)
     t_full = bench(full, graph=True)
     emit("decode indexer+topk (one launch)", shape, t_full, t_base, nbytes=batch * ctx_len * 132)
+
+    def separate():  # the indexer without the fused histogram, then its own histogram launch, then the select
+        return indexer_decode_topk(q, w, cache, table, ctx, BS, k, topk="one_launch", fuse_hist=False,
+                                   topk_workspace=ws)
+
+    check_topk(separate()[:, 0], logits, lengths, k)
+    t_sep = bench(separate, graph=True)
+    emit("decode indexer+topk (one launch, separate histogram)", shape, t_sep, t_base, nbytes=batch * ctx_len * 132)
     out = torch.empty(batch, k, dtype=torch.int32, device=q.device)
     t_topk = bench(lambda: topk_indices_one_launch(logits, lengths, k, out=out, workspace=ws), graph=True)
     emit("decode topk only (one launch)", f"{batch}x{ctx_len}", t_topk, t_tt, nbytes=batch * ctx_len * 4)
@@ -248,6 +256,8 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
             radix_full_us=radix_us["full"] * 1e6,
             one_launch_full_us=t_full * 1e6,
             full_speedup=radix_us["full"] / t_full,
+            one_launch_separate_us=t_sep * 1e6,
+            separate_speedup=radix_us["full"] / t_sep,
             radix_topk_us=radix_us["topk"] * 1e6,
             one_launch_topk_us=t_topk * 1e6,
             topk_speedup=radix_us["topk"] / t_topk,
@@ -255,7 +265,8 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
         )
     )
     print(
-        f"  {shape}: one launch / radix: indexer+topk x{radix_us['full'] / t_full:.2f}, "
+        f"  {shape}: one launch / radix: indexer+topk x{radix_us['full'] / t_full:.2f} "
+        f"(separate histogram x{radix_us['full'] / t_sep:.2f}), "
         f"topk only x{radix_us['topk'] / t_topk:.2f}; paths {TOPK_RATIOS[-1]['paths']}",
         flush=True,
     )
@@ -531,10 +542,12 @@ def main() -> None:
          "| best us | best config |",
          lambda r: f"| {r['shape']} | {r['tiled_us']:.1f} | {r['persistent_us']:.1f} | {r['pct_hbm']:.0f}% | "
                    f"x{r['speedup']:.2f} | {r['best_us']:.1f} | {r['best_cfg']} |"),
-        (TOPK_RATIOS, "| decode top-k | radix indexer+topk us | one launch us | speedup | radix topk only us "
-         "| one launch topk only us (hist + select) | speedup | one-launch paths (path: rows) |",
+        (TOPK_RATIOS, "| decode top-k | radix indexer+topk us | one launch us | speedup | one launch, separate "
+         "histogram us | speedup | radix topk only us | one launch topk only us (hist + select) | speedup "
+         "| one-launch paths (path: rows) |",
          lambda r: f"| {r['shape']} | {r['radix_full_us']:.1f} | {r['one_launch_full_us']:.1f} | "
-                   f"x{r['full_speedup']:.2f} | {r['radix_topk_us']:.1f} | {r['one_launch_topk_us']:.1f} | "
+                   f"x{r['full_speedup']:.2f} | {r['one_launch_separate_us']:.1f} | x{r['separate_speedup']:.2f} | "
+                   f"{r['radix_topk_us']:.1f} | {r['one_launch_topk_us']:.1f} | "
                    f"x{r['topk_speedup']:.2f} | {r['paths']} |"),
         (RATIOS, "| decode sparse MLA batch | FP8 tile path / bf16 (TFLOP/s) | FP8 old path / bf16 |",
          lambda r: f"| {r['batch']} | {r['fp8_tile_vs_bf16']:.2f} | {r['fp8_old_vs_bf16']:.2f} |"),

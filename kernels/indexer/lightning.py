@@ -40,6 +40,7 @@ from hearth.kernels.indexer.decode_persistent import persistent_config, persiste
 from hearth.kernels.topk.one_launch import (
     check_workspace,
     fine_hist_digit,
+    fine_hist_launch,
     new_one_launch_workspace,
     one_launch_plan,
     one_launch_topk_launch,
@@ -404,7 +405,7 @@ def indexer_decode_topk(
     block_size: int,
     k: int,
     *,
-    fuse_hist: bool = False,
+    fuse_hist: bool | None = None,
     config: dict | None = None,
     topk: Literal["auto", "radix", "sampled", "one_launch"] = "auto",
     topk_workspace: torch.Tensor | None = None,
@@ -414,7 +415,7 @@ def indexer_decode_topk(
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
     topk picks the selection: "auto" (the default: "one_launch" where rows x the block table's token
-    capacity is at most `ONE_LAUNCH_MAX_WORK`, else "radix"; "radix" with fuse_hist), "radix" (the radix
+    capacity is at most `ONE_LAUNCH_MAX_WORK`, else "radix"; "radix" whenever fuse_hist is given), "radix" (the radix
     select, whose workspace is zeroed per call),
     "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
     `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
@@ -423,16 +424,20 @@ def indexer_decode_topk(
     `new_one_launch_workspace(B * next_n, one_launch_plan(k), device)` to keep it across calls: the
     selection leaves it clean, so it needs no zeroing after its allocation; without one, a workspace kept
     per device and stream serves every call, see `kept_one_launch_workspace`).
-    fuse_hist=True (radix only) adds the first radix histogram inside the indexer kernel instead of a
-    separate pass (measured slower on the H200 with Triton 3.6's tl.histogram, so off by default)."""
+    fuse_hist: whether the indexer kernel adds the select's first histogram while it writes the logits
+    (True) or a separate launch reads the logits for it (False). Default: fused for "one_launch" (its
+    design), separate for "radix" (the fused radix histogram measured slower on the H200 with Triton
+    3.6's tl.histogram); "sampled" has none."""
     require(topk in ("auto", "radix", "sampled", "one_launch"),
             f"topk must be auto, radix, sampled or one_launch, got {topk!r}")
-    require(topk in ("auto", "radix") or not fuse_hist, "fuse_hist applies to the radix select only")
+    require(topk != "sampled" or not fuse_hist, "fuse_hist: the sampled select has no histogram to fuse")
     n_req, next_n = q.shape[0], q.shape[1]
     rows = n_req * next_n
     if topk == "auto":
         capacity = block_table.shape[-1] * block_size  # host-known: one choice for every replay of a graph
-        topk = "one_launch" if not fuse_hist and rows * capacity <= ONE_LAUNCH_MAX_WORK else "radix"
+        topk = "one_launch" if fuse_hist is None and rows * capacity <= ONE_LAUNCH_MAX_WORK else "radix"
+    if fuse_hist is None:
+        fuse_hist = topk == "one_launch"
     ws = None  # the workspace the indexer adds its histogram to, if any
     if topk == "radix":
         ws = new_workspace(rows, q.device)
@@ -447,14 +452,16 @@ def indexer_decode_topk(
         block_table,
         context_lens,
         block_size,
-        workspace=ws if fuse_hist or topk == "one_launch" else None,
+        workspace=ws if fuse_hist else None,
         config=config,
-        fine_hist=topk == "one_launch",
+        fine_hist=fuse_hist and topk == "one_launch",
     )
     out = torch.empty(rows, k, dtype=torch.int32, device=q.device)
     if topk == "radix":
         radix_topk_launch(logits, lengths, k, out, ws, first_pass_done=fuse_hist)
     elif topk == "one_launch":
+        if not fuse_hist:
+            fine_hist_launch(logits, lengths, k, ws)
         one_launch_topk_launch(logits, lengths, out, ws, plan)
     else:
         sampled = sampled_plan(logits.shape[1], k)

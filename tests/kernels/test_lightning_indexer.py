@@ -82,7 +82,9 @@ def test_decode_logits_and_topk(block_size, next_n, q_dtype, device):
             n_valid = max(n - next_n + j + 1, 0)
             assert int(lengths[row]) == n_valid
             _check_logits(logits[row, :n], ref[b][j], mag[b][j], n_valid)
-    for fuse, topk in ((True, "radix"), (False, "radix"), (False, "sampled"), (False, "one_launch")):
+    # fuse_hist: the select's first histogram added by the indexer kernel (True) or a launch of its own (False)
+    for fuse, topk in ((True, "radix"), (False, "radix"), (False, "sampled"), (True, "one_launch"),
+                       (False, "one_launch"), (None, "one_launch")):
         idx = indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k, fuse_hist=fuse, topk=topk)
         assert idx.shape == (len(ctx), next_n, k)
         check_topk(idx.view(-1, k), logits, lengths, k)
