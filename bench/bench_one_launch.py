@@ -26,13 +26,15 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from hearth.kernels.topk.one_launch import (
+    FINE_LO,
+    NBINS,
     _programs_per_row,
     fine_hist_launch,
     new_one_launch_workspace,
     one_launch_plan,
     one_launch_topk_launch,
 )
-from hearth.kernels.topk.reference import check_topk
+from hearth.kernels.topk.reference import check_topk, fine_bin_ref, order_key_ref
 
 K = 2048
 
@@ -96,6 +98,30 @@ def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], sca
     return results
 
 
+def hist_variants(rows: int, n: int, blocks: list[int]) -> list[dict]:
+    """The first histogram alone (`fine_hist_launch`) by block, prefetch and warps, checked against torch."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    scores = torch.randn(rows, n, device=DEVICE, generator=g)
+    lengths = torch.full((rows,), n, dtype=torch.int32, device=DEVICE)
+    ws = new_one_launch_workspace(rows, one_launch_plan(K), scores.device)
+    want = torch.stack([torch.bincount(fine_bin_ref(order_key_ref(r), FINE_LO).long(), minlength=NBINS)
+                        for r in scores])
+    t_zero = median_us(lambda: ws[:, :NBINS].zero_())
+    results = []
+    for b in blocks:
+        for prefetch in (False, True):
+            for w in (8, 4):
+                ws[:, :NBINS].zero_()
+                fine_hist_launch(scores, lengths, K, ws, block=b, prefetch=prefetch, num_warps=w)
+                assert torch.equal(ws[:, :NBINS].long(), want), "histogram differs from torch"
+                t = median_us(lambda b=b, p=prefetch, w=w: (
+                    fine_hist_launch(scores, lengths, K, ws, block=b, prefetch=p, num_warps=w), ws[:, :NBINS].zero_()))
+                results.append(dict(rows=rows, n=n, block=b, prefetch=prefetch, warps=w, hist_us=t - t_zero))
+                print(f"hist  {rows:3d} x {n:6d}  block {b:4d} prefetch {int(prefetch)} warps {w}: "
+                      f"{t - t_zero:7.1f} us ({rows * n * 4 / (t - t_zero) / 1e3:.0f} GB/s)", flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
@@ -105,8 +131,13 @@ def main() -> None:
     ap.add_argument("--scans", type=int, nargs="+", default=[0], help="_scan_slice's SCAN variants (0 1 2)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[1024], help="keys per step of a selection program")
     ap.add_argument("--kinds", nargs="+", default=["randn", "relu"], choices=["randn", "relu"])
+    ap.add_argument("--hist-blocks", type=int, nargs="*", default=[],
+                    help="also time the first histogram alone at these block sizes (prefetch on / off, 8 / 4 warps)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.hist_blocks:
+        hist = [r for rows in args.rows for r in hist_variants(rows, args.n, args.hist_blocks)]
+        Path(args.out, "one_launch_hist.json").write_text(json.dumps(hist, indent=1))
     results = [r for kind in args.kinds for rows in args.rows
                for r in run(kind, rows, args.n, args.programs, args.warps, args.scans, args.blocks)]
     Path(args.out, "one_launch_programs.json").write_text(json.dumps(results, indent=1))

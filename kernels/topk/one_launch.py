@@ -71,6 +71,7 @@ SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 CAPACITY2 = 512  # sub-bin entries ranked pairwise by the finish
 RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
 SCAN = 0  # how a selection program streams its slice (`_scan_slice`)
+HIST_PREFETCH = False  # whether `fine_hist_launch` loads each next block early
 # the same numbers for the kernels (Triton reads module globals only when they are tl.constexpr)
 _HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
 _N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in range(6))
@@ -487,22 +488,30 @@ def fine_hist_digit(b_key, FINE: tl.constexpr, NBINS: tl.constexpr, BITS: tl.con
 
 
 @triton.jit
-def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS: tl.constexpr, BLOCK: tl.constexpr):
+def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS: tl.constexpr, BLOCK: tl.constexpr,
+                      PREFETCH: tl.constexpr):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     n_len = tl.load(len_ptr + i_r)
     i_start = i_s * SEG
     if (n_len > K) & (i_start < n_len):
         o_b = tl.arange(0, NBINS)
+        o_k = tl.arange(0, BLOCK)
         i_end = tl.minimum(i_start + SEG, n_len)
         p_x = x_ptr + i_r.to(tl.int64) * stride_x
         b_hist = tl.zeros([NBINS], dtype=tl.int32)
         n_skip = 0
+        if PREFETCH:  # the next block's keys in flight while this one is binned
+            b_x = tl.load(p_x + i_start + o_k, mask=i_start + o_k < i_end, other=0.0)
         for i0 in range(i_start, i_end, BLOCK):
-            o_t = i0 + tl.arange(0, BLOCK)
+            o_t = i0 + o_k
             m_t = o_t < i_end
-            b_bin = fine_bin(float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0)))
-            b_hist += tl.histogram(tl.where(m_t, b_bin, 0), NBINS)
+            if PREFETCH:
+                b_key = float_order_key(b_x)
+                b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
+            else:
+                b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+            b_hist += tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
             n_skip += tl.sum((~m_t).to(tl.int32), 0)
         b_hist -= tl.where(o_b == 0, n_skip, 0)
         tl.atomic_add(ws_ptr + i_r.to(tl.int64) * stride_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
@@ -565,15 +574,22 @@ def _segment(n_rows: int, n_cols: int, block: int, programs: int | None, device:
 
 
 def fine_hist_launch(
-    scores: torch.Tensor, lengths: torch.Tensor, k: int, workspace: torch.Tensor, *, block: int = 1024
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    workspace: torch.Tensor,
+    *,
+    block: int = 1024,
+    prefetch: bool = HIST_PREFETCH,
+    num_warps: int = 8,
 ) -> None:
     """Add each row's `fine_bin` histogram (rows longer than k) to the workspace: what a fused decode
-    indexer does, for scores from elsewhere."""
+    indexer does, for scores from elsewhere. prefetch: load each next block while binning this one."""
     n_rows, n_cols = scores.shape
     seg = _segment(n_rows, n_cols, block, None, scores.device)
     _fine_hist_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
         scores, lengths, workspace, scores.stride(0), workspace.stride(0), k, seg, NBINS=NBINS, BLOCK=block,
-        num_warps=8,
+        PREFETCH=prefetch, num_warps=num_warps,
     )  # fmt: skip
 
 

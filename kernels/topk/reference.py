@@ -43,3 +43,17 @@ def check_topk(idx: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, k
         got = scores[r, sel].sort(descending=True).values
         ref = scores[r, :n_valid].sort(descending=True).values[:want]
         assert torch.equal(got, ref), f"row {r}: selected scores are not the top-{want}"
+
+
+def order_key_ref(x: torch.Tensor) -> torch.Tensor:
+    """Torch twin of `float_order_key`: int32 keys whose signed order is the float order (-0 before +0)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def fine_bin_ref(key: torch.Tensor, fine_lo: int = 444) -> torch.Tensor:
+    """Torch twin of the one-launch select's first digit `fine_bin` (of order keys); fine_lo: its
+    window's start (`one_launch.FINE_LO`)."""
+    u = key >> 21
+    mag = (torch.where(u >= 0, u, -1 - u) - fine_lo).clamp(0, 127)
+    return torch.where(u >= 0, 128 + mag, 127 - mag)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hearth.kernels.topk import topk_indices, topk_indices_one_launch, topk_indices_sampled, topk_indices_single_pass
-from hearth.kernels.topk.reference import check_topk, topk_ref
+from hearth.kernels.topk.reference import check_topk, order_key_ref, topk_ref
 from hearth.kernels.topk.sampled import (
     PATH_CANDIDATES,
     PATH_FALLBACK,
@@ -98,12 +98,6 @@ def test_check_rejects_a_wrong_set():
         check_topk(torch.tensor([[9, 8, 6]], dtype=torch.int32), s, lengths, 3)
 
 
-def _order_key(x: torch.Tensor) -> torch.Tensor:
-    """Torch twin of `float_order_key`: int32 keys whose signed order is the float order."""
-    bits = x.float().contiguous().view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
 def test_single_pass_index_sets_match_reference(device):
     n, k = 1001, 37
     s = torch.randperm(7 * n, device=device)[: 5 * n].float().view(5, n) - 2000.0  # distinct values
@@ -138,7 +132,7 @@ def test_single_pass_compacts_the_cutoff_bin_or_falls_back(device):
         if n_r <= k:
             assert bool((row_scratch == POISON).all()), f"row {r}: short rows need no scratch"
             continue
-        key = _order_key(s[r, :n_r]).cpu()
+        key = order_key_ref(s[r, :n_r]).cpu()
         cut = int(key.topk(k).values[-1]) >> 24
         surv = torch.nonzero((key >> 24) == cut).flatten()
         if surv.numel() <= cap:

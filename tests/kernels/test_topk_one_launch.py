@@ -8,7 +8,6 @@ import torch
 from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode
 from hearth.kernels.topk import topk_indices_one_launch
 from hearth.kernels.topk.one_launch import (
-    FINE_LO,
     HEADER,
     HIST2,
     INT_MAX,
@@ -27,23 +26,11 @@ from hearth.kernels.topk.one_launch import (
     one_launch_topk_launch,
 )
 from hearth.kernels.topk.radix import NBINS
-from hearth.kernels.topk.reference import check_topk
+from hearth.kernels.topk.reference import check_topk, fine_bin_ref, order_key_ref
 from tests.kernels.conftest import requires_cuda
 from tests.kernels.test_lightning_indexer import _filled_cache, _queries
 
 POISON = 0x5A5A5A5A
-
-
-def _order_key(x: torch.Tensor) -> torch.Tensor:
-    bits = x.float().contiguous().view(torch.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def _fine_bin_ref(key: torch.Tensor) -> torch.Tensor:
-    """Torch twin of `fine_bin` (of order keys)."""
-    u = key >> 21
-    mag = (torch.where(u >= 0, u, -1 - u) - FINE_LO).clamp(0, 127)
-    return torch.where(u >= 0, 128 + mag, 127 - mag)
 
 
 def _assert_clean(ws: torch.Tensor) -> None:
@@ -59,19 +46,19 @@ def test_fine_bin_is_monotone_with_quarter_binades_inside_its_window(device):
     kernel's histogram equals the twin's bin counts."""
     specials = torch.tensor([float("-inf"), -3e38, -1e5, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1e-5, 1.0, 1e5, 3e38])
     x = torch.cat([specials, torch.randn(3000) * torch.exp2(torch.randint(-30, 30, (3000,)).float())])
-    keys = _order_key(x).sort().values  # -0 before +0, unlike a float sort
-    bins = _fine_bin_ref(keys)
+    keys = order_key_ref(x).sort().values  # -0 before +0, unlike a float sort
+    bins = fine_bin_ref(keys)
     assert bool((bins[1:] >= bins[:-1]).all()), "fine_bin must not decrease with the key"
     assert bins.min() == 0 and bins.max() == 255
     inner = (bins % 128 != 0) & (bins % 128 != 127)
     for b in bins[inner].unique():
         assert (keys[bins == b] >> 21).unique().numel() == 1, f"bin {int(b)} spans more than a quarter binade"
-    one, half = _fine_bin_ref(_order_key(torch.tensor([1.0, 0.5]))).tolist()
+    one, half = fine_bin_ref(order_key_ref(torch.tensor([1.0, 0.5]))).tolist()
     assert one - half == 4  # four bins per binade
     scores = x[torch.randperm(x.numel())][None].to(device)
     ws = new_one_launch_workspace(1, one_launch_plan(16), device)
     fine_hist_launch(scores, torch.tensor([x.numel()], dtype=torch.int32, device=device), 16, ws, block=256)
-    want = torch.bincount(_fine_bin_ref(_order_key(scores.cpu()[0])).long(), minlength=NBINS)
+    want = torch.bincount(fine_bin_ref(order_key_ref(scores.cpu()[0])).long(), minlength=NBINS)
     assert torch.equal(ws[0, :NBINS].cpu().long(), want)
 
 
