@@ -10,7 +10,8 @@
 #   follow-ups across restarts), `c2close` (~9 min: C2's open rows, then its tests),
 #   `c2stack` (~5 min: the planned read and the tiered stack by candidate select, the tier tests), `one-launch` (~2 min),
 #   `o2r` (~6 min: runahead / sync / prefetch on the kernel path, runahead tests), `o2e` (~7 min: the same through the server),
-#   `o2g` (~2.5 min: auto's runahead gate on skewed small-cache rows). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   `o2g` (~2.5 min: auto's runahead gate on skewed small-cache rows), `k2t` (~8 min: the one-launch top-k's scan and
+#   histogram variants, the decode indexer + top-k rows). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -125,6 +126,13 @@ for step in "${steps[@]}"; do
         timeout ${ONE_LAUNCH_TIMEOUT:-150} python3 bench/bench_one_launch.py ${ONE_LAUNCH_ARGS:---programs 0 8 16 32 64 128 256} --out "$OUT/l" \
             > "$OUT/one-launch.log" 2>&1
         tail -${ONE_LAUNCH_TAIL:-30} "$OUT/one-launch.log" ;;
+    k2t)  # K2 item 1 (~8 min): the one-launch select's slice streaming (SCAN 0/1/2) x block x warps and its first
+          # histogram alone (prefetch, warps), then the decode indexer rows incl. one launch after a separate histogram
+        timeout 200 python3 bench/bench_one_launch.py --rows 1 8 64 --kinds randn --programs 0 --warps 4 8 \
+            --scans 0 1 2 --blocks 1024 4096 --hist-blocks 1024 4096 --out "$OUT/l" > "$OUT/one-launch.log" 2>&1
+        grep -E "best:|^hist" "$OUT/one-launch.log" | tail -30
+        timeout 280 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
+        grep -A13 "decode top-k |" "$OUT/dsa-indexer.log" ;;
     o2r|o2t|o2b)  # o2t: the top-k and runahead GPU tests (~2.5 min); o2b: runahead beside sync and prefetch on the
           # user's attention path (kernels, graphs) with the decoder's time split (~4 min); o2r: both
         [[ $step != o2b ]] && gpu_tests ${TESTS_TIMEOUT:-150} tests/engine/test_tiers_pieces.py \
