@@ -375,11 +375,13 @@ def lightning_indexer_decode(
     return logits, lengths
 
 
-# Decode top-k: the one-launch select against the radix select after the persistent indexer, indexer +
-# top-k on the H200 (bench_dsa.py --only decode_indexer, 2026-12-02, k 2048): x1.69 / x1.55 / x1.38 at batch
-# 1 and 8K / 32K / 128K, x1.42 / x1.29 / x1.18 at batch 8, x1.09 at 64 x 8K, x0.96 at 64 x 32K, x0.84 at
-# 64 x 128K. It wins up to about a million (row, token) pairs.
-ONE_LAUNCH_MAX_WORK = 1 << 20
+# Decode top-k: the one-launch select, its first histogram added by the indexer (fused) or by a launch of its
+# own after the persistent indexer without it (separate; the fused indexer needs 255 registers), against
+# the radix select; indexer + top-k on the H200 (bench_dsa.py --only decode_indexer, 2026-12-03, k 2048, us):
+#   radix / fused / separate  B1 8K 25.2 / 14.8 / 15.5, B1 32K 27.2 / 17.6 / 17.6, B1 128K 32.2 / 23.5 / 21.9,
+#   B8 8K 29.4 / 20.8 / 19.5, B8 128K 103.8 / 88.7 / 81.1, B64 32K 177.3 / 184.8 / 152.5, B64 128K 581.1 / 639.7 /
+#   521.3. So one launch everywhere, fused up to 2^15 (row, token) pairs.
+ONE_LAUNCH_FUSED_MAX_WORK = 1 << 15
 
 # Kept one-launch workspaces per (device, stream): the select leaves its workspace as it found it, so one
 # allocation serves every later call on that stream (calls on one stream run in order). Outgrown ones stay
@@ -414,8 +416,9 @@ def indexer_decode_topk(
 
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
-    topk picks the selection: "auto" (the default: "one_launch" where rows x the block table's token
-    capacity is at most `ONE_LAUNCH_MAX_WORK`, else "radix"; "radix" whenever fuse_hist is given), "radix" (the radix
+    topk picks the selection: "auto" (the default: "one_launch", with the histogram fused where rows x the
+    block table's token capacity is at most `ONE_LAUNCH_FUSED_MAX_WORK`; "radix" whenever fuse_hist is
+    given), "radix" (the radix
     select, whose workspace is zeroed per call),
     "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
     `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
@@ -435,7 +438,10 @@ def indexer_decode_topk(
     rows = n_req * next_n
     if topk == "auto":
         capacity = block_table.shape[-1] * block_size  # host-known: one choice for every replay of a graph
-        topk = "one_launch" if fuse_hist is None and rows * capacity <= ONE_LAUNCH_MAX_WORK else "radix"
+        if fuse_hist is None:
+            topk, fuse_hist = "one_launch", rows * capacity <= ONE_LAUNCH_FUSED_MAX_WORK
+        else:
+            topk = "radix"
     if fuse_hist is None:
         fuse_hist = topk == "one_launch"
     ws = None  # the workspace the indexer adds its histogram to, if any

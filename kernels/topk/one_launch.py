@@ -70,8 +70,12 @@ FINE_LO = 444
 SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 CAPACITY2 = 512  # sub-bin entries ranked pairwise by the finish
 RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
-SCAN = 0  # how a selection program streams its slice (`_scan_slice`)
-HIST_PREFETCH = False  # whether `fine_hist_launch` loads each next block early
+# How a selection program streams its slice (`_scan_slice`). H200, 2026-12-03 (bench_one_launch.py --scans 0 1 2,
+# histogram + select, randn rows of 128K, default programs and warps): SCAN 1 15.3 / 30.0 / 150.1 us at 1 / 8 /
+# 64 rows, against SCAN 0 15.7 / 31.7 / 167.8 and SCAN 2 15.7 / 31.1 / 158.5; blocks of 4096 keys lost everywhere.
+SCAN = 1
+# Whether `fine_hist_launch` loads each next block early: within 1-5% either way on the same run, so off.
+HIST_PREFETCH = False
 # the same numbers for the kernels (Triton reads module globals only when they are tl.constexpr)
 _HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
 _N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in range(6))
@@ -567,6 +571,14 @@ def _select_warps(seg: int, block: int) -> int:
     return 4 if seg > 8 * block else 8
 
 
+def _hist_block(n_rows: int, n_cols: int, device: torch.device) -> int:
+    """Keys per step of the histogram launch: 4096 where a program would scan at least four 1024-key blocks,
+    else 1024. H200, 2026-12-03 (bench_one_launch.py --hist-blocks 1024 4096, 8 warps, 128K rows): 64 rows
+    42.3 us at 4096 against 60.3 at 1024, 8 rows 6.6 against 8.8; 1 row (one block a program) 2.7 at 1024
+    against 4.4."""
+    return 4096 if _segment(n_rows, n_cols, 1024, None, device) >= 4 * 1024 else 1024
+
+
 def _segment(n_rows: int, n_cols: int, block: int, programs: int | None, device: torch.device) -> int:
     if programs is None:
         programs = _programs_per_row(n_rows, n_cols, block, device)
@@ -579,13 +591,15 @@ def fine_hist_launch(
     k: int,
     workspace: torch.Tensor,
     *,
-    block: int = 1024,
+    block: int | None = None,
     prefetch: bool = HIST_PREFETCH,
     num_warps: int = 8,
 ) -> None:
     """Add each row's `fine_bin` histogram (rows longer than k) to the workspace: what a fused decode
-    indexer does, for scores from elsewhere. prefetch: load each next block while binning this one."""
+    indexer does, for scores from elsewhere. block: keys per step (default `_hist_block`); prefetch: load
+    each next block while binning this one."""
     n_rows, n_cols = scores.shape
+    block = block or _hist_block(n_rows, n_cols, scores.device)
     seg = _segment(n_rows, n_cols, block, None, scores.device)
     _fine_hist_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
         scores, lengths, workspace, scores.stride(0), workspace.stride(0), k, seg, NBINS=NBINS, BLOCK=block,
@@ -655,7 +669,7 @@ def topk_indices_one_launch(
     workspace: torch.Tensor | None = None,
     capacity: int | None = None,
     programs: int | None = None,
-    block: int = 1024,
+    block: int | None = None,
     scan: int = SCAN,
 ) -> torch.Tensor:
     """Exact top-k indices per row, unsorted: the first histogram (`fine_hist_launch`) and the
@@ -665,7 +679,8 @@ def topk_indices_one_launch(
     int32 lengths [R], optional int32 out [R, k]; ties broken arbitrarily; rows with L <= k give 0..L-1
     then -1). workspace: from `new_one_launch_workspace(R, one_launch_plan(k, capacity=capacity))`,
     reused across calls (else one is allocated per call); capacity / programs / block: the survivor
-    buffer, programs per row and keys per step (tests use them to force every path); scan: how a program
+    buffer, programs per row and keys per step (default: the histogram's `_hist_block`, 1024 for the select;
+    tests use them to force every path); scan: how a program
     streams its slice (`_scan_slice`)."""
     out = checked_output(scores, lengths, k, out)
     plan = one_launch_plan(k, capacity=capacity)
@@ -675,7 +690,7 @@ def topk_indices_one_launch(
         workspace = new_one_launch_workspace(out.shape[0], plan, scores.device)
     check_workspace(workspace, out.shape[0], plan, scores.device)
     fine_hist_launch(scores, lengths, k, workspace, block=block)
-    one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block, scan=scan)
+    one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block or 1024, scan=scan)
     return out
 
 

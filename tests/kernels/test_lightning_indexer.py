@@ -92,7 +92,8 @@ def test_decode_logits_and_topk(block_size, next_n, q_dtype, device):
 
 def test_decode_topk_auto_picks_by_work_and_keeps_its_workspace(device, monkeypatch):
     """"auto" selects with the one-launch select where rows x the table's capacity is small (its workspace
-    kept and left clean for the next call), with the radix select past the limit; both exact."""
+    kept and left clean for the next call), its first histogram fused in the indexer up to the limit and
+    from a launch of its own past it; exact either way."""
     from hearth.kernels.indexer import lightning
 
     block_size, ctx, k = 16, [37, 90], 24
@@ -101,15 +102,19 @@ def test_decode_topk_auto_picks_by_work_and_keeps_its_workspace(device, monkeypa
     q = _queries((2, 1, 16, 128), "fp8", device)
     w = torch.randn(2, 1, 16, device=device)
     logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, block_size)
-    lightning._KEPT_ONE_LAUNCH.clear()
-    for _ in range(2):  # the second call reuses the first's workspace: it must have been left clean
-        check_topk(indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k).view(-1, k), logits, lengths, k)
-    (kept,) = lightning._KEPT_ONE_LAUNCH.values()
-    assert len(kept) == 1 and kept[0].shape[0] >= 2
-    monkeypatch.setattr(lightning, "ONE_LAUNCH_MAX_WORK", 2 * 8 * block_size - 1)  # one pair short: radix
-    lightning._KEPT_ONE_LAUNCH.clear()
-    check_topk(indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k).view(-1, k), logits, lengths, k)
-    assert not lightning._KEPT_ONE_LAUNCH
+    hist_launches = []
+    real_hist = lightning.fine_hist_launch
+    monkeypatch.setattr(lightning, "fine_hist_launch", lambda *a, **kw: (hist_launches.append(1), real_hist(*a, **kw)))
+    for limit, separate in ((2 * 8 * block_size, False), (2 * 8 * block_size - 1, True)):  # one pair short: separate
+        monkeypatch.setattr(lightning, "ONE_LAUNCH_FUSED_MAX_WORK", limit)
+        lightning._KEPT_ONE_LAUNCH.clear()
+        hist_launches.clear()
+        for _ in range(2):  # the second call reuses the first's workspace: it must have been left clean
+            idx = indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k)
+            check_topk(idx.view(-1, k), logits, lengths, k)
+        (kept,) = lightning._KEPT_ONE_LAUNCH.values()
+        assert len(kept) == 1 and kept[0].shape[0] >= 2
+        assert len(hist_launches) == (2 if separate else 0)
 
 
 def test_decode_topk_k_exceeds_context_and_ties(device):
