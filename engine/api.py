@@ -124,8 +124,15 @@ SchedulerName = Literal["sync", "runahead", "prefetch"]
 # runahead 70.7 / 104.0 tok/s against sync 56.0 / 78.2 and prefetch 50.3 / 78.2 under uniform routing
 # (1.26x / 1.33x sync), 313.9 / 336.1 against 296.2 / 330.4 and 201.7 / 339.4 under skewed routing; within
 # the pool (1 and 8 requests) auto runs the sync step either way (``pool_requests`` below), and through the
-# server 1 and 8 requests ran at 0.99x sync. So several requests run runahead.
-AUTO_SEVERAL_REQUESTS: SchedulerName = "runahead"
+# server 1 and 8 requests ran at 0.99x sync. Those runahead gains came from plain-torch attention, whose slow
+# layers left the link idle. On the kernel path (Triton attention, CUDA graphs; bench_runahead.py, H200,
+# 2026-12-03) sync was the fastest or within 3% of it on every measured row but one: uniform routing,
+# 32 requests, 25% / 50% cache: sync 106.6 / 160.3 tok/s, runahead behind its gate 107.0 / 160.8, runahead always on
+# 99.5 / 149.1, prefetch 89.3 / 117.7; skewed routing, 5% / 10% cache, 8 and 32 requests: runahead behind
+# its gate 0.49-0.98x sync (its trials cost more than they won back), always on 0.88-1.09x (1.09x: 10%
+# cache, 32 requests, the one row sync lost). So several requests run sync; `scheduler="runahead"` still
+# runs runahead behind the gate.
+AUTO_SEVERAL_REQUESTS: SchedulerName = "sync"
 
 
 def auto_scheduler(num_requests: int, several: SchedulerName | None = None,
@@ -142,7 +149,8 @@ def auto_scheduler(num_requests: int, several: SchedulerName | None = None,
     on the H200 runahead ran at 0.87x sync there). Beyond that the engine's runahead gate
     (``hearth.engine.link_gate``) still runs sync until its measured rounds leave both the link and the
     compute idle a fair share of the time and a runahead trial beats them: on the H200's kernel path sync
-    kept the link 92-97% busy at 32 requests and runahead, always on, ran at 0.93x sync."""
+    kept the link 92-97% busy at 32 requests and runahead, always on, ran at 0.93x sync. ``auto`` itself
+    runs ``AUTO_SEVERAL_REQUESTS`` (sync) for several requests."""
     if num_requests <= 1:
         return "sync"
     choice = several or AUTO_SEVERAL_REQUESTS
@@ -331,11 +339,11 @@ class EngineConfig:
         section=BASIC, none_text="off", unit=" rows", minimum=1)
     scheduler: Literal["auto", "sync", "runahead", "prefetch"] = _option(
         "auto", "Scheduler",
-        "How answers advance when experts live in RAM: auto (sync for one answer and for as many as the "
-        f"expert cache holds at once, {AUTO_SEVERAL_REQUESTS} for more where measured sync steps leave the GPU "
-        "link room to overlap and it beats them), sync (together, layer by layer), runahead "
-        "(ready requests run ahead while others wait for experts; the same measured choice), prefetch (sync plus "
-        "guessing the next layer's experts).", section=BASIC)
+        "How answers advance when experts live in RAM: auto (sync for one answer, "
+        f"{AUTO_SEVERAL_REQUESTS} for several: the fastest measured), sync (together, layer by layer), runahead "
+        "(ready requests run ahead while others wait for experts, where measured sync steps leave the GPU link "
+        "room to overlap and a trial beats them), prefetch (sync plus guessing the next layer's experts).",
+        section=BASIC)
 
     def __post_init__(self) -> None:
         for option in engine_options():

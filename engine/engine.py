@@ -76,6 +76,7 @@ from typing import Any
 import psutil
 import torch
 
+from hearth.engine import api
 from hearth.engine.api import (
     EngineConfig,
     EngineStats,
@@ -189,7 +190,8 @@ class Engine:
         self._several: SchedulerName | None = "runahead" if config.scheduler == "runahead" else None
         self._runahead = config.scheduler == "runahead" and not offloaded  # new tokens start in the decoder
         self.decoder: RunaheadDecoder | None = None
-        if config.scheduler == "runahead" or self._auto:
+        # auto builds the decoder only where its choice for several requests is runahead (not by default)
+        if config.scheduler == "runahead" or (self._auto and api.AUTO_SEVERAL_REQUESTS == "runahead"):
             self.decoder = RunaheadDecoder(runner.model, runner.cache, runner.residency, runner.device,
                                            pieces=getattr(runner, "pieces", None), sync_step=runner.run,
                                            tiers=getattr(runner, "decode_tiers", None))
@@ -201,7 +203,7 @@ class Engine:
         # beats them (hearth.engine.link_gate); a host-memory cache has no link to measure (nor a copy to
         # overlap), so runahead runs there as asked (the CPU tests exercise it)
         self.runahead_gate = RunaheadGate(expert_cache.copy_seconds) \
-            if self._auto and expert_cache.is_cuda else None
+            if self._auto and self.decoder is not None and expert_cache.is_cuda else None
         self._gate_interval: tuple[str, int, int] | None = None  # the last step, as the gate counts it
         self._gate_start = 0.0
         self._auto_choice = self._auto_pick(1)

@@ -560,9 +560,11 @@ def test_auto_gate_runs_runahead_only_where_overlap_could_pay(model_dir, sync_to
 
 
 def test_the_gate_is_on_only_where_a_link_is_measured(model_dir):
-    """auto and runahead get the gate over a GPU cache (it reads the copy stream's busy time); over a
-    host-memory cache nothing crosses a link, so runahead runs as asked; sync needs none."""
+    """runahead gets the gate over a GPU cache (it reads the copy stream's busy time); over a host-memory
+    cache nothing crosses a link, so runahead runs as asked; sync needs none, nor auto, which runs sync for
+    several requests (api.AUTO_SEVERAL_REQUESTS) and so has no decoder either."""
     config = dict(device=TEST_DEVICE, dtype="float32", block_size=16, **OFFLOAD)
     for scheduler in ("auto", "runahead", "sync"):
         engine = Engine.load(model_dir, EngineConfig(scheduler=scheduler, **config))
-        assert (engine.runahead_gate is not None) == (scheduler != "sync" and TEST_DEVICE == "cuda")
+        assert (engine.runahead_gate is not None) == (scheduler == "runahead" and TEST_DEVICE == "cuda")
+        assert (engine.decoder is not None) == (scheduler == "runahead")
