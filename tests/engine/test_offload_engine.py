@@ -113,9 +113,11 @@ def test_auto_decodes_one_request_synchronously_and_several_by_the_rule(tiny_mod
     tokens, alone = _one_long_among_short(engine)
     assert tokens == expected
     assert alone[:2] == [0, 0] and alone[2] >= 8  # the long request's last tokens: sync, nothing extra
-    assert (engine.decoder.micro_steps > 0) == (several == "runahead")
+    assert (engine.decoder is not None) == (several == "runahead")  # built only where auto may run it
+    if engine.decoder is not None:
+        assert engine.decoder.micro_steps > 0
+        assert not engine.decoder.flights and engine.decoder.num_held == 0
     assert (engine.runner.prefetcher.predicted > 0) == (several == "prefetch")
-    assert not engine.decoder.flights and engine.decoder.num_held == 0
 
 
 def test_resident_experts_ignore_auto(tiny_models):
