@@ -30,9 +30,17 @@ fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32) && [[ -z ${E2
 (( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
 write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
+# The tests compare against the machine's transformers, which refuses huggingface_hub 2.x (Hearth's, from
+# .whl): they see every brought wheel but that one.
+tests_path=$PYTHONPATH
+if [[ :$PYTHONPATH: == *:/tmp/site:* ]]; then
+    tests_path=${PYTHONPATH/:\/tmp\/site/:\/tmp\/site-tests}
+    mkdir -p /tmp/site-tests
+    for f in /tmp/site/*; do [[ $(basename "$f") == huggingface_hub* ]] || ln -sfn "$f" /tmp/site-tests/; done
+fi
 gpu_tests() {  # gpu_tests LIMIT_S FILE...: the files' tests on the GPU (8 workers, + $EXTRA_TESTS) -> $OUT/tests.txt
     local limit=$1; shift
-    HEARTH_TEST_DEVICE=cuda timeout "$limit" python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
+    PYTHONPATH=$tests_path HEARTH_TEST_DEVICE=cuda timeout "$limit" python3 -m pytest -c scripts/gpu_pytest.ini --rootdir . -q -rf \
         -p no:cacheprovider -n 8 "$@" ${EXTRA_TESTS:-} > "$OUT/l/tests.log" 2>&1
     echo "rc $?" >> "$OUT/l/tests.log"
     grep -E "^FAILED|^ERROR|passed|failed|^rc " "$OUT/l/tests.log" | tee "$OUT/tests.txt" | tail -25
