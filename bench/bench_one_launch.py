@@ -26,7 +26,6 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from hearth.kernels.topk.one_launch import (
-    FINE_LO,
     NBINS,
     _programs_per_row,
     fine_hist_launch,
@@ -104,7 +103,7 @@ def hist_variants(rows: int, n: int, blocks: list[int]) -> list[dict]:
     scores = torch.randn(rows, n, device=DEVICE, generator=g)
     lengths = torch.full((rows,), n, dtype=torch.int32, device=DEVICE)
     ws = new_one_launch_workspace(rows, one_launch_plan(K), scores.device)
-    want = torch.stack([torch.bincount(fine_bin_ref(order_key_ref(r), FINE_LO).long(), minlength=NBINS)
+    want = torch.stack([torch.bincount(fine_bin_ref(order_key_ref(r)).long(), minlength=NBINS)
                         for r in scores])
     t_zero = median_us(lambda: ws[:, :NBINS].zero_())
     results = []

@@ -131,9 +131,9 @@ for step in "${steps[@]}"; do
             > "$OUT/e2e-o2.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-o2.log" | tail -14 ;;
     one-launch)  # the one-launch top-k by programs per row (~2 min)
-        timeout ${ONE_LAUNCH_TIMEOUT:-150} python3 bench/bench_one_launch.py ${ONE_LAUNCH_ARGS:---programs 0 8 16 32 64 128 256} --out "$OUT/l" \
+        timeout 150 python3 bench/bench_one_launch.py --programs 0 8 16 32 64 128 256 --out "$OUT/l" \
             > "$OUT/one-launch.log" 2>&1
-        tail -${ONE_LAUNCH_TAIL:-30} "$OUT/one-launch.log" ;;
+        tail -30 "$OUT/one-launch.log" ;;
     k2t)  # K2 item 1 (~8 min): the one-launch select's slice streaming (SCAN 0/1/2) x block x warps and its first
           # histogram alone (prefetch, warps), then the decode indexer rows incl. one launch after a separate histogram
         timeout 200 python3 bench/bench_one_launch.py --rows 1 8 64 --kinds randn --programs 0 --warps 4 8 \

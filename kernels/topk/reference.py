@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from hearth.kernels.topk.one_launch import FINE_LO
+
 
 def topk_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """scores [R, N] float, lengths [R] int (entries t < lengths[r] are valid) -> int32 [R, k] indices
@@ -51,9 +53,8 @@ def order_key_ref(x: torch.Tensor) -> torch.Tensor:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def fine_bin_ref(key: torch.Tensor, fine_lo: int = 444) -> torch.Tensor:
-    """Torch twin of the one-launch select's first digit `fine_bin` (of order keys); fine_lo: its
-    window's start (`one_launch.FINE_LO`)."""
+def fine_bin_ref(key: torch.Tensor) -> torch.Tensor:
+    """Torch twin of the one-launch select's first digit `fine_bin` (of order keys)."""
     u = key >> 21
-    mag = (torch.where(u >= 0, u, -1 - u) - fine_lo).clamp(0, 127)
+    mag = (torch.where(u >= 0, u, -1 - u) - FINE_LO).clamp(0, 127)
     return torch.where(u >= 0, 128 + mag, 127 - mag)
