@@ -302,9 +302,13 @@ class ModelRunner:
         return {"decode_graph_captures": float(self.graphs.captures), "decode_graph_capture_ms": self.graphs.capture_ms}
 
     def reset_stats(self) -> None:
-        """Zero what ``expert_stats`` counts (after the engine's warm-up: the counters describe users' work)."""
+        """Zero what ``expert_stats`` and ``graph_stats`` count (after the engine's warm-up: the counters
+        describe users' work; the graphs the warm-up captured stay, and its time is ``warm_up_s``). The
+        start-up probe's link and CPU speeds are measurements, not counters, and stay."""
         if self.expert_cache is not None:
             self.expert_cache.reset_stats()
+        if self.graphs is not None:
+            self.graphs.captures, self.graphs.capture_ms = 0, 0.0
         if self.pieces is not None:
             self.pieces.replays = self.pieces.eager_pieces = self.pieces.fallbacks = 0
 
