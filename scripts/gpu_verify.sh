@@ -11,7 +11,8 @@
 #   `c2stack` (~5 min: the planned read and the tiered stack by candidate select, the tier tests), `one-launch` (~2 min),
 #   `o2r` (~6 min: runahead / sync / prefetch on the kernel path, runahead tests), `o2e` (~7 min: the same through the server),
 #   `o2g` (~2.5 min: auto's runahead gate on skewed small-cache rows), `k2t` (~8 min: the one-launch top-k's scan and
-#   histogram variants, the decode indexer + top-k rows). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   histogram variants, the decode indexer + top-k rows), `k2m` (~7 min: the warm-up tests, sparse MLA's deeper
+#   prefetch swept at decode batch 64 and in prefill). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -71,6 +72,11 @@ for step in "${steps[@]}"; do
         timeout 170 "${E[@]}" --dir /tmp/ckpt-gpt_oss --family gpt_oss --json "$OUT/e2e-gpt_oss.json" \
             --configs resident offload-sync --concurrency 1 8 --ttft 2048 > "$OUT/e2e-gpt_oss.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-gpt_oss.log" | tail -8 ;;
+    k2m)  # the warm-up tests, then sparse MLA's deeper-prefetch configs at decode batch 64 and in prefill
+        gpu_tests 200 tests/engine/test_warm_up.py tests/kernels/test_sparse_mla.py
+        timeout 330 python3 bench/bench_dsa.py --only decode_mla,prefill_mla --sweep --mla-batches 64 --out "$OUT/l" \
+            > "$OUT/dsa-mla.log" 2>&1
+        grep -E "sweep|TFLOP|best|FP8 tile|prefill sparse" "$OUT/dsa-mla.log" | tail -40 ;;
     kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
         timeout 300 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
         grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12
