@@ -24,6 +24,12 @@ Design notes (FP8 latents and small batches):
   hold), so a tile is gathered from HBM once and from L2 a second time.
 - Splits (`launch_plan`): rows x head blocks x splits fill one wave of the device's SMs; batch 1-4
   uses 16-head blocks so that fewer splits (fewer fp32 partials to merge) fill the SMs.
+- Prefetch depth: the gathered tile is the third load of a chain (selection -> block table -> latent
+  row), and Triton's pipeliner gives each load (num_stages - 1) // 3 iterations of latency, so the
+  default 3 stages fetch a 64-row tile one tile ahead (two 72 KiB buffers and the 72 KiB query in
+  shared memory). Deeper prefetch (32- and 16-row tiles at 7-16 stages) ran slower on the H200: a tile
+  costs ~1.9 us whatever its rows, the serial QK -> softmax -> PV chain of the one program an SM holds
+  (docs/benchmarks.md, "Sparse MLA: deeper prefetch").
 """
 
 from __future__ import annotations
