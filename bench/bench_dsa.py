@@ -246,6 +246,14 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
     check_topk(separate()[:, 0], logits, lengths, k)
     t_sep = bench(separate, graph=True)
     emit("decode indexer+topk (one launch, separate histogram)", shape, t_sep, t_base, nbytes=batch * ctx_len * 132)
+
+    def sampled_hist():  # the same with a 1-in-8 first histogram (rows of >= 32 k keys; others count every key)
+        return indexer_decode_topk(q, w, cache, table, ctx, BS, k, topk="one_launch", fuse_hist=False,
+                                   topk_workspace=ws, hist_sample=8)
+
+    check_topk(sampled_hist()[:, 0], logits, lengths, k)
+    t_smp = bench(sampled_hist, graph=True)
+    emit("decode indexer+topk (one launch, 1-in-8 histogram)", shape, t_smp, t_base, nbytes=batch * ctx_len * 132)
     out = torch.empty(batch, k, dtype=torch.int32, device=q.device)
     t_topk = bench(lambda: topk_indices_one_launch(logits, lengths, k, out=out, workspace=ws), graph=True)
     emit("decode topk only (one launch)", f"{batch}x{ctx_len}", t_topk, t_tt, nbytes=batch * ctx_len * 4)
@@ -258,6 +266,8 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
             full_speedup=radix_us["full"] / t_full,
             one_launch_separate_us=t_sep * 1e6,
             separate_speedup=radix_us["full"] / t_sep,
+            one_launch_sampled_us=t_smp * 1e6,
+            sampled_speedup=radix_us["full"] / t_smp,
             radix_topk_us=radix_us["topk"] * 1e6,
             one_launch_topk_us=t_topk * 1e6,
             topk_speedup=radix_us["topk"] / t_topk,
@@ -266,7 +276,7 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
     )
     print(
         f"  {shape}: one launch / radix: indexer+topk x{radix_us['full'] / t_full:.2f} "
-        f"(separate histogram x{radix_us['full'] / t_sep:.2f}), "
+        f"(separate histogram x{radix_us['full'] / t_sep:.2f}, 1-in-8 x{radix_us['full'] / t_smp:.2f}), "
         f"topk only x{radix_us['topk'] / t_topk:.2f}; paths {TOPK_RATIOS[-1]['paths']}",
         flush=True,
     )
@@ -557,10 +567,11 @@ def main() -> None:
          lambda r: f"| {r['shape']} | {r['tiled_us']:.1f} | {r['persistent_us']:.1f} | {r['pct_hbm']:.0f}% | "
                    f"x{r['speedup']:.2f} | {r['best_us']:.1f} | {r['best_cfg']} |"),
         (TOPK_RATIOS, "| decode top-k | radix indexer+topk us | one launch us | speedup | one launch, separate "
-         "histogram us | speedup | radix topk only us | one launch topk only us (hist + select) | speedup "
-         "| one-launch paths (path: rows) |",
+         "histogram us | speedup | separate 1-in-8 histogram us | speedup | radix topk only us | one launch topk "
+         "only us (hist + select) | speedup | one-launch paths (path: rows) |",
          lambda r: f"| {r['shape']} | {r['radix_full_us']:.1f} | {r['one_launch_full_us']:.1f} | "
                    f"x{r['full_speedup']:.2f} | {r['one_launch_separate_us']:.1f} | x{r['separate_speedup']:.2f} | "
+                   f"{r['one_launch_sampled_us']:.1f} | x{r['sampled_speedup']:.2f} | "
                    f"{r['radix_topk_us']:.1f} | {r['one_launch_topk_us']:.1f} | "
                    f"x{r['topk_speedup']:.2f} | {r['paths']} |"),
         (RATIOS, "| decode sparse MLA batch | FP8 tile path / bf16 (TFLOP/s) | FP8 old path / bf16 |",

@@ -9,7 +9,8 @@ first histogram (`fine_hist_launch`, what the fused indexer adds) plus the selec
 programs-per-row count, checks every result against torch (`check_topk`), and prints the best.
 
     python bench/bench_one_launch.py [--rows 1 8 64] [--n 131072] [--programs 0 8 16 32 64 128]
-        [--warps 8 4] [--scans 0 1 2] [--blocks 1024 4096] [--out DIR]      (programs 0: the default)
+        [--warps 8 4] [--scans 0 1 2] [--blocks 1024 4096] [--samples 1 8] [--hist-blocks 0 4096] [--out DIR]
+        (programs / warps / hist blocks 0: the default)
 
 Without a GPU it runs on the CPU under TRITON_INTERPRET=1 (tests, small --n): the same checks, wall times.
 """
@@ -26,7 +27,10 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from hearth.kernels.topk.one_launch import (
+    HEADER,
     NBINS,
+    PATH,
+    SAMPLE_MIN_PER_K,
     _programs_per_row,
     fine_hist_launch,
     new_one_launch_workspace,
@@ -56,7 +60,7 @@ def median_us(fn) -> float:
 
 
 def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], scans: list[int],
-        blocks: list[int]) -> list[dict]:
+        blocks: list[int], samples: list[int] = (1,)) -> list[dict]:
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     scores = torch.randn(rows, n, device=DEVICE, generator=g)
     if kind == "relu":
@@ -68,26 +72,27 @@ def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], sca
     t_hist = median_us(lambda: (fine_hist_launch(scores, lengths, K, ws), ws[:, :256].zero_()))
     t_zero = median_us(lambda: ws[:, :256].zero_())
     results = []
-    variants = [(p, w, sc, b) for p in programs for w in warps for sc in scans for b in blocks]
-    for p, w, sc, b in variants:
+    variants = [(p, w, sc, b, sa) for p in programs for w in warps for sc in scans for b in blocks for sa in samples]
+    for p, w, sc, b, sa in variants:
         per_row = p or _programs_per_row(rows, n, b, scores.device)
 
-        def both(per_row=per_row, w=w, sc=sc, b=b) -> None:
-            fine_hist_launch(scores, lengths, K, ws)
-            one_launch_topk_launch(scores, lengths, out, ws, plan, programs=per_row, num_warps=w, scan=sc,
-                                   block=b)
+        def both(per_row=per_row, w=w, sc=sc, b=b, sa=sa) -> None:
+            fine_hist_launch(scores, lengths, K, ws, sample=sa)
+            one_launch_topk_launch(scores, lengths, out, ws, plan, programs=per_row, num_warps=w or None, scan=sc,
+                                   block=b, sample=sa)
 
         both()
         check_topk(out, scores, lengths, K)
         t = median_us(both)
         both()
         check_topk(out, scores, lengths, K)  # the workspace came out of the replays reusable
+        paths = sorted(set(ws[:, HEADER + PATH].tolist()))  # the finishing paths of the last call
         select = t - (t_hist - t_zero)
         results.append(dict(kind=kind, rows=rows, n=n, programs_per_row=per_row, default=p == 0, warps=w,
-                            scan=sc, block=b, hist_plus_select_us=t, select_us=select))
+                            scan=sc, block=b, sample=sa, paths=paths, hist_plus_select_us=t, select_us=select))
         print(f"{kind:5s} {rows:3d} x {n:6d}  programs/row {per_row:4d}{' (default)' if p == 0 else '':10s} "
-              f"warps {w:2d} scan {sc} block {b:4d}: histogram + select {t:7.1f} us, select ~{select:7.1f} us",
-              flush=True)
+              f"warps {w:2d} scan {sc} block {b:4d} sample {sa}: histogram + select {t:7.1f} us, select "
+              f"~{select:7.1f} us (exact histogram), paths {paths}", flush=True)
     best = min(results, key=lambda r: r["hist_plus_select_us"])
     base = next((r for r in results if r["default"] and r["warps"] == warps[0] and r["scan"] == scans[0]
                  and r["block"] == blocks[0]), None)
@@ -97,27 +102,32 @@ def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], sca
     return results
 
 
-def hist_variants(rows: int, n: int, blocks: list[int]) -> list[dict]:
-    """The first histogram alone (`fine_hist_launch`) by block, prefetch and warps, checked against torch."""
+def hist_variants(rows: int, n: int, blocks: list[int], samples: list[int] = (1,)) -> list[dict]:
+    """The first histogram alone (`fine_hist_launch`) by block, prefetch, warps and sample (the sampled rows'
+    loop has no prefetch), checked against torch. Block 0: the default (`_hist_block`)."""
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     scores = torch.randn(rows, n, device=DEVICE, generator=g)
     lengths = torch.full((rows,), n, dtype=torch.int32, device=DEVICE)
     ws = new_one_launch_workspace(rows, one_launch_plan(K), scores.device)
-    want = torch.stack([torch.bincount(fine_bin_ref(order_key_ref(r)).long(), minlength=NBINS)
-                        for r in scores])
     t_zero = median_us(lambda: ws[:, :NBINS].zero_())
     results = []
-    for b in blocks:
-        for prefetch in (False, True):
-            for w in (8, 4):
-                ws[:, :NBINS].zero_()
-                fine_hist_launch(scores, lengths, K, ws, block=b, prefetch=prefetch, num_warps=w)
-                assert torch.equal(ws[:, :NBINS].long(), want), "histogram differs from torch"
-                t = median_us(lambda b=b, p=prefetch, w=w: (
-                    fine_hist_launch(scores, lengths, K, ws, block=b, prefetch=p, num_warps=w), ws[:, :NBINS].zero_()))
-                results.append(dict(rows=rows, n=n, block=b, prefetch=prefetch, warps=w, hist_us=t - t_zero))
-                print(f"hist  {rows:3d} x {n:6d}  block {b:4d} prefetch {int(prefetch)} warps {w}: "
-                      f"{t - t_zero:7.1f} us ({rows * n * 4 / (t - t_zero) / 1e3:.0f} GB/s)", flush=True)
+    for sa in samples:
+        step = sa if n >= SAMPLE_MIN_PER_K * K else 1
+        want = torch.stack([torch.bincount(fine_bin_ref(order_key_ref(r[::step])).long(), minlength=NBINS)
+                            for r in scores])
+        for b in blocks:
+            for prefetch in (False, True) if sa == 1 else (False,):
+                for w in (8, 4):
+                    ws[:, :NBINS].zero_()
+                    fine_hist_launch(scores, lengths, K, ws, block=b or None, prefetch=prefetch, num_warps=w, sample=sa)
+                    assert torch.equal(ws[:, :NBINS].long(), want), "histogram differs from torch"
+                    t = median_us(lambda b=b, p=prefetch, w=w, sa=sa: (
+                        fine_hist_launch(scores, lengths, K, ws, block=b or None, prefetch=p, num_warps=w, sample=sa),
+                        ws[:, :NBINS].zero_()))
+                    results.append(dict(rows=rows, n=n, block=b, prefetch=prefetch, warps=w, sample=sa,
+                                        hist_us=t - t_zero))
+                    print(f"hist  {rows:3d} x {n:6d}  block {b:4d} prefetch {int(prefetch)} warps {w} sample {sa}: "
+                          f"{t - t_zero:7.1f} us ({rows * n * 4 / (t - t_zero) / 1e3:.0f} GB/s)", flush=True)
     return results
 
 
@@ -126,19 +136,22 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--programs", type=int, nargs="+", default=[0, 8, 16, 32, 64, 128])
-    ap.add_argument("--warps", type=int, nargs="+", default=[8, 4])
+    ap.add_argument("--warps", type=int, nargs="+", default=[8, 4], help="0: the default (_select_warps)")
     ap.add_argument("--scans", type=int, nargs="+", default=[0], help="_scan_slice's SCAN variants (0 1 2)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[1024], help="keys per step of a selection program")
     ap.add_argument("--kinds", nargs="+", default=["randn", "relu"], choices=["randn", "relu"])
     ap.add_argument("--hist-blocks", type=int, nargs="*", default=[],
-                    help="also time the first histogram alone at these block sizes (prefetch on / off, 8 / 4 warps)")
+                    help="also time the first histogram alone at these block sizes (prefetch on / off, 8 / 4 warps;"
+                    " 0: the default block)")
+    ap.add_argument("--samples", type=int, nargs="+", default=[1],
+                    help="first histograms from every sample-th key (1: every key; rows of >= 32 k keys only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.hist_blocks:
-        hist = [r for rows in args.rows for r in hist_variants(rows, args.n, args.hist_blocks)]
+        hist = [r for rows in args.rows for r in hist_variants(rows, args.n, args.hist_blocks, args.samples)]
         Path(args.out, "one_launch_hist.json").write_text(json.dumps(hist, indent=1))
     results = [r for kind in args.kinds for rows in args.rows
-               for r in run(kind, rows, args.n, args.programs, args.warps, args.scans, args.blocks)]
+               for r in run(kind, rows, args.n, args.programs, args.warps, args.scans, args.blocks, args.samples)]
     Path(args.out, "one_launch_programs.json").write_text(json.dumps(results, indent=1))
 
 

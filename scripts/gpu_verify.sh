@@ -12,7 +12,8 @@
 #   `o2r` (~6 min: runahead / sync / prefetch on the kernel path, runahead tests), `o2e` (~7 min: the same through the server),
 #   `o2g` (~2.5 min: auto's runahead gate on skewed small-cache rows), `k2t` (~8 min: the one-launch top-k's scan and
 #   histogram variants, the decode indexer + top-k rows), `k2m` (~7 min: the warm-up tests, sparse MLA's deeper
-#   prefetch swept at decode batch 64 and in prefill). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   prefetch swept at decode batch 64 and in prefill), `k2s` (~9 min: the one-launch top-k's 1-in-8 first histogram,
+#   its tests and rows beside the exact one). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -77,6 +78,13 @@ for step in "${steps[@]}"; do
         timeout 330 python3 bench/bench_dsa.py --only decode_mla,prefill_mla --sweep --mla-batches 64 --out "$OUT/l" \
             > "$OUT/dsa-mla.log" 2>&1
         grep -E "sweep|TFLOP|best|FP8 tile|prefill sparse" "$OUT/dsa-mla.log" | tail -40 ;;
+    k2s)  # the one-launch top-k with a 1-in-8 first histogram: its tests, then beside the exact one
+        gpu_tests 240 tests/kernels/test_topk_one_launch.py tests/kernels/test_lightning_indexer.py
+        timeout 150 python3 bench/bench_one_launch.py --rows 1 8 64 --programs 0 --warps 0 --scans 1 --samples 1 8 \
+            --hist-blocks 0 --kinds randn relu --out "$OUT/l" > "$OUT/one-launch-sample.log" 2>&1
+        grep -E "hist|sample" "$OUT/one-launch-sample.log" | tail -20
+        timeout 200 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
+        grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12 ;;
     kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
         timeout 300 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
         grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12

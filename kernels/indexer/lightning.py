@@ -38,6 +38,7 @@ from hearth.kernels._utils import (
 )
 from hearth.kernels.indexer.decode_persistent import persistent_config, persistent_decode_launch, sm_count
 from hearth.kernels.topk.one_launch import (
+    HIST_SAMPLE,
     check_workspace,
     fine_hist_digit,
     fine_hist_launch,
@@ -411,6 +412,7 @@ def indexer_decode_topk(
     config: dict | None = None,
     topk: Literal["auto", "radix", "sampled", "one_launch"] = "auto",
     topk_workspace: torch.Tensor | None = None,
+    hist_sample: int | None = None,
 ) -> torch.Tensor:
     """Decode indexer + exact top-k: int32 [B, next_n, k] logical token positions, -1 padded.
 
@@ -430,7 +432,8 @@ def indexer_decode_topk(
     fuse_hist: whether the indexer kernel adds the select's first histogram while it writes the logits
     (True) or a separate launch reads the logits for it (False). Default: fused for "one_launch" (its
     design), separate for "radix" (the fused radix histogram measured slower on the H200 with Triton
-    3.6's tl.histogram); "sampled" has none."""
+    3.6's tl.histogram); "sampled" has none. hist_sample: with the separate histogram of "one_launch", count
+    every hist_sample-th key of long rows (`fine_hist_launch`; default `HIST_SAMPLE`)."""
     require(topk in ("auto", "radix", "sampled", "one_launch"),
             f"topk must be auto, radix, sampled or one_launch, got {topk!r}")
     require(topk != "sampled" or not fuse_hist, "fuse_hist: the sampled select has no histogram to fuse")
@@ -466,9 +469,10 @@ def indexer_decode_topk(
     if topk == "radix":
         radix_topk_launch(logits, lengths, k, out, ws, first_pass_done=fuse_hist)
     elif topk == "one_launch":
+        sample = 1 if fuse_hist else hist_sample or HIST_SAMPLE  # the fused indexer counts every key
         if not fuse_hist:
-            fine_hist_launch(logits, lengths, k, ws)
-        one_launch_topk_launch(logits, lengths, out, ws, plan)
+            fine_hist_launch(logits, lengths, k, ws, sample=sample)
+        one_launch_topk_launch(logits, lengths, out, ws, plan, sample=sample)
     else:
         sampled = sampled_plan(logits.shape[1], k)
         if topk_workspace is None:

@@ -62,7 +62,7 @@ HIST2 = NBINS  # offset of the second histogram
 HEADER = 2 * NBINS
 N_GT, N_SURV, ARRIVED, KEY_MIN, KEY_MAX, PATH = range(6)
 SCRATCH = HEADER + 32  # survivors start on their own 128-byte line
-PATH_TAKE, PATH_SECOND, PATH_SCRATCH, PATH_ROW = 1, 2, 3, 4
+PATH_TAKE, PATH_SECOND, PATH_SCRATCH, PATH_ROW, PATH_FULL = 1, 2, 3, 4, 5
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 # fine_bin's window: quarter-binade index q = (exponent field << 2) | top 2 mantissa bits; q in
 # (FINE_LO, FINE_LO + 127) get their own bin, q = 508 is [1, 1.25)
@@ -76,10 +76,21 @@ RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
 SCAN = 1
 # Whether `fine_hist_launch` loads each next block early: within 1-5% either way on the same run, so off.
 HIST_PREFETCH = False
+# The first histogram from every HIST_SAMPLE-th key of rows at least SAMPLE_MIN_PER_K * k long (1: every key).
+# tl.histogram's 256 bins cost ~80 instructions a key (8 ballots and 8 bins a lane of AND / popc), which
+# bounds the histogram launch at many long rows (64 x 128K: 42 us, the keys' bytes need ~7); a sample picks a
+# band of bins around the k-th largest instead of one bin, and the select counts exactly (`_band`).
+HIST_SAMPLE = 1
+SAMPLE_MIN_PER_K = 32
+# The band's half-width in sampled keys: SAMPLE_SIGMAS standard deviations of the sample's count above the
+# k-th largest (about sqrt(k / sample)) plus SAMPLE_SLACK.
+SAMPLE_SIGMAS = 6
+SAMPLE_SLACK = 8
 # the same numbers for the kernels (Triton reads module globals only when they are tl.constexpr)
 _HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
 _N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in range(6))
-_PATH_TAKE, _PATH_SECOND, _PATH_SCRATCH, _PATH_ROW = (tl.constexpr(v) for v in (1, 2, 3, 4))
+_PATH_TAKE, _PATH_SECOND, _PATH_SCRATCH, _PATH_ROW, _PATH_FULL = (tl.constexpr(v) for v in (1, 2, 3, 4, 5))
+_SAMPLE_SIGMAS, _SAMPLE_SLACK = tl.constexpr(SAMPLE_SIGMAS), tl.constexpr(SAMPLE_SLACK)
 _INT_MIN, _INT_MAX = tl.constexpr(INT_MIN), tl.constexpr(INT_MAX)
 
 
@@ -104,6 +115,48 @@ def _shares_prefix(i_bin):
 def _second_digit(b_key):
     """The 8 key bits after the 11 that a quarter-binade bin shares."""
     return (b_key >> 13) & 0xFF
+
+
+@triton.jit
+def _sampled_row(n_len, K, SAMPLE: tl.constexpr, SAMPLE_MIN: tl.constexpr):
+    """Whether the row's first histogram counts every SAMPLE-th key (long rows) rather than every key."""
+    return (SAMPLE > 1) & (n_len >= SAMPLE_MIN * K)
+
+
+@triton.jit
+def _band(b_hist, K, n_len, SAMPLE: tl.constexpr, SAMPLE_MIN: tl.constexpr, NBINS: tl.constexpr):
+    """Bins [lo, hi] that hold the row's k-th largest key: with an exact histogram the one bin that does; with a
+    sampled one the bins from the (k_s + m)-th to the (k_s - m)-th largest sampled key, k_s = k / SAMPLE and m
+    SAMPLE_SIGMAS standard deviations of the sample's count plus a slack. Keys above hi are in the top-k, keys
+    below lo are not; the select counts how many lie above and inside, and the finish checks the band."""
+    if _sampled_row(n_len, K, SAMPLE, SAMPLE_MIN):
+        k_s = (K + SAMPLE - 1) // SAMPLE
+        m = (tl.sqrt(k_s.to(tl.float32)) * _SAMPLE_SIGMAS).to(tl.int32) + _SAMPLE_SLACK
+        hi, _ = pick_bin(b_hist, tl.maximum(k_s - m, 1), NBINS)
+        lo, _ = pick_bin(b_hist, k_s + m, NBINS)
+        hi = tl.maximum(hi, 0)
+        lo = tl.maximum(lo, 0)
+    else:
+        lo, _ = pick_bin(b_hist, K, NBINS)
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _band_bits(lo, hi):
+    """Bits of a band digit the bin takes (0 for one bin, 1 for two, 2 for up to four), or -1 where the band's
+    keys have no common second digit: wider than four bins, or a clamped edge bin in it."""
+    width = hi - lo + 1
+    bits = tl.where(width == 1, 0, tl.where(width <= 2, 1, tl.where(width <= 4, 2, -1)))
+    inner = (lo % 128 != 0) & (hi % 128 != 127) & (lo // 128 == hi // 128)
+    return tl.where(inner, bits, -1)
+
+
+@triton.jit
+def _band_digit(b_key, b_bin, lo, bits):
+    """Second digit of a key in band [lo, hi] of quarter-binade bins (bits = `_band_bits`): the bin's offset
+    in the band in the top bits, then the key's next bits; monotone in the key across the band."""
+    return ((b_bin - lo) << (8 - bits)) | (_second_digit(b_key) >> bits)
 
 
 @triton.jit
@@ -143,7 +196,8 @@ def _select_stream(
     p_idx,
     p_out,
     n_src,
-    i_cut,
+    lo,
+    hi,
     k_rem,
     K,
     p_map,
@@ -154,9 +208,9 @@ def _select_stream(
     PASSES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Write the indices of the k_rem largest keys of bin i_cut to p_out[K - k_rem: K]; the source is
-    the compacted survivors (n_src of them, all in the bin) or the row (n_src = its length, filtered to
-    the bin). Exact radix select on the full key in one program: PASSES histogram passes, then a write
+    """Write the indices of the k_rem largest keys of bins [lo, hi] to p_out[K - k_rem: K]; the source is
+    the compacted survivors (n_src of them, all in the bins) or the row (n_src = its length, filtered to
+    the bins). Exact radix select on the full key in one program: PASSES histogram passes, then a write
     pass (keys above the threshold first, then as many equal to it as are still needed)."""
     o_b = tl.arange(0, NBINS)
     n_gt = K - k_rem  # output slots before the bin's share
@@ -168,7 +222,8 @@ def _select_stream(
             o_t = i0 + tl.arange(0, BLOCK)
             m_t = o_t < n_src
             b_key = _source_keys(p_x, p_keys, o_t, m_t, FROM_ROW)
-            m_hit = m_t & (fine_bin(b_key) == i_cut)
+            b_bin = fine_bin(b_key)
+            m_hit = m_t & (b_bin >= lo) & (b_bin <= hi)
             if p > 0:
                 m_hit = m_hit & ((b_key >> (32 - BITS * p)) == prefix)
             # misses go to bin 0 and are subtracted once at the end (no masked histogram in older Triton)
@@ -191,7 +246,8 @@ def _select_stream(
             b_idx = _position(o_t, m_t, p_map, MAP_PAGE)
         else:
             b_idx = tl.load(p_idx + o_t, mask=m_t, other=0, cache_modifier=".cg")
-        m_bin = m_t & (fine_bin(b_key) == i_cut)
+        b_bin = fine_bin(b_key)
+        m_bin = m_t & (b_bin >= lo) & (b_bin <= hi)
         m_gt = m_bin & (b_key > prefix)
         m_eq = m_bin & (b_key == prefix)
         tl.store(p_out + n_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1, b_idx, mask=m_gt)
@@ -209,6 +265,8 @@ def _finish_second(
     p_keys2,
     p_idx2,
     n_surv,
+    lo,
+    bits,
     i_sub,
     n_sub,
     k_rem,
@@ -218,9 +276,9 @@ def _finish_second(
     BLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
 ):
-    """With the sub-bin i_sub of the second digit known (n_sub <= CAP2 survivors, k_rem2 of them
-    wanted): write the survivors above it after the bin's share, move the sub-bin into the second
-    scratch, and place each of its keys by its exact rank among them (ties by position)."""
+    """With the sub-bin i_sub of the band's second digit (`_band_digit`) known (n_sub <= CAP2 survivors,
+    k_rem2 of them wanted): write the survivors above it after the band's share, move the sub-bin into the
+    second scratch, and place each of its keys by its exact rank among them (ties by position)."""
     n_w = K - k_rem
     n_c = 0
     for i0 in range(0, n_surv, BLOCK):
@@ -228,7 +286,7 @@ def _finish_second(
         m_t = o_t < n_surv
         b_key = tl.load(p_keys + o_t, mask=m_t, other=0, cache_modifier=".cg")
         b_idx = tl.load(p_idx + o_t, mask=m_t, other=0, cache_modifier=".cg")
-        b_d = _second_digit(b_key)
+        b_d = _band_digit(b_key, fine_bin(b_key), lo, bits)
         m_gt = m_t & (b_d > i_sub)
         tl.store(p_out + n_w + tl.cumsum(m_gt.to(tl.int32), 0) - 1, b_idx, mask=m_gt)
         n_w += tl.sum(m_gt.to(tl.int32), 0)
@@ -259,8 +317,8 @@ def _finish_row(
     n_len,
     p_out,
     p_ws,
-    i_cut,
-    k_rem,
+    lo,
+    hi,
     K,
     p_map,
     CAP: tl.constexpr,
@@ -272,36 +330,45 @@ def _finish_row(
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
 ):
-    """The row's last program: append the cutoff bin's k_rem best to out[K - k_rem: K], then clean the
-    row's workspace for the next call."""
+    """The row's last program: append the band's k_rem best to out[K - k_rem: K] (k_rem = k less the keys
+    above the band, counted exactly by the select), then clean the row's workspace for the next call. A band
+    from a sampled histogram that missed the k-th largest (k or more keys above it, or fewer than k above and
+    in it) is recomputed from the whole row (PATH_FULL; the keys above the band wrote only their first k)."""
     p_hdr = p_ws + _HEADER
     p_keys = p_ws + _SCRATCH
     p_idx = p_keys + CAP
+    n_gt = tl.load(p_hdr + _N_GT, volatile=True)
     n_surv = tl.load(p_hdr + _N_SURV, volatile=True)
     k_min = tl.load(p_hdr + _KEY_MIN, volatile=True)
     k_max = tl.load(p_hdr + _KEY_MAX, volatile=True)
+    k_rem = K - n_gt
     o_b = tl.arange(0, NBINS)
-    if (n_surv == k_rem) | (k_min == k_max):
-        # all of the bin, or any k_rem of equal keys: the first ones compacted (CAP >= K >= k_rem)
+    if (n_gt >= K) | (n_gt + n_surv < K):
+        _select_stream(p_x, p_keys, p_idx, p_out, n_len, 0, NBINS - 1, K, K, p_map, True, MAP_PAGE, NBINS, BITS,
+                       PASSES, BLOCK)
+        path = _PATH_FULL
+    elif (n_surv == k_rem) | (k_min == k_max):
+        # all of the band, or any k_rem of equal keys: the first ones compacted (CAP >= K >= k_rem)
         _copy(p_idx, p_out + K - k_rem, k_rem)
         path = _PATH_TAKE
     elif n_surv <= CAP:
+        bits = _band_bits(lo, hi)
         b_hist2 = tl.load(p_ws + _HIST2 + o_b, cache_modifier=".cg")
         i_sub, k_rem2 = pick_bin(b_hist2, k_rem, NBINS)
         n_sub = tl.sum(tl.where(o_b == i_sub, b_hist2, 0), 0)
-        if _shares_prefix(i_cut) & (n_sub <= CAP2):
+        if (bits >= 0) & (n_sub <= CAP2):
             p_keys2 = p_idx + CAP
             _finish_second(
-                p_out, p_keys, p_idx, p_keys2, p_keys2 + CAP2, n_surv, i_sub, n_sub, k_rem, k_rem2, K,
+                p_out, p_keys, p_idx, p_keys2, p_keys2 + CAP2, n_surv, lo, bits, i_sub, n_sub, k_rem, k_rem2, K,
                 CAP2, BLOCK, RANK_BLOCK,
             )  # fmt: skip
             path = _PATH_SECOND
         else:
-            _select_stream(p_x, p_keys, p_idx, p_out, n_surv, i_cut, k_rem, K, p_map, False, MAP_PAGE, NBINS, BITS,
+            _select_stream(p_x, p_keys, p_idx, p_out, n_surv, lo, hi, k_rem, K, p_map, False, MAP_PAGE, NBINS, BITS,
                            PASSES, BLOCK)
             path = _PATH_SCRATCH
     else:
-        _select_stream(p_x, p_keys, p_idx, p_out, n_len, i_cut, k_rem, K, p_map, True, MAP_PAGE, NBINS, BITS, PASSES,
+        _select_stream(p_x, p_keys, p_idx, p_out, n_len, lo, hi, k_rem, K, p_map, True, MAP_PAGE, NBINS, BITS, PASSES,
                        BLOCK)
         path = _PATH_ROW
     tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
@@ -315,25 +382,27 @@ def _finish_row(
 
 
 @triton.jit
-def _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max, p_out, p_ws, p_map, CAP: tl.constexpr,
+def _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max, p_out, p_ws, p_map, K, CAP: tl.constexpr,
                 MAP_PAGE: tl.constexpr):
-    """Write one block's keys above bin i_cut to p_out[o_gt:] and the bin's (key, index) pairs to the
-    scratch at o_eq (their second digits to the second histogram when the bin shares a prefix); returns the
-    block's counts and the bin's running min / max key."""
+    """Write one block's keys above band [lo, hi] to p_out[o_gt:] (the first K of the row: a sampled band may
+    have too many above it) and the band's (key, index) pairs to the scratch at o_eq (their band digits to
+    the second histogram where the band has them, bits >= 0); returns the block's counts and the band's
+    running min / max key."""
     p_keys = p_ws + _SCRATCH
     b_bin = fine_bin(b_key)
-    m_gt = m_t & (b_bin > i_cut)
-    m_eq = m_t & (b_bin == i_cut)
+    m_gt = m_t & (b_bin > hi)
+    m_eq = m_t & (b_bin >= lo) & (b_bin <= hi)
     n_gt = tl.sum(m_gt.to(tl.int32), 0)
     n_eq = tl.sum(m_eq.to(tl.int32), 0)
     if n_gt > 0:
-        tl.store(p_out + o_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1, _position(o_t, m_gt, p_map, MAP_PAGE), mask=m_gt)
+        o_dst = o_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1
+        tl.store(p_out + o_dst, _position(o_t, m_gt, p_map, MAP_PAGE), mask=m_gt & (o_dst < K))
     if n_eq > 0:
         o_dst = o_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
         tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < CAP))
         tl.store(p_keys + CAP + o_dst, _position(o_t, m_eq, p_map, MAP_PAGE), mask=m_eq & (o_dst < CAP))
-        if second:
-            tl.atomic_add(p_ws + _HIST2 + _second_digit(b_key), 1, mask=m_eq, sem="relaxed")
+        if bits >= 0:
+            tl.atomic_add(p_ws + _HIST2 + _band_digit(b_key, b_bin, lo, bits), 1, mask=m_eq, sem="relaxed")
         k_min = tl.minimum(k_min, tl.min(tl.where(m_eq, b_key, _INT_MAX), 0))
         k_max = tl.maximum(k_max, tl.max(tl.where(m_eq, b_key, _INT_MIN), 0))
     return n_gt, n_eq, k_min, k_max
@@ -349,10 +418,10 @@ def _reserve(p_hdr, n_gt, n_eq):
 
 
 @triton.jit
-def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexpr, MAP_PAGE: tl.constexpr,
+def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.constexpr, MAP_PAGE: tl.constexpr,
                 BLOCK: tl.constexpr, SCAN: tl.constexpr):
-    """Stream keys [i_start, i_end) of the row: indices above bin i_cut to the output, the bin's
-    (key, index) pairs to the scratch, their second digits to the second histogram (quarter-binade
+    """Stream keys [i_start, i_end) of the row: indices above band [lo, hi] to the output, the band's
+    (key, index) pairs to the scratch, their band digits to the second histogram (quarter-binade
     bins only), their min and max key to the header. Indices are output indices (``_position``): every
     later step copies them as they are.
 
@@ -362,7 +431,7 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexp
     the first only counting (independent loads, the next block prefetched), one packed atomic for the whole
     slice, the second writing at running offsets (no atomic but the second histogram's)."""
     p_hdr = p_ws + _HEADER
-    second = _shares_prefix(i_cut)
+    bits = _band_bits(lo, hi)
     k_min = _INT_MAX
     k_max = _INT_MIN
     o_b = tl.arange(0, BLOCK)
@@ -372,16 +441,16 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexp
             m_t = o_t < i_end
             b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
             b_bin = fine_bin(b_key)
-            n_gt = tl.sum((m_t & (b_bin > i_cut)).to(tl.int32), 0)
-            n_eq = tl.sum((m_t & (b_bin == i_cut)).to(tl.int32), 0)
+            n_gt = tl.sum((m_t & (b_bin > hi)).to(tl.int32), 0)
+            n_eq = tl.sum((m_t & (b_bin >= lo) & (b_bin <= hi)).to(tl.int32), 0)
             o_gt = 0
             o_eq = 0
             if n_gt > 0:
                 o_gt = tl.atomic_add(p_hdr + _N_GT, n_gt, sem="relaxed")
             if n_eq > 0:
                 o_eq = tl.atomic_add(p_hdr + _N_SURV, n_eq, sem="relaxed")
-            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max, p_out, p_ws,
-                                             p_map, CAP, MAP_PAGE)
+            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max, p_out,
+                                             p_ws, p_map, K, CAP, MAP_PAGE)
     elif SCAN == 1:
         b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
         for i0 in range(i_start, i_end, BLOCK):
@@ -390,14 +459,14 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexp
             b_key = float_order_key(b_x)
             b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)  # in flight over the atomic
             b_bin = fine_bin(b_key)
-            n_gt = tl.sum((m_t & (b_bin > i_cut)).to(tl.int32), 0)
-            n_eq = tl.sum((m_t & (b_bin == i_cut)).to(tl.int32), 0)
+            n_gt = tl.sum((m_t & (b_bin > hi)).to(tl.int32), 0)
+            n_eq = tl.sum((m_t & (b_bin >= lo) & (b_bin <= hi)).to(tl.int32), 0)
             o_gt = 0
             o_eq = 0
             if (n_gt > 0) | (n_eq > 0):
                 o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
-            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max, p_out, p_ws,
-                                             p_map, CAP, MAP_PAGE)
+            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max, p_out,
+                                             p_ws, p_map, K, CAP, MAP_PAGE)
     else:
         n_gt = 0
         n_eq = 0
@@ -406,8 +475,8 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexp
             o_t = i0 + o_b
             b_bin = fine_bin(float_order_key(b_x))
             b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
-            n_gt += tl.sum(((o_t < i_end) & (b_bin > i_cut)).to(tl.int32), 0)
-            n_eq += tl.sum(((o_t < i_end) & (b_bin == i_cut)).to(tl.int32), 0)
+            n_gt += tl.sum(((o_t < i_end) & (b_bin > hi)).to(tl.int32), 0)
+            n_eq += tl.sum(((o_t < i_end) & (b_bin >= lo) & (b_bin <= hi)).to(tl.int32), 0)
         if (n_gt > 0) | (n_eq > 0):
             o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
             b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
@@ -416,8 +485,8 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, i_cut, p_map, CAP: tl.constexp
                 m_t = o_t < i_end
                 b_key = float_order_key(b_x)
                 b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
-                d_gt, d_eq, k_min, k_max = _keep_block(b_key, o_t, m_t, i_cut, o_gt, o_eq, second, k_min, k_max,
-                                                       p_out, p_ws, p_map, CAP, MAP_PAGE)
+                d_gt, d_eq, k_min, k_max = _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max,
+                                                       p_out, p_ws, p_map, K, CAP, MAP_PAGE)
                 o_gt += d_gt
                 o_eq += d_eq
     if k_min <= k_max:  # this slice had survivors
@@ -446,6 +515,8 @@ def _topk_one_launch_kernel(
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
     SCAN: tl.constexpr,
+    SAMPLE: tl.constexpr,
+    SAMPLE_MIN: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -463,19 +534,19 @@ def _topk_one_launch_kernel(
                 tl.store(p_out + o_t, tl.where(m_v, _position(o_t, m_v, map_ptr, MAP_PAGE), -1), mask=o_t < K)
             tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     else:
-        i_cut, k_rem = pick_bin(tl.load(p_ws + o_b), K, NBINS)
+        lo, hi = _band(tl.load(p_ws + o_b), K, n_len, SAMPLE, SAMPLE_MIN, NBINS)
         i_start = i_s * SEG
         if i_start < n_len:
             p_x = x_ptr + i_r.to(tl.int64) * stride_x
-            _scan_slice(p_x, p_out, p_ws, i_start, tl.minimum(i_start + SEG, n_len), i_cut, map_ptr, CAP, MAP_PAGE,
-                        BLOCK, SCAN)
+            _scan_slice(p_x, p_out, p_ws, i_start, tl.minimum(i_start + SEG, n_len), lo, hi, map_ptr, K, CAP,
+                        MAP_PAGE, BLOCK, SCAN)
         # every thread's stores are done before the (single-thread) release of the arrival
         tl.debug_barrier()
         n_before = tl.atomic_add(p_ws + _HEADER + _ARRIVED, 1, sem="acq_rel")
         if n_before == tl.num_programs(1) - 1:
             tl.debug_barrier()
             _finish_row(
-                x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, i_cut, k_rem, K, map_ptr,
+                x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, lo, hi, K, map_ptr,
                 CAP, CAP2, MAP_PAGE, BLOCK, RANK_BLOCK, NBINS, BITS, PASSES,
             )  # fmt: skip
 
@@ -493,12 +564,29 @@ def fine_hist_digit(b_key, FINE: tl.constexpr, NBINS: tl.constexpr, BITS: tl.con
 
 @triton.jit
 def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-                      PREFETCH: tl.constexpr):
+                      PREFETCH: tl.constexpr, SAMPLE: tl.constexpr, SAMPLE_MIN: tl.constexpr):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     n_len = tl.load(len_ptr + i_r)
     i_start = i_s * SEG
-    if (n_len > K) & (i_start < n_len):
+    if (n_len > K) & (i_start < n_len) & _sampled_row(n_len, K, SAMPLE, SAMPLE_MIN):
+        # every SAMPLE-th key of the slice, BLOCK positions a step (SEG is a multiple of BLOCK, so the row's
+        # sample is its positions 0, SAMPLE, 2 SAMPLE, ... whatever the programs)
+        o_b = tl.arange(0, NBINS)
+        o_k = tl.arange(0, BLOCK // SAMPLE)
+        i_end = tl.minimum(i_start + SEG, n_len)
+        p_x = x_ptr + i_r.to(tl.int64) * stride_x
+        b_hist = tl.zeros([NBINS], dtype=tl.int32)
+        n_skip = 0
+        for i0 in range(i_start, i_end, BLOCK):
+            o_t = i0 + o_k * SAMPLE
+            m_t = o_t < i_end
+            b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+            b_hist += tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
+            n_skip += tl.sum((~m_t).to(tl.int32), 0)
+        b_hist -= tl.where(o_b == 0, n_skip, 0)
+        tl.atomic_add(ws_ptr + i_r.to(tl.int64) * stride_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
+    elif (n_len > K) & (i_start < n_len):
         o_b = tl.arange(0, NBINS)
         o_k = tl.arange(0, BLOCK)
         i_end = tl.minimum(i_start + SEG, n_len)
@@ -594,17 +682,26 @@ def fine_hist_launch(
     block: int | None = None,
     prefetch: bool = HIST_PREFETCH,
     num_warps: int = 8,
+    sample: int = HIST_SAMPLE,
+    sample_min: int = SAMPLE_MIN_PER_K,
 ) -> None:
     """Add each row's `fine_bin` histogram (rows longer than k) to the workspace: what a fused decode
     indexer does, for scores from elsewhere. block: keys per step (default `_hist_block`); prefetch: load
-    each next block while binning this one."""
+    each next block while binning this one; sample: count every sample-th key of rows of at least
+    sample_min * k keys (a power of two, 1 = every key; the select is told the same two numbers)."""
     n_rows, n_cols = scores.shape
     block = block or _hist_block(n_rows, n_cols, scores.device)
+    _check_sample(sample, block)
     seg = _segment(n_rows, n_cols, block, None, scores.device)
     _fine_hist_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
         scores, lengths, workspace, scores.stride(0), workspace.stride(0), k, seg, NBINS=NBINS, BLOCK=block,
-        PREFETCH=prefetch, num_warps=num_warps,
+        PREFETCH=prefetch, SAMPLE=sample, SAMPLE_MIN=sample_min, num_warps=num_warps,
     )  # fmt: skip
+
+
+def _check_sample(sample: int, block: int) -> None:
+    require(sample >= 1 and sample & (sample - 1) == 0, f"sample must be a power of two, got {sample}")
+    require(sample == 1 or block // sample >= 16, f"a {block}-key block has too few keys for a sample of 1 in {sample}")
 
 
 def one_launch_topk_launch(
@@ -619,13 +716,16 @@ def one_launch_topk_launch(
     num_warps: int | None = None,
     page_map: tuple[torch.Tensor, int] | None = None,
     scan: int = SCAN,
+    sample: int = 1,
+    sample_min: int = SAMPLE_MIN_PER_K,
 ) -> None:
     """The selection launch on validated scores / lengths / out whose first histograms are already in
     the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
     per SM in all). page_map (table, page): one row's positions in a table of pages written as the
     pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
     launch fewer). num_warps: default ``_select_warps`` of the programs' slice. scan: how a program streams
-    its slice (``_scan_slice``'s SCAN 0 / 1 / 2)."""
+    its slice (``_scan_slice``'s SCAN 0 / 1 / 2). sample / sample_min: what `fine_hist_launch` was given (1:
+    an exact histogram, as the fused indexer's); any histogram gives exact results, a misjudged one slowly."""
     n_rows, n_cols = scores.shape
     check_workspace(workspace, n_rows, plan, scores.device)
     require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
@@ -656,6 +756,8 @@ def one_launch_topk_launch(
         BITS=RADIX_BITS,
         PASSES=PASSES,
         SCAN=scan,
+        SAMPLE=sample,
+        SAMPLE_MIN=sample_min,
         num_warps=num_warps or _select_warps(seg, block),
     )
 
@@ -671,6 +773,8 @@ def topk_indices_one_launch(
     programs: int | None = None,
     block: int | None = None,
     scan: int = SCAN,
+    sample: int = HIST_SAMPLE,
+    sample_min: int = SAMPLE_MIN_PER_K,
 ) -> torch.Tensor:
     """Exact top-k indices per row, unsorted: the first histogram (`fine_hist_launch`) and the
     one-launch selection, two launches (after the fused indexer only the second runs).
@@ -681,7 +785,8 @@ def topk_indices_one_launch(
     reused across calls (else one is allocated per call); capacity / programs / block: the survivor
     buffer, programs per row and keys per step (default: the histogram's `_hist_block`, 1024 for the select;
     tests use them to force every path); scan: how a program
-    streams its slice (`_scan_slice`)."""
+    streams its slice (`_scan_slice`); sample / sample_min: the first histogram counts every sample-th key of
+    rows of at least sample_min * k keys (`fine_hist_launch`)."""
     out = checked_output(scores, lengths, k, out)
     plan = one_launch_plan(k, capacity=capacity)
     if out.shape[0] == 0:
@@ -689,8 +794,9 @@ def topk_indices_one_launch(
     if workspace is None:
         workspace = new_one_launch_workspace(out.shape[0], plan, scores.device)
     check_workspace(workspace, out.shape[0], plan, scores.device)
-    fine_hist_launch(scores, lengths, k, workspace, block=block)
-    one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block or 1024, scan=scan)
+    fine_hist_launch(scores, lengths, k, workspace, block=block, sample=sample, sample_min=sample_min)
+    one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block or 1024, scan=scan,
+                           sample=sample, sample_min=sample_min)
     return out
 
 

@@ -15,6 +15,7 @@ from hearth.kernels.topk.one_launch import (
     KEY_MAX,
     KEY_MIN,
     PATH,
+    PATH_FULL,
     PATH_ROW,
     PATH_SCRATCH,
     PATH_SECOND,
@@ -206,6 +207,94 @@ def test_indexer_one_launch_next_n_2_reuses_its_workspace(kernel, device):
         )
         assert idx.shape == (len(ctx), next_n, k)
         check_topk(idx.view(rows, k), logits, lengths, k)
+        _assert_clean(ws)
+
+
+def test_the_sampled_histogram_counts_every_sample_th_key_of_long_rows(device):
+    """Rows of at least sample_min * k keys: the bins of positions 0, 8, 16, ... whatever the programs and
+    blocks; shorter rows: every key."""
+    n, k = 3001, 40
+    s = torch.randn(3, n, device=device) * 3
+    lengths = torch.tensor([n, 8 * k - 1, 8 * k], dtype=torch.int32, device=device)
+    ws = new_one_launch_workspace(3, one_launch_plan(k), device)
+    fine_hist_launch(s, lengths, k, ws, block=256, sample=8, sample_min=8)
+    bins = fine_bin_ref(order_key_ref(s.cpu())).long()
+    for r, (length, step) in enumerate([(n, 8), (8 * k - 1, 1), (8 * k, 8)]):
+        want = torch.bincount(bins[r, :length:step], minlength=NBINS)
+        assert torch.equal(ws[r, :NBINS].cpu().long(), want), r
+    for sample, block in ((3, 256), (32, 256)):
+        with pytest.raises(ValueError, match="sample"):
+            fine_hist_launch(s, lengths, k, ws, block=block, sample=sample)
+
+
+def _rows_for_sampled_bands(n: int, k: int, sample: int, device) -> tuple[torch.Tensor, list[set[int]]]:
+    """Rows whose sampled band holds the k-th largest (the usual finishing paths), and rows built to
+    fool a sample at positions 0, sample, 2 sample, ... (PATH_FULL: the whole row again, still exact)."""
+    pos = torch.arange(n, device=device)
+    s = torch.randn(7, n, device=device)
+    paths = [{PATH_SECOND}]  # a band of a few quarter-binade bins
+    s[1] = torch.exp(torch.randperm(n, device=device).float() * (8 / n))  # distinct, ~90 keys a quarter binade
+    paths.append({PATH_SECOND})
+    s[2] = torch.relu(s[2] - 2.5)  # the k-th largest is a 0 tied thousands of times
+    paths.append({PATH_TAKE})
+    s[3] = torch.exp(pos.float() * (8 / n))  # increasing with the position (recent tokens score higher)
+    paths.append({PATH_SECOND})
+    sampled = pos % sample == 0
+    s[4] = torch.where(sampled, -5.0, 5.0) + 0.01 * torch.randn(n, device=device)  # the sample: all low
+    paths.append({PATH_FULL})
+    # the sample spread thin over 30 binades (~17 keys a bin), the others far below: fewer than k keys in and
+    # above the band
+    s[5] = torch.where(sampled, torch.exp2(torch.randperm(n, device=device).float() * (30 / n) - 15), -100.0)
+    paths.append({PATH_FULL})
+    s[6] = -10.0 + torch.randn(n, device=device)
+    s[6, 7 : 7 + 3 * k] = torch.rand(3 * k, device=device) * 1e-6  # the band reaches a clamped edge bin
+    paths.append({PATH_SCRATCH, PATH_ROW})
+    return s, paths
+
+
+@pytest.mark.parametrize("scan", [0, 1, 2])
+def test_a_sampled_histogram_selects_exactly_on_every_path(scan, device):
+    """Band finishing: the exact count above and inside the band decides; a band that missed the k-th
+    largest recomputes the row; every call leaves the workspace clean. (1 in 2 keys at these small rows:
+    the band's margin is SAMPLE_SIGMAS standard deviations, so a 1-in-8 sample needs k in the thousands.)"""
+    n, k, sample = 4099, 200, 2
+    s, paths = _rows_for_sampled_bands(n, k, sample, device)
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(s.shape[0], plan, device)
+    lengths = torch.full((s.shape[0],), n, dtype=torch.int32, device=device)
+    for call in range(2):
+        lengths[0] = n - 13 * call
+        out = torch.full((s.shape[0], k), POISON, dtype=torch.int32, device=device)
+        topk_indices_one_launch(s, lengths, k, out=out, workspace=ws, programs=3, block=256, scan=scan,
+                                sample=sample, sample_min=8)
+        check_topk(out, s, lengths, k)
+        got = ws[:, HEADER + PATH].tolist()
+        assert all(path in want for path, want in zip(got, paths)), got
+        _assert_clean(ws)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows,n", [(1, 131072), (64, 131072)])
+@pytest.mark.parametrize("kind", ["randn", "relu_zeros", "narrow", "increasing"])
+def test_sampled_histogram_real_shapes_gpu(rows, n, kind):
+    """1-in-8 histograms at decode shapes: exact, and no row needs the whole-row recount."""
+    k = 2048
+    s = torch.randn(rows, n, device="cuda")
+    if kind == "relu_zeros":
+        s = torch.relu(s - 3.0)
+    elif kind == "narrow":
+        s = 1.0 + torch.rand(rows, n, device="cuda")
+    elif kind == "increasing":
+        s = torch.arange(n, device="cuda").float()[None].expand(rows, n) * 1e-4 + 0.1 * s
+    lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
+    lengths[0] = n
+    ws = new_one_launch_workspace(rows, one_launch_plan(k), s.device)
+    for _ in range(2):
+        out = torch.full((rows, k), POISON, dtype=torch.int32, device="cuda")
+        topk_indices_one_launch(s, lengths, k, out=out, workspace=ws, sample=8)
+        check_topk(out, s, lengths, k)
+        assert PATH_FULL not in ws[:, HEADER + PATH].tolist()
         _assert_clean(ws)
 
 
