@@ -37,7 +37,7 @@ from hearth.kernels.topk.one_launch import (
     one_launch_plan,
     one_launch_topk_launch,
 )
-from hearth.kernels.topk.reference import check_topk, fine_bin_ref, order_key_ref
+from hearth.kernels.topk.reference import check_topk, fine_bin_ref, order_key_ref, sample_positions_ref
 
 K = 2048
 
@@ -112,8 +112,8 @@ def hist_variants(rows: int, n: int, blocks: list[int], samples: list[int] = (1,
     t_zero = median_us(lambda: ws[:, :NBINS].zero_())
     results = []
     for sa in samples:
-        step = sa if n >= SAMPLE_MIN_PER_K * K else 1
-        want = torch.stack([torch.bincount(fine_bin_ref(order_key_ref(r[::step])).long(), minlength=NBINS)
+        at = sample_positions_ref(n, sa if n >= SAMPLE_MIN_PER_K * K else 1).to(scores.device)
+        want = torch.stack([torch.bincount(fine_bin_ref(order_key_ref(r[at])).long(), minlength=NBINS)
                             for r in scores])
         for b in blocks:
             for prefetch in (False, True) if sa == 1 else (False,):

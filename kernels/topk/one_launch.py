@@ -76,7 +76,8 @@ RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
 SCAN = 1
 # Whether `fine_hist_launch` loads each next block early: within 1-5% either way on the same run, so off.
 HIST_PREFETCH = False
-# The first histogram from every HIST_SAMPLE-th key of rows at least SAMPLE_MIN_PER_K * k long (1: every key).
+# The first histogram from one key of every HIST_SAMPLE (`sample_position`) of rows at least SAMPLE_MIN_PER_K * k
+# long (1: every key).
 # tl.histogram's 256 bins cost ~80 instructions a key (8 ballots and 8 bins a lane of AND / popc), which
 # bounds the histogram launch at many long rows (64 x 128K: 42 us, the keys' bytes need ~7); a sample picks a
 # band of bins around the k-th largest instead of one bin, and the select counts exactly (`_band`).
@@ -115,6 +116,15 @@ def _shares_prefix(i_bin):
 def _second_digit(b_key):
     """The 8 key bits after the 11 that a quarter-binade bin shares."""
     return (b_key >> 13) & 0xFF
+
+
+@triton.jit
+def sample_position(o_j, SAMPLE: tl.constexpr, LOG2_SAMPLE: tl.constexpr):
+    """Row position of sample o_j: one key of each run of SAMPLE, at an offset from a multiplicative hash of
+    o_j (not always the run's first: rows with a period of SAMPLE, such as a table's separators every 8 tokens,
+    would bias a strided sample)."""
+    h = o_j * -1640531535  # 0x9E3779B1 as int32, wrapping
+    return o_j * SAMPLE + ((h >> (32 - LOG2_SAMPLE)) & (SAMPLE - 1))
 
 
 @triton.jit
@@ -564,14 +574,15 @@ def fine_hist_digit(b_key, FINE: tl.constexpr, NBINS: tl.constexpr, BITS: tl.con
 
 @triton.jit
 def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS: tl.constexpr, BLOCK: tl.constexpr,
-                      PREFETCH: tl.constexpr, SAMPLE: tl.constexpr, SAMPLE_MIN: tl.constexpr):
+                      PREFETCH: tl.constexpr, SAMPLE: tl.constexpr, LOG2_SAMPLE: tl.constexpr,
+                      SAMPLE_MIN: tl.constexpr):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
     n_len = tl.load(len_ptr + i_r)
     i_start = i_s * SEG
     if (n_len > K) & (i_start < n_len) & _sampled_row(n_len, K, SAMPLE, SAMPLE_MIN):
-        # every SAMPLE-th key of the slice, BLOCK positions a step (SEG is a multiple of BLOCK, so the row's
-        # sample is its positions 0, SAMPLE, 2 SAMPLE, ... whatever the programs)
+        # one key of every SAMPLE (`sample_position`), BLOCK positions a step (SEG is a multiple of BLOCK, so the
+        # row's sample is the same whatever the programs)
         o_b = tl.arange(0, NBINS)
         o_k = tl.arange(0, BLOCK // SAMPLE)
         i_end = tl.minimum(i_start + SEG, n_len)
@@ -579,7 +590,7 @@ def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS
         b_hist = tl.zeros([NBINS], dtype=tl.int32)
         n_skip = 0
         for i0 in range(i_start, i_end, BLOCK):
-            o_t = i0 + o_k * SAMPLE
+            o_t = sample_position(i0 // SAMPLE + o_k, SAMPLE, LOG2_SAMPLE)
             m_t = o_t < i_end
             b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
             b_hist += tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
@@ -687,15 +698,16 @@ def fine_hist_launch(
 ) -> None:
     """Add each row's `fine_bin` histogram (rows longer than k) to the workspace: what a fused decode
     indexer does, for scores from elsewhere. block: keys per step (default `_hist_block`); prefetch: load
-    each next block while binning this one; sample: count every sample-th key of rows of at least
-    sample_min * k keys (a power of two, 1 = every key; the select is told the same two numbers)."""
+    each next block while binning this one; sample: count one key of every sample (`sample_position`) in rows
+    of at least sample_min * k keys (a power of two, 1 = every key; the select is told the same two numbers)."""
     n_rows, n_cols = scores.shape
     block = block or _hist_block(n_rows, n_cols, scores.device)
     _check_sample(sample, block)
     seg = _segment(n_rows, n_cols, block, None, scores.device)
     _fine_hist_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
         scores, lengths, workspace, scores.stride(0), workspace.stride(0), k, seg, NBINS=NBINS, BLOCK=block,
-        PREFETCH=prefetch, SAMPLE=sample, SAMPLE_MIN=sample_min, num_warps=num_warps,
+        PREFETCH=prefetch, SAMPLE=sample, LOG2_SAMPLE=sample.bit_length() - 1, SAMPLE_MIN=sample_min,
+        num_warps=num_warps,
     )  # fmt: skip
 
 

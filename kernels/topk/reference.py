@@ -58,3 +58,12 @@ def fine_bin_ref(key: torch.Tensor) -> torch.Tensor:
     u = key >> 21
     mag = (torch.where(u >= 0, u, -1 - u) - FINE_LO).clamp(0, 127)
     return torch.where(u >= 0, 128 + mag, 127 - mag)
+
+
+def sample_positions_ref(n: int, sample: int) -> torch.Tensor:
+    """The row positions below n whose keys a 1-in-``sample`` first histogram counts (``one_launch.sample_position``):
+    one of each run of ``sample``, at an offset from a multiplicative hash of the run's number."""
+    j = torch.arange((n + sample - 1) // sample, dtype=torch.int64)
+    h = (j * 0x9E3779B1) & 0xFFFFFFFF  # the kernel's wrapping int32 product, as unsigned bits
+    pos = j * sample + ((h >> (32 - (sample.bit_length() - 1))) & (sample - 1))
+    return pos[pos < n]

@@ -27,7 +27,7 @@ from hearth.kernels.topk.one_launch import (
     one_launch_topk_launch,
 )
 from hearth.kernels.topk.radix import NBINS
-from hearth.kernels.topk.reference import check_topk, fine_bin_ref, order_key_ref
+from hearth.kernels.topk.reference import check_topk, fine_bin_ref, order_key_ref, sample_positions_ref
 from tests.kernels.conftest import requires_cuda
 from tests.kernels.test_lightning_indexer import _filled_cache, _queries
 
@@ -211,17 +211,18 @@ def test_indexer_one_launch_next_n_2_reuses_its_workspace(kernel, device):
 
 
 def test_the_sampled_histogram_counts_every_sample_th_key_of_long_rows(device):
-    """Rows of at least sample_min * k keys: the bins of positions 0, 8, 16, ... whatever the programs and
-    blocks; shorter rows: every key."""
+    """Rows of at least sample_min * k keys: the bins of one key in every 8 (the torch twin's positions), whatever
+    the programs and blocks; shorter rows: every key. The offsets in the runs of 8 vary."""
     n, k = 3001, 40
     s = torch.randn(3, n, device=device) * 3
     lengths = torch.tensor([n, 8 * k - 1, 8 * k], dtype=torch.int32, device=device)
     ws = new_one_launch_workspace(3, one_launch_plan(k), device)
     fine_hist_launch(s, lengths, k, ws, block=256, sample=8, sample_min=8)
     bins = fine_bin_ref(order_key_ref(s.cpu())).long()
-    for r, (length, step) in enumerate([(n, 8), (8 * k - 1, 1), (8 * k, 8)]):
-        want = torch.bincount(bins[r, :length:step], minlength=NBINS)
+    for r, (length, sample) in enumerate([(n, 8), (8 * k - 1, 1), (8 * k, 8)]):
+        want = torch.bincount(bins[r, sample_positions_ref(length, sample)], minlength=NBINS)
         assert torch.equal(ws[r, :NBINS].cpu().long(), want), r
+    assert sample_positions_ref(n, 8).remainder(8).unique().numel() == 8
     for sample, block in ((3, 256), (32, 256)):
         with pytest.raises(ValueError, match="sample"):
             fine_hist_launch(s, lengths, k, ws, block=block, sample=sample)
@@ -229,17 +230,20 @@ def test_the_sampled_histogram_counts_every_sample_th_key_of_long_rows(device):
 
 def _rows_for_sampled_bands(n: int, k: int, sample: int, device) -> tuple[torch.Tensor, list[set[int]]]:
     """Rows whose sampled band holds the k-th largest (the usual finishing paths), and rows built to
-    fool a sample at positions 0, sample, 2 sample, ... (PATH_FULL: the whole row again, still exact)."""
+    fool the sample (its positions from the torch twin; PATH_FULL: the whole row again, still exact)."""
     pos = torch.arange(n, device=device)
     s = torch.randn(7, n, device=device)
     paths = [{PATH_SECOND}]  # a band of a few quarter-binade bins
-    s[1] = torch.exp(torch.randperm(n, device=device).float() * (8 / n))  # distinct, ~90 keys a quarter binade
-    paths.append({PATH_SECOND})
+    # distinct, ~90 keys a quarter binade: the band may span more than four bins (then no band digit)
+    s[1] = torch.exp(torch.randperm(n, device=device).float() * (8 / n))
+    paths.append({PATH_SECOND, PATH_SCRATCH})
     s[2] = torch.relu(s[2] - 2.5)  # the k-th largest is a 0 tied thousands of times
     paths.append({PATH_TAKE})
     s[3] = torch.exp(pos.float() * (8 / n))  # increasing with the position (recent tokens score higher)
-    paths.append({PATH_SECOND})
-    sampled = pos % sample == 0
+    paths.append({PATH_SECOND, PATH_SCRATCH})
+    sampled = torch.zeros(n, dtype=torch.bool)
+    sampled[sample_positions_ref(n, sample)] = True
+    sampled = sampled.to(device)
     s[4] = torch.where(sampled, -5.0, 5.0) + 0.01 * torch.randn(n, device=device)  # the sample: all low
     paths.append({PATH_FULL})
     # the sample spread thin over 30 binades (~17 keys a bin), the others far below: fewer than k keys in and
