@@ -60,7 +60,7 @@ def median_us(fn) -> float:
 
 
 def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], scans: list[int],
-        blocks: list[int], samples: list[int] = (1,)) -> list[dict]:
+        blocks: list[int], samples: list[int] = (1,), sigmas: list[float] = (6.0,)) -> list[dict]:
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     scores = torch.randn(rows, n, device=DEVICE, generator=g)
     if kind == "relu":
@@ -72,14 +72,15 @@ def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], sca
     t_hist = median_us(lambda: (fine_hist_launch(scores, lengths, K, ws), ws[:, :256].zero_()))
     t_zero = median_us(lambda: ws[:, :256].zero_())
     results = []
-    variants = [(p, w, sc, b, sa) for p in programs for w in warps for sc in scans for b in blocks for sa in samples]
-    for p, w, sc, b, sa in variants:
+    variants = [(p, w, sc, b, sa, sg) for p in programs for w in warps for sc in scans for b in blocks
+                for sa in samples for sg in (sigmas if sa > 1 else sigmas[:1])]
+    for p, w, sc, b, sa, sg in variants:
         per_row = p or _programs_per_row(rows, n, b, scores.device)
 
-        def both(per_row=per_row, w=w, sc=sc, b=b, sa=sa) -> None:
+        def both(per_row=per_row, w=w, sc=sc, b=b, sa=sa, sg=sg) -> None:
             fine_hist_launch(scores, lengths, K, ws, sample=sa)
             one_launch_topk_launch(scores, lengths, out, ws, plan, programs=per_row, num_warps=w or None, scan=sc,
-                                   block=b, sample=sa)
+                                   block=b, sample=sa, sample_sigmas=sg)
 
         both()
         check_topk(out, scores, lengths, K)
@@ -89,9 +90,10 @@ def run(kind: str, rows: int, n: int, programs: list[int], warps: list[int], sca
         paths = sorted(set(ws[:, HEADER + PATH].tolist()))  # the finishing paths of the last call
         select = t - (t_hist - t_zero)
         results.append(dict(kind=kind, rows=rows, n=n, programs_per_row=per_row, default=p == 0, warps=w,
-                            scan=sc, block=b, sample=sa, paths=paths, hist_plus_select_us=t, select_us=select))
+                            scan=sc, block=b, sample=sa, sigmas=sg, paths=paths, hist_plus_select_us=t,
+                            select_us=select))
         print(f"{kind:5s} {rows:3d} x {n:6d}  programs/row {per_row:4d}{' (default)' if p == 0 else '':10s} "
-              f"warps {w:2d} scan {sc} block {b:4d} sample {sa}: histogram + select {t:7.1f} us, select "
+              f"warps {w:2d} scan {sc} block {b:4d} sample {sa} sigmas {sg:g}: histogram + select {t:7.1f} us, select "
               f"~{select:7.1f} us (exact histogram), paths {paths}", flush=True)
     best = min(results, key=lambda r: r["hist_plus_select_us"])
     base = next((r for r in results if r["default"] and r["warps"] == warps[0] and r["scan"] == scans[0]
@@ -143,6 +145,7 @@ def main() -> None:
     ap.add_argument("--hist-blocks", type=int, nargs="*", default=[],
                     help="also time the first histogram alone at these block sizes (prefetch on / off, 8 / 4 warps;"
                     " 0: the default block)")
+    ap.add_argument("--sigmas", type=float, nargs="+", default=[6.0], help="sampled bands' half-widths (sample > 1)")
     ap.add_argument("--samples", type=int, nargs="+", default=[1],
                     help="first histograms from every sample-th key (1: every key; rows of >= 32 k keys only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -151,7 +154,8 @@ def main() -> None:
         hist = [r for rows in args.rows for r in hist_variants(rows, args.n, args.hist_blocks, args.samples)]
         Path(args.out, "one_launch_hist.json").write_text(json.dumps(hist, indent=1))
     results = [r for kind in args.kinds for rows in args.rows
-               for r in run(kind, rows, args.n, args.programs, args.warps, args.scans, args.blocks, args.samples)]
+               for r in run(kind, rows, args.n, args.programs, args.warps, args.scans, args.blocks, args.samples,
+                            args.sigmas)]
     Path(args.out, "one_launch_programs.json").write_text(json.dumps(results, indent=1))
 
 

@@ -129,7 +129,7 @@ def one_launch_report(config: dict, arch: int = 90) -> Report:
     plan = one_launch.one_launch_plan(2048)
     constexprs = dict(CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0, BLOCK=1024, RANK_BLOCK=one_launch.RANK_BLOCK,
                       NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, SCAN=one_launch.SCAN, SAMPLE=one_launch.HIST_SAMPLE,
-                      SAMPLE_MIN=one_launch.SAMPLE_MIN_PER_K) | config
+                      SAMPLE_MIN=one_launch.SAMPLE_MIN_PER_K, SIGMAS=float(one_launch.SAMPLE_SIGMAS)) | config
     signature = {"x_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "ws_ptr": "*i32", "map_ptr": "*i32",
                  "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "K": "i32/16", "SEG": "i32/16"}
     return compile_report(one_launch._topk_one_launch_kernel, signature, constexprs, num_warps, num_stages, arch)

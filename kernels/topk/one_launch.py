@@ -91,7 +91,7 @@ SAMPLE_SLACK = 8
 _HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
 _N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in range(6))
 _PATH_TAKE, _PATH_SECOND, _PATH_SCRATCH, _PATH_ROW, _PATH_FULL = (tl.constexpr(v) for v in (1, 2, 3, 4, 5))
-_SAMPLE_SIGMAS, _SAMPLE_SLACK = tl.constexpr(SAMPLE_SIGMAS), tl.constexpr(SAMPLE_SLACK)
+_SAMPLE_SLACK = tl.constexpr(SAMPLE_SLACK)
 _INT_MIN, _INT_MAX = tl.constexpr(INT_MIN), tl.constexpr(INT_MAX)
 
 
@@ -134,14 +134,14 @@ def _sampled_row(n_len, K, SAMPLE: tl.constexpr, SAMPLE_MIN: tl.constexpr):
 
 
 @triton.jit
-def _band(b_hist, K, n_len, SAMPLE: tl.constexpr, SAMPLE_MIN: tl.constexpr, NBINS: tl.constexpr):
+def _band(b_hist, K, n_len, SAMPLE: tl.constexpr, SAMPLE_MIN: tl.constexpr, SIGMAS: tl.constexpr, NBINS: tl.constexpr):
     """Bins [lo, hi] that hold the row's k-th largest key: with an exact histogram the one bin that does; with a
     sampled one the bins from the (k_s + m)-th to the (k_s - m)-th largest sampled key, k_s = k / SAMPLE and m
-    SAMPLE_SIGMAS standard deviations of the sample's count plus a slack. Keys above hi are in the top-k, keys
+    SIGMAS standard deviations of the sample's count plus a slack. Keys above hi are in the top-k, keys
     below lo are not; the select counts how many lie above and inside, and the finish checks the band."""
     if _sampled_row(n_len, K, SAMPLE, SAMPLE_MIN):
         k_s = (K + SAMPLE - 1) // SAMPLE
-        m = (tl.sqrt(k_s.to(tl.float32)) * _SAMPLE_SIGMAS).to(tl.int32) + _SAMPLE_SLACK
+        m = (tl.sqrt(k_s.to(tl.float32)) * SIGMAS).to(tl.int32) + _SAMPLE_SLACK
         hi, _ = pick_bin(b_hist, tl.maximum(k_s - m, 1), NBINS)
         lo, _ = pick_bin(b_hist, k_s + m, NBINS)
         hi = tl.maximum(hi, 0)
@@ -527,6 +527,7 @@ def _topk_one_launch_kernel(
     SCAN: tl.constexpr,
     SAMPLE: tl.constexpr,
     SAMPLE_MIN: tl.constexpr,
+    SIGMAS: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -544,7 +545,7 @@ def _topk_one_launch_kernel(
                 tl.store(p_out + o_t, tl.where(m_v, _position(o_t, m_v, map_ptr, MAP_PAGE), -1), mask=o_t < K)
             tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     else:
-        lo, hi = _band(tl.load(p_ws + o_b), K, n_len, SAMPLE, SAMPLE_MIN, NBINS)
+        lo, hi = _band(tl.load(p_ws + o_b), K, n_len, SAMPLE, SAMPLE_MIN, SIGMAS, NBINS)
         i_start = i_s * SEG
         if i_start < n_len:
             p_x = x_ptr + i_r.to(tl.int64) * stride_x
@@ -730,6 +731,7 @@ def one_launch_topk_launch(
     scan: int = SCAN,
     sample: int = 1,
     sample_min: int = SAMPLE_MIN_PER_K,
+    sample_sigmas: float = SAMPLE_SIGMAS,
 ) -> None:
     """The selection launch on validated scores / lengths / out whose first histograms are already in
     the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
@@ -737,7 +739,8 @@ def one_launch_topk_launch(
     pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
     launch fewer). num_warps: default ``_select_warps`` of the programs' slice. scan: how a program streams
     its slice (``_scan_slice``'s SCAN 0 / 1 / 2). sample / sample_min: what `fine_hist_launch` was given (1:
-    an exact histogram, as the fused indexer's); any histogram gives exact results, a misjudged one slowly."""
+    an exact histogram, as the fused indexer's); any histogram gives exact results, a misjudged one slowly.
+    sample_sigmas: the band's half-width in standard deviations of the sample's count (`_band`)."""
     n_rows, n_cols = scores.shape
     check_workspace(workspace, n_rows, plan, scores.device)
     require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
@@ -770,6 +773,7 @@ def one_launch_topk_launch(
         SCAN=scan,
         SAMPLE=sample,
         SAMPLE_MIN=sample_min,
+        SIGMAS=float(sample_sigmas),
         num_warps=num_warps or _select_warps(seg, block),
     )
 
