@@ -158,7 +158,7 @@ def _band_bits(lo, hi):
     keys have no common second digit: wider than four bins, or a clamped edge bin in it."""
     width = hi - lo + 1
     bits = tl.where(width == 1, 0, tl.where(width <= 2, 1, tl.where(width <= 4, 2, -1)))
-    inner = (lo % 128 != 0) & (hi % 128 != 127) & (lo // 128 == hi // 128)
+    inner = _shares_prefix(lo) & _shares_prefix(hi) & (lo // 128 == hi // 128)
     return tl.where(inner, bits, -1)
 
 
@@ -581,42 +581,36 @@ def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS
     i_s = tl.program_id(1)
     n_len = tl.load(len_ptr + i_r)
     i_start = i_s * SEG
-    if (n_len > K) & (i_start < n_len) & _sampled_row(n_len, K, SAMPLE, SAMPLE_MIN):
-        # one key of every SAMPLE (`sample_position`), BLOCK positions a step (SEG is a multiple of BLOCK, so the
-        # row's sample is the same whatever the programs)
+    if (n_len > K) & (i_start < n_len):
         o_b = tl.arange(0, NBINS)
-        o_k = tl.arange(0, BLOCK // SAMPLE)
         i_end = tl.minimum(i_start + SEG, n_len)
         p_x = x_ptr + i_r.to(tl.int64) * stride_x
         b_hist = tl.zeros([NBINS], dtype=tl.int32)
         n_skip = 0
-        for i0 in range(i_start, i_end, BLOCK):
-            o_t = sample_position(i0 // SAMPLE + o_k, SAMPLE, LOG2_SAMPLE)
-            m_t = o_t < i_end
-            b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
-            b_hist += tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
-            n_skip += tl.sum((~m_t).to(tl.int32), 0)
-        b_hist -= tl.where(o_b == 0, n_skip, 0)
-        tl.atomic_add(ws_ptr + i_r.to(tl.int64) * stride_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
-    elif (n_len > K) & (i_start < n_len):
-        o_b = tl.arange(0, NBINS)
-        o_k = tl.arange(0, BLOCK)
-        i_end = tl.minimum(i_start + SEG, n_len)
-        p_x = x_ptr + i_r.to(tl.int64) * stride_x
-        b_hist = tl.zeros([NBINS], dtype=tl.int32)
-        n_skip = 0
-        if PREFETCH:  # the next block's keys in flight while this one is binned
-            b_x = tl.load(p_x + i_start + o_k, mask=i_start + o_k < i_end, other=0.0)
-        for i0 in range(i_start, i_end, BLOCK):
-            o_t = i0 + o_k
-            m_t = o_t < i_end
-            if PREFETCH:
-                b_key = float_order_key(b_x)
-                b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
-            else:
+        if _sampled_row(n_len, K, SAMPLE, SAMPLE_MIN):
+            # one key of every SAMPLE (`sample_position`), BLOCK positions a step (SEG is a multiple of BLOCK, so
+            # the row's sample is the same whatever the programs)
+            o_j = tl.arange(0, BLOCK // SAMPLE)
+            for i0 in range(i_start, i_end, BLOCK):
+                o_t = sample_position(i0 // SAMPLE + o_j, SAMPLE, LOG2_SAMPLE)
+                m_t = o_t < i_end
                 b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
-            b_hist += tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
-            n_skip += tl.sum((~m_t).to(tl.int32), 0)
+                b_hist += tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
+                n_skip += tl.sum((~m_t).to(tl.int32), 0)
+        else:
+            o_k = tl.arange(0, BLOCK)
+            if PREFETCH:  # the next block's keys in flight while this one is binned
+                b_x = tl.load(p_x + i_start + o_k, mask=i_start + o_k < i_end, other=0.0)
+            for i0 in range(i_start, i_end, BLOCK):
+                o_t = i0 + o_k
+                m_t = o_t < i_end
+                if PREFETCH:
+                    b_key = float_order_key(b_x)
+                    b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
+                else:
+                    b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
+                b_hist += tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
+                n_skip += tl.sum((~m_t).to(tl.int32), 0)
         b_hist -= tl.where(o_b == 0, n_skip, 0)
         tl.atomic_add(ws_ptr + i_r.to(tl.int64) * stride_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
 
