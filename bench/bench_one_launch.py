@@ -147,7 +147,7 @@ def main() -> None:
                     " 0: the default block)")
     ap.add_argument("--sigmas", type=float, nargs="+", default=[6.0], help="sampled bands' half-widths (sample > 1)")
     ap.add_argument("--samples", type=int, nargs="+", default=[1],
-                    help="first histograms from every sample-th key (1: every key; rows of >= 32 k keys only)")
+                    help="first histograms from one key in every sample (1: every key; rows of >= 32 k keys only)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.hist_blocks:

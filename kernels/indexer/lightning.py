@@ -433,7 +433,7 @@ def indexer_decode_topk(
     (True) or a separate launch reads the logits for it (False). Default: fused for "one_launch" (its
     design), separate for "radix" (the fused radix histogram measured slower on the H200 with Triton
     3.6's tl.histogram); "sampled" has none. hist_sample: with the separate histogram of "one_launch", count
-    every hist_sample-th key of long rows (`fine_hist_launch`; default `HIST_SAMPLE`)."""
+    one key in every hist_sample of long rows (`fine_hist_launch`; default `HIST_SAMPLE`)."""
     require(topk in ("auto", "radix", "sampled", "one_launch"),
             f"topk must be auto, radix, sampled or one_launch, got {topk!r}")
     require(topk != "sampled" or not fuse_hist, "fuse_hist: the sampled select has no histogram to fuse")

@@ -795,7 +795,7 @@ def topk_indices_one_launch(
     reused across calls (else one is allocated per call); capacity / programs / block: the survivor
     buffer, programs per row and keys per step (default: the histogram's `_hist_block`, 1024 for the select;
     tests use them to force every path); scan: how a program
-    streams its slice (`_scan_slice`); sample / sample_min: the first histogram counts every sample-th key of
+    streams its slice (`_scan_slice`); sample / sample_min: the first histogram counts one key in every sample of
     rows of at least sample_min * k keys (`fine_hist_launch`)."""
     out = checked_output(scores, lengths, k, out)
     plan = one_launch_plan(k, capacity=capacity)
