@@ -43,7 +43,7 @@ from hearth.kernels.indexer.reference import gather_request_keys, indexer_logits
 from hearth.kernels.sparse_mla import quantize_latent_fp8, sparse_mla_decode, sparse_mla_prefill
 from hearth.kernels.sparse_mla.reference import sparse_mla_ref
 from hearth.kernels.topk import topk_indices, topk_indices_one_launch
-from hearth.kernels.topk.one_launch import HEADER, PATH, new_one_launch_workspace, one_launch_plan
+from hearth.kernels.topk.one_launch import HEADER, PATH, SAMPLE_SIGMAS, new_one_launch_workspace, one_launch_plan
 from hearth.kernels.topk.reference import check_topk
 from hearth.kernels.topk.sampled import new_sampled_workspace, sampled_plan, sampled_topk_launch
 
@@ -54,6 +54,7 @@ K = 2048
 ROWS: list[dict] = []
 RATIOS: list[dict] = []  # decode sparse MLA: FP8 cache TFLOP/s over bf16 cache TFLOP/s, per batch
 IDX_RATIOS: list[dict] = []  # decode indexer logits: the persistent kernel against the tiled one, per shape
+HIST_SIGMAS: list[float] = [SAMPLE_SIGMAS]  # the sampled first histogram's band half-widths (--hist-sigmas)
 TOPK_RATIOS: list[dict] = []  # decode top-k: the one-launch select against the radix select, per shape
 DEVICE = "cuda"
 
@@ -247,14 +248,27 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
     t_sep = bench(separate, graph=True)
     emit("decode indexer+topk (one launch, separate histogram)", shape, t_sep, t_base, nbytes=batch * ctx_len * 132)
 
-    def sampled_hist():  # the same with a 1-in-8 first histogram (rows of >= 32 k keys; others count every key)
-        return indexer_decode_topk(q, w, cache, table, ctx, BS, k, topk="one_launch", fuse_hist=False,
-                                   topk_workspace=ws, hist_sample=8)
-
-    check_topk(sampled_hist()[:, 0], logits, lengths, k)
-    t_smp = bench(sampled_hist, graph=True)
-    emit("decode indexer+topk (one launch, 1-in-8 histogram)", shape, t_smp, t_base, nbytes=batch * ctx_len * 132)
     out = torch.empty(batch, k, dtype=torch.int32, device=q.device)
+    sampled = {}  # sigmas -> (indexer + top-k s, top-k alone s, paths)
+    for sigmas in HIST_SIGMAS:
+        def sampled_hist(sigmas=sigmas):  # a 1-in-8 first histogram (rows of >= 32 k keys; others count every key)
+            return indexer_decode_topk(q, w, cache, table, ctx, BS, k, topk="one_launch", fuse_hist=False,
+                                       topk_workspace=ws, hist_sample=8, hist_sigmas=sigmas)
+
+        check_topk(sampled_hist()[:, 0], logits, lengths, k)
+        s_paths = ws[:, HEADER + PATH].tolist()
+        t_smp = bench(sampled_hist, graph=True)
+        emit(f"decode indexer+topk (one launch, 1-in-8 histogram, band {sigmas:g} sigmas)", shape, t_smp, t_base,
+             nbytes=batch * ctx_len * 132)
+        t_smp_topk = bench(lambda sigmas=sigmas: topk_indices_one_launch(
+            logits, lengths, k, out=out, workspace=ws, sample=8, sample_sigmas=sigmas), graph=True)
+        check_topk(out, logits, lengths, k)
+        emit(f"decode topk only (one launch, 1-in-8 histogram, band {sigmas:g} sigmas)", f"{batch}x{ctx_len}",
+             t_smp_topk, t_tt, nbytes=batch * ctx_len * 4)
+        sampled[sigmas] = (t_smp, t_smp_topk, {p: s_paths.count(p) for p in sorted(set(s_paths))})
+        print(f"    1-in-8 histogram, band {sigmas:g} sigmas: indexer+topk {t_smp * 1e6:.1f} us, topk only "
+              f"{t_smp_topk * 1e6:.1f} us, paths {sampled[sigmas][2]}", flush=True)
+    t_smp = sampled[HIST_SIGMAS[0]][0]
     t_topk = bench(lambda: topk_indices_one_launch(logits, lengths, k, out=out, workspace=ws), graph=True)
     emit("decode topk only (one launch)", f"{batch}x{ctx_len}", t_topk, t_tt, nbytes=batch * ctx_len * 4)
     check_topk(out, logits, lengths, k)
@@ -272,6 +286,8 @@ def decode_one_launch(q, w, cache, table, ctx, k, shape, logits, lengths, t_base
             one_launch_topk_us=t_topk * 1e6,
             topk_speedup=radix_us["topk"] / t_topk,
             paths={p: paths.count(p) for p in sorted(set(paths))},
+            sampled={str(sg): dict(indexer_topk_us=v[0] * 1e6, topk_us=v[1] * 1e6, paths=v[2])
+                     for sg, v in sampled.items()},
         )
     )
     print(
@@ -496,6 +512,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
     ap.add_argument("--only", default="decode_indexer,decode_mla,prefill", help="also prefill_mla: its sparse MLA only")
     ap.add_argument("--mla-batches", default="1,8,64", help="decode sparse MLA batch sizes")
+    ap.add_argument("--hist-sigmas", type=float, nargs="+", default=[SAMPLE_SIGMAS],
+                    help="half-widths of the 1-in-8 histogram's band, in standard deviations (one row each)")
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -503,6 +521,7 @@ def main() -> None:
         "TRITON_INTERPRET=1, checks only",
     )
     args = ap.parse_args()
+    HIST_SIGMAS[:] = args.hist_sigmas
     only = set(args.only.split(","))
     if args.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":

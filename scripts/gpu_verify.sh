@@ -13,7 +13,9 @@
 #   `o2g` (~2.5 min: auto's runahead gate on skewed small-cache rows), `k2t` (~8 min: the one-launch top-k's scan and
 #   histogram variants, the decode indexer + top-k rows), `k2m` (~7 min: the warm-up tests, sparse MLA's deeper
 #   prefetch swept at decode batch 64 and in prefill), `k2s` (~9 min: the one-launch top-k's 1-in-8 first histogram,
-#   its tests and rows beside the exact one). E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
+#   its tests and rows beside the exact one), `k2z` (~9 min: fine_bin's zero bins, the ReLU rows, narrower sampled bands), `k2b` (~5 min: the
+#   indexer + top-k rows by the sampled band's width).
+#   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
 set -uo pipefail
@@ -84,6 +86,18 @@ for step in "${steps[@]}"; do
             --hist-blocks 0 --kinds randn relu --out "$OUT/l" > "$OUT/one-launch-sample.log" 2>&1
         grep -E "hist|sample" "$OUT/one-launch-sample.log" | tail -20
         timeout 200 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
+        grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12 ;;
+    k2z)  # fine_bin's bins of zeros alone: the top-k and indexer tests, the ReLU rows, narrower sampled bands, the indexer rows
+        gpu_tests 240 tests/kernels/test_topk_one_launch.py tests/kernels/test_topk.py tests/kernels/test_lightning_indexer.py
+        timeout 240 python3 bench/bench_one_launch.py --rows 1 8 64 --programs 0 --warps 0 --scans 1 --samples 1 2 4 8 \
+            --sigmas 6 4 3 --hist-blocks 0 --kinds randn relu --out "$OUT/l" > "$OUT/one-launch-band.log" 2>&1
+        tail -45 "$OUT/one-launch-band.log"
+        timeout 200 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
+        grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12 ;;
+    k2b)  # the decode indexer + top-k rows with the 1-in-8 histogram's band at 6, 4 and 3 sigmas (paths per row)
+        timeout 420 python3 bench/bench_dsa.py --only decode_indexer --hist-sigmas 6 4 3 --out "$OUT/l" \
+            > "$OUT/dsa-indexer.log" 2>&1
+        grep -E "1-in-8 histogram, band" "$OUT/dsa-indexer.log" | tail -30
         grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12 ;;
     kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
         timeout 300 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1

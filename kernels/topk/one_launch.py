@@ -29,13 +29,14 @@ finish the selection: grid (rows, splits), about two programs per SM in all.
      cutoff bin; always exact, only slower (hundreds of µs at 128K; PATH_ROW).
    The path word in the header records the case of each row (tests and the bench read it).
 
-The first digit (`fine_bin`) is not the radix select's top byte (sign and 7 exponent bits, a bin spans
-two binades: at 128K and k = 2048 a Gaussian row leaves up to ~28% of the row in the cutoff bin) but
-the key's sign, exponent and two mantissa bits clamped to a 32-binade window around 1 (like the top byte
-of an fp16): quarter-binade bins for |x| in [1.25 * 2^-16, 1.75 * 2^15), two edge bins per sign for the rest (0 and
--inf included). The same histogram cost (256 bins), ~1-2% of a Gaussian 128K row in the cutoff bin. The
-map is monotone in the key, so every bin is a key range and the selection stays exact for any scores;
-scores far outside the window only crowd the edge bins (slower paths, same result).
+The first digit (`fine_bin`) is not the radix select's top byte (sign and 7 exponent bits, a bin spans two
+binades: at 128K and k = 2048 a Gaussian row leaves up to ~28% of the row in the cutoff bin) but the key's
+sign, exponent and two mantissa bits clamped to a 32-binade window around 1 (like the top byte of an fp16):
+quarter-binade bins for |x| in [1.5 * 2^-16, 1.75 * 2^15), and per sign a bin for the zero alone, one for the
+tiny magnitudes (with the window's lowest quarter binade) and one for the large (infinities included). The
+same histogram cost (256 bins), ~1-2% of a Gaussian 128K row in the cutoff bin. The map is monotone in the
+key, so every bin is a key range and the selection stays exact for any scores; scores far outside the window
+only crowd the edge bins (slower paths, same result).
 
 Output contract as `radix.topk_indices`: the indices of k largest entries, unsorted, ties at the k-th
 value broken arbitrarily; rows with L <= k give 0..L-1 then -1. No host sync; CUDA-graph capturable
@@ -81,11 +82,19 @@ HIST_PREFETCH = False
 # tl.histogram's 256 bins cost ~80 instructions a key (8 ballots and 8 bins a lane of AND / popc), which
 # bounds the histogram launch at many long rows (64 x 128K: 42 us, the keys' bytes need ~7); a sample picks a
 # band of bins around the k-th largest instead of one bin, and the select counts exactly (`_band`).
-HIST_SAMPLE = 1
+# H200, 2026-12-03 (eleventh session; bench_one_launch.py --samples 1 2 4 8 --sigmas 6 4 3 and bench_dsa.py
+# --hist-sigmas 6 4 3), histogram + select of randn rows of 128K, exact / 1 in 8 at 4 sigmas, us: 1 row 16.9 / 16.7,
+# 8 rows 31.3 / 27.9, 64 rows 154.3 / 125.9; on the decode indexer's logits (top-k alone) 1 x 128K 13.0 / 14.9,
+# 8 x 128K 29.2 / 28.6, 64 x 128K 150.0 / 124.2. A row's histogram is cheap and its finish is the tail at few rows,
+# so the top-level calls (`default_sample`) sample only from SAMPLE_MIN_WORK (row, key) pairs in all.
+HIST_SAMPLE = 8
 SAMPLE_MIN_PER_K = 32
+SAMPLE_MIN_WORK = 1 << 20
 # The band's half-width in sampled keys: SAMPLE_SIGMAS standard deviations of the sample's count above the
-# k-th largest (about sqrt(k / sample)) plus SAMPLE_SLACK.
-SAMPLE_SIGMAS = 6
+# k-th largest (about sqrt(k / sample)) plus SAMPLE_SLACK. 6, 4 and 3 timed alike within 3% but for 64 x 128K
+# randn rows (129.6 / 125.9 / 121.3 us); below 4 a row's band misses (PATH_FULL: the row again, ~1 ms) often
+# enough to show at 64 rows a step.
+SAMPLE_SIGMAS = 4
 SAMPLE_SLACK = 8
 # the same numbers for the kernels (Triton reads module globals only when they are tl.constexpr)
 _HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
@@ -98,18 +107,22 @@ _INT_MIN, _INT_MAX = tl.constexpr(INT_MIN), tl.constexpr(INT_MAX)
 @triton.jit
 def fine_bin(b_key):
     """First digit (0..255) of an order key, monotone in the key: the sign, exponent and two mantissa
-    bits (u, a signed quarter-binade index) with the magnitude clamped to a 32-binade window. Bins 1..126
-    and 129..254 hold one quarter binade each (their keys share their top 11 bits); 0, 127, 128 and 255
-    are the clamped edges (-inf and very negative, -0 and tiny negative, +0 and tiny positive, large)."""
+    bits (u, a signed quarter-binade index) with the magnitude clamped to a 32-binade window. Bins 1..125
+    and 130..254 hold one quarter binade each (their keys share their top 11 bits); 127 and 128 hold only
+    -0 and +0 (a ReLU row's thousands of zeros then make a bin of equal keys, taken whole, even beside a
+    few tiny positives); 126 and 129 the window's lowest quarter binade with the tiny magnitudes below it;
+    0 and 255 the large magnitudes (-inf and +inf included)."""
     u = b_key >> 21
-    mag = tl.minimum(tl.maximum(tl.where(u >= 0, u, -1 - u) - _FINE_LO, 0), 127)
+    mag = tl.minimum(tl.maximum(tl.where(u >= 0, u, -1 - u) - _FINE_LO, 1), 127)
+    mag = tl.where((b_key == 0) | (b_key == -1), 0, mag)  # the order keys of +0 and -0
     return tl.where(u >= 0, 128 + mag, 127 - mag)
 
 
 @triton.jit
 def _shares_prefix(i_bin):
-    """Whether the keys of bin i_bin share their top 11 bits (not a clamped edge bin)."""
-    return (i_bin % 128 != 0) & (i_bin % 128 != 127)
+    """Whether the keys of bin i_bin share their top 11 bits (one quarter binade, not an edge bin)."""
+    mag = tl.where(i_bin >= 128, i_bin - 128, 127 - i_bin)
+    return (mag > 1) & (mag < 127)
 
 
 @triton.jit
@@ -688,7 +701,7 @@ def fine_hist_launch(
     block: int | None = None,
     prefetch: bool = HIST_PREFETCH,
     num_warps: int = 8,
-    sample: int = HIST_SAMPLE,
+    sample: int = 1,
     sample_min: int = SAMPLE_MIN_PER_K,
 ) -> None:
     """Add each row's `fine_bin` histogram (rows longer than k) to the workspace: what a fused decode
@@ -704,6 +717,13 @@ def fine_hist_launch(
         PREFETCH=prefetch, SAMPLE=sample, LOG2_SAMPLE=sample.bit_length() - 1, SAMPLE_MIN=sample_min,
         num_warps=num_warps,
     )  # fmt: skip
+
+
+def default_sample(n_rows: int, n_cols: int) -> int:
+    """The first histogram's sample for these scores when the caller names none: `HIST_SAMPLE` from
+    `SAMPLE_MIN_WORK` (row, key) pairs, else every key (the kernels further count every key of rows shorter
+    than `SAMPLE_MIN_PER_K` * k)."""
+    return HIST_SAMPLE if n_rows * n_cols >= SAMPLE_MIN_WORK else 1
 
 
 def _check_sample(sample: int, block: int) -> None:
@@ -783,8 +803,9 @@ def topk_indices_one_launch(
     programs: int | None = None,
     block: int | None = None,
     scan: int = SCAN,
-    sample: int = HIST_SAMPLE,
+    sample: int | None = None,
     sample_min: int = SAMPLE_MIN_PER_K,
+    sample_sigmas: float = SAMPLE_SIGMAS,
 ) -> torch.Tensor:
     """Exact top-k indices per row, unsorted: the first histogram (`fine_hist_launch`) and the
     one-launch selection, two launches (after the fused indexer only the second runs).
@@ -794,9 +815,10 @@ def topk_indices_one_launch(
     then -1). workspace: from `new_one_launch_workspace(R, one_launch_plan(k, capacity=capacity))`,
     reused across calls (else one is allocated per call); capacity / programs / block: the survivor
     buffer, programs per row and keys per step (default: the histogram's `_hist_block`, 1024 for the select;
-    tests use them to force every path); scan: how a program
-    streams its slice (`_scan_slice`); sample / sample_min: the first histogram counts one key in every sample of
-    rows of at least sample_min * k keys (`fine_hist_launch`)."""
+    tests use them to force every path); scan: how a program streams its slice (`_scan_slice`); sample /
+    sample_min: the first histogram counts one key in every sample of rows of at least sample_min * k keys
+    (`fine_hist_launch`; default `default_sample`), and the select's band around the k-th largest is
+    sample_sigmas standard deviations of the sample's count wide on either side (`_band`)."""
     out = checked_output(scores, lengths, k, out)
     plan = one_launch_plan(k, capacity=capacity)
     if out.shape[0] == 0:
@@ -804,9 +826,10 @@ def topk_indices_one_launch(
     if workspace is None:
         workspace = new_one_launch_workspace(out.shape[0], plan, scores.device)
     check_workspace(workspace, out.shape[0], plan, scores.device)
+    sample = default_sample(*scores.shape) if sample is None else sample
     fine_hist_launch(scores, lengths, k, workspace, block=block, sample=sample, sample_min=sample_min)
     one_launch_topk_launch(scores, lengths, out, workspace, plan, programs=programs, block=block or 1024, scan=scan,
-                           sample=sample, sample_min=sample_min)
+                           sample=sample, sample_min=sample_min, sample_sigmas=sample_sigmas)
     return out
 
 

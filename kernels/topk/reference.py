@@ -56,8 +56,15 @@ def order_key_ref(x: torch.Tensor) -> torch.Tensor:
 def fine_bin_ref(key: torch.Tensor) -> torch.Tensor:
     """Torch twin of the one-launch select's first digit `fine_bin` (of order keys)."""
     u = key >> 21
-    mag = (torch.where(u >= 0, u, -1 - u) - FINE_LO).clamp(0, 127)
+    mag = (torch.where(u >= 0, u, -1 - u) - FINE_LO).clamp(1, 127)
+    mag = torch.where((key == 0) | (key == -1), 0, mag)  # +0 and -0 alone
     return torch.where(u >= 0, 128 + mag, 127 - mag)
+
+
+def shares_prefix_ref(bins: torch.Tensor) -> torch.Tensor:
+    """Torch twin of `one_launch._shares_prefix`: whether a bin holds one quarter binade (not an edge bin)."""
+    mag = torch.where(bins >= 128, bins - 128, 127 - bins)
+    return (mag > 1) & (mag < 127)
 
 
 def sample_positions_ref(n: int, sample: int) -> torch.Tensor:

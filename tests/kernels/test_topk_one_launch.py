@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode
-from hearth.kernels.topk import topk_indices_one_launch
+from hearth.kernels.topk import one_launch, topk_indices_one_launch
 from hearth.kernels.topk.one_launch import (
     HEADER,
     HIST2,
@@ -27,7 +27,13 @@ from hearth.kernels.topk.one_launch import (
     one_launch_topk_launch,
 )
 from hearth.kernels.topk.radix import NBINS
-from hearth.kernels.topk.reference import check_topk, fine_bin_ref, order_key_ref, sample_positions_ref
+from hearth.kernels.topk.reference import (
+    check_topk,
+    fine_bin_ref,
+    order_key_ref,
+    sample_positions_ref,
+    shares_prefix_ref,
+)
 from tests.kernels.conftest import requires_cuda
 from tests.kernels.test_lightning_indexer import _filled_cache, _queries
 
@@ -51,9 +57,11 @@ def test_fine_bin_is_monotone_with_quarter_binades_inside_its_window(device):
     bins = fine_bin_ref(keys)
     assert bool((bins[1:] >= bins[:-1]).all()), "fine_bin must not decrease with the key"
     assert bins.min() == 0 and bins.max() == 255
-    inner = (bins % 128 != 0) & (bins % 128 != 127)
+    inner = shares_prefix_ref(bins)
     for b in bins[inner].unique():
         assert (keys[bins == b] >> 21).unique().numel() == 1, f"bin {int(b)} spans more than a quarter binade"
+    assert torch.equal(bins[(bins == 127) | (bins == 128)], fine_bin_ref(order_key_ref(torch.tensor([-0.0, 0.0]))))
+    assert fine_bin_ref(order_key_ref(torch.tensor([-1e-30, 1e-30]))).tolist() == [126, 129], "zeros alone"
     one, half = fine_bin_ref(order_key_ref(torch.tensor([1.0, 0.5]))).tolist()
     assert one - half == 4  # four bins per binade
     scores = x[torch.randperm(x.numel())][None].to(device)
@@ -65,7 +73,7 @@ def test_fine_bin_is_monotone_with_quarter_binades_inside_its_window(device):
 
 def _rows_for_every_path(n: int, k: int, device) -> tuple[torch.Tensor, list[int]]:
     """Rows of n scores and the finishing path each takes with the default capacity (4 k)."""
-    s = torch.randn(7, n, device=device)
+    s = torch.randn(8, n, device=device)
     # n distinct scores 0.001 apart in [1, 4): the cutoff bin [3.5, 4) keeps ~500, two per sub-bin
     s[0] = 1.0 + 0.001 * torch.randperm(n, device=device).float()
     paths = [PATH_SECOND]
@@ -85,6 +93,9 @@ def _rows_for_every_path(n: int, k: int, device) -> tuple[torch.Tensor, list[int
     # 700 distinct keys one ulp apart: one sub-bin of the second digit, more than CAP2 = 512 of them
     s[6, 100:800] = (torch.arange(700, device=device, dtype=torch.int32) + 0x3F800000).view(torch.float32)
     paths.append(PATH_SCRATCH)
+    s[7] = torch.relu(s[7] - 2.5)
+    s[7, 5 : 5 + 3 * k : 30] = 1e-30  # a few tiny positives beside the zeros: those still make a bin of equal keys
+    paths.append(PATH_TAKE)
     return s, paths
 
 
@@ -143,9 +154,10 @@ def test_page_map_writes_token_positions_on_every_path(scan, device):
             assert sorted(mapped[0].tolist()) == sorted(want.tolist())
         _assert_clean(ws)
     with pytest.raises(ValueError, match="one row"):
-        one_launch_topk_launch(s, torch.full((7,), n, dtype=torch.int32, device=device),
-                               torch.empty(7, k, dtype=torch.int32, device=device),
-                               new_one_launch_workspace(7, plan, device), plan, page_map=(table, page))
+        rows = s.shape[0]
+        one_launch_topk_launch(s, torch.full((rows,), n, dtype=torch.int32, device=device),
+                               torch.empty(rows, k, dtype=torch.int32, device=device),
+                               new_one_launch_workspace(rows, plan, device), plan, page_map=(table, page))
 
 
 def test_sub_bin_path_matches_torch_topk(device):
@@ -254,6 +266,26 @@ def _rows_for_sampled_bands(n: int, k: int, sample: int, device) -> tuple[torch.
     s[6, 7 : 7 + 3 * k] = torch.rand(3 * k, device=device) * 1e-6  # the band reaches a clamped edge bin
     paths.append({PATH_SCRATCH, PATH_ROW})
     return s, paths
+
+
+def test_the_default_samples_only_many_long_rows(monkeypatch, device):
+    """Named no sample, the top-level call samples from SAMPLE_MIN_WORK (row, key) pairs (the histogram and the
+    select told the same) and counts every key below; either selects exactly."""
+    assert one_launch.default_sample(1, 131072) == 1 and one_launch.default_sample(8, 131072) == one_launch.HIST_SAMPLE
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["sample"])
+        return fine_hist_launch(*args, **kwargs)
+
+    monkeypatch.setattr(one_launch, "fine_hist_launch", spy)
+    n, k = 4099, 64  # rows of more than SAMPLE_MIN_PER_K * k keys: the kernels sample them when told to
+    s = torch.randn(2, n, device=device)
+    lengths = torch.full((2,), n, dtype=torch.int32, device=device)
+    for min_work, want in ((2 * n + 1, 1), (2 * n, one_launch.HIST_SAMPLE)):
+        monkeypatch.setattr(one_launch, "SAMPLE_MIN_WORK", min_work)
+        check_topk(topk_indices_one_launch(s, lengths, k, block=256), s, lengths, k)
+        assert seen[-1] == want
 
 
 @pytest.mark.parametrize("scan", [0, 1, 2])
