@@ -14,7 +14,8 @@
 #   histogram variants, the decode indexer + top-k rows), `k2m` (~7 min: the warm-up tests, sparse MLA's deeper
 #   prefetch swept at decode batch 64 and in prefill), `k2s` (~9 min: the one-launch top-k's 1-in-8 first histogram,
 #   its tests and rows beside the exact one), `k2z` (~9 min: fine_bin's zero bins, the ReLU rows, narrower sampled bands), `k2b` (~5 min: the
-#   indexer + top-k rows by the sampled band's width).
+#   indexer + top-k rows by the sampled band's width), `k2p` (~3 min: Nsight Compute on the one-launch select),
+#   `k2q` (~3 min: the select's packed sums and scans, tests and rows).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -99,6 +100,29 @@ for step in "${steps[@]}"; do
             > "$OUT/dsa-indexer.log" 2>&1
         grep -E "1-in-8 histogram, band" "$OUT/dsa-indexer.log" | tail -30
         grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12 ;;
+    k2q)  # the select's packed sums and scans: the one-launch tests, then the histogram + select rows (every one checked)
+        gpu_tests 150 tests/kernels/test_topk_one_launch.py
+        timeout 100 python3 bench/bench_one_launch.py --rows 1 8 64 --programs 0 --warps 0 --scans 1 --samples 1 8 \
+            --sigmas 4 --kinds randn relu --out "$OUT/l" > "$OUT/one-launch-packed.log" 2>&1
+        grep -E "^(randn|relu) .*sample" "$OUT/one-launch-packed.log" | tail -12 ;;
+    k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn
+        for rows in 64 1; do
+            timeout 150 /usr/local/cuda/bin/ncu --kernel-name regex:_topk_one_launch_kernel --launch-skip 4 --launch-count 1 \
+                --set full python3 -c "
+import torch
+from hearth.kernels.topk import topk_indices_one_launch
+from hearth.kernels.topk.one_launch import new_one_launch_workspace, one_launch_plan
+rows, n, k = $rows, 131072, 2048
+s = torch.randn(rows, n, device='cuda')
+lengths = torch.full((rows,), n, dtype=torch.int32, device='cuda')
+ws = new_one_launch_workspace(rows, one_launch_plan(k), s.device)
+out = torch.empty(rows, k, dtype=torch.int32, device='cuda')
+for _ in range(6):
+    topk_indices_one_launch(s, lengths, k, out=out, workspace=ws)
+torch.cuda.synchronize()" > "$OUT/ncu-select-$rows.txt" 2>&1
+            grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Eligible|Issued Warp|No Eligible|Stall|Compute \(SM\) Throughput|Memory Throughput|Block Size|Grid Size|Executed Ipc" \
+                "$OUT/ncu-select-$rows.txt" | head -30
+        done ;;
     kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
         timeout 300 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
         grep -A12 "decode top-k |" "$OUT/dsa-indexer.log" | tail -12

@@ -405,30 +405,43 @@ def _finish_row(
 
 
 @triton.jit
-def _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max, p_out, p_ws, p_map, K, CAP: tl.constexpr,
-                MAP_PAGE: tl.constexpr):
-    """Write one block's keys above band [lo, hi] to p_out[o_gt:] (the first K of the row: a sampled band may
-    have too many above it) and the band's (key, index) pairs to the scratch at o_eq (their band digits to
-    the second histogram where the band has them, bits >= 0); returns the block's counts and the band's
-    running min / max key."""
-    p_keys = p_ws + _SCRATCH
+def _split_block(b_key, m_t, lo, hi):
+    """A block's keys above band [lo, hi] and in it: the key's bin, both masks, and both flags packed in one
+    int32 (above in the low 16 bits, in the band in the high; a block holds fewer than 2^15 keys), so that one
+    sum counts and one scan places both kinds (a Triton sum or scan over a block is a round through shared
+    memory, and a scan ~200 instructions a thread at 1,024 keys and 4 warps)."""
     b_bin = fine_bin(b_key)
     m_gt = m_t & (b_bin > hi)
     m_eq = m_t & (b_bin >= lo) & (b_bin <= hi)
-    n_gt = tl.sum(m_gt.to(tl.int32), 0)
-    n_eq = tl.sum(m_eq.to(tl.int32), 0)
-    if n_gt > 0:
-        o_dst = o_gt + tl.cumsum(m_gt.to(tl.int32), 0) - 1
+    return b_bin, m_gt, m_eq, m_gt.to(tl.int32) | (m_eq.to(tl.int32) << 16)
+
+
+@triton.jit
+def _unpack(n_pack):
+    """(above, in band) of a packed count or rank (`_split_block`)."""
+    return n_pack & 0xFFFF, n_pack >> 16
+
+
+@triton.jit
+def _keep_block(b_key, b_bin, m_gt, m_eq, b_pack, n_pack, o_t, lo, bits, o_gt, o_eq, v_min, v_max, p_out, p_ws,
+                p_map, K, CAP: tl.constexpr, MAP_PAGE: tl.constexpr):
+    """Write one block's keys above the band to p_out[o_gt:] (the first K of the row: a sampled band may have
+    too many above it) and the band's (key, index) pairs to the scratch at o_eq (their band digits to the
+    second histogram where the band has them, bits >= 0), from `_split_block`'s masks and its packed flags
+    (n_pack: their sum); returns each lane's running min / max band key (reduced once per slice)."""
+    p_keys = p_ws + _SCRATCH
+    if n_pack > 0:
+        r_gt, r_eq = _unpack(tl.cumsum(b_pack, 0) - b_pack)  # each key's rank among the block's of its kind
+        o_dst = o_gt + r_gt
         tl.store(p_out + o_dst, _position(o_t, m_gt, p_map, MAP_PAGE), mask=m_gt & (o_dst < K))
-    if n_eq > 0:
-        o_dst = o_eq + tl.cumsum(m_eq.to(tl.int32), 0) - 1
+        o_dst = o_eq + r_eq
         tl.store(p_keys + o_dst, b_key, mask=m_eq & (o_dst < CAP))
         tl.store(p_keys + CAP + o_dst, _position(o_t, m_eq, p_map, MAP_PAGE), mask=m_eq & (o_dst < CAP))
         if bits >= 0:
             tl.atomic_add(p_ws + _HIST2 + _band_digit(b_key, b_bin, lo, bits), 1, mask=m_eq, sem="relaxed")
-        k_min = tl.minimum(k_min, tl.min(tl.where(m_eq, b_key, _INT_MAX), 0))
-        k_max = tl.maximum(k_max, tl.max(tl.where(m_eq, b_key, _INT_MIN), 0))
-    return n_gt, n_eq, k_min, k_max
+        v_min = tl.where(m_eq, tl.minimum(v_min, b_key), v_min)
+        v_max = tl.where(m_eq, tl.maximum(v_max, b_key), v_max)
+    return v_min, v_max
 
 
 @triton.jit
@@ -453,27 +466,28 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
     next block's keys loaded before this block's (one, packed) atomic. SCAN 2: two passes over the slice,
     the first only counting (independent loads, the next block prefetched), one packed atomic for the whole
     slice, the second writing at running offsets (no atomic but the second histogram's)."""
+    tl.static_assert(BLOCK < 32768, "a block's packed counts need fewer than 2^15 keys")
     p_hdr = p_ws + _HEADER
     bits = _band_bits(lo, hi)
-    k_min = _INT_MAX
-    k_max = _INT_MIN
     o_b = tl.arange(0, BLOCK)
+    v_min = tl.full([BLOCK], _INT_MAX, tl.int32)
+    v_max = tl.full([BLOCK], _INT_MIN, tl.int32)
     if SCAN == 0:
         for i0 in range(i_start, i_end, BLOCK):
             o_t = i0 + o_b
             m_t = o_t < i_end
             b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
-            b_bin = fine_bin(b_key)
-            n_gt = tl.sum((m_t & (b_bin > hi)).to(tl.int32), 0)
-            n_eq = tl.sum((m_t & (b_bin >= lo) & (b_bin <= hi)).to(tl.int32), 0)
+            b_bin, m_gt, m_eq, b_pack = _split_block(b_key, m_t, lo, hi)
+            n_pack = tl.sum(b_pack, 0)
+            n_gt, n_eq = _unpack(n_pack)
             o_gt = 0
             o_eq = 0
             if n_gt > 0:
                 o_gt = tl.atomic_add(p_hdr + _N_GT, n_gt, sem="relaxed")
             if n_eq > 0:
                 o_eq = tl.atomic_add(p_hdr + _N_SURV, n_eq, sem="relaxed")
-            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max, p_out,
-                                             p_ws, p_map, K, CAP, MAP_PAGE)
+            v_min, v_max = _keep_block(b_key, b_bin, m_gt, m_eq, b_pack, n_pack, o_t, lo, bits, o_gt, o_eq, v_min,
+                                       v_max, p_out, p_ws, p_map, K, CAP, MAP_PAGE)
     elif SCAN == 1:
         b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
         for i0 in range(i_start, i_end, BLOCK):
@@ -481,25 +495,26 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
             m_t = o_t < i_end
             b_key = float_order_key(b_x)
             b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)  # in flight over the atomic
-            b_bin = fine_bin(b_key)
-            n_gt = tl.sum((m_t & (b_bin > hi)).to(tl.int32), 0)
-            n_eq = tl.sum((m_t & (b_bin >= lo) & (b_bin <= hi)).to(tl.int32), 0)
+            b_bin, m_gt, m_eq, b_pack = _split_block(b_key, m_t, lo, hi)
+            n_pack = tl.sum(b_pack, 0)
             o_gt = 0
             o_eq = 0
-            if (n_gt > 0) | (n_eq > 0):
+            if n_pack > 0:
+                n_gt, n_eq = _unpack(n_pack)
                 o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
-            _, _, k_min, k_max = _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max, p_out,
-                                             p_ws, p_map, K, CAP, MAP_PAGE)
+            v_min, v_max = _keep_block(b_key, b_bin, m_gt, m_eq, b_pack, n_pack, o_t, lo, bits, o_gt, o_eq, v_min,
+                                       v_max, p_out, p_ws, p_map, K, CAP, MAP_PAGE)
     else:
         n_gt = 0
         n_eq = 0
         b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
         for i0 in range(i_start, i_end, BLOCK):
             o_t = i0 + o_b
-            b_bin = fine_bin(float_order_key(b_x))
+            _, _, _, b_pack = _split_block(float_order_key(b_x), o_t < i_end, lo, hi)
             b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
-            n_gt += tl.sum(((o_t < i_end) & (b_bin > hi)).to(tl.int32), 0)
-            n_eq += tl.sum(((o_t < i_end) & (b_bin >= lo) & (b_bin <= hi)).to(tl.int32), 0)
+            d_gt, d_eq = _unpack(tl.sum(b_pack, 0))
+            n_gt += d_gt
+            n_eq += d_eq
         if (n_gt > 0) | (n_eq > 0):
             o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
             b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
@@ -508,10 +523,15 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
                 m_t = o_t < i_end
                 b_key = float_order_key(b_x)
                 b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
-                d_gt, d_eq, k_min, k_max = _keep_block(b_key, o_t, m_t, lo, hi, bits, o_gt, o_eq, k_min, k_max,
-                                                       p_out, p_ws, p_map, K, CAP, MAP_PAGE)
+                b_bin, m_gt, m_eq, b_pack = _split_block(b_key, m_t, lo, hi)
+                n_pack = tl.sum(b_pack, 0)
+                v_min, v_max = _keep_block(b_key, b_bin, m_gt, m_eq, b_pack, n_pack, o_t, lo, bits, o_gt, o_eq,
+                                           v_min, v_max, p_out, p_ws, p_map, K, CAP, MAP_PAGE)
+                d_gt, d_eq = _unpack(n_pack)
                 o_gt += d_gt
                 o_eq += d_eq
+    k_min = tl.min(v_min, 0)
+    k_max = tl.max(v_max, 0)
     if k_min <= k_max:  # this slice had survivors
         tl.atomic_min(p_hdr + _KEY_MIN, k_min, sem="relaxed")
         tl.atomic_max(p_hdr + _KEY_MAX, k_max, sem="relaxed")
