@@ -414,7 +414,7 @@ def indexer_decode_topk(
     topk: Literal["auto", "radix", "sampled", "one_launch"] = "auto",
     topk_workspace: torch.Tensor | None = None,
     hist_sample: int | None = None,
-    hist_sigmas: float | None = None,
+    hist_sigmas: float = SAMPLE_SIGMAS,
 ) -> torch.Tensor:
     """Decode indexer + exact top-k: int32 [B, next_n, k] logical token positions, -1 padded.
 
@@ -436,7 +436,7 @@ def indexer_decode_topk(
     design), separate for "radix" (the fused radix histogram measured slower on the H200 with Triton
     3.6's tl.histogram); "sampled" has none. hist_sample: with the separate histogram of "one_launch", count
     one key in every hist_sample of long rows (`fine_hist_launch`; default `default_sample`), the select's band
-    hist_sigmas standard deviations of the sample's count wide either side (default `SAMPLE_SIGMAS`)."""
+    hist_sigmas standard deviations of the sample's count wide either side."""
     require(topk in ("auto", "radix", "sampled", "one_launch"),
             f"topk must be auto, radix, sampled or one_launch, got {topk!r}")
     require(topk != "sampled" or not fuse_hist, "fuse_hist: the sampled select has no histogram to fuse")
@@ -475,8 +475,7 @@ def indexer_decode_topk(
         sample = 1 if fuse_hist else hist_sample or default_sample(*logits.shape)  # the fused indexer counts all
         if not fuse_hist:
             fine_hist_launch(logits, lengths, k, ws, sample=sample)
-        one_launch_topk_launch(logits, lengths, out, ws, plan, sample=sample,
-                               sample_sigmas=SAMPLE_SIGMAS if hist_sigmas is None else hist_sigmas)
+        one_launch_topk_launch(logits, lengths, out, ws, plan, sample=sample, sample_sigmas=hist_sigmas)
     else:
         sampled = sampled_plan(logits.shape[1], k)
         if topk_workspace is None:

@@ -406,14 +406,15 @@ def _finish_row(
 
 @triton.jit
 def _split_block(b_key, m_t, lo, hi):
-    """A block's keys above band [lo, hi] and in it: the key's bin, both masks, and both flags packed in one
-    int32 (above in the low 16 bits, in the band in the high; a block holds fewer than 2^15 keys), so that one
-    sum counts and one scan places both kinds (a Triton sum or scan over a block is a round through shared
-    memory, and a scan ~200 instructions a thread at 1,024 keys and 4 warps)."""
+    """A block's keys above band [lo, hi] and in it: the key's bin, both masks, both flags packed in one int32
+    (above in the low 16 bits, in the band in the high; a block holds fewer than 2^15 keys) and their sum, so
+    that one sum counts and one scan places both kinds (a Triton sum or scan over a block is a round through
+    shared memory, and a scan ~200 instructions a thread at 1,024 keys and 4 warps)."""
     b_bin = fine_bin(b_key)
     m_gt = m_t & (b_bin > hi)
     m_eq = m_t & (b_bin >= lo) & (b_bin <= hi)
-    return b_bin, m_gt, m_eq, m_gt.to(tl.int32) | (m_eq.to(tl.int32) << 16)
+    b_pack = m_gt.to(tl.int32) | (m_eq.to(tl.int32) << 16)
+    return b_bin, m_gt, m_eq, b_pack, tl.sum(b_pack, 0)
 
 
 @triton.jit
@@ -477,8 +478,7 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
             o_t = i0 + o_b
             m_t = o_t < i_end
             b_key = float_order_key(tl.load(p_x + o_t, mask=m_t, other=0.0))
-            b_bin, m_gt, m_eq, b_pack = _split_block(b_key, m_t, lo, hi)
-            n_pack = tl.sum(b_pack, 0)
+            b_bin, m_gt, m_eq, b_pack, n_pack = _split_block(b_key, m_t, lo, hi)
             n_gt, n_eq = _unpack(n_pack)
             o_gt = 0
             o_eq = 0
@@ -495,8 +495,7 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
             m_t = o_t < i_end
             b_key = float_order_key(b_x)
             b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)  # in flight over the atomic
-            b_bin, m_gt, m_eq, b_pack = _split_block(b_key, m_t, lo, hi)
-            n_pack = tl.sum(b_pack, 0)
+            b_bin, m_gt, m_eq, b_pack, n_pack = _split_block(b_key, m_t, lo, hi)
             o_gt = 0
             o_eq = 0
             if n_pack > 0:
@@ -510,9 +509,9 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
         b_x = tl.load(p_x + i_start + o_b, mask=i_start + o_b < i_end, other=0.0)
         for i0 in range(i_start, i_end, BLOCK):
             o_t = i0 + o_b
-            _, _, _, b_pack = _split_block(float_order_key(b_x), o_t < i_end, lo, hi)
+            n_pack = _split_block(float_order_key(b_x), o_t < i_end, lo, hi)[4]
             b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
-            d_gt, d_eq = _unpack(tl.sum(b_pack, 0))
+            d_gt, d_eq = _unpack(n_pack)
             n_gt += d_gt
             n_eq += d_eq
         if (n_gt > 0) | (n_eq > 0):
@@ -523,8 +522,7 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
                 m_t = o_t < i_end
                 b_key = float_order_key(b_x)
                 b_x = tl.load(p_x + o_t + BLOCK, mask=o_t + BLOCK < i_end, other=0.0)
-                b_bin, m_gt, m_eq, b_pack = _split_block(b_key, m_t, lo, hi)
-                n_pack = tl.sum(b_pack, 0)
+                b_bin, m_gt, m_eq, b_pack, n_pack = _split_block(b_key, m_t, lo, hi)
                 v_min, v_max = _keep_block(b_key, b_bin, m_gt, m_eq, b_pack, n_pack, o_t, lo, bits, o_gt, o_eq,
                                            v_min, v_max, p_out, p_ws, p_map, K, CAP, MAP_PAGE)
                 d_gt, d_eq = _unpack(n_pack)
