@@ -73,7 +73,7 @@ def _ptxas_info(ptx: str, arch: int) -> tuple[int | None, int | None]:
 
 
 def compile_report(fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
-                   arch: int = 90) -> Report:
+                   arch: int = 90, maxnreg: int | None = None) -> Report:
     """Compile ``fn`` for sm_``arch`` with the given argument types (Triton signature strings) and
     constexpr values; pointer, stride and the names in ``signature`` typed "i32/16" are declared
     16-divisible."""
@@ -87,7 +87,7 @@ def compile_report(fn, signature: dict[str, str], constexprs: dict, num_warps: i
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
     )
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg})
     registers, spills = _ptxas_info(kernel.asm["ptx"], arch)
     ttgir = kernel.asm["ttgir"]
     return Report(registers, spills, kernel.metadata.shared, "warp_group_dot" in ttgir,
@@ -126,13 +126,18 @@ def one_launch_report(config: dict, arch: int = 90) -> Report:
     constexprs and launch options over its defaults."""
     config = dict(config)
     num_warps, num_stages = config.pop("num_warps", 8), config.pop("num_stages", 3)
+    maxnreg = config.pop("maxnreg", one_launch.SELECT_MAXNREG)
     plan = one_launch.one_launch_plan(2048)
-    constexprs = dict(CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0, BLOCK=1024, RANK_BLOCK=one_launch.RANK_BLOCK,
+    constexprs = dict(CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0, BLOCK=1024, FBLOCK=plan.finish_block,
+                      RANK_BLOCK=one_launch.RANK_BLOCK,
                       NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, SCAN=one_launch.SCAN, SAMPLE=one_launch.HIST_SAMPLE,
-                      SAMPLE_MIN=one_launch.SAMPLE_MIN_PER_K, SIGMAS=float(one_launch.SAMPLE_SIGMAS)) | config
+                      SAMPLE_MIN=one_launch.SAMPLE_MIN_PER_K, SIGMAS=float(one_launch.SAMPLE_SIGMAS), PDL=True,
+                      TRACE=False) | config
     signature = {"x_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "ws_ptr": "*i32", "map_ptr": "*i32",
-                 "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "K": "i32/16", "SEG": "i32/16"}
-    return compile_report(one_launch._topk_one_launch_kernel, signature, constexprs, num_warps, num_stages, arch)
+                 "trace_ptr": "*i64", "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "K": "i32/16",
+                 "SEG": "i32/16"}
+    return compile_report(one_launch._topk_one_launch_kernel, signature, constexprs, num_warps, num_stages, arch,
+                          maxnreg)
 
 
 def main() -> None:

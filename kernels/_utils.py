@@ -11,6 +11,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -20,6 +21,43 @@ UE8M0_AMAX_FLOOR = 1e-4
 def is_interpreter() -> bool:
     """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before
+# it in the stream drains (its launch and ramp-up overlap that kernel's tail) and waits in `pdl_wait` before it
+# reads anything that kernel wrote. Benchmarks set PDL = False for rows without it.
+PDL = True
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (`PDL`, sm_90+, not the interpreter)."""
+    return PDL and device.type == "cuda" and not is_interpreter() and _capability(device)[0] >= 9
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel of the stream has finished and its writes are visible (every
+    program of a kernel launched with ``launch_pdl`` calls this before its first dependent load), then let the
+    next kernel launch early (its programs start as SMs free, and wait here in turn)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """With PDL: let the next kernel of the stream start launching now (a kernel not itself launched with PDL)."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 def sm_count(device: torch.device, cpu: int) -> int:

@@ -15,7 +15,9 @@
 #   prefetch swept at decode batch 64 and in prefill), `k2s` (~9 min: the one-launch top-k's 1-in-8 first histogram,
 #   its tests and rows beside the exact one), `k2z` (~9 min: fine_bin's zero bins, the ReLU rows, narrower sampled bands), `k2b` (~5 min: the
 #   indexer + top-k rows by the sampled band's width), `k2p` (~3 min: Nsight Compute on the one-launch select),
-#   `k2q` (~3 min: the select's packed sums and scans, tests and rows).
+#   `k2q` (~3 min: the select's packed sums and scans, tests and rows), `k2d` (~7 min: programmatic dependent launch
+#   between the decode indexer and the top-k, tests and rows; the select by programs per row), `k2e` (~6 min: the same
+#   tests, the select's timeline, the indexer + top-k and the select's rows at the new defaults).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -105,6 +107,26 @@ for step in "${steps[@]}"; do
         timeout 100 python3 bench/bench_one_launch.py --rows 1 8 64 --programs 0 --warps 0 --scans 1 --samples 1 8 \
             --sigmas 4 --kinds randn relu --out "$OUT/l" > "$OUT/one-launch-packed.log" 2>&1
         grep -E "^(randn|relu) .*sample" "$OUT/one-launch-packed.log" | tail -12 ;;
+    k2d)  # programmatic dependent launch between the indexer, the histogram and the select: their tests (graphs
+        # included), the engine's decode indexer + top-k with it on / off, then the select by programs per row
+        gpu_tests 300 tests/kernels/test_topk_one_launch.py tests/kernels/test_indexer_decode_persistent.py \
+            tests/kernels/test_lightning_indexer.py tests/engine/test_dsa_kernels_engine.py tests/engine/test_cuda_graphs.py
+        timeout 150 python3 bench/bench_decode_topk.py --out "$OUT/l" > "$OUT/decode-topk.log" 2>&1
+        grep -E "^B" "$OUT/decode-topk.log" | tail -18
+        timeout 150 python3 bench/bench_one_launch.py --rows 64 8 --programs 0 2 3 4 6 8 12 16 --warps 4 8 --scans 1 \
+            --samples 8 --sigmas 4 --kinds randn --pdl 1 --out "$OUT/l" > "$OUT/one-launch-programs.log" 2>&1
+        grep -E "^randn" "$OUT/one-launch-programs.log" | tail -40 ;;
+    k2e)  # two programs per SM rounded down, 8 warps, PDL at <= 4 rows: the tests, the select's timeline, the
+        # engine's decode indexer + top-k (PDL on / off), then histogram + select by rows at the defaults
+        gpu_tests 200 tests/kernels/test_topk_one_launch.py tests/kernels/test_indexer_decode_persistent.py \
+            tests/kernels/test_lightning_indexer.py
+        timeout 60 python3 bench/bench_one_launch.py --trace --rows 1 8 64 --out "$OUT/l" > "$OUT/one-launch-trace.log" 2>&1
+        grep -E "^trace|Error" "$OUT/one-launch-trace.log" | tail -4
+        timeout 150 python3 bench/bench_decode_topk.py --out "$OUT/l" > "$OUT/decode-topk.log" 2>&1
+        grep -E "^B|^trace|Error" "$OUT/decode-topk.log" | tail -27
+        timeout 120 python3 bench/bench_one_launch.py --rows 1 8 64 --programs 0 --warps 0 --scans 1 \
+            --samples 1 8 --sigmas 4 --kinds randn relu --out "$OUT/l" > "$OUT/one-launch-defaults.log" 2>&1
+        grep -E "^(randn|relu) .*sample|Error" "$OUT/one-launch-defaults.log" | tail -20 ;;
     k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn
         for rows in 64 1; do
             timeout 150 /usr/local/cuda/bin/ncu --kernel-name regex:_topk_one_launch_kernel --launch-skip 4 --launch-count 1 \

@@ -38,8 +38,15 @@ import triton
 import triton.language as tl
 
 from hearth.kernels import _utils
-from hearth.kernels._utils import FP8_E4M3, float_order_key, is_interpreter, mma, mma_fp8
-from hearth.kernels.topk.one_launch import fine_hist_digit
+from hearth.kernels._utils import (
+    FP8_E4M3,
+    float_order_key,
+    is_interpreter,
+    mma,
+    mma_fp8,
+    pdl_launch_dependents,
+)
+from hearth.kernels.topk.one_launch import fine_hist_digit, pdl_for_rows
 from hearth.kernels.topk.radix import NBINS, RADIX_BITS
 
 CPU_SMS = 4
@@ -136,8 +143,10 @@ def _indexer_decode_persistent_kernel(
     WS_STRIDE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     i_p = tl.program_id(0)
+    pdl_launch_dependents(PDL)  # the top-k launches that follow may take free SM slots now and wait there
     b_ctx, b_start, b_end, g_lo, g_hi = _split_chunks(ctx_ptr, n_req, i_p, n_progs, BLOCK_T, REQ_P2)
     o_r = tl.arange(0, REQ_P2)
     if i_p == 0:
@@ -280,6 +289,7 @@ def persistent_decode_launch(
         WS_STRIDE=workspace.stride(0) if workspace is not None else 0,
         UPCAST=is_interpreter(),
         PRECISE=cfg["fp8_precise"],
+        PDL=pdl_for_rows(n_req * next_n, q.device),  # the top-k launches after it start early
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

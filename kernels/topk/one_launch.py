@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hearth.kernels._utils import check_tensor, float_order_key, require, sm_count
+from hearth.kernels._utils import check_tensor, float_order_key, pdl_wait, require, sm_count, use_pdl
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS, checked_output, radix_digit
 from hearth.kernels.topk.single_pass import pick_bin
 
@@ -71,6 +71,12 @@ FINE_LO = 444
 SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 CAPACITY2 = 512  # sub-bin entries ranked pairwise by the finish
 RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
+# Survivors the row's finish loads at once with the header (`_finish_row`): ~2.2K at 128K randn rows and k 2048
+# with the exact histogram; 4096 keep the select at 128 registers a thread (two programs of 8 warps an SM).
+FINISH_BLOCK = 4096
+# Registers a thread of the select may use (ptxas .maxnreg): 128 lets two programs of 8 warps share an SM; the
+# finish's 4096 loaded survivors would otherwise take the whole kernel to 182 (one program an SM).
+SELECT_MAXNREG = 128
 # How a selection program streams its slice (`_scan_slice`). H200, 2026-12-03 (bench_one_launch.py --scans 0 1 2,
 # histogram + select, randn rows of 128K, default programs and warps): SCAN 1 15.3 / 30.0 / 150.1 us at 1 / 8 /
 # 64 rows, against SCAN 0 15.7 / 31.7 / 167.8 and SCAN 2 15.7 / 31.1 / 158.5; blocks of 4096 keys lost everywhere.
@@ -96,6 +102,12 @@ SAMPLE_MIN_WORK = 1 << 20
 # enough to show at 64 rows a step.
 SAMPLE_SIGMAS = 4
 SAMPLE_SLACK = 8
+# Programmatic dependent launch (`hearth.kernels._utils.PDL`: the histogram and the select start while the kernel
+# before them drains) for this many rows or fewer. H200, 2026-12-04 (bench_decode_topk.py, on / off, us): the decode
+# indexer + top-k at batch 1 x 8K / 32K / 128K 14.3 / 18.2 / 20.4 against 14.6 / 18.0 / 21.7; at 64 rows slower
+# (top-k alone at 64 x 128K 123.0 against 109.7: selection programs that start early take whatever SM slots are
+# free, and the SMs end up unevenly loaded), at 8 rows within +-1.5 us either way.
+PDL_MAX_ROWS = 4
 # the same numbers for the kernels (Triton reads module globals only when they are tl.constexpr)
 _HIST2, _HEADER, _SCRATCH, _FINE_LO = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH, FINE_LO))
 _N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in range(6))
@@ -281,12 +293,30 @@ def _select_stream(
 
 
 @triton.jit
+def _second_block(b_key, b_idx, m_t, lo, bits, i_sub, n_w, n_c, p_out, p_keys2, p_idx2):
+    """One block of survivors against the sub-bin i_sub: those above it to p_out[n_w:], its own to the second
+    scratch at n_c (one scan of packed flags, as `_split_block`); returns the advanced n_w, n_c."""
+    b_d = _band_digit(b_key, fine_bin(b_key), lo, bits)
+    m_gt = m_t & (b_d > i_sub)
+    m_eq = m_t & (b_d == i_sub)
+    b_pack = m_gt.to(tl.int32) | (m_eq.to(tl.int32) << 16)
+    r_gt, r_eq = _unpack(tl.cumsum(b_pack, 0) - b_pack)
+    tl.store(p_out + n_w + r_gt, b_idx, mask=m_gt)
+    tl.store(p_keys2 + n_c + r_eq, b_key, mask=m_eq)
+    tl.store(p_idx2 + n_c + r_eq, b_idx, mask=m_eq)
+    d_gt, d_eq = _unpack(tl.sum(b_pack, 0))
+    return n_w + d_gt, n_c + d_eq
+
+
+@triton.jit
 def _finish_second(
     p_out,
     p_keys,
     p_idx,
     p_keys2,
     p_idx2,
+    b_key0,
+    b_idx0,
     n_surv,
     lo,
     bits,
@@ -297,40 +327,40 @@ def _finish_second(
     K,
     CAP2: tl.constexpr,
     BLOCK: tl.constexpr,
+    FBLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
 ):
     """With the sub-bin i_sub of the band's second digit (`_band_digit`) known (n_sub <= CAP2 survivors,
     k_rem2 of them wanted): write the survivors above it after the band's share, move the sub-bin into the
-    second scratch, and place each of its keys by its exact rank among them (ties by position)."""
-    n_w = K - k_rem
-    n_c = 0
-    for i0 in range(0, n_surv, BLOCK):
+    second scratch, and place each of its keys by its exact rank among them (ties by position). The first
+    FBLOCK survivors come loaded (b_key0, b_idx0: the caller read them beside the header); the second scratch
+    is this program's own, so it is read back through L1 after a barrier."""
+    n_w, n_c = _second_block(b_key0, b_idx0, tl.arange(0, FBLOCK) < n_surv, lo, bits, i_sub, K - k_rem, 0, p_out,
+                             p_keys2, p_idx2)
+    for i0 in range(FBLOCK, n_surv, BLOCK):
         o_t = i0 + tl.arange(0, BLOCK)
         m_t = o_t < n_surv
         b_key = tl.load(p_keys + o_t, mask=m_t, other=0, cache_modifier=".cg")
         b_idx = tl.load(p_idx + o_t, mask=m_t, other=0, cache_modifier=".cg")
-        b_d = _band_digit(b_key, fine_bin(b_key), lo, bits)
-        m_gt = m_t & (b_d > i_sub)
-        tl.store(p_out + n_w + tl.cumsum(m_gt.to(tl.int32), 0) - 1, b_idx, mask=m_gt)
-        n_w += tl.sum(m_gt.to(tl.int32), 0)
-        m_eq = m_t & (b_d == i_sub)
-        o_dst = n_c + tl.cumsum(m_eq.to(tl.int32), 0) - 1
-        tl.store(p_keys2 + o_dst, b_key, mask=m_eq)
-        tl.store(p_idx2 + o_dst, b_idx, mask=m_eq)
-        n_c += tl.sum(m_eq.to(tl.int32), 0)
+        n_w, n_c = _second_block(b_key, b_idx, m_t, lo, bits, i_sub, n_w, n_c, p_out, p_keys2, p_idx2)
     tl.debug_barrier()  # the second scratch was written by every thread of this program
+    # all of the sub-bin's keys and indices and the first RANK_BLOCK keys to compare them with in one round trip
+    # (the rank loop's later blocks, rarely needed: ~S / 256 keys share a sub-bin, 9 at 128K randn rows)
     o_i = tl.arange(0, CAP2)
     m_i = o_i < n_sub
-    b_key_i = tl.load(p_keys2 + o_i, mask=m_i, other=0, cache_modifier=".cg")
+    b_key_i = tl.load(p_keys2 + o_i, mask=m_i, other=0)
+    b_idx_i = tl.load(p_idx2 + o_i, mask=m_i, other=0)
+    o_j = tl.arange(0, RANK_BLOCK)
+    b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0)
     b_rank = tl.zeros([CAP2], dtype=tl.int32)
     for j0 in range(0, n_sub, RANK_BLOCK):
         o_j = j0 + tl.arange(0, RANK_BLOCK)
-        b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0, cache_modifier=".cg")
+        if j0 > 0:
+            b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0)
         m_beats = (b_key_j[None, :] > b_key_i[:, None]) | (
             (b_key_j[None, :] == b_key_i[:, None]) & (o_j[None, :] < o_i[:, None])
         )
         b_rank += tl.sum((m_beats & (o_j < n_sub)[None, :]).to(tl.int32), 1)
-    b_idx_i = tl.load(p_idx2 + o_i, mask=m_i, other=0, cache_modifier=".cg")
     tl.store(p_out + K - k_rem2 + b_rank, b_idx_i, mask=m_i & (b_rank < k_rem2))
 
 
@@ -344,28 +374,38 @@ def _finish_row(
     hi,
     K,
     p_map,
+    p_trace,
     CAP: tl.constexpr,
     CAP2: tl.constexpr,
     MAP_PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FBLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     """The row's last program: append the band's k_rem best to out[K - k_rem: K] (k_rem = k less the keys
     above the band, counted exactly by the select), then clean the row's workspace for the next call. A band
     from a sampled histogram that missed the k-th largest (k or more keys above it, or fewer than k above and
-    in it) is recomputed from the whole row (PATH_FULL; the keys above the band wrote only their first k)."""
+    in it) is recomputed from the whole row (PATH_FULL; the keys above the band wrote only their first k).
+    The header, the second histogram and the first FBLOCK survivors are loaded together, before the header
+    says which are needed: one round trip to L2 where a chain of them cost ~9 us a row (H200 timeline,
+    `bench_one_launch.py --trace`)."""
     p_hdr = p_ws + _HEADER
     p_keys = p_ws + _SCRATCH
     p_idx = p_keys + CAP
+    o_b = tl.arange(0, NBINS)
+    o_f = tl.arange(0, FBLOCK)
+    b_hist2 = tl.load(p_ws + _HIST2 + o_b, cache_modifier=".cg")
+    b_key0 = tl.load(p_keys + o_f, cache_modifier=".cg")  # the scratch's first FBLOCK, valid or not
+    b_idx0 = tl.load(p_idx + o_f, cache_modifier=".cg")
     n_gt = tl.load(p_hdr + _N_GT, volatile=True)
     n_surv = tl.load(p_hdr + _N_SURV, volatile=True)
     k_min = tl.load(p_hdr + _KEY_MIN, volatile=True)
     k_max = tl.load(p_hdr + _KEY_MAX, volatile=True)
     k_rem = K - n_gt
-    o_b = tl.arange(0, NBINS)
     if (n_gt >= K) | (n_gt + n_surv < K):
         _select_stream(p_x, p_keys, p_idx, p_out, n_len, 0, NBINS - 1, K, K, p_map, True, MAP_PAGE, NBINS, BITS,
                        PASSES, BLOCK)
@@ -376,14 +416,14 @@ def _finish_row(
         path = _PATH_TAKE
     elif n_surv <= CAP:
         bits = _band_bits(lo, hi)
-        b_hist2 = tl.load(p_ws + _HIST2 + o_b, cache_modifier=".cg")
         i_sub, k_rem2 = pick_bin(b_hist2, k_rem, NBINS)
         n_sub = tl.sum(tl.where(o_b == i_sub, b_hist2, 0), 0)
+        _stamp(p_trace, 5, TRACE)
         if (bits >= 0) & (n_sub <= CAP2):
             p_keys2 = p_idx + CAP
             _finish_second(
-                p_out, p_keys, p_idx, p_keys2, p_keys2 + CAP2, n_surv, lo, bits, i_sub, n_sub, k_rem, k_rem2, K,
-                CAP2, BLOCK, RANK_BLOCK,
+                p_out, p_keys, p_idx, p_keys2, p_keys2 + CAP2, b_key0, b_idx0, n_surv, lo, bits, i_sub, n_sub,
+                k_rem, k_rem2, K, CAP2, BLOCK, FBLOCK, RANK_BLOCK,
             )  # fmt: skip
             path = _PATH_SECOND
         else:
@@ -394,6 +434,7 @@ def _finish_row(
         _select_stream(p_x, p_keys, p_idx, p_out, n_len, lo, hi, k_rem, K, p_map, True, MAP_PAGE, NBINS, BITS, PASSES,
                        BLOCK)
         path = _PATH_ROW
+    _stamp(p_trace, 6, TRACE)
     tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     tl.store(p_ws + _HIST2 + o_b, tl.zeros([NBINS], dtype=tl.int32))
     tl.store(p_hdr + _N_GT, 0)
@@ -536,12 +577,21 @@ def _scan_slice(p_x, p_out, p_ws, i_start, i_end, lo, hi, p_map, K, CAP: tl.cons
 
 
 @triton.jit
+def _stamp(p_trace, slot, TRACE: tl.constexpr):
+    """With TRACE: the GPU's global timer (ns) to p_trace[slot] (a benchmark's timeline of the select)."""
+    if TRACE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(p_trace + slot, t)
+
+
+@triton.jit
 def _topk_one_launch_kernel(
     x_ptr,
     len_ptr,
     out_ptr,
     ws_ptr,
     map_ptr,
+    trace_ptr,
     stride_x,
     stride_out,
     stride_ws,
@@ -551,6 +601,7 @@ def _topk_one_launch_kernel(
     CAP2: tl.constexpr,
     MAP_PAGE: tl.constexpr,
     BLOCK: tl.constexpr,
+    FBLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
@@ -559,13 +610,20 @@ def _topk_one_launch_kernel(
     SAMPLE: tl.constexpr,
     SAMPLE_MIN: tl.constexpr,
     SIGMAS: tl.constexpr,
+    PDL: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
+    # TRACE: [start, band, slice done, arrived, finished, finish: sub-bin picked, finish: path done]
+    p_trace = trace_ptr + (i_r * tl.num_programs(1) + i_s) * 8
+    _stamp(p_trace, 0, TRACE)
+    pdl_wait(PDL)  # the histogram (and the lengths, from the indexer) come from the kernels before
     n_len = tl.load(len_ptr + i_r)
     p_out = out_ptr + i_r.to(tl.int64) * stride_out
     p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
     o_b = tl.arange(0, NBINS)
+    b_hist = tl.load(p_ws + o_b)  # beside the length, not after it (one round trip before the band)
     if n_len <= K:
         if i_s == 0:
             # every valid entry is selected: out[t] = t for t < L, -1 up to k; no other program of the
@@ -576,7 +634,8 @@ def _topk_one_launch_kernel(
                 tl.store(p_out + o_t, tl.where(m_v, _position(o_t, m_v, map_ptr, MAP_PAGE), -1), mask=o_t < K)
             tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     else:
-        lo, hi = _band(tl.load(p_ws + o_b), K, n_len, SAMPLE, SAMPLE_MIN, SIGMAS, NBINS)
+        lo, hi = _band(b_hist, K, n_len, SAMPLE, SAMPLE_MIN, SIGMAS, NBINS)
+        _stamp(p_trace, 1, TRACE)
         i_start = i_s * SEG
         if i_start < n_len:
             p_x = x_ptr + i_r.to(tl.int64) * stride_x
@@ -584,13 +643,17 @@ def _topk_one_launch_kernel(
                         MAP_PAGE, BLOCK, SCAN)
         # every thread's stores are done before the (single-thread) release of the arrival
         tl.debug_barrier()
+        _stamp(p_trace, 2, TRACE)
         n_before = tl.atomic_add(p_ws + _HEADER + _ARRIVED, 1, sem="acq_rel")
+        _stamp(p_trace, 3, TRACE)
         if n_before == tl.num_programs(1) - 1:
             tl.debug_barrier()
             _finish_row(
-                x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, lo, hi, K, map_ptr,
-                CAP, CAP2, MAP_PAGE, BLOCK, RANK_BLOCK, NBINS, BITS, PASSES,
+                x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, lo, hi, K, map_ptr, p_trace,
+                CAP, CAP2, MAP_PAGE, BLOCK, FBLOCK, RANK_BLOCK, NBINS, BITS, PASSES, TRACE,
             )  # fmt: skip
+            tl.debug_barrier()
+            _stamp(p_trace, 4, TRACE)
 
 
 @triton.jit
@@ -607,9 +670,10 @@ def fine_hist_digit(b_key, FINE: tl.constexpr, NBINS: tl.constexpr, BITS: tl.con
 @triton.jit
 def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS: tl.constexpr, BLOCK: tl.constexpr,
                       PREFETCH: tl.constexpr, SAMPLE: tl.constexpr, LOG2_SAMPLE: tl.constexpr,
-                      SAMPLE_MIN: tl.constexpr):
+                      SAMPLE_MIN: tl.constexpr, PDL: tl.constexpr):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
+    pdl_wait(PDL)  # the scores come from the kernel before
     n_len = tl.load(len_ptr + i_r)
     i_start = i_s * SEG
     if (n_len > K) & (i_start < n_len):
@@ -646,6 +710,12 @@ def _fine_hist_kernel(x_ptr, len_ptr, ws_ptr, stride_x, stride_ws, K, SEG, NBINS
         tl.atomic_add(ws_ptr + i_r.to(tl.int64) * stride_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
 
 
+def pdl_for_rows(n_rows: int, device: torch.device) -> bool:
+    """Whether the histogram and select launches for n_rows rows use programmatic dependent launch (and the
+    kernel before them lets them start early): `PDL_MAX_ROWS`."""
+    return n_rows <= PDL_MAX_ROWS and use_pdl(device)
+
+
 @dataclass(frozen=True)
 class OneLaunchPlan:
     """Sizes of the one-launch top-k for one k."""
@@ -658,6 +728,11 @@ class OneLaunchPlan:
     def ws_stride(self) -> int:
         """int32 words of workspace per row (padded to 128 bytes)."""
         return triton.cdiv(SCRATCH + 2 * self.capacity + 2 * self.capacity2, 32) * 32
+
+    @property
+    def finish_block(self) -> int:
+        """Survivors the finish loads beside the header (a power of two, at most the capacity and FINISH_BLOCK)."""
+        return 1 << (min(self.capacity, FINISH_BLOCK).bit_length() - 1)
 
 
 def one_launch_plan(k: int, *, capacity: int | None = None) -> OneLaunchPlan:
@@ -683,17 +758,12 @@ def check_workspace(workspace: torch.Tensor, n_rows: int, plan: OneLaunchPlan, d
 
 
 def _programs_per_row(n_rows: int, n_cols: int, block: int, device: torch.device) -> int:
-    """About two programs per SM over all rows, at least one block per program."""
-    return max(1, min(triton.cdiv(max(n_cols, 1), block), triton.cdiv(2 * sm_count(device, 4), max(n_rows, 1))))
-
-
-def _select_warps(seg: int, block: int) -> int:
-    """Warps of a selection program that scans ``seg`` keys: 8, or 4 for long slices (more than 8 blocks,
-    where programs are few per row and the SMs hold more of them at once). H200, 2026-12-03
-    (``bench/bench_one_launch.py``): 64 x 128K rows (5 programs of ~26K keys each) 166.6 us with 4 warps
-    against 207.5 with 8; 1 and 8 rows (1K and 4K keys a program) 15.6 and 31.7 us with 8 against 17.1 and
-    34.0 with 4."""
-    return 4 if seg > 8 * block else 8
+    """Two programs per SM over all rows, rounded down (at least one a row, at most one a block): every SM then
+    runs at most two, so none of them finishes last carrying a third. H200, 2026-12-04 (`bench_one_launch.py
+    --programs 0 2 3 4 6 8 12 16 --warps 4 8`, 1-in-8 histogram + select, randn rows of 128K): 64 rows 100.6 us
+    at 4 a row (256 programs of 8 warps) against 113.5 at the rounded-up 5 (320 programs, 4 warps: 56 SMs held
+    three); 8 rows 24.1 at 33 a row (264 programs), every fewer slower."""
+    return max(1, min(triton.cdiv(max(n_cols, 1), block), 2 * sm_count(device, 4) // max(n_rows, 1)))
 
 
 def _hist_block(n_rows: int, n_cols: int, device: torch.device) -> int:
@@ -733,7 +803,7 @@ def fine_hist_launch(
     _fine_hist_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
         scores, lengths, workspace, scores.stride(0), workspace.stride(0), k, seg, NBINS=NBINS, BLOCK=block,
         PREFETCH=prefetch, SAMPLE=sample, LOG2_SAMPLE=sample.bit_length() - 1, SAMPLE_MIN=sample_min,
-        num_warps=num_warps,
+        PDL=pdl_for_rows(n_rows, scores.device), num_warps=num_warps, launch_pdl=pdl_for_rows(n_rows, scores.device),
     )  # fmt: skip
 
 
@@ -764,15 +834,20 @@ def one_launch_topk_launch(
     sample: int = 1,
     sample_min: int = SAMPLE_MIN_PER_K,
     sample_sigmas: float = SAMPLE_SIGMAS,
+    trace: torch.Tensor | None = None,
 ) -> None:
     """The selection launch on validated scores / lengths / out whose first histograms are already in
     the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
     per SM in all). page_map (table, page): one row's positions in a table of pages written as the
     pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
-    launch fewer). num_warps: default ``_select_warps`` of the programs' slice. scan: how a program streams
+    launch fewer). num_warps: default 8 (two programs of 8 warps fill an SM's registers at 128 a thread; with
+    programs per row chosen to match, 8 warps beat 4 at every row count timed). scan: how a program streams
     its slice (``_scan_slice``'s SCAN 0 / 1 / 2). sample / sample_min: what `fine_hist_launch` was given (1:
     an exact histogram, as the fused indexer's); any histogram gives exact results, a misjudged one slowly.
-    sample_sigmas: the band's half-width in standard deviations of the sample's count (`_band`)."""
+    sample_sigmas: the band's half-width in standard deviations of the sample's count (`_band`). trace: an int64
+    [rows, programs per row, 8] tensor that gets each program's global-timer stamps (ns) at its start, once it
+    has its band, after its slice, after its arrival and (the row's last program) after the finish (benchmarks;
+    GPU only)."""
     n_rows, n_cols = scores.shape
     check_workspace(workspace, n_rows, plan, scores.device)
     require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
@@ -783,12 +858,17 @@ def one_launch_topk_launch(
         check_tensor("page_map table", table, dtypes=(torch.int32,), ndim=1, device=scores.device)
         require(table.shape[0] * page >= n_cols, "the page_map table must cover the row")
     seg = _segment(n_rows, n_cols, block, programs, scores.device)
-    _topk_one_launch_kernel[(n_rows, triton.cdiv(max(n_cols, 1), seg))](
+    grid = (n_rows, triton.cdiv(max(n_cols, 1), seg))
+    if trace is not None:
+        require(scores.device.type == "cuda", "trace reads the GPU's global timer")
+        check_tensor("trace", trace, dtypes=(torch.int64,), shape=(*grid, 8), device=scores.device)
+    _topk_one_launch_kernel[grid](
         scores,
         lengths,
         out,
         workspace,
         out if page_map is None else page_map[0],
+        trace if trace is not None else out,
         scores.stride(0),
         out.stride(0),
         workspace.stride(0),
@@ -798,6 +878,7 @@ def one_launch_topk_launch(
         CAP2=plan.capacity2,
         MAP_PAGE=0 if page_map is None else page_map[1],
         BLOCK=block,
+        FBLOCK=plan.finish_block,
         RANK_BLOCK=RANK_BLOCK,
         NBINS=NBINS,
         BITS=RADIX_BITS,
@@ -806,7 +887,11 @@ def one_launch_topk_launch(
         SAMPLE=sample,
         SAMPLE_MIN=sample_min,
         SIGMAS=float(sample_sigmas),
-        num_warps=num_warps or _select_warps(seg, block),
+        PDL=pdl_for_rows(n_rows, scores.device),
+        TRACE=trace is not None,
+        num_warps=num_warps or 8,
+        maxnreg=SELECT_MAXNREG,
+        launch_pdl=pdl_for_rows(n_rows, scores.device),
     )
 
 

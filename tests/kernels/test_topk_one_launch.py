@@ -20,6 +20,7 @@ from hearth.kernels.topk.one_launch import (
     PATH_SCRATCH,
     PATH_SECOND,
     PATH_TAKE,
+    _programs_per_row,
     fine_hist_launch,
     map_through_pages,
     new_one_launch_workspace,
@@ -160,14 +161,18 @@ def test_page_map_writes_token_positions_on_every_path(scan, device):
                                new_one_launch_workspace(rows, plan, device), plan, page_map=(table, page))
 
 
-def test_sub_bin_path_matches_torch_topk(device):
-    """Distinct scores: the second-histogram path selects torch.topk's index set exactly."""
-    n, k = 2500, 64
-    # distinct scores 0.001 apart in [1, 3.5): the cutoff bin [3, 3.5) holds <= 500
-    s = 1.0 + 0.001 * torch.stack([torch.randperm(n, device=device) for _ in range(3)]).float()
+@pytest.mark.parametrize("n, capacity", [(2500, 1024), (5000, 1023)])
+def test_sub_bin_path_matches_torch_topk(n, capacity, device):
+    """Distinct scores: the second-histogram path selects torch.topk's index set exactly, also where the
+    survivors outnumber the finish's first loaded block (5000 scores: ~1000 survivors, a block of 512)."""
+    k = 64
+    # distinct scores 2.5 / n apart in [1, 3.5): the cutoff bin [3, 3.5) holds <= n / 5
+    s = 1.0 + (2.5 / n) * torch.stack([torch.randperm(n, device=device) for _ in range(3)]).float()
     lengths = torch.tensor([n, n - 1, 1000], dtype=torch.int32, device=device)
-    ws = new_one_launch_workspace(3, one_launch_plan(k, capacity=1024), device)
-    out = topk_indices_one_launch(s, lengths, k, workspace=ws, capacity=1024, programs=4, block=128)
+    plan = one_launch_plan(k, capacity=capacity)
+    assert plan.finish_block == (1024 if capacity == 1024 else 512)
+    ws = new_one_launch_workspace(3, plan, device)
+    out = topk_indices_one_launch(s, lengths, k, workspace=ws, capacity=capacity, programs=4, block=128)
     assert ws[:, HEADER + PATH].tolist() == [PATH_SECOND] * 3
     for r in range(3):
         want = torch.topk(s[r, : lengths[r]].cpu(), k).indices.sort().values
@@ -378,6 +383,44 @@ def test_one_launch_graph_replay_gpu():
         graph.replay()
         check_topk(out, s, lengths, k)
     _assert_clean(ws)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 64])
+def test_trace_stamps_each_program_in_order_gpu(rows):
+    """The select's timeline (benchmarks): every program stamps start <= band <= slice done <= arrival, and the
+    one that finishes each row stamps once, after every arrival of its row."""
+    n, k = 131072, 2048
+    s = torch.randn(rows, n, device="cuda")
+    lengths = torch.full((rows,), n, dtype=torch.int32, device="cuda")
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(rows, plan, s.device)
+    out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+    programs = -(-n // one_launch._segment(rows, n, 1024, None, s.device))
+    trace = torch.zeros(rows, programs, 8, dtype=torch.int64, device="cuda")
+    fine_hist_launch(s, lengths, k, ws)
+    one_launch_topk_launch(s, lengths, out, ws, plan, trace=trace)
+    check_topk(out, s, lengths, k)
+    t = trace.cpu()
+    assert bool((t[..., 0] > 0).all()) and bool((t[..., :4].diff(dim=-1) >= 0).all())
+    assert bool(((t[..., 4] > 0).sum(dim=1) == 1).all()), "one finish per row"
+    assert bool((t[..., 4].max(dim=1).values >= t[..., 3].max(dim=1).values).all())
+    with pytest.raises(ValueError, match="trace"):
+        one_launch_topk_launch(s, lengths, out, ws, plan, trace=trace[:, :1])
+
+
+def test_programs_per_row_leave_no_sm_a_third_program():
+    """Two programs per SM over all rows, rounded down: never more (an SM holding a third finishes last), never
+    fewer than one a row or more than one a block."""
+    cpu = torch.device("cpu")
+    sms = 4  # what the launch plans for under the interpreter (`sm_count`)
+    for rows in range(1, 3 * sms):
+        for n, block in ((131072, 1024), (2048, 1024), (1000, 1024)):
+            p = _programs_per_row(rows, n, block, cpu)
+            assert 1 <= p <= -(-n // block)
+            assert rows * p <= 2 * sms or p == 1
+            assert rows * (p + 1) > 2 * sms or p == -(-n // block), (rows, n, p)
 
 
 def test_map_through_pages_gives_the_pages_own_positions(device):
