@@ -71,11 +71,15 @@ FINE_LO = 444
 SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 CAPACITY2 = 512  # sub-bin entries ranked pairwise by the finish
 RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
-# Survivors the row's finish loads at once with the header (`_finish_row`): ~2.2K at 128K randn rows and k 2048
-# with the exact histogram; 4096 keep the select at 128 registers a thread (two programs of 8 warps an SM).
-FINISH_BLOCK = 4096
-# Registers a thread of the select may use (ptxas .maxnreg): 128 lets two programs of 8 warps share an SM; the
-# finish's 4096 loaded survivors would otherwise take the whole kernel to 182 (one program an SM).
+# Survivors the row's finish loads at once with its header and second histogram (`_finish_row`; the rest, if
+# any, a block at a time after). H200, 2026-12-04, one run each (bench_decode_topk.py --finish-blocks, decode
+# indexer + top-k / top-k alone on the indexer's logits, us): 1024 against 16 (the old chain of loads) B1 x 128K
+# 19.7 / 10.8 against 19.8 / 11.6, B8 x 32K 26.9 / 11.8 against 27.8 / 12.7, B64 x 128K 460.2 / 95.3 against
+# 460.5 / 96.3; 4096 (every survivor of a 128K randn row in one block) lost to 16 in its own run on the indexer
+# + top-k (B1 x 128K 22.8 against 21.4, B8 x 32K 30.3 against 27.4, B64 x 32K 144.6 against 135.6).
+FINISH_BLOCK = 1024
+# Registers a thread of the select may use (ptxas .maxnreg): 128 lets two programs of 8 warps share an SM (a
+# finish block of 4096 took the kernel to 182 without it: one program an SM).
 SELECT_MAXNREG = 128
 # How a selection program streams its slice (`_scan_slice`). H200, 2026-12-03 (bench_one_launch.py --scans 0 1 2,
 # histogram + select, randn rows of 128K, default programs and warps): SCAN 1 15.3 / 30.0 / 150.1 us at 1 / 8 /
@@ -391,8 +395,9 @@ def _finish_row(
     from a sampled histogram that missed the k-th largest (k or more keys above it, or fewer than k above and
     in it) is recomputed from the whole row (PATH_FULL; the keys above the band wrote only their first k).
     The header, the second histogram and the first FBLOCK survivors are loaded together, before the header
-    says which are needed: one round trip to L2 where a chain of them cost ~9 us a row (H200 timeline,
-    `bench_one_launch.py --trace`)."""
+    says which are needed: one round trip to L2 where there was a chain of them (the finish was ~9 us of a
+    b1 x 128K select's ~13 on the H200 timeline, `bench_one_launch.py --trace`; 5.6-5.9 us with the first
+    4096 survivors loaded this way)."""
     p_hdr = p_ws + _HEADER
     p_keys = p_ws + _SCRATCH
     p_idx = p_keys + CAP
