@@ -5,7 +5,8 @@ Why one launch. The radix select (`radix.py`) costs a fixed ~21-23 µs per decod
 every length from 8K to 128K: six launches (a memset, four histogram passes, a gather), each paying
 its launch and tail, not bandwidth. Here the decode indexer already adds the first histogram of each
 row to the workspace while it writes the logits (`FUSE_HIST` with `FINE_HIST`), so one more launch can
-finish the selection: grid (rows, splits), about two programs per SM in all.
+finish the selection: grid (rows, splits), at most two programs of 8 warps per SM in all (`_programs_per_row`).
+At four rows or fewer the histogram and select launches use programmatic dependent launch (`PDL_MAX_ROWS`).
 
 1. Every program of a row picks the cutoff bin from the row's histogram (256 bins, a few hundred
    cycles, the same answer in every program) and streams its slice of the row once: the indices of
@@ -842,8 +843,8 @@ def one_launch_topk_launch(
     trace: torch.Tensor | None = None,
 ) -> None:
     """The selection launch on validated scores / lengths / out whose first histograms are already in
-    the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default: about two
-    per SM in all). page_map (table, page): one row's positions in a table of pages written as the
+    the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default
+    `_programs_per_row`: two per SM in all, rounded down). page_map (table, page): one row's positions in a table of pages written as the
     pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
     launch fewer). num_warps: default 8 (two programs of 8 warps fill an SM's registers at 128 a thread; with
     programs per row chosen to match, 8 warps beat 4 at every row count timed). scan: how a program streams
