@@ -842,14 +842,14 @@ def one_launch_topk_launch(
     sample_sigmas: float = SAMPLE_SIGMAS,
     trace: torch.Tensor | None = None,
 ) -> None:
-    """The selection launch on validated scores / lengths / out whose first histograms are already in
-    the workspace (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default
-    `_programs_per_row`: two per SM in all, rounded down). page_map (table, page): one row's positions in a table of pages written as the
-    pages' own token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one
-    launch fewer). num_warps: default 8 (two programs of 8 warps fill an SM's registers at 128 a thread; with
-    programs per row chosen to match, 8 warps beat 4 at every row count timed). scan: how a program streams
-    its slice (``_scan_slice``'s SCAN 0 / 1 / 2). sample / sample_min: what `fine_hist_launch` was given (1:
-    an exact histogram, as the fused indexer's); any histogram gives exact results, a misjudged one slowly.
+    """The selection launch on validated scores / lengths / out whose first histograms are already in the workspace
+    (the fused indexer's, or `fine_hist_launch`'s); programs: per row (default `_programs_per_row`: two per SM in
+    all, rounded down). page_map (table, page): one row's positions in a table of pages written as the pages' own
+    token positions, table[i // page] * page + i % page (``map_through_pages`` fused: one launch fewer). num_warps:
+    default 8 (two programs of 8 warps fill an SM's registers at 128 a thread; with programs per row chosen to
+    match, 8 warps beat 4 at every row count timed). scan: how a program streams its slice (``_scan_slice``'s SCAN 0
+    / 1 / 2). sample / sample_min: what `fine_hist_launch` was given (1: an exact histogram, as the fused
+    indexer's); any histogram gives exact results, a misjudged one slowly.
     sample_sigmas: the band's half-width in standard deviations of the sample's count (`_band`). trace: an int64
     [rows, programs per row, 8] tensor that gets each program's global-timer stamps (ns) at its start, once it
     has its band, after its slice, after its arrival and (the row's last program) after the finish (benchmarks;
