@@ -7,7 +7,7 @@ Each row is a CUDA-graph replay median (the engine replays its decode step from 
 selection against torch on the same logits. The issue's targets: b1 x 128K indexer + top-k <= 15 us, 64 x 128K
 top-k <= 100 us.
 
-    python bench/bench_decode_topk.py [--batches 1 8 64] [--contexts 8192 32768 131072] [--finish-blocks 4096 16]
+    python bench/bench_decode_topk.py [--batches 1 8 64] [--contexts 8192 32768 131072] [--finish-blocks 1024 16]
         [--out DIR]
 """
 

@@ -36,6 +36,7 @@ from hearth.kernels.topk.one_launch import (
     PATH,
     SAMPLE_MIN_PER_K,
     _programs_per_row,
+    _segment,
     default_sample,
     fine_hist_launch,
     new_one_launch_workspace,
@@ -128,8 +129,7 @@ def timeline_of(scores: torch.Tensor, lengths: torch.Tensor, label: str) -> dict
     out = torch.empty(rows, K, dtype=torch.int32, device=DEVICE)
     plan = one_launch_plan(K)
     ws = new_one_launch_workspace(rows, plan, scores.device)
-    per_row = _programs_per_row(rows, n, 1024, scores.device)
-    programs = triton.cdiv(n, triton.cdiv(triton.cdiv(n, per_row), 1024) * 1024)
+    programs = triton.cdiv(n, _segment(rows, n, 1024, None, scores.device))  # the launch's grid axis 1
     trace = torch.zeros(rows, programs, 8, dtype=torch.int64, device=DEVICE)
     sample = default_sample(rows, n)
     for _ in range(5):

@@ -17,8 +17,8 @@
 #   indexer + top-k rows by the sampled band's width), `k2p` (~3 min: Nsight Compute on the one-launch select),
 #   `k2q` (~3 min: the select's packed sums and scans, tests and rows), `k2d` (~7 min: programmatic dependent launch
 #   between the decode indexer and the top-k, tests and rows; the select by programs per row), `k2e` (~6 min: the same
-#   tests, the select's timeline, the indexer + top-k and the select's rows at the new defaults), `k2f` (~3 min: the
-#   finish's first loaded block against none, on the indexer's logits).
+#   tests, the select's timeline, the indexer + top-k and the select's rows at the new defaults), `k2f` (~4 min: the
+#   finish's first loaded block by size, on the indexer's logits).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -128,11 +128,11 @@ for step in "${steps[@]}"; do
         timeout 120 python3 bench/bench_one_launch.py --rows 1 8 64 --programs 0 --warps 0 --scans 1 \
             --samples 1 8 --sigmas 4 --kinds randn relu --out "$OUT/l" > "$OUT/one-launch-defaults.log" 2>&1
         grep -E "^(randn|relu) .*sample|Error" "$OUT/one-launch-defaults.log" | tail -20 ;;
-    k2f)  # the finish's first loaded block (4096 survivors, the default) against 16 (a loop of 1024-key blocks, as
-        # before), with PDL on / off, on the decode indexer's logits, one run
-        timeout 300 python3 bench/bench_decode_topk.py --contexts 32768 131072 --finish-blocks 4096 16 --out "$OUT/l" \
+    k2f)  # the finish's first loaded block (1024 survivors, the default) against 4096 and 16 (a loop of 1024-key
+        # blocks, as before), with PDL on / off, on the decode indexer's logits, one run
+        timeout 400 python3 bench/bench_decode_topk.py --contexts 32768 131072 --finish-blocks 1024 4096 16 --out "$OUT/l" \
             > "$OUT/decode-topk-finish.log" 2>&1
-        grep -E "^B|Error" "$OUT/decode-topk-finish.log" | tail -24 ;;
+        grep -E "^B|Error" "$OUT/decode-topk-finish.log" | tail -36 ;;
     k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn
         for rows in 64 1; do
             timeout 150 /usr/local/cuda/bin/ncu --kernel-name regex:_topk_one_launch_kernel --launch-skip 4 --launch-count 1 \

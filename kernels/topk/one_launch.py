@@ -658,7 +658,8 @@ def _topk_one_launch_kernel(
                 x_ptr + i_r.to(tl.int64) * stride_x, n_len, p_out, p_ws, lo, hi, K, map_ptr, p_trace,
                 CAP, CAP2, MAP_PAGE, BLOCK, FBLOCK, RANK_BLOCK, NBINS, BITS, PASSES, TRACE,
             )  # fmt: skip
-            tl.debug_barrier()
+            if TRACE:
+                tl.debug_barrier()  # the stamp after every thread's part of the finish
             _stamp(p_trace, 4, TRACE)
 
 
