@@ -1,7 +1,9 @@
 """K2 item 1 on the path the engine runs: the decode indexer + top-k (`indexer_decode_topk` with its defaults),
 with programmatic dependent launch on and off (`hearth.kernels._utils.PDL`), beside the indexer's logits alone
 and the top-k alone on them (a workspace kept across calls, as the engine keeps one), and the select's timeline
-and finishing paths on those logits (`bench_one_launch.timeline_of`).
+and finishing paths on those logits (`bench_one_launch.timeline_of`). Where the cooperative top-k
+(`hearth.kernels.topk.cooperative`, at most four rows) is the default, the one-launch path is timed beside it
+(topk="one_launch") with its own timeline (`coop_timeline_of`).
 
 Each row is a CUDA-graph replay median (the engine replays its decode step from a graph), after a check of the
 selection against torch on the same logits. The issue's targets: b1 x 128K indexer + top-k <= 15 us, 64 x 128K
@@ -30,7 +32,13 @@ from hearth.kernels import _utils  # noqa: E402
 from hearth.kernels._utils import FP8_E4M3  # noqa: E402
 from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode  # noqa: E402
 from hearth.kernels.topk import one_launch, topk_indices_one_launch  # noqa: E402
-from hearth.kernels.topk.one_launch import new_one_launch_workspace, one_launch_plan  # noqa: E402
+from hearth.kernels.topk.cooperative import (  # noqa: E402
+    cooperative_block,
+    cooperative_topk_launch,
+    topk_indices_cooperative,
+    use_cooperative,
+)
+from hearth.kernels.topk.one_launch import HEADER, PATH, new_one_launch_workspace, one_launch_plan  # noqa: E402
 from hearth.kernels.topk.reference import check_topk  # noqa: E402
 
 K = 2048
@@ -41,6 +49,38 @@ def median_us(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
+
+
+def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor) -> dict:
+    """Where the cooperative top-k's time goes: each program's global-timer stamps (start, past the first barrier
+    with its band, its slice split, past the second barrier; the row's last program when done), in us from the
+    first start, medians over programs; the last of 5 eager calls."""
+    rows, n = scores.shape
+    out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
+    plan = one_launch_plan(K)
+    ws = new_one_launch_workspace(rows, plan, scores.device)
+    programs = -(-n // cooperative_block(rows, n, scores.device))
+    trace = torch.zeros(rows, programs, 8, dtype=torch.int64, device="cuda")
+    for _ in range(5):
+        trace.zero_()
+        cooperative_topk_launch(scores, lengths, out, ws, plan, trace=trace)
+    torch.cuda.synchronize()
+    check_topk(out, scores, lengths, K)
+    paths = ws[:, HEADER + PATH].tolist()
+    active = trace[..., 0] > 0
+    t0 = trace[..., 0][active].min().double()
+    t = (trace[..., :4].double() - t0) / 1e3
+    live = t[active]  # programs that held keys (every one stamps its start)
+    end = float((trace[..., 4].max().double() - t0) / 1e3)
+    res = dict(rows=rows, n=n, programs_per_row=programs, paths={p: paths.count(p) for p in sorted(set(paths))},
+               start_spread_us=float(live[:, 0].max()), first_barrier_us=float(live[:, 1].median()),
+               split_us=float((live[:, 2] - live[:, 1]).median()), second_barrier_us=float(live[:, 3].median()),
+               end_us=end)
+    print(f"coop trace {rows} x {n}: {programs} programs/row, paths {res['paths']}: starts spread over "
+          f"{res['start_spread_us']:.2f} us, past the first barrier (band) at {res['first_barrier_us']:.2f}, split "
+          f"{res['split_us']:.2f}, past the second barrier at {res['second_barrier_us']:.2f}, done at {end:.2f} us",
+          flush=True)
+    return res
 
 
 def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
@@ -62,12 +102,24 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
         t_full = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K))
         check_topk(topk_indices_one_launch(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
         t_topk = median_us(lambda: topk_indices_one_launch(logits, lengths, K, out=out, workspace=ws))
-        rows.append(dict(batch=batch, context=ctx_len, pdl=pdl, finish_block=fblock, indexer_logits_us=t_logits,
-                         indexer_topk_us=t_full, topk_only_us=t_topk))
+        row = dict(batch=batch, context=ctx_len, pdl=pdl, finish_block=fblock, indexer_logits_us=t_logits,
+                   indexer_topk_us=t_full, topk_only_us=t_topk)
+        coop = use_cooperative(batch, logits.shape[1], q.device)
+        if coop:  # the default is the cooperative top-k: the one-launch path beside it
+            row["indexer_topk_one_launch_us"] = t_one = median_us(
+                lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="one_launch"))
+            check_topk(topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
+            row["topk_only_cooperative_us"] = t_coop = median_us(
+                lambda: topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws))
+        rows.append(row)
         print(f"B{batch:<3d} {ctx_len // 1024:4d}K  pdl {int(pdl)} finish block {fblock:4d}: indexer + top-k "
-              f"{t_full:7.1f} us, top-k alone {t_topk:7.1f} us (indexer logits alone {t_logits:6.1f} us)", flush=True)
+              f"{t_full:7.1f} us, one-launch top-k alone {t_topk:7.1f} us (indexer logits alone {t_logits:6.1f} us)"
+              + (f"; cooperative by default: indexer + one-launch top-k {t_one:7.1f} us, cooperative top-k alone "
+                 f"{t_coop:7.1f} us" if coop else ""), flush=True)
     _utils.PDL, one_launch.FINISH_BLOCK = True, FINISH_BLOCKS[0]
     rows[0]["trace"] = timeline_of(logits, lengths, "logits")
+    if use_cooperative(batch, logits.shape[1], q.device):
+        rows[0]["coop_trace"] = coop_timeline_of(logits, lengths)
     return rows
 
 

@@ -122,9 +122,16 @@ def torch_indexer_topk(q, w, cache, table, ctx_len: int, k: int):
 def indexer_sweep(batch: int, ctx_len: int, full: bool) -> list[dict]:
     """Persistent-kernel configs timed beside its default: a few at the K2 target shapes (batch >= 8,
     128K) in every run, more with --sweep. Chunk tokens x pipeline stages x programs per SM x warps."""
-    if batch < 8 or (ctx_len < 131072 and not full):
-        return []
     sms = sm_count(torch.device(DEVICE))
+    if batch < 8:  # few requests: fewer, longer or shallower work items may start sooner (--sweep only)
+        picks = [(64, 5, 2, 4), (64, 7, 2, 4), (64, 9, 2, 4), (128, 5, 2, 4), (128, 9, 2, 4), (128, 7, 1, 4),
+                 (128, 7, 1, 8), (256, 7, 1, 8), (256, 5, 1, 8), (64, 7, 1, 4), (32, 7, 2, 4), (32, 11, 2, 4)]
+        return [
+            {"kernel": "persistent", "block_t": bt, "num_stages": ns, "programs": per_sm * sms, "num_warps": nw}
+            for bt, ns, per_sm, nw in picks
+        ] if full else []
+    if ctx_len < 131072 and not full:
+        return []
     # num_stages 5 / 7 / 9 / 11 give the keys 2 / 3 / 4 / 5 buffers (the page-id load takes two stages)
     # (the sm_90 builds fit two programs of 4 warps or one of 8 per SM: 180-210 registers a thread)
     picks = [(128, 5, 2, 4), (128, 9, 2, 4), (64, 11, 2, 4), (64, 7, 2, 4), (256, 7, 1, 8), (128, 7, 1, 4)]
@@ -512,6 +519,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
     ap.add_argument("--only", default="decode_indexer,decode_mla,prefill", help="also prefill_mla: its sparse MLA only")
     ap.add_argument("--mla-batches", default="1,8,64", help="decode sparse MLA batch sizes")
+    ap.add_argument("--indexer-batches", default="1,8,64", help="decode indexer batch sizes")
     ap.add_argument("--hist-sigmas", type=float, nargs="+", default=[SAMPLE_SIGMAS],
                     help="half-widths of the 1-in-8 histogram's band, in standard deviations (one row each)")
     ap.add_argument(
@@ -539,7 +547,7 @@ def main() -> None:
         jobs += [(decode_indexer, (1, 1024), dict(heads=16, k=64, check=True))]
         jobs += [(decode_indexer, (8, 1024), dict(heads=16, k=64, sweep=True))]
     elif "decode_indexer" in only:
-        for batch in (1, 8, 64):
+        for batch in map(int, args.indexer_batches.split(",")):
             for ctx_len in (131072,) if args.quick else (8192, 32768, 131072):
                 check = ctx_len == 8192 or (args.quick and batch == 1)
                 jobs.append(

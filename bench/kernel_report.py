@@ -6,6 +6,7 @@ fit one or two programs per SM" and "is the gather pipelined at all" before a va
 
     python bench/kernel_report.py sparse_mla [--fp8] [--config "block_n=32,num_stages=7" ...]
     python bench/kernel_report.py one_launch [--config "SCAN=2" "BLOCK=4096,num_warps=4" ...]
+    python bench/kernel_report.py cooperative [--config "BLOCK=2048" ...]
 
 Each --config is one compile: comma-separated name=value pairs over the kernel's defaults, where
 num_warps / num_stages are launch options and the rest the kernel's constexprs (sparse MLA also takes
@@ -30,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hearth.kernels.sparse_mla import kernel as sparse_mla
-from hearth.kernels.topk import one_launch
+from hearth.kernels.topk import cooperative, one_launch
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS
 
 
@@ -140,9 +141,26 @@ def one_launch_report(config: dict, arch: int = 90) -> Report:
                           maxnreg)
 
 
+def cooperative_report(config: dict, arch: int = 90) -> Report:
+    """The cooperative few-row top-k kernel (k 2048, the default capacity, 512-key slices as at b1 x 128K on
+    132 SMs), ``config``'s constexprs and launch options over its defaults."""
+    config = dict(config)
+    num_warps, num_stages = config.pop("num_warps", cooperative.NUM_WARPS), config.pop("num_stages", 3)
+    maxnreg = config.pop("maxnreg", one_launch.SELECT_MAXNREG)
+    plan = one_launch.one_launch_plan(2048)
+    constexprs = dict(CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0, BLOCK=512, FBLOCK=plan.finish_block,
+                      RANK_BLOCK=one_launch.RANK_BLOCK, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, PDL=True,
+                      TRACE=False) | config
+    signature = {"x_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "ws_ptr": "*i32", "map_ptr": "*i32",
+                 "trace_ptr": "*i64", "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "N": "i32/16",
+                 "K": "i32/16"}
+    return compile_report(cooperative._cooperative_topk_kernel, signature, constexprs, num_warps, num_stages, arch,
+                          maxnreg)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kernel", choices=["sparse_mla", "one_launch"])
+    ap.add_argument("kernel", choices=["sparse_mla", "one_launch", "cooperative"])
     ap.add_argument("--config", nargs="*", default=[""], help="one compile each (see the module doc)")
     ap.add_argument("--fp8", action="store_true", help="sparse MLA over the FP8 latent cache")
     ap.add_argument("--arch", type=int, default=90)
@@ -152,6 +170,8 @@ def main() -> None:
         config = parse_config(text)
         if args.kernel == "sparse_mla":
             report = sparse_mla_report(config, args.fp8, args.arch)
+        elif args.kernel == "cooperative":
+            report = cooperative_report(config, args.arch)
         else:
             report = one_launch_report(config, args.arch)
         print(f"{args.kernel} {text or 'defaults'}: {report.line()}", flush=True)

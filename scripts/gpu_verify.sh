@@ -18,7 +18,8 @@
 #   `k2q` (~3 min: the select's packed sums and scans, tests and rows), `k2d` (~7 min: programmatic dependent launch
 #   between the decode indexer and the top-k, tests and rows; the select by programs per row), `k2e` (~6 min: the same
 #   tests, the select's timeline, the indexer + top-k and the select's rows at the new defaults), `k2f` (~4 min: the
-#   finish's first loaded block by size, on the indexer's logits).
+#   finish's first loaded block by size, on the indexer's logits), `k2c` (~5 min: the cooperative few-row top-k, its tests
+#   and the decode rows at 1-4 requests beside the one-launch path).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -133,6 +134,13 @@ for step in "${steps[@]}"; do
         timeout 400 python3 bench/bench_decode_topk.py --contexts 32768 131072 --finish-blocks 1024 4096 16 --out "$OUT/l" \
             > "$OUT/decode-topk-finish.log" 2>&1
         grep -E "^B|Error" "$OUT/decode-topk-finish.log" | tail -36 ;;
+    k2c)  # the cooperative few-row top-k (histogram, select and finish in one launch with grid barriers): its tests and
+          # the indexer's and the DSA engine's, then the decode rows at 1-4 requests beside the one-launch path (~5 min)
+        gpu_tests 300 tests/kernels/test_topk_cooperative.py tests/kernels/test_lightning_indexer.py \
+            tests/engine/test_dsa_kernels_engine.py
+        timeout 260 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts 8192 32768 131072 --out "$OUT" \
+            > "$OUT/decode-topk.log" 2>&1
+        grep -E "^B|trace|Error|error" "$OUT/decode-topk.log" | tail -30 ;;
     k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn
         for rows in 64 1; do
             timeout 150 /usr/local/cuda/bin/ncu --kernel-name regex:_topk_one_launch_kernel --launch-skip 4 --launch-count 1 \

@@ -37,6 +37,8 @@ from hearth.kernels._utils import (
     require,
 )
 from hearth.kernels.indexer.decode_persistent import persistent_config, persistent_decode_launch, sm_count
+from hearth.kernels.topk import cooperative
+from hearth.kernels.topk.cooperative import cooperative_topk_launch, use_cooperative
 from hearth.kernels.topk.one_launch import (
     SAMPLE_SIGMAS,
     check_workspace,
@@ -411,7 +413,7 @@ def indexer_decode_topk(
     *,
     fuse_hist: bool | None = None,
     config: dict | None = None,
-    topk: Literal["auto", "radix", "sampled", "one_launch"] = "auto",
+    topk: Literal["auto", "radix", "sampled", "one_launch", "cooperative"] = "auto",
     topk_workspace: torch.Tensor | None = None,
     hist_sample: int | None = None,
     hist_sigmas: float = SAMPLE_SIGMAS,
@@ -420,9 +422,11 @@ def indexer_decode_topk(
 
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
-    topk picks the selection: "auto" (the default: "one_launch", with the histogram fused where rows x the
+    topk picks the selection: "auto" (the default: "cooperative" where `cooperative.use_cooperative` allows it
+    and `cooperative.COOPERATIVE` is on, else "one_launch", with the histogram fused where rows x the
     block table's token capacity is at most `ONE_LAUNCH_FUSED_MAX_WORK`; "radix" whenever fuse_hist is
-    given), "radix" (the radix
+    given), "cooperative" (`hearth.kernels.topk.cooperative`: histogram, select and finish in one launch for
+    a few rows on a GPU; its workspace as "one_launch"'s), "radix" (the radix
     select, whose workspace is zeroed per call),
     "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
     `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
@@ -437,23 +441,29 @@ def indexer_decode_topk(
     3.6's tl.histogram); "sampled" has none. hist_sample: with the separate histogram of "one_launch", count
     one key in every hist_sample of long rows (`fine_hist_launch`; default `default_sample`), the select's band
     hist_sigmas standard deviations of the sample's count wide either side."""
-    require(topk in ("auto", "radix", "sampled", "one_launch"),
-            f"topk must be auto, radix, sampled or one_launch, got {topk!r}")
-    require(topk != "sampled" or not fuse_hist, "fuse_hist: the sampled select has no histogram to fuse")
+    require(topk in ("auto", "radix", "sampled", "one_launch", "cooperative"),
+            f"topk must be auto, radix, sampled, one_launch or cooperative, got {topk!r}")
+    require(topk not in ("sampled", "cooperative") or not fuse_hist,
+            f"fuse_hist: the {topk} select has no histogram to fuse")
     n_req, next_n = q.shape[0], q.shape[1]
     rows = n_req * next_n
+    capacity = block_table.shape[-1] * block_size  # host-known: one choice for every replay of a graph
     if topk == "auto":
-        capacity = block_table.shape[-1] * block_size  # host-known: one choice for every replay of a graph
-        if fuse_hist is None:
-            topk, fuse_hist = "one_launch", rows * capacity <= ONE_LAUNCH_FUSED_MAX_WORK
-        else:
+        if fuse_hist is not None:
             topk = "radix"
+        elif cooperative.COOPERATIVE and use_cooperative(rows, capacity, q.device):
+            topk, fuse_hist = "cooperative", False
+        else:
+            topk, fuse_hist = "one_launch", rows * capacity <= ONE_LAUNCH_FUSED_MAX_WORK
+    if topk == "cooperative":
+        require(use_cooperative(rows, capacity, q.device),
+                f"the cooperative top-k does not take {rows} rows of {capacity} here (use_cooperative)")
     if fuse_hist is None:
         fuse_hist = topk == "one_launch"
     ws = None  # the workspace the indexer adds its histogram to, if any
     if topk == "radix":
         ws = new_workspace(rows, q.device)
-    elif topk == "one_launch":
+    elif topk in ("one_launch", "cooperative"):
         plan = one_launch_plan(k)
         ws = topk_workspace if topk_workspace is not None else kept_one_launch_workspace(rows, plan, q.device)
         check_workspace(ws, rows, plan, q.device)
@@ -471,6 +481,8 @@ def indexer_decode_topk(
     out = torch.empty(rows, k, dtype=torch.int32, device=q.device)
     if topk == "radix":
         radix_topk_launch(logits, lengths, k, out, ws, first_pass_done=fuse_hist)
+    elif topk == "cooperative":
+        cooperative_topk_launch(logits, lengths, out, ws, plan)
     elif topk == "one_launch":
         sample = 1 if fuse_hist else hist_sample or default_sample(*logits.shape)  # the fused indexer counts all
         if not fuse_hist:

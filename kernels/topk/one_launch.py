@@ -349,19 +349,28 @@ def _finish_second(
         b_idx = tl.load(p_idx + o_t, mask=m_t, other=0, cache_modifier=".cg")
         n_w, n_c = _second_block(b_key, b_idx, m_t, lo, bits, i_sub, n_w, n_c, p_out, p_keys2, p_idx2)
     tl.debug_barrier()  # the second scratch was written by every thread of this program
+    rank_sub_bin(p_out, p_keys2, p_idx2, n_sub, k_rem2, K, CAP2, RANK_BLOCK, "")
+
+
+@triton.jit
+def rank_sub_bin(p_out, p_keys2, p_idx2, n_sub, k_rem2, K, CAP2: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                 CACHE: tl.constexpr):
+    """Place each of the n_sub (<= CAP2) keys in the second scratch by its exact rank among them (ties by
+    slot): the indices of the k_rem2 best to p_out[K - k_rem2: K]. CACHE: the loads' cache modifier ("" where
+    this program wrote the scratch, so L1 holds it; ".cg" where other programs did)."""
     # all of the sub-bin's keys and indices and the first RANK_BLOCK keys to compare them with in one round trip
     # (the rank loop's later blocks, rarely needed: ~S / 256 keys share a sub-bin, 9 at 128K randn rows)
     o_i = tl.arange(0, CAP2)
     m_i = o_i < n_sub
-    b_key_i = tl.load(p_keys2 + o_i, mask=m_i, other=0)
-    b_idx_i = tl.load(p_idx2 + o_i, mask=m_i, other=0)
+    b_key_i = tl.load(p_keys2 + o_i, mask=m_i, other=0, cache_modifier=CACHE)
+    b_idx_i = tl.load(p_idx2 + o_i, mask=m_i, other=0, cache_modifier=CACHE)
     o_j = tl.arange(0, RANK_BLOCK)
-    b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0)
+    b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0, cache_modifier=CACHE)
     b_rank = tl.zeros([CAP2], dtype=tl.int32)
     for j0 in range(0, n_sub, RANK_BLOCK):
         o_j = j0 + tl.arange(0, RANK_BLOCK)
         if j0 > 0:
-            b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0)
+            b_key_j = tl.load(p_keys2 + o_j, mask=o_j < n_sub, other=0, cache_modifier=CACHE)
         m_beats = (b_key_j[None, :] > b_key_i[:, None]) | (
             (b_key_j[None, :] == b_key_i[:, None]) & (o_j[None, :] < o_i[:, None])
         )
@@ -441,6 +450,15 @@ def _finish_row(
                        BLOCK)
         path = _PATH_ROW
     _stamp(p_trace, 6, TRACE)
+    clean_row(p_ws, path, NBINS)
+
+
+@triton.jit
+def clean_row(p_ws, path, NBINS: tl.constexpr):
+    """Leave the row's workspace as a new one (histograms and counters zero, no survivor min / max) with the
+    path its finish took in the header."""
+    p_hdr = p_ws + _HEADER
+    o_b = tl.arange(0, NBINS)
     tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     tl.store(p_ws + _HIST2 + o_b, tl.zeros([NBINS], dtype=tl.int32))
     tl.store(p_hdr + _N_GT, 0)
@@ -826,6 +844,16 @@ def _check_sample(sample: int, block: int) -> None:
     require(sample == 1 or block // sample >= 16, f"a {block}-key block has too few keys for a sample of 1 in {sample}")
 
 
+def check_page_map(page_map: tuple[torch.Tensor, int] | None, n_rows: int, n_cols: int, device: torch.device) -> None:
+    """A select's page_map (table, page): one row's positions through an int32 table of pages covering the row."""
+    if page_map is not None:
+        table, page = page_map
+        require(n_rows == 1, "page_map maps the indices of one row")
+        require(page >= 1, f"page must be >= 1, got {page}")
+        check_tensor("page_map table", table, dtypes=(torch.int32,), ndim=1, device=device)
+        require(table.shape[0] * page >= n_cols, "the page_map table must cover the row")
+
+
 def one_launch_topk_launch(
     scores: torch.Tensor,
     lengths: torch.Tensor,
@@ -858,12 +886,7 @@ def one_launch_topk_launch(
     n_rows, n_cols = scores.shape
     check_workspace(workspace, n_rows, plan, scores.device)
     require(out.shape[1] == plan.k, f"out has {out.shape[1]} columns, the plan is for k = {plan.k}")
-    if page_map is not None:
-        table, page = page_map
-        require(n_rows == 1, "page_map maps the indices of one row")
-        require(page >= 1, f"page must be >= 1, got {page}")
-        check_tensor("page_map table", table, dtypes=(torch.int32,), ndim=1, device=scores.device)
-        require(table.shape[0] * page >= n_cols, "the page_map table must cover the row")
+    check_page_map(page_map, n_rows, n_cols, scores.device)
     seg = _segment(n_rows, n_cols, block, programs, scores.device)
     grid = (n_rows, triton.cdiv(max(n_cols, 1), seg))
     if trace is not None:

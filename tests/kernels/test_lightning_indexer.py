@@ -95,7 +95,9 @@ def test_decode_topk_auto_picks_by_work_and_keeps_its_workspace(device, monkeypa
     kept and left clean for the next call), its first histogram fused in the indexer up to the limit and
     from a launch of its own past it; exact either way."""
     from hearth.kernels.indexer import lightning
+    from hearth.kernels.topk import cooperative
 
+    monkeypatch.setattr(cooperative, "COOPERATIVE", False)  # its own test: test_topk_cooperative.py
     block_size, ctx, k = 16, [37, 90], 24
     cache, table = _filled_cache(ctx, block_size, 8, device)
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)

@@ -1,0 +1,333 @@
+"""Exact top-k of a few decode rows in one cooperative launch: the first histogram, the select and the finish
+in one kernel whose programs wait for each other at two grid barriers, each program holding its slice of the
+row in registers from its first load to its last store.
+
+Why. At batch 1 the one-launch path (`one_launch.py`) is two kernels after the decode indexer, the histogram
+and the select, and the select's tail is the row's last program finishing alone: on the H200 (2026-12-04,
+b1 x 128K) the histogram took ~2.7 us and the select ~8, half of it that finish, a chain of round trips to L2
+(header and second histogram, then the survivors, then the sub-bin). Here every program does its share of
+each step, and only the sub-bin's few keys (~S / 256 of the S survivors) are ranked by one program:
+
+1. Load the slice (one block of at most `MAX_BLOCK` keys a program) beside the row's length; add its
+   `fine_bin` histogram to the row's (scattered atomics); barrier.
+2. Read the row's histogram; the bin holding the k-th largest is the band (exact: one bin). Keys above it go
+   to the output, the band's (key, index) pairs are counted and ranked (one packed atomic reserves both
+   ranges, as `one_launch._reserve`), their second digit goes to the row's second histogram; barrier.
+3. Every program reads the same header and second histogram and takes the same path:
+   - all of the band is needed, or its keys are all equal: each program writes its band keys whose rank in
+     the band is below the number still needed (PATH_TAKE);
+   - the second histogram names the sub-bin holding the k-th largest and it holds at most CAP2 keys: each
+     program writes its keys above the sub-bin (another packed atomic) and moves its sub-bin keys to the
+     second scratch (or, when the whole sub-bin is needed, to the output); the last program to arrive ranks
+     the sub-bin (PATH_SECOND);
+   - otherwise (an edge bin, a crowded sub-bin, more survivors than CAP): each program writes its band
+     pairs to the scratch and the last to arrive runs `one_launch`'s single-program finish on them.
+   The last to arrive leaves the workspace clean (histograms, counters), so one allocation serves every call,
+   shared with `one_launch` (same layout; the barrier counters are header words that path never touches).
+
+Co-residency. A program spins at a barrier until every program of its row has arrived, so every program of
+the launch must be resident at once. The plan (`cooperative_plan`) asks for at most two programs of 8 warps
+per SM in all (128 registers a thread, `maxnreg`; the GPU test checks the build), the kernel lets no later
+kernel launch early (a dependent launch's programs could take the slots a late program of this one needs),
+and the path is never taken under the CPU interpreter, which runs programs one after another
+(`use_cooperative`). Programs launched early behind the indexer (PDL) wait in `griddepcontrol.wait` before any
+barrier, and the indexer's programs never wait on them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from hearth.kernels._utils import check_tensor, float_order_key, is_interpreter, require, sm_count
+from hearth.kernels.topk.one_launch import (
+    ARRIVED,
+    HEADER,
+    HIST2,
+    KEY_MAX,
+    KEY_MIN,
+    N_GT,
+    N_SURV,
+    PATH,
+    PATH_SECOND,
+    PATH_TAKE,
+    RANK_BLOCK,
+    SCRATCH,
+    SELECT_MAXNREG,
+    OneLaunchPlan,
+    _band_bits,
+    _band_digit,
+    _finish_row,
+    _position,
+    _reserve,
+    _split_block,
+    _stamp,
+    _unpack,
+    check_page_map,
+    check_workspace,
+    clean_row,
+    fine_bin,
+    new_one_launch_workspace,
+    one_launch_plan,
+    pdl_for_rows,
+    rank_sub_bin,
+)
+from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS, checked_output
+from hearth.kernels.topk.single_pass import pick_bin
+
+# Whether `indexer_decode_topk`'s "auto" takes this path where `use_cooperative` allows it.
+COOPERATIVE = True
+# Header words of the cooperative path (after one_launch's six): the pair of counters of keys above the sub-bin
+# and in it (8-byte aligned, one 64-bit atomic), the histogram barrier's and the finish's arrival counters.
+N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_DONE = 6, 7, 8, 9
+# Keys a program holds (one block); rows wider than two programs a SM of this many take `one_launch`.
+MAX_BLOCK = 2048
+MIN_BLOCK = 256  # one key a thread at 8 warps
+MAX_ROWS = 4  # rows a launch takes: where the launches and the finish's tail, not the keys, are the cost
+NUM_WARPS = 8
+_HIST2, _HEADER, _SCRATCH = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH))
+_N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in (N_GT, N_SURV, ARRIVED, KEY_MIN,
+                                                                                 KEY_MAX, PATH))
+_N_ABOVE, _N_SUB, _ARRIVED_HIST, _ARRIVED_DONE = (tl.constexpr(v) for v in (N_ABOVE, N_SUB, ARRIVED_HIST,
+                                                                            ARRIVED_DONE))
+_PATH_TAKE, _PATH_SECOND = tl.constexpr(PATH_TAKE), tl.constexpr(PATH_SECOND)
+
+
+@triton.jit
+def _barrier(p_count, n):
+    """Grid barrier of a row's n programs on the counter p_count: arrive (release: every thread's stores and
+    atomics before it), poll with plain volatile loads (no read-modify-write traffic on the line the others
+    arrive on), then one acquire so that what they wrote before arriving is visible here."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(p_count, 1, sem="acq_rel") + 1
+    while seen < n:
+        seen = tl.load(p_count, volatile=True)
+    tl.atomic_add(p_count, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _cooperative_topk_kernel(
+    x_ptr,
+    len_ptr,
+    out_ptr,
+    ws_ptr,
+    map_ptr,
+    trace_ptr,
+    stride_x,
+    stride_out,
+    stride_ws,
+    N,
+    K,
+    CAP: tl.constexpr,
+    CAP2: tl.constexpr,
+    MAP_PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FBLOCK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    NBINS: tl.constexpr,
+    BITS: tl.constexpr,
+    PASSES: tl.constexpr,
+    PDL: tl.constexpr,
+    TRACE: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    # TRACE: [start, band, slice done, past the second barrier, finished, finish: sub-bin picked, path done]
+    p_trace = trace_ptr + (i_r * tl.num_programs(1) + i_s) * 8
+    _stamp(p_trace, 0, TRACE)
+    if PDL:
+        gdc_wait()  # the scores and lengths come from the kernel before (no early launch of the next one)
+    p_x = x_ptr + i_r.to(tl.int64) * stride_x
+    p_out = out_ptr + i_r.to(tl.int64) * stride_out
+    p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
+    p_hdr = p_ws + _HEADER
+    o_b = tl.arange(0, NBINS)
+    o_t = i_s * BLOCK + tl.arange(0, BLOCK)
+    # the slice in flight beside the length (masked by the row's width, then by its length)
+    b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
+    n_len = tl.load(len_ptr + i_r)
+    if n_len <= K:
+        if i_s == 0:  # every valid entry: out[t] = t for t < L, -1 up to k
+            for i0 in range(0, K, BLOCK):
+                o_k = i0 + tl.arange(0, BLOCK)
+                m_v = o_k < n_len
+                tl.store(p_out + o_k, tl.where(m_v, _position(o_k, m_v, map_ptr, MAP_PAGE), -1), mask=o_k < K)
+    elif i_s * BLOCK < n_len:
+        n_prog = (n_len + BLOCK - 1) // BLOCK  # the programs that hold keys of the row
+        m_t = o_t < n_len
+        b_key = float_order_key(b_x)
+        # 1. the row's first histogram (misses counted in bin 0, then taken out)
+        b_hist = tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
+        b_hist -= tl.where(o_b == 0, tl.sum((~m_t).to(tl.int32), 0), 0)
+        tl.atomic_add(p_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
+        _barrier(p_hdr + _ARRIVED_HIST, n_prog)
+        # 2. the band (the one bin of the k-th largest) and this slice's split around it
+        lo, _ = pick_bin(tl.load(p_ws + o_b, cache_modifier=".cg"), K, NBINS)
+        _stamp(p_trace, 1, TRACE)
+        bits = _band_bits(lo, lo)
+        b_bin, m_gt, m_eq, b_pack, n_pack = _split_block(b_key, m_t, lo, lo)
+        r_gt, r_eq = _unpack(tl.cumsum(b_pack, 0) - b_pack)
+        o_gt = 0
+        o_eq = 0
+        if n_pack > 0:
+            n_gt, n_eq = _unpack(n_pack)
+            o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
+        b_pos = _position(o_t, m_t, map_ptr, MAP_PAGE)
+        tl.store(p_out + o_gt + r_gt, b_pos, mask=m_gt & (o_gt + r_gt < K))
+        if bits >= 0:
+            tl.atomic_add(p_ws + _HIST2 + _band_digit(b_key, b_bin, lo, bits), 1, mask=m_eq, sem="relaxed")
+        k_min = tl.min(tl.where(m_eq, b_key, 2147483647), 0)
+        k_max = tl.max(tl.where(m_eq, b_key, -2147483648), 0)
+        if k_min <= k_max:
+            tl.atomic_min(p_hdr + _KEY_MIN, k_min, sem="relaxed")
+            tl.atomic_max(p_hdr + _KEY_MAX, k_max, sem="relaxed")
+        _stamp(p_trace, 2, TRACE)
+        _barrier(p_hdr + _ARRIVED, n_prog)
+        _stamp(p_trace, 3, TRACE)
+        # 3. the same header and second histogram in every program, so the same path
+        b_hist2 = tl.load(p_ws + _HIST2 + o_b, cache_modifier=".cg")
+        n_above_band = tl.load(p_hdr + _N_GT, cache_modifier=".cg")
+        n_surv = tl.load(p_hdr + _N_SURV, cache_modifier=".cg")
+        k_min = tl.load(p_hdr + _KEY_MIN, cache_modifier=".cg")
+        k_max = tl.load(p_hdr + _KEY_MAX, cache_modifier=".cg")
+        k_rem = K - n_above_band
+        i_sub, k_rem2 = pick_bin(b_hist2, k_rem, NBINS)
+        n_sub = tl.sum(tl.where(o_b == i_sub, b_hist2, 0), 0)
+        take = (n_surv == k_rem) | (k_min == k_max)
+        second = (~take) & (bits >= 0) & (n_sub <= CAP2)
+        o_band = o_eq + r_eq  # each band key's slot in the row's band order
+        p_keys2 = p_ws + _SCRATCH + 2 * CAP
+        p_idx2 = p_keys2 + CAP2
+        if take:
+            tl.store(p_out + n_above_band + o_band, b_pos, mask=m_eq & (o_band < k_rem))
+        elif second:
+            b_d = _band_digit(b_key, b_bin, lo, bits)
+            m_above = m_eq & (b_d > i_sub)
+            m_in = m_eq & (b_d == i_sub)
+            b_pack2 = m_above.to(tl.int32) | (m_in.to(tl.int32) << 16)
+            r_above, r_in = _unpack(tl.cumsum(b_pack2, 0) - b_pack2)
+            n_pack2 = tl.sum(b_pack2, 0)
+            o_above = 0
+            o_in = 0
+            if n_pack2 > 0:
+                d_above, d_in = _unpack(n_pack2)
+                o_above, o_in = _reserve(p_hdr + _N_ABOVE, d_above, d_in)
+            tl.store(p_out + K - k_rem + o_above + r_above, b_pos, mask=m_above)
+            if n_sub == k_rem2:  # the whole sub-bin is needed: no ranking
+                tl.store(p_out + K - k_rem2 + o_in + r_in, b_pos, mask=m_in)
+            else:
+                tl.store(p_keys2 + o_in + r_in, b_key, mask=m_in)
+                tl.store(p_idx2 + o_in + r_in, b_pos, mask=m_in)
+        else:  # the single-program finish reads the band from the scratch
+            p_keys = p_ws + _SCRATCH
+            tl.store(p_keys + o_band, b_key, mask=m_eq & (o_band < CAP))
+            tl.store(p_keys + CAP + o_band, b_pos, mask=m_eq & (o_band < CAP))
+        tl.debug_barrier()
+        n_before = tl.atomic_add(p_hdr + _ARRIVED_DONE, 1, sem="acq_rel")
+        if n_before == n_prog - 1:  # the last to arrive: every other program is past its last read
+            tl.debug_barrier()
+            if take:
+                clean_row(p_ws, _PATH_TAKE, NBINS)
+            elif second:
+                _stamp(p_trace, 5, TRACE)
+                if n_sub > k_rem2:
+                    rank_sub_bin(p_out, p_keys2, p_idx2, n_sub, k_rem2, K, CAP2, RANK_BLOCK, ".cg")
+                clean_row(p_ws, _PATH_SECOND, NBINS)
+            else:
+                _finish_row(
+                    p_x, n_len, p_out, p_ws, lo, lo, K, map_ptr, p_trace,
+                    CAP, CAP2, MAP_PAGE, 1024, FBLOCK, RANK_BLOCK, NBINS, BITS, PASSES, TRACE,
+                )  # fmt: skip
+            tl.store(p_hdr + _N_ABOVE, 0)
+            tl.store(p_hdr + _N_SUB, 0)
+            tl.store(p_hdr + _ARRIVED_HIST, 0)
+            tl.store(p_hdr + _ARRIVED_DONE, 0)
+            if TRACE:
+                tl.debug_barrier()
+            _stamp(p_trace, 4, TRACE)
+
+
+def use_cooperative(n_rows: int, n_cols: int, device: torch.device) -> bool:
+    """Whether rows this few and this wide take the cooperative launch: on a CUDA device (never the CPU
+    interpreter: its programs run one after another, so a barrier would wait forever), at most `MAX_ROWS` rows,
+    and a slice of at most `MAX_BLOCK` keys a program with two programs an SM."""
+    if device.type != "cuda" or is_interpreter() or n_rows > MAX_ROWS:
+        return False
+    return cooperative_block(n_rows, n_cols, device) is not None
+
+
+def cooperative_block(n_rows: int, n_cols: int, device: torch.device, sms: int | None = None) -> int | None:
+    """Keys a program holds: the power of two (at least `MIN_BLOCK`) that spreads each row over at most two
+    programs an SM in all; None where that would exceed `MAX_BLOCK`."""
+    per_row = max(1, 2 * (sms or sm_count(device, 4)) // max(n_rows, 1))
+    block = max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(max(n_cols, 1), per_row)))
+    return block if block <= MAX_BLOCK else None
+
+
+def cooperative_topk_launch(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    plan: OneLaunchPlan,
+    *,
+    block: int | None = None,
+    page_map: tuple[torch.Tensor, int] | None = None,
+    trace: torch.Tensor | None = None,
+):
+    """The whole top-k of validated scores / lengths / out in one launch, the workspace clean (as
+    `one_launch` leaves it; its first histogram must not have been added). block: keys a program holds (default
+    `cooperative_block`, where `use_cooperative` allows); a block as wide as the rows (one program a row) waits
+    for no other program, so it runs anywhere, the CPU interpreter included (its tests). page_map and trace as
+    `one_launch.one_launch_topk_launch` (trace: [rows, programs, 8]). Returns the compiled kernel (its
+    registers and shared memory decide how many programs an SM holds)."""
+    n_rows, n_cols = scores.shape
+    check_workspace(workspace, n_rows, plan, scores.device)
+    check_page_map(page_map, n_rows, n_cols, scores.device)
+    if block is None:
+        block = cooperative_block(n_rows, n_cols, scores.device) if use_cooperative(n_rows, n_cols, scores.device) \
+            else None
+        require(block is not None, f"{n_rows} rows of {n_cols} do not fit one resident cooperative launch here")
+    require(block >= 16 and block & (block - 1) == 0, f"block must be a power of two >= 16, got {block}")
+    grid = (n_rows, triton.cdiv(max(n_cols, 1), block))
+    resident = scores.device.type == "cuda" and not is_interpreter() and n_rows * grid[1] <= 2 * sm_count(
+        scores.device, 4)
+    require(grid[1] == 1 or resident, f"{grid[1]} programs a row must all be resident at once (one a row here)")
+    if trace is not None:
+        check_tensor("trace", trace, dtypes=(torch.int64,), shape=(*grid, 8), device=scores.device)
+    pdl = pdl_for_rows(n_rows, scores.device)
+    return _cooperative_topk_kernel[grid](
+        scores, lengths, out, workspace, out if page_map is None else page_map[0],
+        trace if trace is not None else out, scores.stride(0), out.stride(0), workspace.stride(0), n_cols, plan.k,
+        CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0 if page_map is None else page_map[1], BLOCK=block,
+        FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, PDL=pdl,
+        TRACE=trace is not None, num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG, launch_pdl=pdl,
+    )  # fmt: skip
+
+
+def topk_indices_cooperative(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    capacity: int | None = None,
+    block: int | None = None,
+) -> torch.Tensor:
+    """Exact top-k indices per row, unsorted, in one cooperative launch; the contract of
+    `hearth.kernels.topk.topk_indices` (ties broken arbitrarily; rows with L <= k give 0..L-1 then -1).
+    Only where `use_cooperative` holds. workspace / capacity: as `one_launch.topk_indices_one_launch`'s
+    (a clean workspace kept across calls; capacity: band survivors the single-program fallback keeps);
+    block: `cooperative_topk_launch`'s."""
+    out = checked_output(scores, lengths, k, out)
+    plan = one_launch_plan(k, capacity=capacity)
+    if out.shape[0] == 0:
+        return out
+    if workspace is None:
+        workspace = new_one_launch_workspace(out.shape[0], plan, scores.device)
+    cooperative_topk_launch(scores, lengths, out, workspace, plan, block=block)
+    return out

@@ -1,0 +1,261 @@
+"""Cooperative few-row top-k (`kernels/topk/cooperative.py`): every path exact against torch, the shared
+workspace left clean (its own barrier counters included), page maps, short rows, the plan's block and where
+the path is taken. One program a row waits for nobody, so those cases run under the CPU interpreter too;
+several programs a row (the grid barriers) run on the GPU only."""
+
+import pytest
+import torch
+
+from hearth.kernels.indexer import indexer_decode_topk, lightning, lightning_indexer_decode
+from hearth.kernels.topk import cooperative
+from hearth.kernels.topk.cooperative import (
+    ARRIVED_DONE,
+    ARRIVED_HIST,
+    MAX_BLOCK,
+    N_ABOVE,
+    N_SUB,
+    cooperative_block,
+    cooperative_topk_launch,
+    topk_indices_cooperative,
+    use_cooperative,
+)
+from hearth.kernels.topk.one_launch import (
+    HEADER,
+    PATH,
+    PATH_ROW,
+    PATH_SCRATCH,
+    PATH_SECOND,
+    PATH_TAKE,
+    map_through_pages,
+    new_one_launch_workspace,
+    one_launch_plan,
+    topk_indices_one_launch,
+)
+from hearth.kernels.topk.reference import check_topk
+from tests.kernels.conftest import requires_cuda
+from tests.kernels.test_lightning_indexer import _filled_cache, _queries
+from tests.kernels.test_topk_one_launch import POISON, _assert_clean, _rows_for_every_path
+
+# what the cooperative path takes for _rows_for_every_path's rows: the crowded bin of row 3 needs no scratch
+# here (each program writes its own keys above the sub-bin), so only the edge bin and the crowded sub-bin
+# fall back to the single-program finish
+COOPERATIVE_PATHS = [PATH_SECOND, PATH_TAKE, PATH_SECOND, PATH_SECOND, PATH_TAKE, PATH_SCRATCH, PATH_SCRATCH,
+                     PATH_TAKE]
+
+
+def _assert_all_clean(ws: torch.Tensor) -> None:
+    _assert_clean(ws)
+    words = [HEADER + w for w in (N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_DONE)]
+    assert bool((ws[:, words] == 0).all()), "the barrier and sub-bin counters must be zeroed"
+
+
+def _every_path(block: int, device: torch.device) -> None:
+    """_rows_for_every_path's rows four at a time (at most four rows take the cooperative path), two calls on
+    one workspace with a moved length: exact, the expected path, the workspace clean."""
+    n, k = 3000, 200
+    s, _ = _rows_for_every_path(n, k, device)
+    plan = one_launch_plan(k)  # capacity 800
+    for first in (0, 4):
+        rows = s[first : first + 4].contiguous()
+        ws = new_one_launch_workspace(4, plan, device)
+        lengths = torch.full((4,), n, dtype=torch.int32, device=device)
+        for call in range(2):
+            lengths[0] = n - 17 * call  # decode moves the lengths; the workspace is never re-zeroed
+            out = torch.full((4, k), POISON, dtype=torch.int32, device=device)
+            topk_indices_cooperative(rows, lengths, k, out=out, workspace=ws, block=block)
+            check_topk(out, rows, lengths, k)
+            assert ws[:, HEADER + PATH].tolist() == COOPERATIVE_PATHS[first : first + 4]
+            _assert_all_clean(ws)
+
+
+def test_every_path_exact_and_the_workspace_cleans_itself(device):
+    """One program a row: no barrier waits (so the CPU interpreter runs it too)."""
+    _every_path(4096, device)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_every_path_with_several_programs_a_row_gpu():
+    """12 programs a row of 256 keys: both grid barriers, the survivors of every program."""
+    _every_path(256, torch.device("cuda"))
+
+
+def test_more_survivors_than_the_capacity_take_the_row(device):
+    """A sub-bin over CAP2 with more band keys than the capacity: the fallback finish reads the row itself."""
+    n, k = 3000, 200
+    s = -10.0 + torch.randn(1, n, device=device)
+    s[0, 100:800] = (torch.arange(700, device=device, dtype=torch.int32) + 0x3F800000).view(torch.float32)
+    lengths = torch.tensor([n], dtype=torch.int32, device=device)
+    ws = new_one_launch_workspace(1, one_launch_plan(k, capacity=300), device)
+    out = topk_indices_cooperative(s, lengths, k, workspace=ws, capacity=300, block=4096)
+    check_topk(out, s, lengths, k)
+    assert ws[0, HEADER + PATH].item() == PATH_ROW
+    _assert_all_clean(ws)
+
+
+def test_sub_bin_path_matches_torch_topk(device):
+    """Distinct scores: torch.topk's index set exactly, the whole sub-bin taken or ranked."""
+    n, k = 2500, 64
+    s = 1.0 + (2.5 / n) * torch.stack([torch.randperm(n, device=device) for _ in range(3)]).float()
+    lengths = torch.tensor([n, n - 1, 1000], dtype=torch.int32, device=device)
+    ws = new_one_launch_workspace(3, one_launch_plan(k), device)
+    out = topk_indices_cooperative(s, lengths, k, workspace=ws, block=4096)
+    assert ws[:, HEADER + PATH].tolist() == [PATH_SECOND] * 3
+    for r in range(3):
+        want = torch.topk(s[r, : lengths[r]].cpu(), k).indices.sort().values
+        assert torch.equal(out[r].cpu().long().sort().values, want)
+    _assert_all_clean(ws)
+
+
+def test_short_rows_odd_sizes_and_page_map(device):
+    """L <= k rows (0..L-1 then -1), L = 0, L = k + 1, an odd width; a page map writes what
+    `map_through_pages` makes of the plain output."""
+    n, k, page = 777, 300, 16
+    s = torch.randn(4, n, device=device)
+    s[2] = 3.0  # all equal
+    lengths = torch.tensor([n, k + 1, n, k], dtype=torch.int32, device=device)
+    out = torch.full((4, k), POISON, dtype=torch.int32, device=device)
+    topk_indices_cooperative(s, lengths, k, out=out, block=1024)
+    check_topk(out, s, lengths, k)
+    assert out[3].tolist() == list(range(k))
+    empty = topk_indices_cooperative(s[:1], torch.zeros(1, dtype=torch.int32, device=device), k, block=1024)
+    assert empty[0].tolist() == [-1] * k
+    table = torch.randperm(100, generator=torch.Generator().manual_seed(3))[: -(-n // page)].int().to(device)
+    ws = new_one_launch_workspace(1, one_launch_plan(k), device)
+    plain = topk_indices_cooperative(s[:1], lengths[:1], k, workspace=ws, block=1024)
+    mapped = torch.empty_like(plain)
+    cooperative_topk_launch(s[:1], lengths[:1], mapped, ws, one_launch_plan(k), block=1024, page_map=(table, page))
+    want = map_through_pages(plain[0].contiguous(), table, page, torch.empty_like(plain[0]))
+    assert sorted(mapped[0].tolist()) == sorted(want.tolist())
+    _assert_all_clean(ws)
+
+
+def test_plan_blocks_and_where_the_path_is_taken(device):
+    """Two programs an SM over the rows at most, a power-of-two block of 256..MAX_BLOCK keys; never under the CPU
+    interpreter or past four rows; several programs a row refused where they cannot all be resident."""
+    assert cooperative_block(1, 131072, device, sms=132) == 512  # 256 programs
+    assert cooperative_block(4, 131072, device, sms=132) == 2048  # 64 programs a row, 256 in all
+    assert cooperative_block(1, 1000, device, sms=132) == 256
+    assert cooperative_block(4, 4 * 131072, device, sms=132) is None  # over MAX_BLOCK: the one-launch path
+    for rows, n in ((1, 131072), (4, 8192), (3, 1000)):
+        block = cooperative_block(rows, n, device, sms=132)
+        assert rows * -(-n // block) <= 2 * 132 and block <= MAX_BLOCK
+    assert not use_cooperative(5, 8192, device)
+    assert not use_cooperative(1, 8192, torch.device("cpu"))
+    s = torch.randn(1, 3000, device=device)
+    lengths = torch.tensor([3000], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="power of two"):
+        topk_indices_cooperative(s, lengths, 200, block=1000)
+    if device.type != "cuda":
+        with pytest.raises(ValueError, match="resident"):
+            topk_indices_cooperative(s, lengths, 200, block=256)
+        with pytest.raises(ValueError, match="cooperative"):
+            topk_indices_cooperative(s, lengths, 200)
+
+
+def test_indexer_decode_topk_takes_it_where_allowed(device, monkeypatch):
+    """"auto" runs the cooperative top-k where `use_cooperative` holds (GPU, <= 4 rows) and the one-launch
+    path elsewhere or with it switched off; "cooperative" asked for where it cannot run is refused."""
+    block_size, ctx, k = 16, [37, 90], 24
+    cache, table = _filled_cache(ctx, block_size, 8, device)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
+    q = _queries((2, 1, 16, 128), "fp8", device)
+    w = torch.randn(2, 1, 16, device=device)
+    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, block_size)
+    launches = []
+    real = lightning.cooperative_topk_launch
+    monkeypatch.setattr(lightning, "cooperative_topk_launch", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
+    for on in (True, False):
+        monkeypatch.setattr(cooperative, "COOPERATIVE", on)
+        launches.clear()
+        idx = indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k)
+        check_topk(idx.view(-1, k), logits, lengths, k)
+        assert len(launches) == (1 if on and device.type == "cuda" else 0)
+    if device.type != "cuda":
+        with pytest.raises(ValueError, match="cooperative"):
+            indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k, topk="cooperative")
+    with pytest.raises(ValueError, match="fuse_hist"):
+        indexer_decode_topk(q, w, cache, table, ctx_t, block_size, k, fuse_hist=True, topk="cooperative")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows,n", [(1, 131072), (1, 262144), (2, 32768), (4, 131072), (1, 8192), (3, 5000)])
+@pytest.mark.parametrize("kind", ["randn", "relu_zeros", "narrow", "edge", "increasing"])
+def test_cooperative_real_shapes_gpu(rows, n, kind):
+    """The default plan (up to 256 programs a row, two grid barriers) against torch, three calls on one
+    workspace with moving lengths."""
+    k = 2048
+    s = torch.randn(rows, n, device="cuda")
+    if kind == "relu_zeros":
+        s = torch.relu(s - 3.0)
+    elif kind == "narrow":
+        s = 1.0 + torch.rand(rows, n, device="cuda")  # every key in four quarter-binade bins
+    elif kind == "edge":
+        s = s * 1e-7  # the cutoff in the clamped edge bin: the single-program finish
+    elif kind == "increasing":
+        s = torch.arange(n, device="cuda").float().expand(rows, n).contiguous()  # the top-k in the last programs
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(rows, plan, s.device)
+    assert use_cooperative(rows, n, s.device)
+    for call in range(3):
+        lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
+        lengths[0] = n - call
+        out = torch.full((rows, k), POISON, dtype=torch.int32, device="cuda")
+        topk_indices_cooperative(s, lengths, k, out=out, workspace=ws)
+        check_topk(out, s, lengths, k)
+        _assert_all_clean(ws)
+    one = topk_indices_one_launch(s, lengths, k)  # the same index sets where the k-th largest is not tied
+    if kind in ("randn", "increasing"):
+        assert torch.equal(out.sort(dim=1).values, one.sort(dim=1).values)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_two_programs_fit_an_sm_and_graph_replay_gpu():
+    """The build leaves room for two programs an SM (registers and shared memory: the barriers need every
+    program resident); captured once, replayed over new scores and lengths; the trace's stamps in order."""
+    rows, n, k = 1, 131072, 2048
+    s = torch.randn(rows, n, device="cuda")
+    lengths = torch.full((rows,), n, dtype=torch.int32, device="cuda")
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(rows, plan, s.device)
+    out = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+    kernel = cooperative_topk_launch(s, lengths, out, ws, plan)
+    props = torch.cuda.get_device_properties(0)
+    assert kernel.n_regs * 32 * kernel.metadata.num_warps * 2 <= props.regs_per_multiprocessor
+    assert 2 * kernel.metadata.shared <= props.shared_memory_per_multiprocessor
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cooperative_topk_launch(s, lengths, out, ws, plan)
+    for step in range(5):
+        fresh = torch.randn(rows, n, device="cuda")
+        s.copy_(fresh if step % 2 else torch.relu(fresh - 3))
+        lengths.copy_(torch.randint(k // 2, n + 1, (rows,), dtype=torch.int32, device="cuda"))
+        graph.replay()
+        check_topk(out, s, lengths, k)
+    _assert_all_clean(ws)
+    programs = -(-n // cooperative_block(rows, n, s.device))
+    trace = torch.zeros(rows, programs, 8, dtype=torch.int64, device="cuda")
+    lengths.fill_(n)
+    cooperative_topk_launch(s, lengths, out, ws, plan, trace=trace)
+    check_topk(out, s, lengths, k)
+    t = trace.cpu()
+    assert bool((t[..., 0] > 0).all()) and bool((t[..., :4].diff(dim=-1) >= 0).all())
+    assert bool(((t[..., 4] > 0).sum(dim=1) == 1).all()), "one finish per row"
+    assert bool(t[..., 1].min() >= t[..., 0].max()), "no program passes the first barrier before all start"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_indexer_decode_topk_cooperative_real_shapes_gpu():
+    """The engine's call at batch 1-4 x 32K (auto: cooperative) against the one-launch path on the same logits."""
+    ctx = [32768, 20000, 4097, 2049]
+    cache, table = _filled_cache(ctx, 64, 513, "cuda")
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = _queries((4, 1, 64, 128), "fp8", "cuda")
+    w = torch.randn(4, 1, 64, device="cuda") * 0.01
+    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, 64)
+    for topk in ("auto", "cooperative"):
+        idx = indexer_decode_topk(q, w, cache, table, ctx_t, 64, 2048, topk=topk)
+        check_topk(idx.view(-1, 2048), logits, lengths, 2048)
