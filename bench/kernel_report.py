@@ -122,40 +122,40 @@ def sparse_mla_report(config: dict, fp8: bool, arch: int = 90) -> Report:
     return compile_report(fn, signature, constexprs, plan["num_warps"], plan["num_stages"], arch)
 
 
+def _select_setup(config: dict, block: int) -> tuple[dict, tuple, dict]:
+    """A top-k selection kernel's compile (k 2048, the default survivor capacity): ``config`` without its launch
+    options, those options (warps, stages, maxnreg, defaults 8 / 3 / `SELECT_MAXNREG`) and the shared constexprs."""
+    config = dict(config)
+    maxnreg = config.pop("maxnreg", one_launch.SELECT_MAXNREG)
+    options = (config.pop("num_warps", 8), config.pop("num_stages", 3), maxnreg)
+    plan = one_launch.one_launch_plan(2048)
+    constexprs = dict(CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0, BLOCK=block, FBLOCK=plan.finish_block,
+                      RANK_BLOCK=one_launch.RANK_BLOCK, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, PDL=True,
+                      TRACE=False)
+    return config, options, constexprs
+
+
 def one_launch_report(config: dict, arch: int = 90) -> Report:
     """The one-launch top-k selection kernel (k 2048, the default survivor capacity), ``config``'s
     constexprs and launch options over its defaults."""
-    config = dict(config)
-    num_warps, num_stages = config.pop("num_warps", 8), config.pop("num_stages", 3)
-    maxnreg = config.pop("maxnreg", one_launch.SELECT_MAXNREG)
-    plan = one_launch.one_launch_plan(2048)
-    constexprs = dict(CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0, BLOCK=1024, FBLOCK=plan.finish_block,
-                      RANK_BLOCK=one_launch.RANK_BLOCK,
-                      NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, SCAN=one_launch.SCAN, SAMPLE=one_launch.HIST_SAMPLE,
-                      SAMPLE_MIN=one_launch.SAMPLE_MIN_PER_K, SIGMAS=float(one_launch.SAMPLE_SIGMAS), PDL=True,
-                      TRACE=False) | config
+    config, options, constexprs = _select_setup(config, 1024)
+    constexprs |= dict(SCAN=one_launch.SCAN, SAMPLE=one_launch.HIST_SAMPLE, SAMPLE_MIN=one_launch.SAMPLE_MIN_PER_K,
+                       SIGMAS=float(one_launch.SAMPLE_SIGMAS)) | config
     signature = {"x_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "ws_ptr": "*i32", "map_ptr": "*i32",
                  "trace_ptr": "*i64", "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "K": "i32/16",
                  "SEG": "i32/16"}
-    return compile_report(one_launch._topk_one_launch_kernel, signature, constexprs, num_warps, num_stages, arch,
-                          maxnreg)
+    return compile_report(one_launch._topk_one_launch_kernel, signature, constexprs, *options[:2], arch, options[2])
 
 
 def cooperative_report(config: dict, arch: int = 90) -> Report:
     """The cooperative few-row top-k kernel (k 2048, the default capacity, 512-key slices as at b1 x 128K on
     132 SMs), ``config``'s constexprs and launch options over its defaults."""
-    config = dict(config)
-    num_warps, num_stages = config.pop("num_warps", cooperative.NUM_WARPS), config.pop("num_stages", 3)
-    maxnreg = config.pop("maxnreg", one_launch.SELECT_MAXNREG)
-    plan = one_launch.one_launch_plan(2048)
-    constexprs = dict(CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0, BLOCK=512, FBLOCK=plan.finish_block,
-                      RANK_BLOCK=one_launch.RANK_BLOCK, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, PDL=True,
-                      TRACE=False) | config
+    config, options, constexprs = _select_setup(config, 512)
+    constexprs |= config
     signature = {"x_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "ws_ptr": "*i32", "map_ptr": "*i32",
                  "trace_ptr": "*i64", "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "N": "i32/16",
                  "K": "i32/16"}
-    return compile_report(cooperative._cooperative_topk_kernel, signature, constexprs, num_warps, num_stages, arch,
-                          maxnreg)
+    return compile_report(cooperative._cooperative_topk_kernel, signature, constexprs, *options[:2], arch, options[2])
 
 
 def main() -> None:

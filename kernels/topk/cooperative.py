@@ -73,6 +73,7 @@ from hearth.kernels.topk.one_launch import (
     one_launch_plan,
     pdl_for_rows,
     rank_sub_bin,
+    write_every_entry,
 )
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS, checked_output
 from hearth.kernels.topk.single_pass import pick_bin
@@ -150,11 +151,8 @@ def _cooperative_topk_kernel(
     b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
     n_len = tl.load(len_ptr + i_r)
     if n_len <= K:
-        if i_s == 0:  # every valid entry: out[t] = t for t < L, -1 up to k
-            for i0 in range(0, K, BLOCK):
-                o_k = i0 + tl.arange(0, BLOCK)
-                m_v = o_k < n_len
-                tl.store(p_out + o_k, tl.where(m_v, _position(o_k, m_v, map_ptr, MAP_PAGE), -1), mask=o_k < K)
+        if i_s == 0:
+            write_every_entry(p_out, n_len, K, map_ptr, MAP_PAGE, BLOCK)
     elif i_s * BLOCK < n_len:
         n_prog = (n_len + BLOCK - 1) // BLOCK  # the programs that hold keys of the row
         m_t = o_t < n_len

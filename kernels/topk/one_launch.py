@@ -211,6 +211,16 @@ def _position(o_t, m_t, p_map, MAP_PAGE: tl.constexpr):
 
 
 @triton.jit
+def write_every_entry(p_out, n_len, K, p_map, MAP_PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """A row no longer than k: every valid entry is selected, out[t] = t (as `_position` maps it) for t < L, then -1
+    up to k."""
+    for i0 in range(0, K, BLOCK):
+        o_t = i0 + tl.arange(0, BLOCK)
+        m_v = o_t < n_len
+        tl.store(p_out + o_t, tl.where(m_v, _position(o_t, m_v, p_map, MAP_PAGE), -1), mask=o_t < K)
+
+
+@triton.jit
 def _copy(p_src, p_dst, n):
     """p_dst[0:n] = p_src[0:n] (int32), reading what other programs wrote (bypassing L1)."""
     BLOCK: tl.constexpr = 1024
@@ -650,12 +660,8 @@ def _topk_one_launch_kernel(
     b_hist = tl.load(p_ws + o_b)  # beside the length, not after it (one round trip before the band)
     if n_len <= K:
         if i_s == 0:
-            # every valid entry is selected: out[t] = t for t < L, -1 up to k; no other program of the
-            # row reads the histogram the indexer added, so this one clears it
-            for i0 in range(0, K, BLOCK):
-                o_t = i0 + tl.arange(0, BLOCK)
-                m_v = o_t < n_len
-                tl.store(p_out + o_t, tl.where(m_v, _position(o_t, m_v, map_ptr, MAP_PAGE), -1), mask=o_t < K)
+            # no other program of the row reads the histogram the indexer added, so this one clears it
+            write_every_entry(p_out, n_len, K, map_ptr, MAP_PAGE, BLOCK)
             tl.store(p_ws + o_b, tl.zeros([NBINS], dtype=tl.int32))
     else:
         lo, hi = _band(b_hist, K, n_len, SAMPLE, SAMPLE_MIN, SIGMAS, NBINS)
