@@ -138,7 +138,7 @@ for step in "${steps[@]}"; do
           # the indexer's and the DSA engine's, then the decode rows at 1-4 requests beside the one-launch path (~5 min)
         gpu_tests 300 tests/kernels/test_topk_cooperative.py tests/kernels/test_lightning_indexer.py \
             tests/engine/test_dsa_kernels_engine.py
-        timeout 260 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts 8192 32768 131072 --out "$OUT" \
+        timeout 260 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} --out "$OUT" \
             > "$OUT/decode-topk.log" 2>&1
         grep -E "^B|trace|Error|error" "$OUT/decode-topk.log" | tail -30 ;;
     k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn

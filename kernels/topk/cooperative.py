@@ -43,7 +43,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from hearth.kernels._utils import check_tensor, float_order_key, is_interpreter, require, sm_count
 from hearth.kernels.topk.one_launch import (
-    ARRIVED,
+    COUNTER_LINES,
     HEADER,
     HIST2,
     KEY_MAX,
@@ -81,18 +81,24 @@ from hearth.kernels.topk.single_pass import pick_bin
 # Whether `indexer_decode_topk`'s "auto" takes this path where `use_cooperative` allows it.
 COOPERATIVE = True
 # Header words of the cooperative path (after one_launch's six): the pair of counters of keys above the sub-bin
-# and in it (8-byte aligned, one 64-bit atomic), the histogram barrier's and the finish's arrival counters.
-N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_DONE = 6, 7, 8, 9
+# and in it (8-byte aligned, one 64-bit atomic); then, from the header, the first word of each of its three
+# counter lines (`one_launch.COUNTER_LINES`): the histogram barrier's, the split barrier's and the finish's arrivals.
+# H200, 2026-12-04 (thirteenth session): with all of them on the header's line and 256 programs a row, a b1 x 128K
+# row passed its first barrier 3.6 us and its second 6.4 us after its start (1 x 32K, 128 programs: 2.3 / 4.4).
+N_ABOVE, N_SUB = 6, 7
+ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE = (COUNTER_LINES - HEADER + 32 * i for i in range(3))
 # Keys a program holds (one block); rows wider than two programs a SM of this many take `one_launch`.
 MAX_BLOCK = 2048
 MIN_BLOCK = 256  # one key a thread at 8 warps
+# Programs a row at most: a barrier's cost grows with its arrivals (H200, 2026-12-04: 256 programs a b1 x 128K row
+# took the top-k alone to 14.0 us against the one-launch path's 12.4; 128 a row of 32K: 8.0 against 9.2).
+MAX_PROGRAMS = 128
 MAX_ROWS = 4  # rows a launch takes: where the launches and the finish's tail, not the keys, are the cost
 NUM_WARPS = 8
 _HIST2, _HEADER, _SCRATCH = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH))
-_N_GT, _N_SURV, _ARRIVED, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in (N_GT, N_SURV, ARRIVED, KEY_MIN,
-                                                                                 KEY_MAX, PATH))
-_N_ABOVE, _N_SUB, _ARRIVED_HIST, _ARRIVED_DONE = (tl.constexpr(v) for v in (N_ABOVE, N_SUB, ARRIVED_HIST,
-                                                                            ARRIVED_DONE))
+_N_GT, _N_SURV, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in (N_GT, N_SURV, KEY_MIN, KEY_MAX, PATH))
+_N_ABOVE, _N_SUB, _ARRIVED_HIST, _ARRIVED_SPLIT, _ARRIVED_DONE = (
+    tl.constexpr(v) for v in (N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE))
 _PATH_TAKE, _PATH_SECOND = tl.constexpr(PATH_TAKE), tl.constexpr(PATH_SECOND)
 
 
@@ -183,7 +189,7 @@ def _cooperative_topk_kernel(
             tl.atomic_min(p_hdr + _KEY_MIN, k_min, sem="relaxed")
             tl.atomic_max(p_hdr + _KEY_MAX, k_max, sem="relaxed")
         _stamp(p_trace, 2, TRACE)
-        _barrier(p_hdr + _ARRIVED, n_prog)
+        _barrier(p_hdr + _ARRIVED_SPLIT, n_prog)
         _stamp(p_trace, 3, TRACE)
         # 3. the same header and second histogram in every program, so the same path
         b_hist2 = tl.load(p_ws + _HIST2 + o_b, cache_modifier=".cg")
@@ -242,6 +248,7 @@ def _cooperative_topk_kernel(
             tl.store(p_hdr + _N_ABOVE, 0)
             tl.store(p_hdr + _N_SUB, 0)
             tl.store(p_hdr + _ARRIVED_HIST, 0)
+            tl.store(p_hdr + _ARRIVED_SPLIT, 0)
             tl.store(p_hdr + _ARRIVED_DONE, 0)
             if TRACE:
                 tl.debug_barrier()
@@ -259,8 +266,8 @@ def use_cooperative(n_rows: int, n_cols: int, device: torch.device) -> bool:
 
 def cooperative_block(n_rows: int, n_cols: int, device: torch.device, sms: int | None = None) -> int | None:
     """Keys a program holds: the power of two (at least `MIN_BLOCK`) that spreads each row over at most two
-    programs an SM in all; None where that would exceed `MAX_BLOCK`."""
-    per_row = max(1, 2 * (sms or sm_count(device, 4)) // max(n_rows, 1))
+    programs an SM in all and at most `MAX_PROGRAMS`; None where that would exceed `MAX_BLOCK`."""
+    per_row = max(1, min(MAX_PROGRAMS, 2 * (sms or sm_count(device, 4)) // max(n_rows, 1)))
     block = max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(max(n_cols, 1), per_row)))
     return block if block <= MAX_BLOCK else None
 

@@ -63,7 +63,10 @@ from hearth.kernels.topk.single_pass import pick_bin
 HIST2 = NBINS  # offset of the second histogram
 HEADER = 2 * NBINS
 N_GT, N_SURV, ARRIVED, KEY_MIN, KEY_MAX, PATH = range(6)
-SCRATCH = HEADER + 32  # survivors start on their own 128-byte line
+# the header's 128-byte line, then three lines for the cooperative select's barrier counters (`cooperative.py`:
+# programs spinning on a counter are kept off the line the others' atomics go to); survivors start on their own line
+COUNTER_LINES = HEADER + 32
+SCRATCH = COUNTER_LINES + 3 * 32
 PATH_TAKE, PATH_SECOND, PATH_SCRATCH, PATH_ROW, PATH_FULL = 1, 2, 3, 4, 5
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 # fine_bin's window: quarter-binade index q = (exponent field << 2) | top 2 mantissa bits; q in

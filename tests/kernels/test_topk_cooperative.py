@@ -11,6 +11,7 @@ from hearth.kernels.topk import cooperative
 from hearth.kernels.topk.cooperative import (
     ARRIVED_DONE,
     ARRIVED_HIST,
+    ARRIVED_SPLIT,
     MAX_BLOCK,
     N_ABOVE,
     N_SUB,
@@ -45,7 +46,7 @@ COOPERATIVE_PATHS = [PATH_SECOND, PATH_TAKE, PATH_SECOND, PATH_SECOND, PATH_TAKE
 
 def _assert_all_clean(ws: torch.Tensor) -> None:
     _assert_clean(ws)
-    words = [HEADER + w for w in (N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_DONE)]
+    words = [HEADER + w for w in (N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE)]
     assert bool((ws[:, words] == 0).all()), "the barrier and sub-bin counters must be zeroed"
 
 
@@ -133,7 +134,7 @@ def test_short_rows_odd_sizes_and_page_map(device):
 def test_plan_blocks_and_where_the_path_is_taken(device):
     """Two programs an SM over the rows at most, a power-of-two block of 256..MAX_BLOCK keys; never under the CPU
     interpreter or past four rows; several programs a row refused where they cannot all be resident."""
-    assert cooperative_block(1, 131072, device, sms=132) == 512  # 256 programs
+    assert cooperative_block(1, 131072, device, sms=132) == 1024  # MAX_PROGRAMS: 128 a row
     assert cooperative_block(4, 131072, device, sms=132) == 2048  # 64 programs a row, 256 in all
     assert cooperative_block(1, 1000, device, sms=132) == 256
     assert cooperative_block(4, 4 * 131072, device, sms=132) is None  # over MAX_BLOCK: the one-launch path
