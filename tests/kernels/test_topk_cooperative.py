@@ -35,7 +35,7 @@ from hearth.kernels.topk.one_launch import (
 from hearth.kernels.topk.reference import check_topk
 from tests.kernels.conftest import requires_cuda
 from tests.kernels.test_lightning_indexer import _filled_cache, _queries
-from tests.kernels.test_topk_one_launch import POISON, _assert_clean, _rows_for_every_path
+from tests.kernels.test_topk_one_launch import POISON, _assert_clean, _rows_for_every_path, gpu_scores
 
 # what the cooperative path takes for _rows_for_every_path's rows: the crowded bin of row 3 needs no scratch
 # here (each program writes its own keys above the sub-bin), so only the edge bin and the crowded sub-bin
@@ -184,15 +184,11 @@ def test_indexer_decode_topk_takes_it_where_allowed(device, monkeypatch):
 @pytest.mark.parametrize("rows,n", [(1, 131072), (1, 262144), (2, 32768), (4, 131072), (1, 8192), (3, 5000)])
 @pytest.mark.parametrize("kind", ["randn", "relu_zeros", "narrow", "edge", "increasing"])
 def test_cooperative_real_shapes_gpu(rows, n, kind):
-    """The default plan (up to 256 programs a row, two grid barriers) against torch, three calls on one
+    """The default plan (up to `MAX_PROGRAMS` a row, two grid barriers) against torch, three calls on one
     workspace with moving lengths."""
     k = 2048
-    s = torch.randn(rows, n, device="cuda")
-    if kind == "relu_zeros":
-        s = torch.relu(s - 3.0)
-    elif kind == "narrow":
-        s = 1.0 + torch.rand(rows, n, device="cuda")  # every key in four quarter-binade bins
-    elif kind == "edge":
+    s = gpu_scores("randn" if kind in ("edge", "increasing") else kind, rows, n)
+    if kind == "edge":
         s = s * 1e-7  # the cutoff in the clamped edge bin: the single-program finish
     elif kind == "increasing":
         s = torch.arange(n, device="cuda").float().expand(rows, n).contiguous()  # the top-k in the last programs

@@ -339,6 +339,17 @@ def test_sampled_histogram_real_shapes_gpu(rows, n, kind):
         _assert_clean(ws)
 
 
+def gpu_scores(kind: str, rows: int, n: int) -> torch.Tensor:
+    """Decode-like rows on the GPU: randn, ReLU'd (thousands of tied zeros at the cut) or narrow (every key in
+    four quarter-binade bins)."""
+    s = torch.randn(rows, n, device="cuda")
+    if kind == "relu_zeros":
+        s = torch.relu(s - 3.0)
+    elif kind == "narrow":
+        s = 1.0 + torch.rand(rows, n, device="cuda")
+    return s
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("rows,n", [(1, 131072), (8, 131072), (64, 131072), (64, 8192)])
@@ -346,11 +357,7 @@ def test_sampled_histogram_real_shapes_gpu(rows, n, kind):
 @pytest.mark.parametrize("scan", [0, 1, 2])
 def test_one_launch_real_shapes_gpu(rows, n, kind, scan):
     k = 2048
-    s = torch.randn(rows, n, device="cuda")
-    if kind == "relu_zeros":
-        s = torch.relu(s - 3.0)
-    elif kind == "narrow":
-        s = 1.0 + torch.rand(rows, n, device="cuda")  # every key in four quarter-binade bins
+    s = gpu_scores(kind, rows, n)
     lengths = torch.randint(n // 2, n + 1, (rows,), dtype=torch.int32, device="cuda")
     lengths[0] = n
     plan = one_launch_plan(k)
