@@ -53,8 +53,8 @@ def median_us(fn) -> float:
 
 def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor) -> dict:
     """Where the cooperative top-k's time goes: each program's global-timer stamps (start, past the first barrier
-    with its band, its slice split, past the second barrier; the row's last program when done), in us from the
-    first start, medians over programs; the last of 5 eager calls."""
+    with its band, its slice split, past the second barrier, its keys placed and arrived; the last program done),
+    in us from the first start, medians over programs; the last of 5 eager calls."""
     rows, n = scores.shape
     out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
     plan = one_launch_plan(K)
@@ -72,13 +72,15 @@ def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor) -> dict:
     t = (trace[..., :4].double() - t0) / 1e3
     live = t[active]  # programs that held keys (every one stamps its start)
     end = float((trace[..., 4].max().double() - t0) / 1e3)
+    arrived = float(((trace[..., 7][active].double() - t0) / 1e3).median())
     res = dict(rows=rows, n=n, programs_per_row=programs, paths={p: paths.count(p) for p in sorted(set(paths))},
                start_spread_us=float(live[:, 0].max()), first_barrier_us=float(live[:, 1].median()),
                split_us=float((live[:, 2] - live[:, 1]).median()), second_barrier_us=float(live[:, 3].median()),
-               end_us=end)
+               arrived_us=arrived, end_us=end)
     print(f"coop trace {rows} x {n}: {programs} programs/row, paths {res['paths']}: starts spread over "
           f"{res['start_spread_us']:.2f} us, past the first barrier (band) at {res['first_barrier_us']:.2f}, split "
-          f"{res['split_us']:.2f}, past the second barrier at {res['second_barrier_us']:.2f}, done at {end:.2f} us",
+          f"{res['split_us']:.2f}, past the second barrier at {res['second_barrier_us']:.2f}, placed and arrived at "
+          f"{arrived:.2f}, done at {end:.2f} us",
           flush=True)
     return res
 

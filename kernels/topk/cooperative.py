@@ -56,6 +56,7 @@ from hearth.kernels.topk.one_launch import (
     RANK_BLOCK,
     SCRATCH,
     SELECT_MAXNREG,
+    TABLE_WAYS,
     OneLaunchPlan,
     _band_bits,
     _band_digit,
@@ -80,12 +81,10 @@ from hearth.kernels.topk.single_pass import pick_bin
 
 # Whether `indexer_decode_topk`'s "auto" takes this path where `use_cooperative` allows it.
 COOPERATIVE = True
-# Header words of the cooperative path (after one_launch's six): the pair of counters of keys above the sub-bin
-# and in it (8-byte aligned, one 64-bit atomic); then, from the header, the first word of each of its three
-# counter lines (`one_launch.COUNTER_LINES`): the histogram barrier's, the split barrier's and the finish's arrivals.
+# The cooperative path's counters, from the header: the first word of each of its three counter lines
+# (`one_launch.COUNTER_LINES`): the histogram barrier's, the split barrier's and the finish's arrivals.
 # H200, 2026-12-04 (thirteenth session): with all of them on the header's line and 256 programs a row, a b1 x 128K
 # row passed its first barrier 3.6 us and its second 6.4 us after its start (1 x 32K, 128 programs: 2.3 / 4.4).
-N_ABOVE, N_SUB = 6, 7
 ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE = (COUNTER_LINES - HEADER + 32 * i for i in range(3))
 # Keys a program holds (one block); rows wider than two programs a SM of this many take `one_launch`.
 MAX_BLOCK = 2048
@@ -97,8 +96,7 @@ MAX_ROWS = 4  # rows a launch takes: where the launches and the finish's tail, n
 NUM_WARPS = 8
 _HIST2, _HEADER, _SCRATCH = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH))
 _N_GT, _N_SURV, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in (N_GT, N_SURV, KEY_MIN, KEY_MAX, PATH))
-_N_ABOVE, _N_SUB, _ARRIVED_HIST, _ARRIVED_SPLIT, _ARRIVED_DONE = (
-    tl.constexpr(v) for v in (N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE))
+_ARRIVED_HIST, _ARRIVED_SPLIT, _ARRIVED_DONE = (tl.constexpr(v) for v in (ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE))
 _PATH_TAKE, _PATH_SECOND = tl.constexpr(PATH_TAKE), tl.constexpr(PATH_SECOND)
 
 
@@ -134,6 +132,7 @@ def _cooperative_topk_kernel(
     BLOCK: tl.constexpr,
     FBLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
+    WAYS: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
@@ -142,7 +141,8 @@ def _cooperative_topk_kernel(
 ):
     i_r = tl.program_id(0)
     i_s = tl.program_id(1)
-    # TRACE: [start, band, slice done, past the second barrier, finished, finish: sub-bin picked, path done]
+    # TRACE: [start, band, slice done, past the second barrier, done, the single-program finish's sub-bin picked
+    # and its path done, arrived after the split]
     p_trace = trace_ptr + (i_r * tl.num_programs(1) + i_s) * 8
     _stamp(p_trace, 0, TRACE)
     if PDL:
@@ -151,6 +151,8 @@ def _cooperative_topk_kernel(
     p_out = out_ptr + i_r.to(tl.int64) * stride_out
     p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
     p_hdr = p_ws + _HEADER
+    p_keys = p_ws + _SCRATCH  # the band in band order: keys, then indices
+    p_table = p_keys + 2 * CAP + 2 * CAP2  # the digit table: [NBINS, WAYS] keys, then their indices
     o_b = tl.arange(0, NBINS)
     o_t = i_s * BLOCK + tl.arange(0, BLOCK)
     # the slice in flight beside the length (masked by the row's width, then by its length)
@@ -179,10 +181,22 @@ def _cooperative_topk_kernel(
         if n_pack > 0:
             n_gt, n_eq = _unpack(n_pack)
             o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
+        # each band key's second digit and its arrival among the row's keys of that digit (old count): the place
+        # of its slot among the digit's, so step 3 needs no more atomics
+        b_d = _band_digit(b_key, b_bin, lo, bits)
+        r_d = tl.zeros([BLOCK], dtype=tl.int32)
+        if bits >= 0:
+            r_d = tl.atomic_add(p_ws + _HIST2 + b_d, 1, mask=m_eq, sem="relaxed")
         b_pos = _position(o_t, m_t, map_ptr, MAP_PAGE)
         tl.store(p_out + o_gt + r_gt, b_pos, mask=m_gt & (o_gt + r_gt < K))
+        o_band = o_eq + r_eq  # each band key's slot in the row's band order
+        # the band in band order (the single-program finish's input) and in the digit table (the ranked sub-bin's)
+        tl.store(p_keys + o_band, b_key, mask=m_eq & (o_band < CAP))
+        tl.store(p_keys + CAP + o_band, b_pos, mask=m_eq & (o_band < CAP))
         if bits >= 0:
-            tl.atomic_add(p_ws + _HIST2 + _band_digit(b_key, b_bin, lo, bits), 1, mask=m_eq, sem="relaxed")
+            m_tab = m_eq & (r_d < WAYS)
+            tl.store(p_table + b_d * WAYS + r_d, b_key, mask=m_tab)
+            tl.store(p_table + NBINS * WAYS + b_d * WAYS + r_d, b_pos, mask=m_tab)
         k_min = tl.min(tl.where(m_eq, b_key, 2147483647), 0)
         k_max = tl.max(tl.where(m_eq, b_key, -2147483648), 0)
         if k_min <= k_max:
@@ -202,42 +216,35 @@ def _cooperative_topk_kernel(
         n_sub = tl.sum(tl.where(o_b == i_sub, b_hist2, 0), 0)
         take = (n_surv == k_rem) | (k_min == k_max)
         second = (~take) & (bits >= 0) & (n_sub <= CAP2)
-        o_band = o_eq + r_eq  # each band key's slot in the row's band order
-        p_keys2 = p_ws + _SCRATCH + 2 * CAP
+        ranked = second & (n_sub > k_rem2)  # the sub-bin is ranked: by program 0 from the table, or by the last
+        p_keys2 = p_keys + 2 * CAP
         p_idx2 = p_keys2 + CAP2
         if take:
             tl.store(p_out + n_above_band + o_band, b_pos, mask=m_eq & (o_band < k_rem))
         elif second:
-            b_d = _band_digit(b_key, b_bin, lo, bits)
+            # a key of a digit above the sub-bin: after the keys of the digits above its own, at its arrival
+            b_above = tl.sum(b_hist2, 0) - tl.cumsum(b_hist2, 0)
             m_above = m_eq & (b_d > i_sub)
+            o_above = tl.gather(b_above, tl.where(m_above, b_d, 0), 0)
+            tl.store(p_out + K - k_rem + o_above + r_d, b_pos, mask=m_above)
             m_in = m_eq & (b_d == i_sub)
-            b_pack2 = m_above.to(tl.int32) | (m_in.to(tl.int32) << 16)
-            r_above, r_in = _unpack(tl.cumsum(b_pack2, 0) - b_pack2)
-            n_pack2 = tl.sum(b_pack2, 0)
-            o_above = 0
-            o_in = 0
-            if n_pack2 > 0:
-                d_above, d_in = _unpack(n_pack2)
-                o_above, o_in = _reserve(p_hdr + _N_ABOVE, d_above, d_in)
-            tl.store(p_out + K - k_rem + o_above + r_above, b_pos, mask=m_above)
-            if n_sub == k_rem2:  # the whole sub-bin is needed: no ranking
-                tl.store(p_out + K - k_rem2 + o_in + r_in, b_pos, mask=m_in)
-            else:
-                tl.store(p_keys2 + o_in + r_in, b_key, mask=m_in)
-                tl.store(p_idx2 + o_in + r_in, b_pos, mask=m_in)
-        else:  # the single-program finish reads the band from the scratch
-            p_keys = p_ws + _SCRATCH
-            tl.store(p_keys + o_band, b_key, mask=m_eq & (o_band < CAP))
-            tl.store(p_keys + CAP + o_band, b_pos, mask=m_eq & (o_band < CAP))
+            if not ranked:  # the whole sub-bin is needed
+                tl.store(p_out + K - k_rem2 + r_d, b_pos, mask=m_in)
+            elif n_sub > WAYS:  # too many for the table: to the second scratch, for the last to rank
+                tl.store(p_keys2 + r_d, b_key, mask=m_in)
+                tl.store(p_idx2 + r_d, b_pos, mask=m_in)
         tl.debug_barrier()
         n_before = tl.atomic_add(p_hdr + _ARRIVED_DONE, 1, sem="acq_rel")
+        _stamp(p_trace, 7, TRACE)
+        if ranked & (n_sub <= WAYS) & (i_s == 0):  # the whole sub-bin is in the table since step 2
+            rank_sub_bin(p_out, p_table + i_sub * WAYS, p_table + NBINS * WAYS + i_sub * WAYS, n_sub, k_rem2, K,
+                         WAYS, WAYS, ".cg")
         if n_before == n_prog - 1:  # the last to arrive: every other program is past its last read
             tl.debug_barrier()
             if take:
                 clean_row(p_ws, _PATH_TAKE, NBINS)
             elif second:
-                _stamp(p_trace, 5, TRACE)
-                if n_sub > k_rem2:
+                if ranked & (n_sub > WAYS):
                     rank_sub_bin(p_out, p_keys2, p_idx2, n_sub, k_rem2, K, CAP2, RANK_BLOCK, ".cg")
                 clean_row(p_ws, _PATH_SECOND, NBINS)
             else:
@@ -245,14 +252,12 @@ def _cooperative_topk_kernel(
                     p_x, n_len, p_out, p_ws, lo, lo, K, map_ptr, p_trace,
                     CAP, CAP2, MAP_PAGE, 1024, FBLOCK, RANK_BLOCK, NBINS, BITS, PASSES, TRACE,
                 )  # fmt: skip
-            tl.store(p_hdr + _N_ABOVE, 0)
-            tl.store(p_hdr + _N_SUB, 0)
             tl.store(p_hdr + _ARRIVED_HIST, 0)
             tl.store(p_hdr + _ARRIVED_SPLIT, 0)
             tl.store(p_hdr + _ARRIVED_DONE, 0)
-            if TRACE:
-                tl.debug_barrier()
-            _stamp(p_trace, 4, TRACE)
+        if TRACE:
+            tl.debug_barrier()
+        _stamp(p_trace, 4, TRACE)
 
 
 def use_cooperative(n_rows: int, n_cols: int, device: torch.device) -> bool:
@@ -308,8 +313,8 @@ def cooperative_topk_launch(
         scores, lengths, out, workspace, out if page_map is None else page_map[0],
         trace if trace is not None else out, scores.stride(0), out.stride(0), workspace.stride(0), n_cols, plan.k,
         CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0 if page_map is None else page_map[1], BLOCK=block,
-        FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, PDL=pdl,
-        TRACE=trace is not None, num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG, launch_pdl=pdl,
+        FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, WAYS=TABLE_WAYS, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES,
+        PDL=pdl, TRACE=trace is not None, num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG, launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -45,7 +45,8 @@ value broken arbitrarily; rows with L <= k give 0..L-1 then -1. No host sync; CU
 
 Workspace per row (int32): the first histogram [NBINS] (filled by the indexer or `fine_hist_launch`),
 the second [NBINS], the header [n_gt, n_surv, arrived, key_min, key_max, path], then CAP survivor keys,
-CAP survivor indices, CAP2 sub-bin keys, CAP2 sub-bin indices.
+CAP survivor indices, CAP2 sub-bin keys, CAP2 sub-bin indices, then the cooperative path's digit table
+(`cooperative.py`): TABLE_WAYS keys of each second digit [NBINS, TABLE_WAYS], then their indices.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ FINE_LO = 444
 SCRATCH_PER_K = 4  # default survivor capacity, in multiples of k
 CAPACITY2 = 512  # sub-bin entries ranked pairwise by the finish
 RANK_BLOCK = 16  # sub-bin keys compared per step of the pairwise rank
+TABLE_WAYS = 32  # keys of a second digit the cooperative path's digit table holds (`cooperative.py`)
 # Survivors the row's finish loads at once with its header and second histogram (`_finish_row`; the rest, if
 # any, a block at a time after). H200, 2026-12-04, one run each (bench_decode_topk.py --finish-blocks, decode
 # indexer + top-k / top-k alone on the indexer's logits, us): 1024 against 16 (the old chain of loads) B1 x 128K
@@ -761,7 +763,12 @@ class OneLaunchPlan:
     @property
     def ws_stride(self) -> int:
         """int32 words of workspace per row (padded to 128 bytes)."""
-        return triton.cdiv(SCRATCH + 2 * self.capacity + 2 * self.capacity2, 32) * 32
+        return triton.cdiv(self.table + 2 * NBINS * TABLE_WAYS, 32) * 32
+
+    @property
+    def table(self) -> int:
+        """Offset of the cooperative path's digit table in a row's workspace."""
+        return SCRATCH + 2 * self.capacity + 2 * self.capacity2
 
     @property
     def finish_block(self) -> int:

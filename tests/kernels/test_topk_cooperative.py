@@ -13,8 +13,6 @@ from hearth.kernels.topk.cooperative import (
     ARRIVED_HIST,
     ARRIVED_SPLIT,
     MAX_BLOCK,
-    N_ABOVE,
-    N_SUB,
     cooperative_block,
     cooperative_topk_launch,
     topk_indices_cooperative,
@@ -46,8 +44,8 @@ COOPERATIVE_PATHS = [PATH_SECOND, PATH_TAKE, PATH_SECOND, PATH_SECOND, PATH_TAKE
 
 def _assert_all_clean(ws: torch.Tensor) -> None:
     _assert_clean(ws)
-    words = [HEADER + w for w in (N_ABOVE, N_SUB, ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE)]
-    assert bool((ws[:, words] == 0).all()), "the barrier and sub-bin counters must be zeroed"
+    words = [HEADER + w for w in (ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE)]
+    assert bool((ws[:, words] == 0).all()), "the barrier counters must be zeroed"
 
 
 def _every_path(block: int, device: torch.device) -> None:
@@ -79,6 +77,55 @@ def test_every_path_exact_and_the_workspace_cleans_itself(device):
 def test_every_path_with_several_programs_a_row_gpu():
     """12 programs a row of 256 keys: both grid barriers, the survivors of every program."""
     _every_path(256, torch.device("cuda"))
+
+
+def _sub_bin_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
+    """Three rows of distinct keys whose k-th largest is in a sub-bin of one-ulp neighbours at 1.1 (the band is the
+    quarter binade [1, 1.25)), with 20 band keys above the sub-bin and 40 below: the whole sub-bin needed (30 keys,
+    30 needed), ranked from the digit table (30, 20 needed) and from the second scratch (100 > TABLE_WAYS, 50
+    needed); keys above the band at 10 + uniform, the rest around -5."""
+    rows = []
+    for n_sub, n_need in ((30, 30), (30, 20), (100, 50)):
+        n_high = k - 20 - n_need
+        s = -5.0 + 0.1 * torch.randn(n, device=device)
+        s[:n_high] = 10.0 + torch.rand(n_high, device=device)
+        o = n_high
+        s[o : o + 20] = 1.2 + 0.002 * torch.arange(20, device=device)  # above the sub-bin, in the band
+        o += 20
+        ulps = torch.arange(n_sub, device=device, dtype=torch.int32) + torch.tensor([1.1]).view(torch.int32).item()
+        s[o : o + n_sub] = ulps.view(torch.float32)
+        o += n_sub
+        s[o : o + 40] = 1.0 + 0.001 * torch.arange(40, device=device)  # below the sub-bin, in the band
+        rows.append(s[torch.randperm(n, device=device)])
+    return torch.stack(rows)
+
+
+def _sub_bin_ways(block: int, device: torch.device) -> None:
+    n, k = 3000, 200
+    s = _sub_bin_rows(n, k, device)
+    lengths = torch.full((3,), n, dtype=torch.int32, device=device)
+    ws = new_one_launch_workspace(3, one_launch_plan(k), device)
+    for _ in range(2):
+        out = torch.full((3, k), POISON, dtype=torch.int32, device=device)
+        topk_indices_cooperative(s, lengths, k, out=out, workspace=ws, block=block)
+        assert ws[:, HEADER + PATH].tolist() == [PATH_SECOND] * 3
+        for r in range(3):
+            want = torch.topk(s[r].cpu(), k).indices.sort().values
+            assert torch.equal(out[r].cpu().long().sort().values, want)
+        _assert_all_clean(ws)
+
+
+def test_each_way_of_placing_the_sub_bin(device):
+    """Keys above the sub-bin go to their digit's slots; the sub-bin is taken whole, ranked from the digit table
+    or ranked from the second scratch: torch.topk's index set each time, the workspace clean."""
+    _sub_bin_ways(4096, device)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_each_way_of_placing_the_sub_bin_with_several_programs_a_row_gpu():
+    """12 programs a row: the band's keys and the sub-bin's arrive from several programs."""
+    _sub_bin_ways(256, torch.device("cuda"))
 
 
 def test_more_survivors_than_the_capacity_take_the_row(device):
