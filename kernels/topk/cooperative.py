@@ -176,27 +176,23 @@ def _cooperative_topk_kernel(
         bits = _band_bits(lo, lo)
         b_bin, m_gt, m_eq, b_pack, n_pack = _split_block(b_key, m_t, lo, lo)
         r_gt, r_eq = _unpack(tl.cumsum(b_pack, 0) - b_pack)
-        o_gt = 0
-        o_eq = 0
-        if n_pack > 0:
-            n_gt, n_eq = _unpack(n_pack)
-            o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
-        # each band key's second digit and its arrival among the row's keys of that digit (old count): the place
-        # of its slot among the digit's, so step 3 needs no more atomics
+        # Two atomics in flight at once (neither under a branch, whose result would wait for it): each band key's
+        # second digit and its arrival among the row's keys of that digit (the old count), its slot among the
+        # digit's in step 3, which then needs no atomic; and the slices of the output and the band this slice takes
         b_d = _band_digit(b_key, b_bin, lo, bits)
-        r_d = tl.zeros([BLOCK], dtype=tl.int32)
-        if bits >= 0:
-            r_d = tl.atomic_add(p_ws + _HIST2 + b_d, 1, mask=m_eq, sem="relaxed")
+        m_d = tl.where(bits >= 0, m_eq, False)  # no digit where the band's keys share none
+        r_d = tl.atomic_add(p_ws + _HIST2 + b_d, 1, mask=m_d, sem="relaxed")
+        n_gt, n_eq = _unpack(n_pack)
+        o_gt, o_eq = _reserve(p_hdr, n_gt, n_eq)
         b_pos = _position(o_t, m_t, map_ptr, MAP_PAGE)
         tl.store(p_out + o_gt + r_gt, b_pos, mask=m_gt & (o_gt + r_gt < K))
         o_band = o_eq + r_eq  # each band key's slot in the row's band order
         # the band in band order (the single-program finish's input) and in the digit table (the ranked sub-bin's)
         tl.store(p_keys + o_band, b_key, mask=m_eq & (o_band < CAP))
         tl.store(p_keys + CAP + o_band, b_pos, mask=m_eq & (o_band < CAP))
-        if bits >= 0:
-            m_tab = m_eq & (r_d < WAYS)
-            tl.store(p_table + b_d * WAYS + r_d, b_key, mask=m_tab)
-            tl.store(p_table + NBINS * WAYS + b_d * WAYS + r_d, b_pos, mask=m_tab)
+        m_tab = m_d & (r_d < WAYS)
+        tl.store(p_table + b_d * WAYS + r_d, b_key, mask=m_tab)
+        tl.store(p_table + NBINS * WAYS + b_d * WAYS + r_d, b_pos, mask=m_tab)
         k_min = tl.min(tl.where(m_eq, b_key, 2147483647), 0)
         k_max = tl.max(tl.where(m_eq, b_key, -2147483648), 0)
         if k_min <= k_max:
@@ -219,6 +215,16 @@ def _cooperative_topk_kernel(
         ranked = second & (n_sub > k_rem2)  # the sub-bin is ranked: by program 0 from the table, or by the last
         p_keys2 = p_keys + 2 * CAP
         p_idx2 = p_keys2 + CAP2
+        # A program arrives once it has read the row's counts (the last then cleans them) and, where the last
+        # ranks the sub-bin from the second scratch, written its keys of the sub-bin there; its other stores
+        # follow, so the arrival's release waits on none of them.
+        m_in = m_eq & (b_d == i_sub)
+        m_scratch2 = tl.where(ranked & (n_sub > WAYS), m_in, False)
+        tl.store(p_keys2 + r_d, b_key, mask=m_scratch2)
+        tl.store(p_idx2 + r_d, b_pos, mask=m_scratch2)
+        tl.debug_barrier()
+        n_before = tl.atomic_add(p_hdr + _ARRIVED_DONE, 1, sem="acq_rel")
+        _stamp(p_trace, 7, TRACE)
         if take:
             tl.store(p_out + n_above_band + o_band, b_pos, mask=m_eq & (o_band < k_rem))
         elif second:
@@ -227,15 +233,8 @@ def _cooperative_topk_kernel(
             m_above = m_eq & (b_d > i_sub)
             o_above = tl.gather(b_above, tl.where(m_above, b_d, 0), 0)
             tl.store(p_out + K - k_rem + o_above + r_d, b_pos, mask=m_above)
-            m_in = m_eq & (b_d == i_sub)
             if not ranked:  # the whole sub-bin is needed
                 tl.store(p_out + K - k_rem2 + r_d, b_pos, mask=m_in)
-            elif n_sub > WAYS:  # too many for the table: to the second scratch, for the last to rank
-                tl.store(p_keys2 + r_d, b_key, mask=m_in)
-                tl.store(p_idx2 + r_d, b_pos, mask=m_in)
-        tl.debug_barrier()
-        n_before = tl.atomic_add(p_hdr + _ARRIVED_DONE, 1, sem="acq_rel")
-        _stamp(p_trace, 7, TRACE)
         if ranked & (n_sub <= WAYS) & (i_s == 0):  # the whole sub-bin is in the table since step 2
             rank_sub_bin(p_out, p_table + i_sub * WAYS, p_table + NBINS * WAYS + i_sub * WAYS, n_sub, k_rem2, K,
                          WAYS, WAYS, ".cg")
