@@ -12,18 +12,27 @@ each step, and only the sub-bin's few keys (~S / 256 of the S survivors) are ran
    `fine_bin` histogram to the row's (scattered atomics); barrier.
 2. Read the row's histogram; the bin holding the k-th largest is the band (exact: one bin). Keys above it go
    to the output, the band's (key, index) pairs are counted and ranked (one packed atomic reserves both
-   ranges, as `one_launch._reserve`), their second digit goes to the row's second histogram; barrier.
-3. Every program reads the same header and second histogram and takes the same path:
-   - all of the band is needed, or its keys are all equal: each program writes its band keys whose rank in
-     the band is below the number still needed (PATH_TAKE);
-   - the second histogram names the sub-bin holding the k-th largest and it holds at most CAP2 keys: each
-     program writes its keys above the sub-bin (another packed atomic) and moves its sub-bin keys to the
-     second scratch (or, when the whole sub-bin is needed, to the output); the last program to arrive ranks
-     the sub-bin (PATH_SECOND);
-   - otherwise (an edge bin, a crowded sub-bin, more survivors than CAP): each program writes its band
-     pairs to the scratch and the last to arrive runs `one_launch`'s single-program finish on them.
-   The last to arrive leaves the workspace clean (histograms, counters), so one allocation serves every call,
-   shared with `one_launch` (same layout; the barrier counters are header words that path never touches).
+   ranges, as `one_launch._reserve`) and written to the scratch in band order; their second digit goes to the
+   row's second histogram, whose atomic returns each key's arrival in its digit, and the key to the digit table
+   at that arrival (the first `TABLE_WAYS` of each digit); barrier.
+3. Every program reads the same header and second histogram, takes the same path and places its own keys
+   with no further atomic:
+   - all of the band is needed, or its keys are all equal: its band keys whose rank in the band is below the
+     number still needed (PATH_TAKE);
+   - the second histogram names the sub-bin holding the k-th largest and it holds at most CAP2 keys
+     (PATH_SECOND): a key of a digit above the sub-bin goes after the keys of the digits above its own, at its
+     arrival; so does a key of a sub-bin needed whole. A sub-bin to rank is ranked by program 0 from the digit
+     table (at most `TABLE_WAYS` keys) or else, from the second scratch where each program wrote its keys of it
+     by arrival, by the last program to arrive;
+   - otherwise (an edge bin, a crowded sub-bin, more survivors than CAP): the last to arrive runs `one_launch`'s
+     single-program finish on the band in the scratch.
+   A program arrives once it has read the row's counts (and written the second scratch where the last ranks
+   from it), before its output stores; the last to arrive leaves the workspace clean (histograms, counters), so
+   one allocation serves every call, shared with `one_launch` (same layout; the barrier counters are header
+   words that path never touches, the digit table lies past its scratch and is never read unwritten).
+   H200, 2026-12-04 (fourteenth session): the b1 x 128K top-k 9.0 us, the one-launch path 10.7 in the same run;
+   the earlier step 3 (packed atomics for the keys above the sub-bin, the last program ranking it) ran 10.8
+   against the one-launch path's 12.2 in the thirteenth session's run.
 
 Co-residency. A program spins at a barrier until every program of its row has arrived, so every program of
 the launch must be resident at once. The plan (`cooperative_plan`) asks for at most two programs of 8 warps
