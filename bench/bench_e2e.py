@@ -645,7 +645,10 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     for length in args.ttft:  # one untimed run first: a new prompt length compiles prefill kernels
         streams([length], 2)
         before = server.stats() if offloaded else {}
+        sent = time.time()
         runs = [streams([length], 2)[0] for _ in range(args.reps)]
+        if server.samples is not None:  # --stack-samples: where the timed prompts' time went in the server
+            print_stack_samples(server.samples, sent, time.time(), f"TTFT {length} x {args.reps}")
         ttft = statistics.median(r.ttft for r in runs)
         res[f"ttft_{length}_s"] = ttft
         print(f"  TTFT {runs[0].prompt_tokens}-token prompt: {ttft * 1e3:.0f} ms "
@@ -1088,7 +1091,9 @@ def serve_and_measure(name: str, folder: Path, prompts: Prompts, args: argparse.
     flags = config_flags(name, floors.n_experts)
     print(f"  server flags: {' '.join(flags)}", flush=True)
     max_len = 65536 + 4096 if name == "tiers64k" else args.max_model_len
-    server = Server(folder, [*flags, *device_flags], max_len, max(args.concurrency), args.logs / f"server-{name}.log")
+    samples = args.logs / f"server-{name}.stacks.jsonl" if args.stack_samples else None
+    server = Server(folder, [*flags, *device_flags], max_len, max(args.concurrency), args.logs / f"server-{name}.log",
+                    samples)
     try:
         server.wait()
         return measure(server, folder.name, prompts, args, floors, "offload" in name)
@@ -1171,8 +1176,8 @@ def main() -> None:
     parser.add_argument("--runner", action="store_true", help="also time ModelRunner.run in-process")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--stack-samples", action="store_true",
-                        help="chat-cache rows: the servers sample their engine and HTTP threads' stacks into "
-                             "--logs and a follow-up slower than 0.3 s prints its commonest stacks")
+                        help="the servers sample their engine and HTTP threads' stacks into --logs; a chat-cache "
+                             "follow-up slower than 0.3 s and every timed TTFT run print their commonest stacks")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script itself (with a tiny family)")
     args = parser.parse_args()

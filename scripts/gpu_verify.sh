@@ -19,7 +19,8 @@
 #   between the decode indexer and the top-k, tests and rows; the select by programs per row), `k2e` (~6 min: the same
 #   tests, the select's timeline, the indexer + top-k and the select's rows at the new defaults), `k2f` (~4 min: the
 #   finish's first loaded block by size, on the indexer's logits), `k2c` (~5 min: the cooperative few-row top-k, its tests
-#   and the decode rows at 1-4 requests beside the one-launch path).
+#   and the decode rows at 1-4 requests beside the one-launch path), `ttft` (~4.5 min: a 2K prompt's first token with
+#   experts in RAM, the server's stack samples over it).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -35,7 +36,8 @@ mkdir -p "$OUT/l"
 fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32) && [[ -z ${E2E_DS_ONLY:-} ]] && fams+=(gpt_oss)
 [[ " ${steps[*]} " == *" c2 "* ]] && fams+=(deepseek_v32)
 [[ " ${steps[*]} " == *" defaults "* || " ${steps[*]} " == *" o2e "* ]] && fams+=(deepseek_v32)
-[[ " ${steps[*]} " == *" chat-tiers "* || " ${steps[*]} " == *" c2close "* ]] && fams+=(deepseek_v32)
+[[ " ${steps[*]} " == *" chat-tiers "* || " ${steps[*]} " == *" c2close "* || " ${steps[*]} " == *" ttft "* ]] \
+    && fams+=(deepseek_v32)
 (( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
 write_checkpoint(Path('/tmp/ckpt-$fam'), '$fam', 2, torch.device('cuda'))"; done > "$OUT/l/ckpt.log" 2>&1 ) &
@@ -136,6 +138,12 @@ for step in "${steps[@]}"; do
         timeout 400 python3 bench/bench_decode_topk.py --contexts 32768 131072 --finish-blocks 1024 4096 16 --out "$OUT/l" \
             > "$OUT/decode-topk-finish.log" 2>&1
         grep -E "^B|Error" "$OUT/decode-topk-finish.log" | tail -36 ;;
+    ttft)  # where a 2K prompt's first token goes with experts in RAM (sync): the server's commonest stacks over the
+           # timed runs (~4.5 min on a fresh machine: the checkpoint, then a 2-minute load)
+        wait
+        timeout 240 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --decode-tokens 8 \
+            --configs offload-sync --concurrency 1 --ttft 2048 --stack-samples > "$OUT/e2e-ttft.log" 2>&1
+        grep -vE "server flags|this window" "$OUT/e2e-ttft.log" | tail -32 ;;
     k2c)  # the cooperative few-row top-k (histogram, select and finish in one launch with grid barriers): its tests and
           # the indexer's and the DSA engine's, then the decode rows at 1-4 requests beside the one-launch path (~5 min)
         gpu_tests 300 tests/kernels/test_topk_cooperative.py tests/kernels/test_lightning_indexer.py \

@@ -105,3 +105,17 @@ def test_chat_cache_tiers_on_the_cpu_adopts_the_parked_tiers_after_each_restart(
     # each server sampled its engine thread (--stack-samples), while it served at least
     samples = sorted((tmp_path / "logs").glob("server-chat-cache-tiers*.stacks.jsonl"))
     assert len(samples) == 3 and all('"hearth-engine"' in path.read_text() for path in samples)
+
+
+@pytest.mark.slow
+def test_stack_samples_cover_the_timed_first_tokens(tmp_path):
+    """``--stack-samples`` on a plain config (``--device cpu``, tiny family, ~15 s): the server samples its
+    engine thread and the timed TTFT runs print the commonest stacks of their window."""
+    cmd = [sys.executable, str(BENCH / "bench_e2e.py"), "--family", "tiny", "--device", "cpu",
+           "--dir", str(tmp_path / "ckpt"), "--configs", "resident", "--concurrency", "1", "--ttft", "64",
+           "--decode-tokens", "4", "--reps", "1", "--max-model-len", "2048", "--logs", str(tmp_path / "logs"),
+           "--stack-samples"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "TTFT 64 x 1: hearth-engine stack samples over" in run.stdout
+    assert '"hearth-engine"' in (tmp_path / "logs" / "server-resident.stacks.jsonl").read_text()
