@@ -148,9 +148,10 @@ for step in "${steps[@]}"; do
           # the indexer's and the DSA engine's, then the decode rows at 1-4 requests beside the one-launch path (~5 min)
         gpu_tests 300 tests/kernels/test_topk_cooperative.py tests/kernels/test_lightning_indexer.py \
             tests/engine/test_dsa_kernels_engine.py
-        timeout 260 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} --out "$OUT" \
-            > "$OUT/decode-topk.log" 2>&1
-        grep -E "^B|trace|Error|error" "$OUT/decode-topk.log" | tail -30 ;;
+        # K2C_ARGS: more of bench_decode_topk's flags (--coop-programs 32 64: fewer programs a row beside the default)
+        timeout 260 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
+            ${K2C_ARGS:-} --out "$OUT" > "$OUT/decode-topk.log" 2>&1
+        grep -E "^B|trace|Error|error" "$OUT/decode-topk.log" | tail -40 ;;
     k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn
         for rows in 64 1; do
             timeout 150 /usr/local/cuda/bin/ncu --kernel-name regex:_topk_one_launch_kernel --launch-skip 4 --launch-count 1 \
