@@ -103,6 +103,10 @@ MIN_BLOCK = 256  # one key a thread at 8 warps
 MAX_PROGRAMS = 128
 MAX_ROWS = 4  # rows a launch takes: where the launches and the finish's tail, not the keys, are the cost
 NUM_WARPS = 8
+# Whether the barriers poll with acquire loads (`_barrier`), a round trip less a barrier; off until it is run and
+# timed on the GPU (`K2C_ARGS="--coop-polls acquire" bash scripts/gpu_verify.sh k2c`) against the volatile polls and
+# one acquire atomic that the thirteenth and fourteenth sessions measured.
+POLL_ACQUIRE = False
 _HIST2, _HEADER, _SCRATCH = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH))
 _N_GT, _N_SURV, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in (N_GT, N_SURV, KEY_MIN, KEY_MAX, PATH))
 _ARRIVED_HIST, _ARRIVED_SPLIT, _ARRIVED_DONE = (tl.constexpr(v) for v in (ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE))
@@ -110,15 +114,29 @@ _PATH_TAKE, _PATH_SECOND = tl.constexpr(PATH_TAKE), tl.constexpr(PATH_SECOND)
 
 
 @triton.jit
-def _barrier(p_count, n):
+def _load_acquire(p):
+    """The int32 at p, loaded with acquire semantics at GPU scope (what other programs wrote before their release
+    of it is visible to this thread's later loads)."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _barrier(p_count, n, POLL_ACQUIRE: tl.constexpr):
     """Grid barrier of a row's n programs on the counter p_count: arrive (release: every thread's stores and
-    atomics before it), poll with plain volatile loads (no read-modify-write traffic on the line the others
-    arrive on), then one acquire so that what they wrote before arriving is visible here."""
+    atomics before it), then poll with loads only (no read-modify-write traffic on the line the others arrive
+    on) until all have: with POLL_ACQUIRE each thread's polls are acquire loads, so its poll that sees n
+    acquires what the others wrote (the last to arrive acquires by its arrival); else volatile loads, then one
+    acquire atomic (a round trip more)."""
     tl.debug_barrier()
     seen = tl.atomic_add(p_count, 1, sem="acq_rel") + 1
     while seen < n:
-        seen = tl.load(p_count, volatile=True)
-    tl.atomic_add(p_count, 0, sem="acquire")
+        if POLL_ACQUIRE:
+            seen = _load_acquire(p_count)
+        else:
+            seen = tl.load(p_count, volatile=True)
+    if not POLL_ACQUIRE:
+        tl.atomic_add(p_count, 0, sem="acquire")
     tl.debug_barrier()
 
 
@@ -142,6 +160,7 @@ def _cooperative_topk_kernel(
     FBLOCK: tl.constexpr,
     RANK_BLOCK: tl.constexpr,
     WAYS: tl.constexpr,
+    POLL_ACQUIRE: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
@@ -178,7 +197,7 @@ def _cooperative_topk_kernel(
         b_hist = tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
         b_hist -= tl.where(o_b == 0, tl.sum((~m_t).to(tl.int32), 0), 0)
         tl.atomic_add(p_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
-        _barrier(p_hdr + _ARRIVED_HIST, n_prog)
+        _barrier(p_hdr + _ARRIVED_HIST, n_prog, POLL_ACQUIRE)
         # 2. the band (the one bin of the k-th largest) and this slice's split around it
         lo, _ = pick_bin(tl.load(p_ws + o_b, cache_modifier=".cg"), K, NBINS)
         _stamp(p_trace, 1, TRACE)
@@ -208,7 +227,7 @@ def _cooperative_topk_kernel(
             tl.atomic_min(p_hdr + _KEY_MIN, k_min, sem="relaxed")
             tl.atomic_max(p_hdr + _KEY_MAX, k_max, sem="relaxed")
         _stamp(p_trace, 2, TRACE)
-        _barrier(p_hdr + _ARRIVED_SPLIT, n_prog)
+        _barrier(p_hdr + _ARRIVED_SPLIT, n_prog, POLL_ACQUIRE)
         _stamp(p_trace, 3, TRACE)
         # 3. the same header and second histogram in every program, so the same path
         b_hist2 = tl.load(p_ws + _HIST2 + o_b, cache_modifier=".cg")
@@ -321,8 +340,9 @@ def cooperative_topk_launch(
         scores, lengths, out, workspace, out if page_map is None else page_map[0],
         trace if trace is not None else out, scores.stride(0), out.stride(0), workspace.stride(0), n_cols, plan.k,
         CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0 if page_map is None else page_map[1], BLOCK=block,
-        FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, WAYS=TABLE_WAYS, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES,
-        PDL=pdl, TRACE=trace is not None, num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG, launch_pdl=pdl,
+        FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, WAYS=TABLE_WAYS, POLL_ACQUIRE=POLL_ACQUIRE, NBINS=NBINS,
+        BITS=RADIX_BITS, PASSES=PASSES, PDL=pdl, TRACE=trace is not None, num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -74,8 +74,11 @@ def test_every_path_exact_and_the_workspace_cleans_itself(device):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_every_path_with_several_programs_a_row_gpu():
-    """12 programs a row of 256 keys: both grid barriers, the survivors of every program."""
+@pytest.mark.parametrize("poll_acquire", [True, False])
+def test_every_path_with_several_programs_a_row_gpu(poll_acquire, monkeypatch):
+    """12 programs a row of 256 keys: both grid barriers (each way of polling them), the survivors of every
+    program."""
+    monkeypatch.setattr(cooperative, "POLL_ACQUIRE", poll_acquire)
     _every_path(256, torch.device("cuda"))
 
 
