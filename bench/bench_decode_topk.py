@@ -10,7 +10,7 @@ selection against torch on the same logits. The issue's targets: b1 x 128K index
 top-k <= 100 us.
 
     python bench/bench_decode_topk.py [--batches 1 8 64] [--contexts 8192 32768 131072] [--finish-blocks 1024 16]
-        [--coop-programs 32 64] [--coop-polls acquire volatile] [--out DIR]
+        [--coop-programs 32 64] [--coop-polls acquire hist hist+acquire] [--out DIR]
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from hearth.kernels.topk.reference import check_topk  # noqa: E402
 K = 2048
 FINISH_BLOCKS = [one_launch.FINISH_BLOCK]  # --finish-blocks: survivors the finish loads beside its header
 COOP_PROGRAMS: list[int] = []  # --coop-programs: cooperative.MAX_PROGRAMS values to time beside the default
-COOP_POLLS: list[str] = []  # --coop-polls: how the barriers poll ("acquire", "volatile"), timed beside the default
+COOP_POLLS: list[str] = []  # --coop-polls: how the barriers poll (POLLS), timed beside the default
+# --coop-polls values: (cooperative.POLL_ACQUIRE, cooperative.POLL_HIST)
+POLLS = {"volatile": (False, False), "acquire": (True, False), "hist": (False, True), "hist+acquire": (True, True)}
 
 
 def median_us(fn) -> float:
@@ -121,14 +123,14 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
               + (f"; cooperative by default: indexer + one-launch top-k {t_one:7.1f} us, cooperative top-k alone "
                  f"{t_coop:7.1f} us" if coop else ""), flush=True)
     _utils.PDL, one_launch.FINISH_BLOCK = True, FINISH_BLOCKS[0]
-    defaults = cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE
+    defaults = cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST
     variants = [("programs", p) for p in COOP_PROGRAMS] + [("poll", p) for p in COOP_POLLS]
     for kind, value in variants if use_cooperative(batch, logits.shape[1], q.device) else ():
-        cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE = defaults
+        cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = defaults
         if kind == "programs":
             cooperative.MAX_PROGRAMS = value  # fewer programs a row: wider slices, fewer arrivals at each barrier
         else:
-            cooperative.POLL_ACQUIRE = value == "acquire"
+            cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = POLLS[value]
         block = cooperative_block(batch, logits.shape[1], q.device)
         check_topk(topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
         t_pair = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K))
@@ -138,7 +140,7 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
         label = f"at most {value} programs a row" if kind == "programs" else f"barriers polling {value}"
         print(f"B{batch:<3d} {ctx_len // 1024:4d}K  cooperative, {label} ({block}-key slices): indexer + top-k "
               f"{t_pair:7.1f} us, top-k alone {t_alone:7.1f} us", flush=True)
-    cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE = defaults
+    cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = defaults
     rows[0]["trace"] = timeline_of(logits, lengths, "logits")
     if use_cooperative(batch, logits.shape[1], q.device):
         rows[0]["coop_trace"] = coop_timeline_of(logits, lengths)
@@ -153,9 +155,9 @@ def main() -> None:
                     help="one_launch.FINISH_BLOCK values to time side by side (powers of two)")
     ap.add_argument("--coop-programs", type=int, nargs="*", default=[],
                     help="cooperative.MAX_PROGRAMS values to time beside the default (PDL on)")
-    ap.add_argument("--coop-polls", nargs="*", default=[], choices=["acquire", "volatile"],
-                    help="how the cooperative barriers poll, timed beside the default: acquire loads, or volatile "
-                         "loads and one acquire atomic")
+    ap.add_argument("--coop-polls", nargs="*", default=[], choices=list(POLLS),
+                    help="how the cooperative barriers poll, timed beside the default: volatile loads and one "
+                         "acquire atomic, acquire loads, the first barrier by the histogram's sum (hist)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     FINISH_BLOCKS[:] = args.finish_blocks

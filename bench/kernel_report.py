@@ -151,7 +151,8 @@ def cooperative_report(config: dict, arch: int = 90) -> Report:
     """The cooperative few-row top-k kernel (k 2048, the default capacity, 1024-key slices as at b1 x 128K:
     `MAX_PROGRAMS` a row), ``config``'s constexprs and launch options over its defaults."""
     config, options, constexprs = _select_setup(config, 1024)
-    constexprs |= dict(WAYS=one_launch.TABLE_WAYS, POLL_ACQUIRE=cooperative.POLL_ACQUIRE) | config
+    constexprs |= dict(WAYS=one_launch.TABLE_WAYS, POLL_ACQUIRE=cooperative.POLL_ACQUIRE,
+                       POLL_HIST=cooperative.POLL_HIST) | config
     signature = {"x_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "ws_ptr": "*i32", "map_ptr": "*i32",
                  "trace_ptr": "*i64", "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "N": "i32/16",
                  "K": "i32/16"}

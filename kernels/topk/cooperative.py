@@ -107,6 +107,9 @@ NUM_WARPS = 8
 # timed on the GPU (`K2C_ARGS="--coop-polls acquire" bash scripts/gpu_verify.sh k2c`) against the volatile polls and
 # one acquire atomic that the thirteenth and fourteenth sessions measured.
 POLL_ACQUIRE = False
+# Whether the first barrier is the histogram itself (polled until its counts sum to the row's length), saving the
+# arrival atomic and the histogram's read after the barrier; off until run and timed on the GPU (`--coop-polls hist`).
+POLL_HIST = False
 _HIST2, _HEADER, _SCRATCH = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH))
 _N_GT, _N_SURV, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in (N_GT, N_SURV, KEY_MIN, KEY_MAX, PATH))
 _ARRIVED_HIST, _ARRIVED_SPLIT, _ARRIVED_DONE = (tl.constexpr(v) for v in (ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE))
@@ -161,6 +164,7 @@ def _cooperative_topk_kernel(
     RANK_BLOCK: tl.constexpr,
     WAYS: tl.constexpr,
     POLL_ACQUIRE: tl.constexpr,
+    POLL_HIST: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
@@ -185,7 +189,7 @@ def _cooperative_topk_kernel(
     o_t = i_s * BLOCK + tl.arange(0, BLOCK)
     # the slice in flight beside the length (masked by the row's width, then by its length)
     b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
-    n_len = tl.load(len_ptr + i_r)
+    n_len = tl.minimum(tl.load(len_ptr + i_r), N)  # (a length past the row: the row; no barrier waits for more)
     if n_len <= K:
         if i_s == 0:
             write_every_entry(p_out, n_len, K, map_ptr, MAP_PAGE, BLOCK)
@@ -197,9 +201,18 @@ def _cooperative_topk_kernel(
         b_hist = tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
         b_hist -= tl.where(o_b == 0, tl.sum((~m_t).to(tl.int32), 0), 0)
         tl.atomic_add(p_ws + o_b, b_hist, mask=b_hist > 0, sem="relaxed")
-        _barrier(p_hdr + _ARRIVED_HIST, n_prog, POLL_ACQUIRE)
+        if POLL_HIST:
+            # the histogram is the barrier: every count only grows and they sum to the row's length once every
+            # program's have landed, so the read that sums to it is the whole histogram (no other data is needed
+            # from the other programs before the split)
+            b_hist = tl.load(p_ws + o_b, volatile=True)
+            while tl.sum(b_hist, 0) < n_len:
+                b_hist = tl.load(p_ws + o_b, volatile=True)
+        else:
+            _barrier(p_hdr + _ARRIVED_HIST, n_prog, POLL_ACQUIRE)
+            b_hist = tl.load(p_ws + o_b, cache_modifier=".cg")
         # 2. the band (the one bin of the k-th largest) and this slice's split around it
-        lo, _ = pick_bin(tl.load(p_ws + o_b, cache_modifier=".cg"), K, NBINS)
+        lo, _ = pick_bin(b_hist, K, NBINS)
         _stamp(p_trace, 1, TRACE)
         bits = _band_bits(lo, lo)
         b_bin, m_gt, m_eq, b_pack, n_pack = _split_block(b_key, m_t, lo, lo)
@@ -340,9 +353,9 @@ def cooperative_topk_launch(
         scores, lengths, out, workspace, out if page_map is None else page_map[0],
         trace if trace is not None else out, scores.stride(0), out.stride(0), workspace.stride(0), n_cols, plan.k,
         CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0 if page_map is None else page_map[1], BLOCK=block,
-        FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, WAYS=TABLE_WAYS, POLL_ACQUIRE=POLL_ACQUIRE, NBINS=NBINS,
-        BITS=RADIX_BITS, PASSES=PASSES, PDL=pdl, TRACE=trace is not None, num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG,
-        launch_pdl=pdl,
+        FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, WAYS=TABLE_WAYS, POLL_ACQUIRE=POLL_ACQUIRE,
+        POLL_HIST=POLL_HIST, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, PDL=pdl, TRACE=trace is not None,
+        num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG, launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -67,18 +67,23 @@ def _every_path(block: int, device: torch.device) -> None:
             _assert_all_clean(ws)
 
 
-def test_every_path_exact_and_the_workspace_cleans_itself(device):
-    """One program a row: no barrier waits (so the CPU interpreter runs it too)."""
+@pytest.mark.parametrize("poll_hist", [False, True])
+def test_every_path_exact_and_the_workspace_cleans_itself(poll_hist, device, monkeypatch):
+    """One program a row: no barrier waits (so the CPU interpreter runs it too); the histogram's counts sum to
+    the row's length, so a first barrier that polls them passes (`POLL_HIST`)."""
+    monkeypatch.setattr(cooperative, "POLL_HIST", poll_hist)
     _every_path(4096, device)
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("poll_acquire", [True, False])
-def test_every_path_with_several_programs_a_row_gpu(poll_acquire, monkeypatch):
+@pytest.mark.parametrize("poll_hist", [True, False])
+def test_every_path_with_several_programs_a_row_gpu(poll_acquire, poll_hist, monkeypatch):
     """12 programs a row of 256 keys: both grid barriers (each way of polling them), the survivors of every
     program."""
     monkeypatch.setattr(cooperative, "POLL_ACQUIRE", poll_acquire)
+    monkeypatch.setattr(cooperative, "POLL_HIST", poll_hist)
     _every_path(256, torch.device("cuda"))
 
 
@@ -158,9 +163,11 @@ def test_sub_bin_path_matches_torch_topk(device):
     _assert_all_clean(ws)
 
 
-def test_short_rows_odd_sizes_and_page_map(device):
+@pytest.mark.parametrize("poll_hist", [False, True])
+def test_short_rows_odd_sizes_and_page_map(poll_hist, device, monkeypatch):
     """L <= k rows (0..L-1 then -1), L = 0, L = k + 1, an odd width; a page map writes what
     `map_through_pages` makes of the plain output."""
+    monkeypatch.setattr(cooperative, "POLL_HIST", poll_hist)
     n, k, page = 777, 300, 16
     s = torch.randn(4, n, device=device)
     s[2] = 3.0  # all equal
