@@ -136,6 +136,14 @@ def test_each_way_of_placing_the_sub_bin_with_several_programs_a_row_gpu():
     _sub_bin_ways(256, torch.device("cuda"))
 
 
+def test_a_length_past_the_row_reads_as_the_row(device):
+    """Negative scores: a length past the row must not count the missing keys (loaded as 0.0, they would win)."""
+    n, k = 3000, 200
+    s = -1.0 - torch.rand(1, n, device=device)
+    out = topk_indices_cooperative(s, torch.tensor([n + 2000], dtype=torch.int32, device=device), k, block=4096)
+    assert torch.equal(out[0].cpu().long().sort().values, torch.topk(s[0].cpu(), k).indices.sort().values)
+
+
 def test_more_survivors_than_the_capacity_take_the_row(device):
     """A sub-bin over CAP2 with more band keys than the capacity: the fallback finish reads the row itself."""
     n, k = 3000, 200
