@@ -158,8 +158,12 @@ def sample_position(o_j, SAMPLE: tl.constexpr, LOG2_SAMPLE: tl.constexpr):
     """Row position of sample o_j: one key of each run of SAMPLE, at an offset from a multiplicative hash of
     o_j (not always the run's first: rows with a period of SAMPLE, such as a table's separators every 8 tokens,
     would bias a strided sample)."""
-    h = o_j * -1640531535  # 0x9E3779B1 as int32, wrapping
-    return o_j * SAMPLE + ((h >> (32 - LOG2_SAMPLE)) & (SAMPLE - 1))
+    if SAMPLE == 1:  # every key (no hash: its shift would be by 32, undefined for int32)
+        pos = o_j
+    else:
+        h = o_j * -1640531535  # 0x9E3779B1 as int32, wrapping
+        pos = o_j * SAMPLE + ((h >> (32 - LOG2_SAMPLE)) & (SAMPLE - 1))
+    return pos
 
 
 @triton.jit
