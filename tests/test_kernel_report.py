@@ -55,8 +55,8 @@ def test_the_cooperative_top_k_leaves_room_for_two_programs_an_sm():
     """Its grid barriers need every program resident: at 8 warps, 128 registers a thread or fewer, no spills
     (`maxnreg`), and shared memory for two, at the smallest and largest slice, with either way of polling its
     barriers."""
-    for line in _report("cooperative", "--config", "BLOCK=256", "BLOCK=2048", "BLOCK=2048,POLL_ACQUIRE=true,POLL_HIST=true",
-                        "BLOCK=256,POLL_ACQUIRE=false"):
+    for line in _report("cooperative", "--config", "BLOCK=256", "BLOCK=2048",
+                        "BLOCK=2048,POLL_ACQUIRE=true,POLL_HIST=true", "BLOCK=256,POLL_ACQUIRE=false"):
         fields = _fields(line)
         assert 0 < int(fields["registers"]) <= 128 and fields["spills"].startswith("0 ")
         assert float(fields["shared"].split()[0]) <= 100  # KiB of the H100 / H200's 228 an SM
