@@ -37,6 +37,18 @@ def _queries(shape, q_dtype, device):
     return q.to(FP8_E4M3) if q_dtype == "fp8" else q.to(torch.bfloat16)
 
 
+def small_decode(device):
+    """Two requests of 37 and 90 tokens (16-token pages, 16 heads, FP8 queries), k 24: the decode indexer's
+    arguments (q, weights, cache, table, context lengths, block size), k, and its (logits, lengths)."""
+    block_size, ctx, k = 16, [37, 90], 24
+    cache, table = _filled_cache(ctx, block_size, 8, device)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
+    q = _queries((2, 1, 16, 128), "fp8", device)
+    w = torch.randn(2, 1, 16, device=device)
+    args = (q, w, cache, table, ctx_t, block_size)
+    return args, k, lightning_indexer_decode(*args)
+
+
 # Error bound relative to sum_h |w_h| sum_d |q_hd k_d| k_scale (the usual dot-product error scale):
 # Hopper's fp8 MMA accumulates partial sums in reduced precision (the kernels' default, fp8_precise=False).
 LOGIT_TOL = 1e-3
@@ -98,12 +110,8 @@ def test_decode_topk_auto_picks_by_work_and_keeps_its_workspace(device, monkeypa
     from hearth.kernels.topk import cooperative
 
     monkeypatch.setattr(cooperative, "COOPERATIVE", False)  # its own test: test_topk_cooperative.py
-    block_size, ctx, k = 16, [37, 90], 24
-    cache, table = _filled_cache(ctx, block_size, 8, device)
-    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
-    q = _queries((2, 1, 16, 128), "fp8", device)
-    w = torch.randn(2, 1, 16, device=device)
-    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, block_size)
+    args, k, (logits, lengths) = small_decode(device)
+    q, w, cache, table, ctx_t, block_size = args
     hist_launches = []
     real_hist = lightning.fine_hist_launch
     monkeypatch.setattr(lightning, "fine_hist_launch", lambda *a, **kw: (hist_launches.append(1), real_hist(*a, **kw)))

@@ -32,7 +32,7 @@ from hearth.kernels.topk.one_launch import (
 )
 from hearth.kernels.topk.reference import check_topk
 from tests.kernels.conftest import requires_cuda
-from tests.kernels.test_lightning_indexer import _filled_cache, _queries
+from tests.kernels.test_lightning_indexer import _filled_cache, _queries, small_decode
 from tests.kernels.test_topk_one_launch import POISON, _assert_clean, _rows_for_every_path, gpu_scores
 
 # what the cooperative path takes for _rows_for_every_path's rows: the crowded bin of row 3 needs no scratch
@@ -222,12 +222,8 @@ def test_plan_blocks_and_where_the_path_is_taken(device):
 def test_indexer_decode_topk_takes_it_where_allowed(device, monkeypatch):
     """"auto" runs the cooperative top-k where `use_cooperative` holds (GPU, <= 4 rows) and the one-launch
     path elsewhere or with it switched off; "cooperative" asked for where it cannot run is refused."""
-    block_size, ctx, k = 16, [37, 90], 24
-    cache, table = _filled_cache(ctx, block_size, 8, device)
-    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
-    q = _queries((2, 1, 16, 128), "fp8", device)
-    w = torch.randn(2, 1, 16, device=device)
-    logits, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, block_size)
+    args, k, (logits, lengths) = small_decode(device)
+    q, w, cache, table, ctx_t, block_size = args
     launches = []
     real = lightning.cooperative_topk_launch
     monkeypatch.setattr(lightning, "cooperative_topk_launch", lambda *a, **kw: (launches.append(1), real(*a, **kw)))
