@@ -27,13 +27,16 @@ class PagedCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, index_fp8: bool = False, key_tiers=None, latent_tiers=None,
-                 histories=None) -> None:
+                 histories=None, table_width: int | None = None) -> None:
         """index_fp8: store indexer keys in the kernels' 132-byte FP8 paged layout
         (uint8 [num_blocks, block_size * 132]) instead of one float row per slot.
         key_tiers / latent_tiers: tier stores (hearth.engine.tiers); indexer keys / latents then live
         there, per request, instead of here. histories: the kernel path's prefill history buffers of
-        those tiers (hearth.engine.tiers.PrefillHistories), or None."""
+        those tiers (hearth.engine.tiers.PrefillHistories), or None. table_width: the pages every decode
+        step's block tables are padded to (`decode_tables`; the kernel path gives the CUDA graphs' width,
+        a context's pages at the longest context), or None: the step's widest table."""
         self.num_blocks = num_blocks
+        self.table_width = table_width
         self.block_size = block_size
         self.index_fp8 = index_fp8
         num_slots = num_blocks * block_size
@@ -201,17 +204,35 @@ def build_context(cache: PagedCache, requests: list[tuple[Sequence[int], int, in
         start += q_len
     return ForwardContext(
         positions=torch.cat(positions), slot_mapping=torch.cat(slot_mapping), seqs=seqs, cache=cache,
-        decode=_decode_meta(requests, device),
+        decode=_decode_meta(requests, device, cache.table_width),
     )
 
 
-def _decode_meta(requests: list[tuple[list[int], int, int]], device: torch.device) -> DecodeMeta | None:
+def _decode_meta(requests: list[tuple[Sequence[int], int, int]], device: torch.device,
+                 table_width: int | None) -> DecodeMeta | None:
     """The DecodeMeta of a step whose every request decodes one token, else None: the kernel path
     then scores and attends for all requests in one launch each, as in a CUDA graph, instead of
     copying per-layer row lists to the device."""
     if not requests or any(q_len != 1 for _, _, q_len in requests):
         return None
-    width = max(len(table) for table, _, _ in requests)
-    tables = torch.tensor([table + [0] * (width - len(table)) for table, _, _ in requests], dtype=torch.int32)
+    width = max(max(len(table) for table, _, _ in requests), table_width or 0)
+    tables = torch.tensor([[*table] + [0] * (width - len(table)) for table, _, _ in requests], dtype=torch.int32)
     lens = [first + 1 for _, first, _ in requests]
     return DecodeMeta(tables.to(device), torch.tensor(lens, dtype=torch.int32).to(device), max(lens))
+
+
+def decode_tables(ctx: ForwardContext, rows: list[int]) -> torch.Tensor:
+    """[len(rows), width] int32 block tables of the requests ``rows`` of a step (padded with page 0), width
+    the cache's ``table_width`` where it has one, else the widest of them.
+
+    NOTE: a fixed width keeps the decode kernels' arguments (table and logit strides, the top-k's slices)
+    the same at every context length, as in the CUDA graphs: a width that followed the context made
+    Triton compile a new variant of each decode kernel whenever it crossed a divisibility class or a
+    top-k slice size, mid-request (the H200's sync TTFT at 2K: 1.17 s against 0.42 s, 2026-12-04)."""
+    widest = max(ctx.seqs[i].block_table.shape[0] for i in rows)
+    table = torch.zeros(len(rows), max(widest, ctx.cache.table_width or 0), dtype=torch.int32,
+                        device=ctx.positions.device)
+    for r, i in enumerate(rows):
+        bt = ctx.seqs[i].block_table
+        table[r, : bt.shape[0]] = bt
+    return table

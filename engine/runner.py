@@ -201,7 +201,8 @@ class ModelRunner:
         # One page more than the block manager hands out: the scratch page of CUDA-graph padding rows.
         self.cache = PagedCache(self.model_config, self.num_blocks + 1, self.block_size, dtype, self.device,
                                 index_fp8=self.use_kernels, key_tiers=self.key_tiers, latent_tiers=self.latent_tiers,
-                                histories=self.histories)
+                                histories=self.histories,
+                                table_width=-(-self.max_model_len // self.block_size) if self.use_kernels else None)
         self.expert_cache: ExpertCache | None = None
         self.residency: CacheResidency | None = None  # the expert cache as the runahead decoder sees it
         self.prefetcher: PrefetchingExperts | None = None  # "prefetch", or "auto" (switched per step)

@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from hearth.engine.config import ModelConfig
-from hearth.engine.kv_cache import ForwardContext, SeqSlice
+from hearth.engine.kv_cache import ForwardContext, SeqSlice, decode_tables
 from hearth.engine.models.layers import hadamard_matrix
 from hearth.kernels.fused import indexer_q_fp8, rope_
 from hearth.kernels.indexer import indexer_decode_topk, indexer_k_cache_write, indexer_prefill_topk
@@ -41,16 +41,6 @@ def kernels_apply(config: ModelConfig, block_size: int, device: torch.device, dt
         and config.index_head_dim == 128 and config.latent_dim == 576 and config.qk_rope_head_dim <= 128
         and heads >= 16 and heads & (heads - 1) == 0 and block_size >= 16 and block_size & (block_size - 1) == 0
     )
-
-
-def _block_tables(ctx: ForwardContext, rows: list[int]) -> torch.Tensor:
-    """[len(rows), max_blocks] int32 block tables of the given requests (padded with 0)."""
-    width = max(ctx.seqs[i].block_table.shape[0] for i in rows)
-    table = torch.zeros(len(rows), width, dtype=torch.int32, device=ctx.positions.device)
-    for r, i in enumerate(rows):
-        bt = ctx.seqs[i].block_table
-        table[r, : bt.shape[0]] = bt
-    return table
 
 
 class RopeTable:
@@ -110,7 +100,7 @@ def indexer_select(indexer, x: torch.Tensor, q_resid: torch.Tensor, ctx: Forward
         rows = torch.tensor([ctx.seqs[i].start for i in decode], device=x.device)
         lens = torch.tensor([ctx.seqs[i].context_len for i in decode], dtype=torch.int32, device=x.device)
         picked = indexer_decode_topk(q8[rows].unsqueeze(1).contiguous(), w[rows].unsqueeze(1).contiguous(), cache,
-                                     _block_tables(ctx, decode), lens, bs, indexer.topk)  # (B, 1, k)
+                                     decode_tables(ctx, decode), lens, bs, indexer.topk)  # (B, 1, k)
         for r, i in enumerate(decode):
             out[i] = picked[r].long()
     for i, seq in enumerate(ctx.seqs):
@@ -198,7 +188,7 @@ def sparse_attention(attn, q_nope: torch.Tensor, q: torch.Tensor, ctx: ForwardCo
         rows = torch.tensor([ctx.seqs[i].start for i in decode], device=q.device)
         lens = torch.tensor([ctx.seqs[i].context_len for i in decode], dtype=torch.int32, device=q.device)
         idx = _pad_indices([selections[i].view(-1) for i in decode]).to(torch.int32)
-        o, _ = sparse_mla_decode(q[rows].contiguous(), latents, idx, _block_tables(ctx, decode), lens, attn.scale)
+        o, _ = sparse_mla_decode(q[rows].contiguous(), latents, idx, decode_tables(ctx, decode), lens, attn.scale)
         out_lat[rows] = o
     for i, seq in enumerate(ctx.seqs):
         if seq.q_len == 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hearth.engine.config import ModelConfig
-from hearth.engine.kv_cache import ForwardContext
+from hearth.engine.kv_cache import ForwardContext, decode_tables
 from hearth.kernels.gqa_attention import gqa_decode
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -24,15 +24,9 @@ def kernels_apply(config: ModelConfig, device: torch.device, dtype: torch.dtype)
 
 
 def _decode_rows(ctx: ForwardContext, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Block tables [len(rows), max_blocks] int32 (padded with page 0), context lengths and their max."""
-    seqs = [ctx.seqs[i] for i in rows]
-    width = max(s.block_table.shape[0] for s in seqs)
-    device = ctx.positions.device
-    table = torch.zeros(len(rows), width, dtype=torch.int32, device=device)
-    for r, seq in enumerate(seqs):
-        table[r, : seq.block_table.shape[0]] = seq.block_table
-    lens = [s.context_len for s in seqs]
-    return table, torch.tensor(lens, dtype=torch.int32, device=device), max(lens)
+    """Block tables (`decode_tables`), context lengths and their max."""
+    lens = [ctx.seqs[i].context_len for i in rows]
+    return decode_tables(ctx, rows), torch.tensor(lens, dtype=torch.int32, device=ctx.positions.device), max(lens)
 
 
 def attend(attn, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -71,6 +71,26 @@ def test_kernel_path_matches_plain_path(folder):
         assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.9, f"step {step}"
 
 
+def test_eager_decode_tables_padded_to_the_graphs_width(folder):
+    """An eager decode step's block tables padded to a fixed width (``PagedCache.table_width``, the CUDA
+    graphs' width, so the decode kernels compile once whatever the context) read the same pages: the
+    same logits as tables exactly as long as the context, and the tables are that wide."""
+    config = ModelConfig.from_file(folder)
+    dev = torch.device(TEST_DEVICE)
+    model = load_checkpoint(folder, dev, torch.bfloat16, attention=AttentionPaths(use_kernels=True)).eval()
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(2)).to(dev)
+    out = []
+    for width in (None, 12):
+        cache = PagedCache(config, 8, BLOCK, torch.bfloat16, dev, index_fp8=True, table_width=width)
+        with torch.inference_mode():
+            model(ids[:39], build_context(cache, [(TABLE, 0, 39)], dev))
+            ctx = build_context(cache, [(TABLE, 39, 1)], dev)
+            assert ctx.decode.block_tables.shape == (1, width or len(TABLE))
+            out.append(model(ids[39:40], ctx).float())
+    err = float((out[0] - out[1]).abs().max() / out[0].abs().max())
+    assert err < 0.02 and bool((out[0].argmax(-1) == out[1].argmax(-1)).all()), err
+
+
 def test_kernel_router_chooses_the_plain_routers_experts(folder):
     """The router kernel against the plain router of the same layer (DeepSeek-V3.2: 4 groups, keep 2;
     GLM-5: one group), at 7 tokens: the same experts in the same order, weights within fp32 rounding."""
