@@ -645,14 +645,21 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     for length in args.ttft:  # one untimed run first: a new prompt length compiles prefill kernels
         streams([length], 2)
         before = server.stats() if offloaded else {}
-        sent = time.time()
-        runs = [streams([length], 2)[0] for _ in range(args.reps)]
+        sent, runs = [], []
+        for _ in range(args.reps):
+            sent.append(time.time())
+            runs.append(streams([length], 2)[0])
         if server.samples is not None:  # --stack-samples: where the timed prompts' time went in the server
-            print_stack_samples(server.samples, sent, time.time(), f"TTFT {length} x {args.reps}")
+            print_stack_samples(server.samples, sent[0], time.time(), f"TTFT {length} x {args.reps}")
+            slowest = max(range(len(runs)), key=lambda i: runs[i].ttft)
+            if len(runs) > 1:  # one slow run among fast ones: its own window
+                print_stack_samples(server.samples, sent[slowest], sent[slowest] + runs[slowest].ttft,
+                                    f"TTFT {length}, slowest run ({runs[slowest].ttft * 1e3:.0f} ms)")
         ttft = statistics.median(r.ttft for r in runs)
         res[f"ttft_{length}_s"] = ttft
+        each = f"; runs {', '.join(f'{r.ttft * 1e3:.0f}' for r in runs)} ms" if len(runs) > 1 else ""
         print(f"  TTFT {runs[0].prompt_tokens}-token prompt: {ttft * 1e3:.0f} ms "
-              f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s)", flush=True)
+              f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s{each})", flush=True)
         if offloaded:  # what the prompts' steps did with the experts, per run (prefill and one decode step)
             spent = expert_deltas(before, server.stats(), args.reps)
             res[f"ttft_{length}_experts"] = spent
@@ -664,6 +671,9 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
         (t_a, before), (t_b, after) = snaps
         rates, window = decode_window(decoded)
         per_req = statistics.median(rates)
+        if not per_req > 0:  # (e.g. 8 streams of 8 tokens: the first ends before the last starts decoding)
+            print(f"  c={c}: no window in which every stream decodes (raise --decode-tokens)", flush=True)
+            continue
         span = max(s.end for s in decoded) - min(s.start for s in decoded)
         agg = sum(rates)
         ms_per_token = 1e3 / per_req
