@@ -132,12 +132,16 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
         else:
             cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = POLLS[value]
         block = cooperative_block(batch, logits.shape[1], q.device)
+        label = f"at most {value} programs a row" if kind == "programs" else f"barriers polling {value}"
+        if block is None:  # too few programs for this row: its slices would exceed MAX_BLOCK
+            print(f"B{batch:<3d} {ctx_len // 1024:4d}K  cooperative, {label}: does not fit (slices over "
+                  f"{cooperative.MAX_BLOCK} keys)", flush=True)
+            continue
         check_topk(topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
         t_pair = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K))
         t_alone = median_us(lambda: topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws))
         rows[0].setdefault(f"by_coop_{kind}", {})[value] = dict(block=block, indexer_topk_us=t_pair,
                                                                  topk_only_us=t_alone)
-        label = f"at most {value} programs a row" if kind == "programs" else f"barriers polling {value}"
         print(f"B{batch:<3d} {ctx_len // 1024:4d}K  cooperative, {label} ({block}-key slices): indexer + top-k "
               f"{t_pair:7.1f} us, top-k alone {t_alone:7.1f} us", flush=True)
     cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = defaults
