@@ -643,7 +643,8 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     for c in args.concurrency:
         streams([64] * c, 8)
     for length in args.ttft:  # one untimed run first: a new prompt length compiles prefill kernels
-        streams([length], 2)
+        first = streams([length], 2)[0]
+        res[f"ttft_{length}_first_s"] = first.ttft  # (what a first prompt this long costs: compiles on a new machine)
         before = server.stats() if offloaded else {}
         sent, runs = [], []
         for _ in range(args.reps):
@@ -659,7 +660,8 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
         res[f"ttft_{length}_s"] = ttft
         each = f"; runs {', '.join(f'{r.ttft * 1e3:.0f}' for r in runs)} ms" if len(runs) > 1 else ""
         print(f"  TTFT {runs[0].prompt_tokens}-token prompt: {ttft * 1e3:.0f} ms "
-              f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s{each})", flush=True)
+              f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s{each}; the untimed first {first.ttft * 1e3:.0f} ms)",
+              flush=True)
         if offloaded:  # what the prompts' steps did with the experts, per run (prefill and one decode step)
             spent = expert_deltas(before, server.stats(), args.reps)
             res[f"ttft_{length}_experts"] = spent
