@@ -399,7 +399,10 @@ class Engine:
         if self._generated or self.has_unfinished():
             raise RuntimeError("the warm-up runs before the engine's first request")
         start = time.perf_counter()
-        limits = Limits(self.runner.block_size, self.max_model_len, self.blocks.num_blocks, self.config.max_num_seqs)
+        # a whole prefill chunk only where the experts are on the GPU (warm_up.py, round 3)
+        chunk = self.config.max_num_batched_tokens if self.runner.expert_cache is None else 0
+        limits = Limits(self.runner.block_size, self.max_model_len, self.blocks.num_blocks, self.config.max_num_seqs,
+                        chunk)
         with self._set_aside():
             for prompts in warm_up_rounds(warm_up_token_ids(self.tokenizer, self.model_config.vocab_size), limits):
                 self._run_aside(prompts)

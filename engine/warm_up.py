@@ -16,7 +16,12 @@ The rounds (``warm_up_rounds``), each run to its end before the next:
 2. that prompt extended by about a page (where the context has room): its full pages come from the
    prefix cache and the rest is a prefill chunk attending to cached context, the path of a chat's next
    turn; then batch-1 decode;
-3. for each larger decode batch bucket up to ``max_num_seqs``, that many short prompts decoded
+3. with every expert on the GPU (``Limits.chunk_tokens``), a prompt of one whole prefill chunk and an odd
+   remainder (where the context has room): the prefill kernels at a full chunk's size (GEMMs, the fused MoE's
+   larger tiles, sparse attention over a context longer than the indexer's top-k), which a user's first long
+   prompt would otherwise compile (about 7 s on the H200 with an empty Triton cache, 2026-12-04). Not with
+   experts in RAM: there a chunk streams every expert of every layer over the link, seconds on a large model;
+4. for each larger decode batch bucket up to ``max_num_seqs``, that many short prompts decoded
    together, so every bucket's decode graph is captured before a user's request needs it.
 
 Each request is greedy, ignores EOS and answers ``ANSWER_TOKENS`` tokens: its first from the prefill,
@@ -49,6 +54,7 @@ class Limits:
     max_model_len: int
     num_blocks: int
     max_num_seqs: int
+    chunk_tokens: int = 0  # prompt tokens a step reads, warmed as one whole chunk (round 3); 0: no such round
 
 
 def warm_up_rounds(token_ids: Sequence[int], limits: Limits) -> list[list[list[int]]]:
@@ -65,6 +71,9 @@ def warm_up_rounds(token_ids: Sequence[int], limits: Limits) -> list[list[list[i
     rounds = [[long_prompt[:first]]]
     if second > first:  # (else the context is too short to extend a prompt at all)
         rounds.append([long_prompt])
+    whole = min(limits.chunk_tokens + _REMAINDER, room)
+    if limits.chunk_tokens and whole > second:  # other tokens than the first two: no prefix hit
+        rounds.append([_cycled(token_ids, whole, offset=2)])
     short = min(_SHORT, room)
     for batch in batch_buckets(limits.max_num_seqs):
         if batch > 1:  # (batch 1 decoded in the rounds before)

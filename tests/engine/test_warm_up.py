@@ -75,10 +75,12 @@ def _user_prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("limits", [Limits(64, 8192, 1024, 8), Limits(16, 256, 5, 4), Limits(64, 8, 1, 3),
-                                    Limits(4, 2, 64, 1), Limits(4, 2, 64, 8)])
+                                    Limits(4, 2, 64, 1), Limits(4, 2, 64, 8), Limits(64, 8192, 1024, 8, 2048),
+                                    Limits(16, 256, 5, 4, 2048), Limits(64, 8, 1, 3, 2048), Limits(16, 256, 64, 2, 40)])
 def test_the_rounds_fit_the_engine(limits):
-    """A prompt of a few pages and an odd remainder, the same prompt a page longer, then one round per
-    larger batch bucket; every prompt fits the context and the cache with its answer."""
+    """A prompt of a few pages and an odd remainder, the same prompt a page longer, with `chunk_tokens` a
+    prompt of one whole chunk and a remainder (as much of it as fits, where that is longer than the second),
+    then one round per larger batch bucket; every prompt fits the context and the cache with its answer."""
     rounds = warm_up_rounds([5, 6, 7], limits)
     if limits.max_model_len < 3:  # room for one-token prompts only: no prompt to extend
         (first,), *batches = rounds
@@ -88,6 +90,13 @@ def test_the_rounds_fit_the_engine(limits):
         assert second[:len(first)] == first and len(second) > len(first)
     if limits.max_model_len >= 256:
         assert len(first) == 2 * limits.block_size + 3 and len(second) == len(first) + limits.block_size + 2
+    room = min(limits.max_model_len, limits.num_blocks * limits.block_size)
+    whole = min(limits.chunk_tokens + 3, room - ANSWER_TOKENS - 1)
+    if limits.chunk_tokens and limits.max_model_len >= 3 and whole > len(second):
+        (chunk,), *batches = batches
+        assert len(chunk) == whole and chunk[:2 * limits.block_size] != first[:2 * limits.block_size]
+    if limits == Limits(64, 8192, 1024, 8, 2048):
+        assert whole == 2051  # a whole chunk, then a prefill step of 3 tokens past the indexer's 2048
     assert [len(batch) for batch in batches] == batch_buckets(limits.max_num_seqs)[1:]
     room = min(limits.max_model_len, limits.num_blocks * limits.block_size)
     for prompt in [p for round_ in rounds for p in round_]:
@@ -172,6 +181,23 @@ def test_the_warm_up_runs_a_prefix_hit_and_every_decode_bucket(models):
     engine.warm_up()
     assert cached[0] == 0 and cached[1] == 2 * BS  # the first prompt's two whole pages
     assert decode_batches == set(batch_buckets(MAX_NUM_SEQS))
+
+
+@pytest.mark.parametrize("features", [{}, {"offload": "always", "expert_cache_slots": 3}], ids=["resident", "offload"])
+def test_a_whole_prefill_chunk_is_warmed_with_the_experts_on_the_gpu_only(models, features):
+    """With every expert on the GPU the warm-up reads one whole chunk (max_num_batched_tokens) in a step, so a
+    user's first long prompt compiles nothing; with experts in RAM (where a chunk streams every expert) it does
+    not, and its longest step is the first prompt's."""
+    engine = _engine(models["deepseek_v32"], warm_up="true", max_num_batched_tokens=64, **features)
+    run, steps = engine.runner.run, []
+
+    def spy_run(inputs, *args, **kwargs):
+        steps.append(sum(len(s.token_ids) for s in inputs))
+        return run(inputs, *args, **kwargs)
+
+    engine.runner.run = spy_run
+    engine.warm_up()
+    assert max(steps) == (2 * BS + 3 if features else 64)
 
 
 def test_the_warm_up_writes_no_chat_cache_file(models, tmp_path):
