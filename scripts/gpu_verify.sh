@@ -20,7 +20,8 @@
 #   tests, the select's timeline, the indexer + top-k and the select's rows at the new defaults), `k2f` (~4 min: the
 #   finish's first loaded block by size, on the indexer's logits), `k2c` (~5 min: the cooperative few-row top-k, its tests
 #   and the decode rows at 1-4 requests beside the one-launch path), `ttft` (~4.5 min: a 2K prompt's first token with
-#   experts in RAM, the server's stack samples over it).
+#   experts in RAM, the server's stack samples over it), `first` (~7 min: the warm-up's tests, then on an empty Triton
+#   cache the first 2K prompt after start, resident and with experts in RAM: what a first long prompt compiles).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -36,7 +37,8 @@ mkdir -p "$OUT/l"
 fams=(); [[ " ${steps[*]} " == *" e2e "* ]] && fams=(deepseek_v32) && [[ -z ${E2E_DS_ONLY:-} ]] && fams+=(gpt_oss)
 [[ " ${steps[*]} " == *" c2 "* ]] && fams+=(deepseek_v32)
 [[ " ${steps[*]} " == *" defaults "* || " ${steps[*]} " == *" o2e "* ]] && fams+=(deepseek_v32)
-[[ " ${steps[*]} " == *" chat-tiers "* || " ${steps[*]} " == *" c2close "* || " ${steps[*]} " == *" ttft "* ]] \
+[[ " ${steps[*]} " == *" chat-tiers "* || " ${steps[*]} " == *" c2close "* || " ${steps[*]} " == *" ttft "* \
+    || " ${steps[*]} " == *" first "* ]] \
     && fams+=(deepseek_v32)
 (( ${#fams[@]} )) && ( for fam in $(printf '%s\n' "${fams[@]}" | sort -u); do python3 -c "
 import sys, torch; sys.path.insert(0, 'bench'); from pathlib import Path; from bench_e2e import write_checkpoint
@@ -144,6 +146,15 @@ for step in "${steps[@]}"; do
         timeout 240 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" --reps 2 --decode-tokens 8 \
             --configs offload-sync --concurrency 1 --ttft 2048 --stack-samples > "$OUT/e2e-ttft.log" 2>&1
         grep -vE "server flags|this window" "$OUT/e2e-ttft.log" | tail -32 ;;
+    first)  # a first long prompt after start, every kernel compiled anew (an empty Triton cache, as on a new install):
+            # "the untimed first" TTFT beside the timed ones, resident (whose warm-up reads a whole chunk) and experts in RAM
+        gpu_tests 150 tests/engine/test_warm_up.py tests/engine/test_decode_tables.py
+        wait
+        for config in resident offload-sync; do  # each on its own empty cache
+            TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" \
+                --reps 2 --decode-tokens 32 --configs $config --concurrency 1 --ttft 2048 > "$OUT/e2e-first-$config.log" 2>&1
+            grep -E "==|load|TTFT|c=1" "$OUT/e2e-first-$config.log" | tail -6
+        done ;;
     k2c)  # the cooperative few-row top-k (histogram, select and finish in one launch with grid barriers): its tests and
           # the indexer's and the DSA engine's, then the decode rows at 1-4 requests beside the one-launch path (~5 min)
         gpu_tests 300 tests/kernels/test_topk_cooperative.py tests/kernels/test_lightning_indexer.py \
