@@ -21,7 +21,8 @@
 #   finish's first loaded block by size, on the indexer's logits), `k2c` (~5 min: the cooperative few-row top-k, its tests
 #   and the decode rows at 1-4 requests beside the one-launch path), `ttft` (~4.5 min: a 2K prompt's first token with
 #   experts in RAM, the server's stack samples over it), `first` (~7 min: the warm-up's tests, then on an empty Triton
-#   cache the first 2K prompt after start, resident and with experts in RAM: what a first long prompt compiles).
+#   cache the first 2K prompt after start, resident and with experts in RAM: what a first long prompt compiles), `k2n`
+#   (~3 min: Nsight Compute on the persistent decode indexer at 1 and 8 x 128K).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -180,6 +181,27 @@ for _ in range(6):
 torch.cuda.synchronize()" > "$OUT/ncu-select-$rows.txt" 2>&1
             grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Eligible|Issued Warp|No Eligible|Stall|Compute \(SM\) Throughput|Memory Throughput|Block Size|Grid Size|Executed Ipc" \
                 "$OUT/ncu-select-$rows.txt" | head -30
+        done ;;
+    k2n)  # Nsight Compute on the persistent decode indexer at 1 and 8 x 128K: what its 8.7 us at batch 1 (46% of HBM)
+          # waits on, against batch 8 (64%)
+        for batch in 1 8; do
+            timeout 150 /usr/local/cuda/bin/ncu --kernel-name regex:_indexer_decode_persistent_kernel --launch-skip 4 \
+                --launch-count 1 --set full python3 -c "
+import sys, torch; sys.path.insert(0, 'bench')
+from bench_dsa import BS, random_indexer_cache
+from hearth.kernels._utils import FP8_E4M3
+from hearth.kernels.indexer import lightning_indexer_decode
+batch, n = $batch, 131072
+cache = random_indexer_cache(batch * n // BS)
+table = torch.randperm(batch * n // BS, device='cuda').int().view(batch, n // BS)
+ctx = torch.full((batch,), n, dtype=torch.int32, device='cuda')
+q = (torch.randn(batch, 1, 64, 128, device='cuda') * 2).to(FP8_E4M3)
+w = torch.randn(batch, 1, 64, device='cuda') * 0.05
+for _ in range(6):
+    lightning_indexer_decode(q, w, cache, table, ctx, BS)
+torch.cuda.synchronize()" > "$OUT/ncu-indexer-$batch.txt" 2>&1
+            grep -E "Duration|Registers|Achieved Occupancy|Eligible|Issued Warp|No Eligible|Stall|Memory Throughput|DRAM Throughput|L2 Hit|Block Size|Grid Size|Executed Ipc|Waves" \
+                "$OUT/ncu-indexer-$batch.txt" | head -30
         done ;;
     kernels)  # variants merged without a GPU, each beside the path it may replace, in one run
         timeout 300 python3 bench/bench_dsa.py --only decode_indexer --out "$OUT/l" > "$OUT/dsa-indexer.log" 2>&1
