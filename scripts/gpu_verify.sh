@@ -77,7 +77,7 @@ for step in "${steps[@]}"; do
             tests/engine/test_tiers_kernels_engine.py ;;
     e2e)
         wait  # the checkpoints
-        E=(python3 bench/bench_e2e.py --logs "$OUT/l" --reps 1 --decode-tokens 128)
+        E=(python3 bench/bench_e2e.py --logs "$OUT/l" --reps 2 --decode-tokens 128)  # TTFT: the median of 2
         # three configs load in ~4 min on a slow machine (2026-12-04: 65 s resident, 126 s experts in RAM): the
         # DeepSeek rows alone get the call's time
         timeout "$([[ -n ${E2E_DS_ONLY:-} ]] && echo 450 || echo 280)" "${E[@]}" --dir /tmp/ckpt-deepseek_v32 --json "$OUT/e2e-ds.json" \
