@@ -16,11 +16,12 @@ The rounds (``warm_up_rounds``), each run to its end before the next:
 2. that prompt extended by about a page (where the context has room): its full pages come from the
    prefix cache and the rest is a prefill chunk attending to cached context, the path of a chat's next
    turn; then batch-1 decode;
-3. with every expert on the GPU (``Limits.chunk_tokens``), a prompt of one whole prefill chunk and an odd
-   remainder (where the context has room): the prefill kernels at a full chunk's size (GEMMs, the fused MoE's
-   larger tiles, sparse attention over a context longer than the indexer's top-k), which a user's first long
-   prompt would otherwise compile (about 7 s on the H200 with an empty Triton cache, 2026-12-04). Not with
-   experts in RAM: there a chunk streams every expert of every layer over the link, seconds on a large model;
+3. with every expert on the GPU (``Limits.chunk_tokens``), one prompt each of an eighth, a quarter, half and a
+   whole prefill chunk and an odd remainder (where the context has room; 259 / 515 / 1,027 / 2,051 tokens at the
+   defaults), one after another: the prefill kernels at each size class (GEMMs, the fused MoE's larger tiles,
+   sparse attention over a context longer than the indexer's top-k), which a user's first long prompt would
+   otherwise compile (about 7 s on the H200 with an empty Triton cache, 2026-12-04). Not with experts in RAM:
+   there a prompt this long streams every expert of every layer over the link, seconds on a large model;
 4. for each larger decode batch bucket up to ``max_num_seqs``, that many short prompts decoded
    together, so every bucket's decode graph is captured before a user's request needs it.
 
@@ -44,6 +45,10 @@ _FULL_PAGES = 2  # the first prompt's whole pages (the second prompt finds them 
 _REMAINDER = 3  # and the odd tokens after them
 _EXTENSION = 2  # the second prompt adds a page and this many tokens to the first
 _SHORT = 5  # tokens of each prompt in the batch rounds
+# Round 3's prompts: an eighth, a quarter, half and all of a prefill chunk (and _REMAINDER): the kernels' tile
+# choices change with a step's tokens (the fused MoE's 16 / 32 / 64-row tiles at 16 / 32 / 64 tokens an expert:
+# 512 / 1,024 / 2,048 tokens at DeepSeek's 8 of 256 experts; sparse MLA's split plan by rows).
+_CHUNK_PARTS = (8, 4, 2, 1)
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class Limits:
     max_model_len: int
     num_blocks: int
     max_num_seqs: int
-    chunk_tokens: int = 0  # prompt tokens a step reads, warmed as one whole chunk (round 3); 0: no such round
+    chunk_tokens: int = 0  # prompt tokens a step reads: round 3 warms an eighth of it up to all of it; 0: no round 3
 
 
 def warm_up_rounds(token_ids: Sequence[int], limits: Limits) -> list[list[list[int]]]:
@@ -71,9 +76,9 @@ def warm_up_rounds(token_ids: Sequence[int], limits: Limits) -> list[list[list[i
     rounds = [[long_prompt[:first]]]
     if second > first:  # (else the context is too short to extend a prompt at all)
         rounds.append([long_prompt])
-    whole = min(limits.chunk_tokens + _REMAINDER, room)
-    if limits.chunk_tokens and whole > second:  # other tokens than the first two: no prefix hit
-        rounds.append([_cycled(token_ids, whole, offset=2)])
+    if limits.chunk_tokens:  # (each read whole: the engine drops the warm-up's cached pages after round 2)
+        lengths = sorted({min(limits.chunk_tokens // part + _REMAINDER, room) for part in _CHUNK_PARTS})
+        rounds += [[_cycled(token_ids, length, offset=2)] for length in lengths if length > second]
     short = min(_SHORT, room)
     for batch in batch_buckets(limits.max_num_seqs):
         if batch > 1:  # (batch 1 decoded in the rounds before)

@@ -78,9 +78,9 @@ def _user_prompts() -> list[list[int]]:
                                     Limits(4, 2, 64, 1), Limits(4, 2, 64, 8), Limits(64, 8192, 1024, 8, 2048),
                                     Limits(16, 256, 5, 4, 2048), Limits(64, 8, 1, 3, 2048), Limits(16, 256, 64, 2, 40)])
 def test_the_rounds_fit_the_engine(limits):
-    """A prompt of a few pages and an odd remainder, the same prompt a page longer, with `chunk_tokens` a
-    prompt of one whole chunk and a remainder (as much of it as fits, where that is longer than the second),
-    then one round per larger batch bucket; every prompt fits the context and the cache with its answer."""
+    """A prompt of a few pages and an odd remainder, the same prompt a page longer, with `chunk_tokens` one prompt
+    each of an eighth, a quarter, half and all of a chunk and a remainder (as much as fits, where longer than the
+    second), then one round per larger batch bucket; every prompt fits the context and the cache with its answer."""
     rounds = warm_up_rounds([5, 6, 7], limits)
     if limits.max_model_len < 3:  # room for one-token prompts only: no prompt to extend
         (first,), *batches = rounds
@@ -91,12 +91,15 @@ def test_the_rounds_fit_the_engine(limits):
     if limits.max_model_len >= 256:
         assert len(first) == 2 * limits.block_size + 3 and len(second) == len(first) + limits.block_size + 2
     room = min(limits.max_model_len, limits.num_blocks * limits.block_size)
-    whole = min(limits.chunk_tokens + 3, room - ANSWER_TOKENS - 1)
-    if limits.chunk_tokens and limits.max_model_len >= 3 and whole > len(second):
-        (chunk,), *batches = batches
-        assert len(chunk) == whole and chunk[:2 * limits.block_size] != first[:2 * limits.block_size]
-    if limits == Limits(64, 8192, 1024, 8, 2048):
-        assert whole == 2051  # a whole chunk, then a prefill step of 3 tokens past the indexer's 2048
+    if limits.chunk_tokens and limits.max_model_len >= 3:
+        lengths = sorted({min(limits.chunk_tokens // part + 3, room - ANSWER_TOKENS - 1) for part in (8, 4, 2, 1)})
+        lengths = [n for n in lengths if n > len(second)]
+        chunks, batches = batches[:len(lengths)], batches[len(lengths):]
+        assert [[len(p) for p in round_] for round_ in chunks] == [[n] for n in lengths]
+    if limits == Limits(64, 8192, 1024, 8, 2048):  # up to a whole chunk, then a step of 3 past the indexer's 2048
+        assert lengths == [259, 515, 1027, 2051]
+    if limits == Limits(16, 256, 5, 4, 2048):  # as much as the cache holds, once
+        assert lengths == [75]
     assert [len(batch) for batch in batches] == batch_buckets(limits.max_num_seqs)[1:]
     room = min(limits.max_model_len, limits.num_blocks * limits.block_size)
     for prompt in [p for round_ in rounds for p in round_]:
@@ -180,6 +183,7 @@ def test_the_warm_up_runs_a_prefix_hit_and_every_decode_bucket(models):
     engine.blocks.allocate, engine.runner.run = spy_allocate, spy_run
     engine.warm_up()
     assert cached[0] == 0 and cached[1] == 2 * BS  # the first prompt's two whole pages
+    assert len(cached) > 2 + 4 and not any(cached[2:])  # round 3's prompts (4 here) and the batches are read whole
     assert decode_batches == set(batch_buckets(MAX_NUM_SEQS))
 
 
@@ -188,7 +192,7 @@ def test_a_whole_prefill_chunk_is_warmed_with_the_experts_on_the_gpu_only(models
     """With every expert on the GPU the warm-up reads one whole chunk (max_num_batched_tokens) in a step, so a
     user's first long prompt compiles nothing; with experts in RAM (where a chunk streams every expert) it does
     not, and its longest step is the first prompt's."""
-    engine = _engine(models["deepseek_v32"], warm_up="true", max_num_batched_tokens=64, **features)
+    engine = _engine(models["deepseek_v32"], warm_up="true", max_num_batched_tokens=512, **features)
     run, steps = engine.runner.run, []
 
     def spy_run(inputs, *args, **kwargs):
@@ -197,7 +201,9 @@ def test_a_whole_prefill_chunk_is_warmed_with_the_experts_on_the_gpu_only(models
 
     engine.runner.run = spy_run
     engine.warm_up()
-    assert max(steps) == (2 * BS + 3 if features else 64)
+    assert max(steps) == (2 * BS + 3 if features else 512)
+    if not features:  # an eighth, a quarter, half and all of a chunk and 3 (the last in two steps: 512, then 3)
+        assert {67, 131, 259, 512} <= set(steps)
 
 
 def test_the_warm_up_writes_no_chat_cache_file(models, tmp_path):
