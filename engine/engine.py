@@ -408,7 +408,7 @@ class Engine:
             for i, prompts in enumerate(rounds):
                 self._run_aside(prompts)
                 if i >= 1:  # the second prompt found the first's pages; every later one is read whole
-                    self.blocks.drop_conversation(CONVERSATION)
+                    self._forget_warm_up()
         self.warm_up_s = time.perf_counter() - start
         return self.warm_up_s
 
@@ -420,9 +420,8 @@ class Engine:
             yield
         finally:
             self.blocks.tier = tier
-            self.blocks.drop_conversation(CONVERSATION)
+            self._forget_warm_up()
             if self.tier_cache is not None:
-                self.tier_cache.drop_conversation(CONVERSATION)
                 self.tier_cache.reset_counters()
             self._generated = 0
             self._recent.clear()
@@ -430,6 +429,12 @@ class Engine:
             self.timer = StepTimer(enabled=self.timer.enabled)
             self.blocks.hit_tokens = self.blocks.restored_tokens = 0
             self.runner.reset_stats()
+
+    def _forget_warm_up(self) -> None:
+        """Drop the warm-up's pages from the prefix cache and its chats from the tier cache."""
+        self.blocks.drop_conversation(CONVERSATION)
+        if self.tier_cache is not None:
+            self.tier_cache.drop_conversation(CONVERSATION)
 
     def _run_aside(self, prompts: list[list[int]]) -> None:
         """Run ``prompts`` together to their end, greedy; raises HearthError if one fails."""
