@@ -399,7 +399,7 @@ class Engine:
         if self._generated or self.has_unfinished():
             raise RuntimeError("the warm-up runs before the engine's first request")
         start = time.perf_counter()
-        # a whole prefill chunk only where the experts are on the GPU (warm_up.py, round 3)
+        # round 3 (prompts up to a whole prefill chunk) only where the experts are on the GPU (warm_up.py)
         chunk = self.config.max_num_batched_tokens if self.runner.expert_cache is None else 0
         limits = Limits(self.runner.block_size, self.max_model_len, self.blocks.num_blocks, self.config.max_num_seqs,
                         chunk)
