@@ -149,7 +149,7 @@ for step in "${steps[@]}"; do
         grep -vE "server flags|this window" "$OUT/e2e-ttft.log" | tail -32 ;;
     first)  # a first long prompt after start, every kernel compiled anew (an empty Triton cache, as on a new install):
             # "the untimed first" TTFT beside the timed ones, resident (whose warm-up reads prompts up to a whole chunk) and experts in RAM
-        gpu_tests 150 tests/engine/test_warm_up.py tests/engine/test_decode_tables.py
+        gpu_tests 240 tests/engine/test_warm_up.py tests/engine/test_decode_tables.py
         wait
         for config in resident offload-sync; do  # each on its own empty cache
             TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" \
