@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice
+from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice, decode_table_width
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 TIER_GRAPHS = 4  # decode graphs kept for steps with per-request tiers (one per set of requests)
@@ -160,7 +160,7 @@ class DecodeGraphs:
         self.model, self.cache, self.device = model, cache, device
         self.block_size = cache.block_size
         self.max_context = max_model_len
-        self.max_blocks = -(-max_model_len // self.block_size)
+        self.max_blocks = decode_table_width(max_model_len, self.block_size)
         self.sizes = batch_buckets(max_batch)
         self.max_batch = self.sizes[-1]
         self.inputs = DecodeInputs(self.max_batch, self.max_blocks, self.block_size, scratch_block, device)

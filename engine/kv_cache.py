@@ -225,6 +225,12 @@ def _decode_meta(requests: list[tuple[Sequence[int], int, int]], device: torch.d
     return DecodeMeta(tables, torch.tensor(lens, dtype=torch.int32).to(device), max(lens))
 
 
+def decode_table_width(max_model_len: int, block_size: int) -> int:
+    """Pages of a decode step's block tables: a context's at the longest context. The CUDA graphs' tables have
+    this width, and on the kernel path so does every eager step's (`PagedCache.table_width`, `decode_tables`)."""
+    return -(-max_model_len // block_size)
+
+
 def decode_tables(ctx: ForwardContext, rows: list[int]) -> torch.Tensor:
     """[len(rows), width] int32 block tables of the requests ``rows`` of a step (padded with page 0), width
     the cache's ``table_width`` where it has one, else the widest of them.

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hearth.engine.cuda_graphs import TIER_GRAPHS, batch_buckets, capturing
-from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice, build_context
+from hearth.engine.kv_cache import DecodeMeta, ForwardContext, PagedCache, SeqSlice, build_context, decode_table_width
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.dsa_kernels import stacked_selections
 from hearth.offload.experts import OffloadedExperts
@@ -109,7 +109,7 @@ class PiecewiseDecode:
         self.capture = capture and self.static
         self.block_size = cache.block_size
         self.max_context = max_model_len
-        self.max_blocks = -(-max_model_len // self.block_size)
+        self.max_blocks = decode_table_width(max_model_len, self.block_size)
         self.scratch_block = scratch_block
         self.sizes = batch_buckets(max_batch)
         b = self.max_batch = self.sizes[-1]

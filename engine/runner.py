@@ -11,7 +11,7 @@ import torch
 from hearth.engine.api import EngineConfig, HearthError
 from hearth.engine.config import ModelConfig
 from hearth.engine.cuda_graphs import DecodeGraphs
-from hearth.engine.kv_cache import PagedCache, build_context
+from hearth.engine.kv_cache import PagedCache, build_context, decode_table_width
 from hearth.engine.loader import load_checkpoint
 from hearth.engine.models import dsa_kernels, fused_experts, gqa_kernels
 from hearth.engine.models.deepseek import DeepseekForCausalLM
@@ -202,7 +202,8 @@ class ModelRunner:
         self.cache = PagedCache(self.model_config, self.num_blocks + 1, self.block_size, dtype, self.device,
                                 index_fp8=self.use_kernels, key_tiers=self.key_tiers, latent_tiers=self.latent_tiers,
                                 histories=self.histories,
-                                table_width=-(-self.max_model_len // self.block_size) if self.use_kernels else None)
+                                table_width=decode_table_width(self.max_model_len, self.block_size) if self.use_kernels
+                                else None)
         self.expert_cache: ExpertCache | None = None
         self.residency: CacheResidency | None = None  # the expert cache as the runahead decoder sees it
         self.prefetcher: PrefetchingExperts | None = None  # "prefetch", or "auto" (switched per step)
