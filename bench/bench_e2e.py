@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hearth.app.paths import HOME_ENV
 from hearth.engine.stack_samples import ENV as STACK_SAMPLES_ENV
 from hearth.engine.stack_samples import read_samples, top_stacks
 
@@ -365,10 +366,14 @@ class Server:
         self.log = log.open("w")
         self.t0 = time.perf_counter()
         self.samples = samples
-        env = None
+        # Hearth's folders, the chat cache's among them, empty as on a new install: a server started earlier
+        # (another config, or another run of this script, whose prompts repeat) saved its prompts' pages there
+        # when it stopped, and a new one would find its prompts cached (chat-cache passes its own folder)
+        self.home = tempfile.TemporaryDirectory(prefix="hearth-bench-home-")
+        env = {**os.environ, HOME_ENV: self.home.name}
         if samples is not None:
             samples.unlink(missing_ok=True)
-            env = {**os.environ, STACK_SAMPLES_ENV: str(samples)}
+            env[STACK_SAMPLES_ENV] = str(samples)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.load_s = math.nan
         self.url = f"http://127.0.0.1:{self.port}"
@@ -410,6 +415,7 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        self.home.cleanup()
         return time.perf_counter() - t0
 
 
@@ -658,9 +664,11 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
                                     f"TTFT {length}, slowest run ({runs[slowest].ttft * 1e3:.0f} ms)")
         ttft = statistics.median(r.ttft for r in runs)
         res[f"ttft_{length}_s"] = ttft
+        cached = res[f"ttft_{length}_cached_tokens"] = max(r.cached_tokens for r in [first, *runs])  # 0: read whole
         each = f"; runs {', '.join(f'{r.ttft * 1e3:.0f}' for r in runs)} ms" if len(runs) > 1 else ""
         print(f"  TTFT {runs[0].prompt_tokens}-token prompt: {ttft * 1e3:.0f} ms "
-              f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s{each}; the untimed first {first.ttft * 1e3:.0f} ms)",
+              f"({runs[0].prompt_tokens / ttft:.0f} prompt tok/s{each}; the untimed first {first.ttft * 1e3:.0f} ms)"
+              + (f"; NOT read whole: up to {cached} tokens from the prefix cache" if cached else ""),
               flush=True)
         if offloaded:  # what the prompts' steps did with the experts, per run (prefill and one decode step)
             spent = expert_deltas(before, server.stats(), args.reps)

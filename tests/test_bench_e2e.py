@@ -119,3 +119,20 @@ def test_stack_samples_cover_the_timed_first_tokens(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "TTFT 64 x 1: hearth-engine stack samples over" in run.stdout
     assert '"hearth-engine"' in (tmp_path / "logs" / "server-resident.stacks.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_run_of_the_bench_finds_none_of_the_first_runs_prompts_cached(tmp_path):
+    """Each run's prompts repeat the last run's (the same seeds), and a stopping server saves its prompts' pages
+    to its chat cache folder: each server gets its own Hearth folders, empty as on a new install, so a second
+    run (or the next config's server) reads its TTFT prompts whole (~2 x 15 s on the CPU)."""
+    cmd = [sys.executable, str(BENCH / "bench_e2e.py"), "--family", "tiny", "--device", "cpu",
+           "--dir", str(tmp_path / "ckpt"), "--configs", "resident", "--concurrency", "1", "--ttft", "256",
+           "--decode-tokens", "4", "--reps", "1", "--max-model-len", "2048", "--logs", str(tmp_path / "logs")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HEARTH_HOME": str(tmp_path / "home")}  # (one home, as a user's)
+    for run_number in range(2):
+        out = tmp_path / f"e2e-{run_number}.json"
+        run = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        res = json.loads(out.read_text())["configs"]["resident"]
+        assert res["ttft_256_cached_tokens"] == 0, (run_number, res)
