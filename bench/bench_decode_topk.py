@@ -3,7 +3,8 @@ with programmatic dependent launch on and off (`hearth.kernels._utils.PDL`), bes
 and the top-k alone on them (a workspace kept across calls, as the engine keeps one), and the select's timeline
 and finishing paths on those logits (`bench_one_launch.timeline_of`). Where the cooperative top-k
 (`hearth.kernels.topk.cooperative`, at most four rows) is the default, the one-launch path is timed beside it
-(topk="one_launch") with its own timeline (`coop_timeline_of`).
+(topk="one_launch") with its own timeline (`coop_timeline_of`), and the indexer and the cooperative top-k in one
+launch (topk="fused_cooperative", `hearth.kernels.indexer.decode_cooperative`) with its timeline.
 
 Each row is a CUDA-graph replay median (the engine replays its decode step from a graph), after a check of the
 selection against torch on the same logits. The issue's targets: b1 x 128K indexer + top-k <= 15 us, 64 x 128K
@@ -31,6 +32,10 @@ from bench_one_launch import timeline_of  # noqa: E402
 from hearth.kernels import _utils  # noqa: E402
 from hearth.kernels._utils import FP8_E4M3  # noqa: E402
 from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode  # noqa: E402
+from hearth.kernels.indexer.decode_cooperative import (  # noqa: E402
+    indexer_cooperative_launch,
+    use_fused_cooperative,
+)
 from hearth.kernels.topk import cooperative, one_launch, topk_indices_one_launch  # noqa: E402
 from hearth.kernels.topk.cooperative import (  # noqa: E402
     cooperative_block,
@@ -55,10 +60,12 @@ def median_us(fn) -> float:
     return do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
 
 
-def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor) -> dict:
+def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor, fused=None) -> dict:
     """Where the cooperative top-k's time goes: each program's global-timer stamps (start, past the first barrier
     with its band, its slice split, past the second barrier, its keys placed and arrived; the last program done),
-    in us from the first start, medians over programs; the last of 5 eager calls."""
+    in us from the first start, medians over programs; the last of 5 eager calls. fused: the fused indexer +
+    top-k's launch instead (`fused(out, workspace, plan, trace)`, returning its logits), its first barrier
+    passed once every program has scored its keys."""
     rows, n = scores.shape
     out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
     plan = one_launch_plan(K)
@@ -67,7 +74,10 @@ def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor) -> dict:
     trace = torch.zeros(rows, programs, 8, dtype=torch.int64, device="cuda")
     for _ in range(5):
         trace.zero_()
-        cooperative_topk_launch(scores, lengths, out, ws, plan, trace=trace)
+        if fused is None:
+            cooperative_topk_launch(scores, lengths, out, ws, plan, trace=trace)
+        else:
+            scores = fused(out, ws, plan, trace)
     torch.cuda.synchronize()
     check_topk(out, scores, lengths, K)
     paths = ws[:, HEADER + PATH].tolist()
@@ -81,7 +91,8 @@ def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor) -> dict:
                start_spread_us=float(live[:, 0].max()), first_barrier_us=float(live[:, 1].median()),
                split_us=float((live[:, 2] - live[:, 1]).median()), second_barrier_us=float(live[:, 3].median()),
                arrived_us=arrived, end_us=end)
-    print(f"coop trace {rows} x {n}: {programs} programs/row, paths {res['paths']}: starts spread over "
+    print(f"{'fused' if fused else 'coop'} trace {rows} x {n}: {programs} programs/row, paths {res['paths']}: "
+          f"starts spread over "
           f"{res['start_spread_us']:.2f} us, past the first barrier (band) at {res['first_barrier_us']:.2f}, split "
           f"{res['split_us']:.2f}, past the second barrier at {res['second_barrier_us']:.2f}, placed and arrived at "
           f"{arrived:.2f}, done at {end:.2f} us",
@@ -117,11 +128,18 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
             check_topk(topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
             row["topk_only_cooperative_us"] = t_coop = median_us(
                 lambda: topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws))
+        has_fused = use_fused_cooperative(batch, 1, logits.shape[1], q.device)
+        if has_fused:  # the indexer and the cooperative top-k in one launch
+            fused_logits = indexer_cooperative_launch(q, w, cache, table, ctx, BS, out, ws, one_launch_plan(K))
+            check_topk(out, fused_logits, lengths, K)
+            row["indexer_topk_fused_us"] = t_fused = median_us(
+                lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="fused_cooperative"))
         rows.append(row)
         print(f"B{batch:<3d} {ctx_len // 1024:4d}K  pdl {int(pdl)} finish block {fblock:4d}: indexer + top-k "
               f"{t_full:7.1f} us, one-launch top-k alone {t_topk:7.1f} us (indexer logits alone {t_logits:6.1f} us)"
               + (f"; cooperative by default: indexer + one-launch top-k {t_one:7.1f} us, cooperative top-k alone "
-                 f"{t_coop:7.1f} us" if coop else ""), flush=True)
+                 f"{t_coop:7.1f} us" if coop else "")
+              + (f"; fused indexer + cooperative top-k {t_fused:7.1f} us" if has_fused else ""), flush=True)
     _utils.PDL, one_launch.FINISH_BLOCK = True, FINISH_BLOCKS[0]
     defaults = cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST
     variants = [("programs", p) for p in COOP_PROGRAMS] + [("poll", p) for p in COOP_POLLS]
@@ -148,6 +166,11 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
     rows[0]["trace"] = timeline_of(logits, lengths, "logits")
     if use_cooperative(batch, logits.shape[1], q.device):
         rows[0]["coop_trace"] = coop_timeline_of(logits, lengths)
+    if use_fused_cooperative(batch, 1, logits.shape[1], q.device):
+        def fused(out, ws, plan, trace):
+            return indexer_cooperative_launch(q, w, cache, table, ctx, BS, out, ws, plan, trace=trace)
+
+        rows[0]["fused_trace"] = coop_timeline_of(logits, lengths, fused)
     return rows
 
 

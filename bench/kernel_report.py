@@ -7,6 +7,7 @@ fit one or two programs per SM" and "is the gather pipelined at all" before a va
     python bench/kernel_report.py sparse_mla [--fp8] [--config "block_n=32,num_stages=7" ...]
     python bench/kernel_report.py one_launch [--config "SCAN=2" "BLOCK=4096,num_warps=4" ...]
     python bench/kernel_report.py cooperative [--config "BLOCK=2048" ...]
+    python bench/kernel_report.py fused_cooperative [--config "BLOCK_T=64" "num_stages=4" ...]
 
 Each --config is one compile: comma-separated name=value pairs over the kernel's defaults, where
 num_warps / num_stages are launch options and the rest the kernel's constexprs (sparse MLA also takes
@@ -30,6 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from hearth.kernels.indexer import decode_cooperative
 from hearth.kernels.sparse_mla import kernel as sparse_mla
 from hearth.kernels.topk import cooperative, one_launch
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS
@@ -159,9 +161,25 @@ def cooperative_report(config: dict, arch: int = 90) -> Report:
     return compile_report(cooperative._cooperative_topk_kernel, signature, constexprs, *options[:2], arch, options[2])
 
 
+def fused_cooperative_report(config: dict, arch: int = 90) -> Report:
+    """The decode indexer + cooperative top-k kernel (`decode_cooperative`; DeepSeek's 64 heads of 128, FP8 queries,
+    64-token pages, k 2048, 1024-key slices as at b1 x 128K), ``config``'s constexprs and options over its defaults."""
+    config, options, constexprs = _select_setup({"num_stages": decode_cooperative.NUM_STAGES} | config, 1024)
+    constexprs.pop("MAP_PAGE")
+    constexprs |= dict(WAYS=one_launch.TABLE_WAYS, POLL_ACQUIRE=cooperative.POLL_ACQUIRE,
+                       POLL_HIST=cooperative.POLL_HIST, H=64, D=128, BLOCK_SIZE=64, BLOCK_T=decode_cooperative.BLOCK_T,
+                       Q_FP8=True, UPCAST=False, PRECISE=True) | config
+    signature = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "cache_u8_ptr": "*u8", "cache_f32_ptr": "*fp32",
+                 "table_ptr": "*i32", "ctx_ptr": "*i32", "x_ptr": "*fp32", "out_ptr": "*i32", "ws_ptr": "*i32",
+                 "trace_ptr": "*i64", "stride_table": "i32", "stride_x": "i32", "stride_out": "i32",
+                 "stride_ws": "i32", "stride_blk": "i32", "N": "i32/16", "K": "i32/16"}
+    return compile_report(decode_cooperative._indexer_cooperative_kernel, signature, constexprs, *options[:2], arch,
+                          options[2])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kernel", choices=["sparse_mla", "one_launch", "cooperative"])
+    ap.add_argument("kernel", choices=["sparse_mla", "one_launch", "cooperative", "fused_cooperative"])
     ap.add_argument("--config", nargs="*", default=[""], help="one compile each (see the module doc)")
     ap.add_argument("--fp8", action="store_true", help="sparse MLA over the FP8 latent cache")
     ap.add_argument("--arch", type=int, default=90)
@@ -173,6 +191,8 @@ def main() -> None:
             report = sparse_mla_report(config, args.fp8, args.arch)
         elif args.kernel == "cooperative":
             report = cooperative_report(config, args.arch)
+        elif args.kernel == "fused_cooperative":
+            report = fused_cooperative_report(config, args.arch)
         else:
             report = one_launch_report(config, args.arch)
         print(f"{args.kernel} {text or 'defaults'}: {report.line()}", flush=True)

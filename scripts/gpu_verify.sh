@@ -22,7 +22,8 @@
 #   and the decode rows at 1-4 requests beside the one-launch path), `ttft` (~4.5 min: a 2K prompt's first token with
 #   experts in RAM, the server's stack samples over it), `first` (~7 min: the warm-up's tests, then on an empty Triton
 #   cache the first 2K prompt after start, resident and with experts in RAM: what a first long prompt compiles), `k2n`
-#   (~3 min: Nsight Compute on the persistent decode indexer at 1 and 8 x 128K).
+#   (~3 min: Nsight Compute on the persistent decode indexer at 1 and 8 x 128K), `k2i` (~5 min: the decode indexer and
+#   the cooperative top-k in one launch, its tests and the decode rows at 1-4 requests beside the two launches).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -149,9 +150,10 @@ for step in "${steps[@]}"; do
         grep -vE "server flags|this window" "$OUT/e2e-ttft.log" | tail -32 ;;
     first)  # a first long prompt after start, every kernel compiled anew (an empty Triton cache, as on a new install):
             # "the untimed first" TTFT beside the timed ones, resident (whose warm-up reads prompts up to a whole chunk) and experts in RAM
-        gpu_tests 240 tests/engine/test_warm_up.py tests/engine/test_decode_tables.py
+        # FIRST_TESTS=0: the rows only; FIRST_CONFIGS: which configs (default both)
+        [[ ${FIRST_TESTS:-1} == 0 ]] || gpu_tests 240 tests/engine/test_warm_up.py tests/engine/test_decode_tables.py
         wait
-        for config in resident offload-sync; do  # each on its own empty cache
+        for config in ${FIRST_CONFIGS:-resident offload-sync}; do  # each on its own empty cache
             TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" \
                 --reps 2 --decode-tokens 32 --configs $config --concurrency 1 --ttft 2048 > "$OUT/e2e-first-$config.log" 2>&1
             grep -E "==|load|TTFT|c=1" "$OUT/e2e-first-$config.log" | tail -6
@@ -163,6 +165,13 @@ for step in "${steps[@]}"; do
         # K2C_ARGS: more of bench_decode_topk's flags (--coop-programs 32 64: fewer programs a row beside the default)
         timeout 260 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
             ${K2C_ARGS:-} --out "$OUT" > "$OUT/decode-topk.log" 2>&1
+        grep -E "^B|trace|Error|error" "$OUT/decode-topk.log" | tail -40 ;;
+    k2i)  # the decode indexer and the cooperative top-k in one launch (kernels/indexer/decode_cooperative.py): its
+          # tests, the cooperative and indexer tests, then the decode rows at 1-4 requests beside the two launches
+        gpu_tests 300 tests/kernels/test_indexer_cooperative.py tests/kernels/test_topk_cooperative.py \
+            tests/kernels/test_lightning_indexer.py
+        timeout 240 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
+            --out "$OUT" > "$OUT/decode-topk.log" 2>&1
         grep -E "^B|trace|Error|error" "$OUT/decode-topk.log" | tail -40 ;;
     k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn
         for rows in 64 1; do

@@ -36,6 +36,8 @@ from hearth.kernels._utils import (
     mma_fp8,
     require,
 )
+from hearth.kernels.indexer import decode_cooperative
+from hearth.kernels.indexer.decode_cooperative import indexer_cooperative_launch, use_fused_cooperative
 from hearth.kernels.indexer.decode_persistent import persistent_config, persistent_decode_launch, sm_count
 from hearth.kernels.topk import cooperative
 from hearth.kernels.topk.cooperative import cooperative_topk_launch, use_cooperative
@@ -258,6 +260,23 @@ def _tiled_config(n_req: int, n_cols: int, heads: int, next_n: int) -> dict:
     }
 
 
+def _check_decode(q, weights, kv_cache, block_table, context_lens, block_size) -> None:
+    check_tensor("q", q, dtypes=(FP8_E4M3, torch.bfloat16), ndim=4)
+    n_req, next_n, heads, dim = q.shape
+    require(dim == INDEX_DIM, f"q must be [B, next_n, H, 128], got {tuple(q.shape)}")
+    require(1 <= next_n <= MAX_NEXT_N, f"next_n must be in 1..{MAX_NEXT_N}, got {next_n}")
+    require(is_power_of_two(heads) and heads >= 16, f"H must be a power of two >= 16, got {heads}")
+    dev = q.device
+    check_tensor("weights", weights, dtypes=(torch.float32,), shape=(n_req, next_n, heads), device=dev)
+    _check_cache(kv_cache, block_size, dev)
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=False, device=dev)
+    require(
+        block_table.shape[0] == n_req and block_table.stride(1) == 1,
+        "block_table must be [B, max_blocks] with unit last stride",
+    )
+    check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(n_req,), device=dev)
+
+
 def lightning_indexer_decode(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -300,20 +319,9 @@ def lightning_indexer_decode(
         lengths: int32 [B*next_n], valid entries per row (position + 1, >= 0; with cold_pages the
             cold pages).
     """
-    check_tensor("q", q, dtypes=(FP8_E4M3, torch.bfloat16), ndim=4)
+    _check_decode(q, weights, kv_cache, block_table, context_lens, block_size)
     n_req, next_n, heads, dim = q.shape
-    require(dim == INDEX_DIM, f"q must be [B, next_n, H, 128], got {tuple(q.shape)}")
-    require(1 <= next_n <= MAX_NEXT_N, f"next_n must be in 1..{MAX_NEXT_N}, got {next_n}")
-    require(is_power_of_two(heads) and heads >= 16, f"H must be a power of two >= 16, got {heads}")
     dev = q.device
-    check_tensor("weights", weights, dtypes=(torch.float32,), shape=(n_req, next_n, heads), device=dev)
-    _check_cache(kv_cache, block_size, dev)
-    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=False, device=dev)
-    require(
-        block_table.shape[0] == n_req and block_table.stride(1) == 1,
-        "block_table must be [B, max_blocks] with unit last stride",
-    )
-    check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(n_req,), device=dev)
     n_cols = block_table.shape[1] * block_size
     rows = n_req * next_n
     cold_page, cold_hot, group = cold_pages or (0, 0, 1)
@@ -413,7 +421,7 @@ def indexer_decode_topk(
     *,
     fuse_hist: bool | None = None,
     config: dict | None = None,
-    topk: Literal["auto", "radix", "sampled", "one_launch", "cooperative"] = "auto",
+    topk: Literal["auto", "radix", "sampled", "one_launch", "cooperative", "fused_cooperative"] = "auto",
     topk_workspace: torch.Tensor | None = None,
     hist_sample: int | None = None,
     hist_sigmas: float = SAMPLE_SIGMAS,
@@ -422,11 +430,13 @@ def indexer_decode_topk(
 
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
-    topk picks the selection: "auto" (the default: "cooperative" where `cooperative.use_cooperative` allows it
-    and `cooperative.COOPERATIVE` is on, else "one_launch", with the histogram fused where rows x the
+    topk picks the selection: "auto" (the default: "fused_cooperative" where `use_fused_cooperative` allows it
+    and `decode_cooperative.FUSED_COOPERATIVE` is on, else "cooperative" where `cooperative.use_cooperative`
+    allows it and `cooperative.COOPERATIVE` is on, else "one_launch", with the histogram fused where rows x the
     block table's token capacity is at most `ONE_LAUNCH_FUSED_MAX_WORK`; "radix" whenever fuse_hist is
     given), "cooperative" (`hearth.kernels.topk.cooperative`: histogram, select and finish in one launch for
-    a few rows on a GPU; its workspace as "one_launch"'s), "radix" (the radix
+    a few rows on a GPU; its workspace as "one_launch"'s), "fused_cooperative" (`decode_cooperative`: the
+    indexer's logits and that select in one launch, one query a request; config is not used), "radix" (the radix
     select, whose workspace is zeroed per call),
     "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
     `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
@@ -441,9 +451,9 @@ def indexer_decode_topk(
     3.6's tl.histogram); "sampled" has none. hist_sample: with the separate histogram of "one_launch", count
     one key in every hist_sample of long rows (`fine_hist_launch`; default `default_sample`), the select's band
     hist_sigmas standard deviations of the sample's count wide either side."""
-    require(topk in ("auto", "radix", "sampled", "one_launch", "cooperative"),
-            f"topk must be auto, radix, sampled, one_launch or cooperative, got {topk!r}")
-    require(topk not in ("sampled", "cooperative") or not fuse_hist,
+    require(topk in ("auto", "radix", "sampled", "one_launch", "cooperative", "fused_cooperative"),
+            f"topk must be auto, radix, sampled, one_launch, cooperative or fused_cooperative, got {topk!r}")
+    require(topk not in ("sampled", "cooperative", "fused_cooperative") or not fuse_hist,
             f"fuse_hist: the {topk} select has no histogram to fuse")
     n_req, next_n = q.shape[0], q.shape[1]
     rows = n_req * next_n
@@ -451,6 +461,8 @@ def indexer_decode_topk(
     if topk == "auto":
         if fuse_hist is not None:
             topk = "radix"
+        elif decode_cooperative.FUSED_COOPERATIVE and use_fused_cooperative(n_req, next_n, capacity, q.device):
+            topk = "fused_cooperative"
         elif cooperative.COOPERATIVE and use_cooperative(rows, capacity, q.device):
             topk, fuse_hist = "cooperative", False
         else:
@@ -458,6 +470,16 @@ def indexer_decode_topk(
     if topk == "cooperative":
         require(use_cooperative(rows, capacity, q.device),
                 f"the cooperative top-k does not take {rows} rows of {capacity} here (use_cooperative)")
+    if topk == "fused_cooperative":
+        require(use_fused_cooperative(n_req, next_n, capacity, q.device),
+                f"the fused indexer + top-k does not take {n_req} x {next_n} rows of {capacity} here "
+                "(use_fused_cooperative)")
+        _check_decode(q, weights, kv_cache, block_table, context_lens, block_size)
+        plan = one_launch_plan(k)
+        ws = topk_workspace if topk_workspace is not None else kept_one_launch_workspace(rows, plan, q.device)
+        out = torch.empty(rows, k, dtype=torch.int32, device=q.device)
+        indexer_cooperative_launch(q, weights, kv_cache, block_table, context_lens, block_size, out, ws, plan)
+        return out.view(n_req, next_n, k)
     if fuse_hist is None:
         fuse_hist = topk == "one_launch"
     ws = None  # the workspace the indexer adds its histogram to, if any

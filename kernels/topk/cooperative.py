@@ -145,17 +145,16 @@ def _barrier(p_count, n, POLL_ACQUIRE: tl.constexpr):
 
 
 @triton.jit
-def _cooperative_topk_kernel(
-    x_ptr,
-    len_ptr,
-    out_ptr,
-    ws_ptr,
+def cooperative_select(
+    p_x,
+    p_out,
+    p_ws,
     map_ptr,
-    trace_ptr,
-    stride_x,
-    stride_out,
-    stride_ws,
-    N,
+    p_trace,
+    b_x,
+    o_t,
+    n_len,
+    i_s,
     K,
     CAP: tl.constexpr,
     CAP2: tl.constexpr,
@@ -169,28 +168,14 @@ def _cooperative_topk_kernel(
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
-    PDL: tl.constexpr,
     TRACE: tl.constexpr,
 ):
-    i_r = tl.program_id(0)
-    i_s = tl.program_id(1)
-    # TRACE: [start, band, slice done, past the second barrier, done, the single-program finish's sub-bin picked
-    # and its path done, arrived after the split]
-    p_trace = trace_ptr + (i_r * tl.num_programs(1) + i_s) * 8
-    _stamp(p_trace, 0, TRACE)
-    if PDL:
-        gdc_wait()  # the scores and lengths come from the kernel before (no early launch of the next one)
-    p_x = x_ptr + i_r.to(tl.int64) * stride_x
-    p_out = out_ptr + i_r.to(tl.int64) * stride_out
-    p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
+    """Steps 1-3 of the module's doc for one program of a row: b_x its slice's scores (positions o_t, the row's
+    from p_x, which the single-program finish re-reads), n_len the row's length (at most its width)."""
     p_hdr = p_ws + _HEADER
     p_keys = p_ws + _SCRATCH  # the band in band order: keys, then indices
     p_table = p_keys + 2 * CAP + 2 * CAP2  # the digit table: [NBINS, WAYS] keys, then their indices
     o_b = tl.arange(0, NBINS)
-    o_t = i_s * BLOCK + tl.arange(0, BLOCK)
-    # the slice in flight beside the length (masked by the row's width, then by its length)
-    b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
-    n_len = tl.minimum(tl.load(len_ptr + i_r), N)  # (a length past the row: the row; no barrier waits for more)
     if n_len <= K:
         if i_s == 0:
             write_every_entry(p_out, n_len, K, map_ptr, MAP_PAGE, BLOCK)
@@ -299,6 +284,55 @@ def _cooperative_topk_kernel(
         if TRACE:
             tl.debug_barrier()
         _stamp(p_trace, 4, TRACE)
+
+
+@triton.jit
+def _cooperative_topk_kernel(
+    x_ptr,
+    len_ptr,
+    out_ptr,
+    ws_ptr,
+    map_ptr,
+    trace_ptr,
+    stride_x,
+    stride_out,
+    stride_ws,
+    N,
+    K,
+    CAP: tl.constexpr,
+    CAP2: tl.constexpr,
+    MAP_PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FBLOCK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
+    WAYS: tl.constexpr,
+    POLL_ACQUIRE: tl.constexpr,
+    POLL_HIST: tl.constexpr,
+    NBINS: tl.constexpr,
+    BITS: tl.constexpr,
+    PASSES: tl.constexpr,
+    PDL: tl.constexpr,
+    TRACE: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    i_s = tl.program_id(1)
+    # TRACE: [start, band, slice done, past the second barrier, done, the single-program finish's sub-bin picked
+    # and its path done, arrived after the split]
+    p_trace = trace_ptr + (i_r * tl.num_programs(1) + i_s) * 8
+    _stamp(p_trace, 0, TRACE)
+    if PDL:
+        gdc_wait()  # the scores and lengths come from the kernel before (no early launch of the next one)
+    p_x = x_ptr + i_r.to(tl.int64) * stride_x
+    p_out = out_ptr + i_r.to(tl.int64) * stride_out
+    p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
+    o_t = i_s * BLOCK + tl.arange(0, BLOCK)
+    # the slice in flight beside the length (masked by the row's width, then by its length)
+    b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
+    n_len = tl.minimum(tl.load(len_ptr + i_r), N)  # (a length past the row: the row; no barrier waits for more)
+    cooperative_select(
+        p_x, p_out, p_ws, map_ptr, p_trace, b_x, o_t, n_len, i_s, K,
+        CAP, CAP2, MAP_PAGE, BLOCK, FBLOCK, RANK_BLOCK, WAYS, POLL_ACQUIRE, POLL_HIST, NBINS, BITS, PASSES, TRACE,
+    )  # fmt: skip
 
 
 def use_cooperative(n_rows: int, n_cols: int, device: torch.device) -> bool:
