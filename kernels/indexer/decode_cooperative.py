@@ -210,6 +210,7 @@ def programs_per_sm(args: tuple, meta: dict, grid: tuple[int, int], device: torc
     key = (device, *args[0].shape[2:], args[0].dtype, *sorted(meta.items()))
     if key not in _PER_SM:
         kernel = _indexer_cooperative_kernel.warmup(*args, **meta, grid=grid)
+        kernel._init_handles()  # (loaded on the device: its register count is known from here)
         props = torch.cuda.get_device_properties(device)
         by_regs = props.regs_per_multiprocessor // max(1, kernel.n_regs * 32 * kernel.metadata.num_warps)
         by_shared = props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared)
