@@ -11,7 +11,8 @@ selection against torch on the same logits. The issue's targets: b1 x 128K index
 top-k <= 100 us.
 
     python bench/bench_decode_topk.py [--batches 1 8 64] [--contexts 8192 32768 131072] [--finish-blocks 1024 16]
-        [--coop-programs 32 64] [--coop-polls acquire hist hist+acquire] [--out DIR]
+        [--coop-programs 32 64] [--coop-polls acquire hist hist+acquire] [--fused-programs 256]
+        [--table-tokens 163840] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,8 +32,13 @@ from bench_one_launch import timeline_of  # noqa: E402
 
 from hearth.kernels import _utils  # noqa: E402
 from hearth.kernels._utils import FP8_E4M3  # noqa: E402
-from hearth.kernels.indexer import indexer_decode_topk, lightning_indexer_decode  # noqa: E402
+from hearth.kernels.indexer import (  # noqa: E402
+    decode_cooperative,
+    indexer_decode_topk,
+    lightning_indexer_decode,
+)
 from hearth.kernels.indexer.decode_cooperative import (  # noqa: E402
+    fused_plan,
     indexer_cooperative_launch,
     use_fused_cooperative,
 )
@@ -50,6 +56,8 @@ K = 2048
 FINISH_BLOCKS = [one_launch.FINISH_BLOCK]  # --finish-blocks: survivors the finish loads beside its header
 COOP_PROGRAMS: list[int] = []  # --coop-programs: cooperative.MAX_PROGRAMS values to time beside the default
 COOP_POLLS: list[str] = []  # --coop-polls: how the barriers poll (POLLS), timed beside the default
+FUSED_PROGRAMS: list[int] = []  # --fused-programs: decode_cooperative.MAX_PROGRAMS values beside the default
+TABLE_TOKENS = [0]  # --table-tokens: block tables at least this wide (the engine's are max_model_len wide)
 # --coop-polls values: (cooperative.POLL_ACQUIRE, cooperative.POLL_HIST)
 POLLS = {"volatile": (False, False), "acquire": (True, False), "hist": (False, True), "hist+acquire": (True, True)}
 
@@ -70,7 +78,7 @@ def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor, fused=None) ->
     out = torch.empty(rows, K, dtype=torch.int32, device="cuda")
     plan = one_launch_plan(K)
     ws = new_one_launch_workspace(rows, plan, scores.device)
-    programs = -(-n // cooperative_block(rows, n, scores.device))
+    programs = fused_plan(rows, n, scores.device)[0] if fused else -(-n // cooperative_block(rows, n, scores.device))
     trace = torch.zeros(rows, programs, 8, dtype=torch.int64, device="cuda")
     for _ in range(5):
         trace.zero_()
@@ -101,7 +109,7 @@ def coop_timeline_of(scores: torch.Tensor, lengths: torch.Tensor, fused=None) ->
 
 
 def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
-    max_blocks = ctx_len // BS
+    max_blocks = max(ctx_len, TABLE_TOKENS[0]) // BS  # (the engine's decode tables: max_model_len wide)
     cache = random_indexer_cache(batch * max_blocks)
     table = torch.randperm(batch * max_blocks, device="cuda").int().view(batch, max_blocks)
     ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")
@@ -163,6 +171,22 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
         print(f"B{batch:<3d} {ctx_len // 1024:4d}K  cooperative, {label} ({block}-key slices): indexer + top-k "
               f"{t_pair:7.1f} us, top-k alone {t_alone:7.1f} us", flush=True)
     cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = defaults
+    fused_default = decode_cooperative.MAX_PROGRAMS
+    for value in FUSED_PROGRAMS if use_fused_cooperative(batch, 1, logits.shape[1], q.device) else ():
+        decode_cooperative.MAX_PROGRAMS = value
+        plan = fused_plan(batch, logits.shape[1], q.device)
+        if plan is None:
+            print(f"B{batch:<3d} {ctx_len // 1024:4d}K  fused, at most {value} programs a row: does not fit",
+                  flush=True)
+            continue
+        fused_logits = indexer_cooperative_launch(q, w, cache, table, ctx, BS, out, ws, one_launch_plan(K))
+        check_topk(out, fused_logits, lengths, K)
+        t_fused = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="fused_cooperative"))
+        rows[0].setdefault("by_fused_programs", {})[value] = dict(programs=plan[0], block=plan[1],
+                                                                  indexer_topk_us=t_fused)
+        print(f"B{batch:<3d} {ctx_len // 1024:4d}K  fused, at most {value} programs a row ({plan[0]} x {plan[1]}-key "
+              f"blocks): indexer + top-k {t_fused:7.1f} us", flush=True)
+    decode_cooperative.MAX_PROGRAMS = fused_default
     rows[0]["trace"] = timeline_of(logits, lengths, "logits")
     if use_cooperative(batch, logits.shape[1], q.device):
         rows[0]["coop_trace"] = coop_timeline_of(logits, lengths)
@@ -185,11 +209,18 @@ def main() -> None:
     ap.add_argument("--coop-polls", nargs="*", default=[], choices=list(POLLS),
                     help="how the cooperative barriers poll, timed beside the default: volatile loads and one "
                          "acquire atomic, acquire loads, the first barrier by the histogram's sum (hist)")
+    ap.add_argument("--fused-programs", type=int, nargs="*", default=[],
+                    help="decode_cooperative.MAX_PROGRAMS values to time beside the default (the fused launch)")
+    ap.add_argument("--table-tokens", type=int, default=0,
+                    help="block tables at least this many tokens wide, as the engine's (max_model_len), whatever "
+                         "the context")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     FINISH_BLOCKS[:] = args.finish_blocks
     COOP_PROGRAMS[:] = args.coop_programs
     COOP_POLLS[:] = args.coop_polls
+    FUSED_PROGRAMS[:] = args.fused_programs
+    TABLE_TOKENS[:] = [args.table_tokens]
     rows = [r for b in args.batches for c in args.contexts for r in rows_for(b, c)]
     Path(args.out, "decode_topk.json").write_text(json.dumps(rows, indent=1))
 

@@ -170,9 +170,13 @@ for step in "${steps[@]}"; do
           # tests, the cooperative and indexer tests, then the decode rows at 1-4 requests beside the two launches
         gpu_tests 300 tests/kernels/test_indexer_cooperative.py tests/kernels/test_topk_cooperative.py \
             tests/kernels/test_lightning_indexer.py
-        timeout 240 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
-            --out "$OUT" > "$OUT/decode-topk.log" 2>&1
-        grep -E "^B|trace|Error|error" "$OUT/decode-topk.log" | tail -40 ;;
+        # K2I_TABLES: table widths to run the rows at (0: as wide as the context; 163840: the engine's decode tables at
+        # DeepSeek's max_model_len); K2I_ARGS: more flags (--fused-programs 256)
+        for tokens in ${K2I_TABLES:-0}; do
+            timeout 240 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
+                --table-tokens $tokens ${K2I_ARGS:-} --out "$OUT" > "$OUT/decode-topk-$tokens.log" 2>&1
+            grep -E "^B|Error|error" "$OUT/decode-topk-$tokens.log" | grep -v "pdl 0" | tail -30
+        done ;;
     k2p)  # Nsight Compute on the one-launch select (its last programs finish the rows) at 64 and 1 x 128K randn
         for rows in 64 1; do
             timeout 150 /usr/local/cuda/bin/ncu --kernel-name regex:_topk_one_launch_kernel --launch-skip 4 --launch-count 1 \

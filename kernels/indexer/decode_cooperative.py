@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from hearth.kernels._utils import FP8_E4M3, is_interpreter, mma, mma_fp8, require, sm_count
 from hearth.kernels.topk import cooperative
-from hearth.kernels.topk.cooperative import NUM_WARPS, cooperative_block, cooperative_select, use_cooperative
+from hearth.kernels.topk.cooperative import NUM_WARPS, cooperative_select
 from hearth.kernels.topk.one_launch import (
     RANK_BLOCK,
     SELECT_MAXNREG,
@@ -51,6 +51,8 @@ BLOCK_T = 128  # tokens of a key chunk (one [BLOCK_T, 128] e4m3 tile, 16 KB)
 # `bench/kernel_report.py fused_cooperative`): 128 registers, no spills, 58 KiB of shared memory, so two programs
 # fit an SM; at 3 stages it held one chunk buffer (25 KiB) and spilled 20 bytes.
 NUM_STAGES = 7
+# Programs a row at most (the cooperative top-k's bound: a barrier's cost grows with its arrivals).
+MAX_PROGRAMS = cooperative.MAX_PROGRAMS
 
 
 @triton.jit
@@ -102,11 +104,15 @@ def _indexer_cooperative_kernel(
     p_x = x_ptr + i_r.to(tl.int64) * stride_x
     p_out = out_ptr + i_r.to(tl.int64) * stride_out
     p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
-    o_t = i_s * BLOCK + tl.arange(0, BLOCK)
     n_len = tl.minimum(tl.maximum(tl.load(ctx_ptr + i_r), 0), N)  # one query: every token of the context
+    # the row's keys spread over its programs by its length, not the table's width (a short context in a wide
+    # table would leave a few programs scoring whole blocks): whole chunks a program, at most BLOCK
+    width = tl.minimum(tl.cdiv(tl.cdiv(n_len, tl.num_programs(1)), BLOCK_T) * BLOCK_T, BLOCK)
+    width = tl.maximum(width, BLOCK_T)
+    o_t = i_s * width + tl.arange(0, BLOCK)
     b_x = tl.zeros([BLOCK], dtype=tl.float32)
-    if (n_len > K) & (i_s * BLOCK < n_len):  # (a row of at most K takes every token: no logits needed)
-        m_t = o_t < n_len
+    if (n_len > K) & (i_s * width < n_len):  # (a row of at most K takes every token: no logits needed)
+        m_t = (tl.arange(0, BLOCK) < width) & (o_t < n_len)
         p_table = table_ptr + i_r * stride_table  # the table holds < 2**31 entries
         # the slice's scales, in flight while its keys are scored (they scale the logits read back below)
         b_page = tl.load(p_table + o_t // BLOCK_SIZE, mask=m_t, other=0).to(tl.int64)
@@ -116,8 +122,8 @@ def _indexer_cooperative_kernel(
         o_d = tl.arange(0, D)
         b_qt = tl.trans(tl.load(q_ptr + (i_r * H + o_h)[:, None].to(tl.int64) * D + o_d[None, :]))  # (D, H)
         b_w = tl.load(w_ptr + i_r * H + o_h)
-        t_end = tl.minimum(n_len, (i_s + 1) * BLOCK)
-        for i_c in range(i_s * (BLOCK // BLOCK_T), (t_end + BLOCK_T - 1) // BLOCK_T):
+        t_end = tl.minimum(n_len, (i_s + 1) * width)
+        for i_c in range(i_s * (width // BLOCK_T), (t_end + BLOCK_T - 1) // BLOCK_T):
             o_c = i_c * BLOCK_T + tl.arange(0, BLOCK_T)
             m_c = o_c < t_end
             b_kpage = tl.load(p_table + o_c // BLOCK_SIZE, mask=m_c, other=0).to(tl.int64)
@@ -133,15 +139,26 @@ def _indexer_cooperative_kernel(
         b_x = tl.load(p_x + o_t, mask=m_t, other=0.0) * b_ks
         tl.store(p_x + o_t, b_x, mask=m_t)  # the scaled logits: the single-program finish re-reads the row
     cooperative_select(
-        p_x, p_out, p_ws, out_ptr, p_trace, b_x, o_t, n_len, i_s, K,
+        p_x, p_out, p_ws, out_ptr, p_trace, b_x, o_t, n_len, i_s, width, K,
         CAP, CAP2, 0, BLOCK, FBLOCK, RANK_BLOCK, WAYS, POLL_ACQUIRE, POLL_HIST, NBINS, BITS, PASSES, TRACE,
     )  # fmt: skip
 
 
+def fused_plan(n_req: int, n_cols: int, device: torch.device) -> tuple[int, int] | None:
+    """Programs a row and the most keys one holds (BLOCK): at most `MAX_PROGRAMS` a row and two programs an SM in
+    all, BLOCK the power of two (at least a chunk) that covers a row as wide as the table; a row's programs share
+    its actual length (`width`, in the kernel). None where BLOCK would exceed `cooperative.MAX_BLOCK`."""
+    programs = max(1, min(MAX_PROGRAMS, 2 * sm_count(device, 4) // max(n_req, 1)))
+    block = max(BLOCK_T, triton.next_power_of_2(triton.cdiv(max(n_cols, 1), programs)))
+    return (programs, block) if block <= cooperative.MAX_BLOCK else None
+
+
 def use_fused_cooperative(n_req: int, next_n: int, n_cols: int, device: torch.device) -> bool:
-    """Whether the fused launch takes these rows: one query a request and the cooperative top-k's conditions
-    (`cooperative.use_cooperative`: a CUDA device, not the interpreter, few rows, slices that fit)."""
-    return next_n == 1 and use_cooperative(n_req, n_cols, device)
+    """Whether the fused launch takes these rows: one query a request on a CUDA device (never the CPU interpreter:
+    the barriers), at most `cooperative.MAX_ROWS` rows, a plan (`fused_plan`)."""
+    if next_n != 1 or device.type != "cuda" or is_interpreter() or n_req > cooperative.MAX_ROWS:
+        return False
+    return fused_plan(n_req, n_cols, device) is not None
 
 
 def indexer_cooperative_launch(
@@ -156,29 +173,31 @@ def indexer_cooperative_launch(
     plan: OneLaunchPlan,
     *,
     logits: torch.Tensor | None = None,
-    block: int | None = None,
+    programs: int | None = None,
     trace: torch.Tensor | None = None,
     fp8_precise: bool = True,
 ) -> torch.Tensor:
     """The decode indexer's logits and their top-k in one launch, on inputs validated as `lightning_indexer_decode`'s
     (q [B, 1, H, 128]); out [B, k] int32; workspace a clean one-launch workspace of B rows for plan. logits: the
     fp32 [B, table tokens] row buffer (a new one by default; written up to each context's length, the rest left
-    as it was). block: keys a program holds (default `cooperative_block`); a block as wide as the table (one
-    program a row) runs anywhere, the CPU interpreter included. Returns the logits."""
+    as it was). programs: a row's programs (default `fused_plan`'s, where `use_fused_cooperative` allows); one
+    program a row waits for no other, so it runs anywhere, the CPU interpreter included. trace: [B, programs, 8]
+    int64 stamps, as the cooperative kernel's. Returns the logits."""
     n_req, next_n, heads, dim = q.shape
     require(next_n == 1, f"the fused indexer + top-k takes one query a request, got next_n {next_n}")
     n_cols = block_table.shape[1] * block_size
     check_workspace(workspace, n_req, plan, q.device)
     if logits is None:
         logits = torch.empty(n_req, n_cols, dtype=torch.float32, device=q.device)
-    if block is None:
-        block = cooperative_block(n_req, n_cols, q.device) if use_fused_cooperative(n_req, 1, n_cols, q.device) \
-            else None
-        require(block is not None, f"{n_req} rows of {n_cols} do not fit one resident cooperative launch here")
-    require(block >= BLOCK_T and block & (block - 1) == 0, f"block must be a power of two >= {BLOCK_T}, got {block}")
-    grid = (n_req, triton.cdiv(max(n_cols, 1), block))
-    require(grid[1] == 1 or use_fused_cooperative(n_req, 1, n_cols, q.device),
-            f"{grid[1]} programs a row must all be resident at once (one a row here)")
+    fits = use_fused_cooperative(n_req, 1, n_cols, q.device)
+    if programs is None:
+        require(fits, f"{n_req} rows of {n_cols} do not fit one resident cooperative launch here")
+        programs = fused_plan(n_req, n_cols, q.device)[0]
+    require(programs == 1 or fits, f"{programs} programs a row must all be resident at once (one a row here)")
+    block = max(BLOCK_T, triton.next_power_of_2(triton.cdiv(max(n_cols, 1), programs)))
+    require(block <= max(cooperative.MAX_BLOCK, n_cols) or programs == 1,
+            f"{programs} programs a row would hold {block} keys each (at most {cooperative.MAX_BLOCK})")
+    grid = (n_req, programs)
     pdl = pdl_for_rows(n_req, q.device)
     args = (
         q, weights, kv_cache, kv_cache.view(torch.float32), block_table, context_lens, logits, out, workspace,

@@ -155,6 +155,7 @@ def cooperative_select(
     o_t,
     n_len,
     i_s,
+    width,
     K,
     CAP: tl.constexpr,
     CAP2: tl.constexpr,
@@ -171,7 +172,8 @@ def cooperative_select(
     TRACE: tl.constexpr,
 ):
     """Steps 1-3 of the module's doc for one program of a row: b_x its slice's scores (positions o_t, the row's
-    from p_x, which the single-program finish re-reads), n_len the row's length (at most its width)."""
+    from p_x, which the single-program finish re-reads), n_len the row's length (at most its width). Each program
+    of the row holds `width` keys (at most BLOCK, the first `width` of b_x and o_t; positions i_s * width on)."""
     p_hdr = p_ws + _HEADER
     p_keys = p_ws + _SCRATCH  # the band in band order: keys, then indices
     p_table = p_keys + 2 * CAP + 2 * CAP2  # the digit table: [NBINS, WAYS] keys, then their indices
@@ -179,9 +181,9 @@ def cooperative_select(
     if n_len <= K:
         if i_s == 0:
             write_every_entry(p_out, n_len, K, map_ptr, MAP_PAGE, BLOCK)
-    elif i_s * BLOCK < n_len:
-        n_prog = (n_len + BLOCK - 1) // BLOCK  # the programs that hold keys of the row
-        m_t = o_t < n_len
+    elif i_s * width < n_len:
+        n_prog = (n_len + width - 1) // width  # the programs that hold keys of the row
+        m_t = (tl.arange(0, BLOCK) < width) & (o_t < n_len)
         b_key = float_order_key(b_x)
         # 1. the row's first histogram (misses counted in bin 0, then taken out)
         b_hist = tl.histogram(tl.where(m_t, fine_bin(b_key), 0), NBINS)
@@ -330,7 +332,7 @@ def _cooperative_topk_kernel(
     b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
     n_len = tl.minimum(tl.load(len_ptr + i_r), N)  # (a length past the row: the row; no barrier waits for more)
     cooperative_select(
-        p_x, p_out, p_ws, map_ptr, p_trace, b_x, o_t, n_len, i_s, K,
+        p_x, p_out, p_ws, map_ptr, p_trace, b_x, o_t, n_len, i_s, BLOCK, K,
         CAP, CAP2, MAP_PAGE, BLOCK, FBLOCK, RANK_BLOCK, WAYS, POLL_ACQUIRE, POLL_HIST, NBINS, BITS, PASSES, TRACE,
     )  # fmt: skip
 

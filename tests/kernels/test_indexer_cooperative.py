@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from hearth.kernels.indexer import decode_cooperative, indexer_decode_topk, lightning, lightning_indexer_decode
-from hearth.kernels.indexer.decode_cooperative import BLOCK_T, indexer_cooperative_launch, use_fused_cooperative
+from hearth.kernels.indexer.decode_cooperative import fused_plan, indexer_cooperative_launch, use_fused_cooperative
 from hearth.kernels.topk import cooperative
-from hearth.kernels.topk.cooperative import cooperative_block
 from hearth.kernels.topk.one_launch import new_one_launch_workspace, one_launch_plan
 from hearth.kernels.topk.reference import check_topk
 from tests.kernels.conftest import requires_cuda
@@ -19,14 +18,14 @@ from tests.kernels.test_topk_cooperative import _assert_all_clean
 POISON = -7
 
 
-def _check(q, w, cache, table, ctx, block_size, k, ws, block=None):
+def _check(q, w, cache, table, ctx, block_size, k, ws, programs=None):
     """One fused call against the indexer: its logits within the indexer's error bound of the two-launch path's,
     exact top-k on them (-1 padded rows of at most k), the workspace clean."""
     n_req = q.shape[0]
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=q.device)
     out = torch.full((n_req, k), POISON, dtype=torch.int32, device=q.device)
     logits = indexer_cooperative_launch(q, w, cache, table, ctx_t, block_size, out, ws, one_launch_plan(k),
-                                        block=block)
+                                        programs=programs)
     ref, lengths = lightning_indexer_decode(q, w, cache, table, ctx_t, block_size)
     chosen = logits.clone()
     for b, n in enumerate(ctx):
@@ -52,9 +51,8 @@ def test_one_program_a_row_matches_the_indexer_and_the_top_k(q_dtype, block_size
     q = _queries((4, 1, 16, 128), q_dtype, device)
     w = torch.randn(4, 1, 16, device=device)
     ws = new_one_launch_workspace(4, one_launch_plan(k), device)
-    block = max(BLOCK_T, 1 << (max_blocks * block_size - 1).bit_length())  # one program a row
     for moved in (0, 9):
-        _check(q, w, cache, table, [max(n - moved, 0) for n in ctx], block_size, k, ws, block=block)
+        _check(q, w, cache, table, [max(n - moved, 0) for n in ctx], block_size, k, ws, programs=1)
 
 
 def test_auto_takes_it_where_allowed_and_asked_for_refused_elsewhere(device, monkeypatch):
@@ -88,16 +86,16 @@ def test_auto_takes_it_where_allowed_and_asked_for_refused_elsewhere(device, mon
 @pytest.mark.parametrize("ctx", [[131072], [100000], [32768, 20000], [8192, 4097, 2049, 2048], [5000, 131000]])
 @pytest.mark.parametrize("poll", [(False, False), (True, False), (False, True)])
 def test_several_programs_a_row_gpu(ctx, poll, monkeypatch):
-    """The default plan (up to `cooperative.MAX_PROGRAMS` a row, two grid barriers) at real shapes (64 heads,
-    64-token pages, a table as wide as the longest row's 128K), with each way the barriers poll, three calls on
-    one workspace with moving lengths."""
+    """The default plan (up to `MAX_PROGRAMS` a row, two grid barriers) at real shapes (64 heads, 64-token pages,
+    a 128K table: the shorter rows spread over the row's programs by their length), with each way the barriers
+    poll, three calls on one workspace with moving lengths."""
     monkeypatch.setattr(cooperative, "POLL_ACQUIRE", poll[0])
     monkeypatch.setattr(cooperative, "POLL_HIST", poll[1])
     cache, table = _filled_cache(ctx, 64, 2048, "cuda")
     q = _queries((len(ctx), 1, 64, 128), "fp8", "cuda")
     w = torch.randn(len(ctx), 1, 64, device="cuda") * 0.01
     ws = new_one_launch_workspace(len(ctx), one_launch_plan(2048), torch.device("cuda"))
-    assert cooperative_block(len(ctx), 2048 * 64, torch.device("cuda")) is not None
+    assert fused_plan(len(ctx), 2048 * 64, torch.device("cuda")) is not None
     for moved in (0, 1, 130):
         _check(q, w, cache, table, [n - moved for n in ctx], 64, 2048, ws)
 
