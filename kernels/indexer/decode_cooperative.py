@@ -43,9 +43,16 @@ from hearth.kernels.topk.one_launch import (
 )
 from hearth.kernels.topk.radix import NBINS, PASSES, RADIX_BITS
 
-# Whether `indexer_decode_topk`'s "auto" takes this path where `use_fused_cooperative` allows it (off until
-# measured on the GPU against the two launches).
-FUSED_COOPERATIVE = False
+# Whether `indexer_decode_topk`'s "auto" takes this path where `use_fused_cooperative` allows it, at up to AUTO_ROWS
+# rows. H200, 2026-12-04 (`K2I_TABLES="0 163840" bash scripts/gpu_verify.sh k2i`), indexer + top-k in us, fused
+# against the two launches (persistent indexer, cooperative top-k), contexts 8K / 32K / 128K:
+#   one request, tables as wide as the context    9.6 / 10.8 / 18.2 against  9.8 / 12.1 / 18.9
+#   one request, 160K tables (the engine's)      13.7 / 15.0 / 20.0 against 14.9 / 18.2 / 22.4
+#   two requests, 160K tables                    13.9 / 20.6 / 28.7 against 18.1 / 19.8 / 28.0
+# so one request (the desktop's decode) everywhere; at two to four it wins on short contexts only, which the plan
+# (made from the table's width, host-known for a CUDA graph) cannot tell apart.
+FUSED_COOPERATIVE = True
+AUTO_ROWS = 1
 BLOCK_T = 128  # tokens of a key chunk (one [BLOCK_T, 128] e4m3 tile, 16 KB)
 # The pipeliner's stages, as the persistent indexer's: three key chunks in flight. The sm_90 build (Triton 3.6,
 # `bench/kernel_report.py fused_cooperative`): 128 registers, no spills, 58 KiB of shared memory, so two programs

@@ -430,14 +430,15 @@ def indexer_decode_topk(
 
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
-    topk picks the selection: "auto" (the default: "fused_cooperative" where `use_fused_cooperative` allows it
-    and `decode_cooperative.FUSED_COOPERATIVE` is on, else "cooperative" where `cooperative.use_cooperative`
-    allows it and `cooperative.COOPERATIVE` is on, else "one_launch", with the histogram fused where rows x the
-    block table's token capacity is at most `ONE_LAUNCH_FUSED_MAX_WORK`; "radix" whenever fuse_hist is
-    given), "cooperative" (`hearth.kernels.topk.cooperative`: histogram, select and finish in one launch for
-    a few rows on a GPU; its workspace as "one_launch"'s), "fused_cooperative" (`decode_cooperative`: the
-    indexer's logits and that select in one launch, one query a request; config is not used), "radix" (the radix
-    select, whose workspace is zeroed per call),
+    topk picks the selection: "auto" (the default: "fused_cooperative" where `use_fused_cooperative` allows it and
+    `decode_cooperative.FUSED_COOPERATIVE` is on, at up to `decode_cooperative.AUTO_ROWS` requests, else
+    "cooperative" where `cooperative.use_cooperative` allows it and `cooperative.COOPERATIVE` is on, else
+    "one_launch", with the histogram fused where rows x the block table's token capacity is at most
+    `ONE_LAUNCH_FUSED_MAX_WORK`; "radix" whenever fuse_hist is given), "cooperative"
+    (`hearth.kernels.topk.cooperative`: histogram, select and finish in one launch for a few rows on a GPU; its
+    workspace as "one_launch"'s), "fused_cooperative" (`decode_cooperative`: the indexer's logits and that select in
+    one launch, one query a request; config is not used), "radix" (the radix select, whose workspace is zeroed per
+    call),
     "sampled" (`hearth.kernels.topk.sampled`, one launch; pass `topk_workspace` from
     `new_sampled_workspace(B * next_n, sampled_plan(max_blocks * block_size, k), device)` to keep it
     across calls, else one is zeroed here) or "one_launch" (`hearth.kernels.topk.one_launch`: the
@@ -461,7 +462,8 @@ def indexer_decode_topk(
     if topk == "auto":
         if fuse_hist is not None:
             topk = "radix"
-        elif decode_cooperative.FUSED_COOPERATIVE and use_fused_cooperative(n_req, next_n, capacity, q.device):
+        elif decode_cooperative.FUSED_COOPERATIVE and n_req <= decode_cooperative.AUTO_ROWS \
+                and use_fused_cooperative(n_req, next_n, capacity, q.device):
             topk = "fused_cooperative"
         elif cooperative.COOPERATIVE and use_cooperative(rows, capacity, q.device):
             topk, fuse_hist = "cooperative", False
