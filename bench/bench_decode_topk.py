@@ -12,7 +12,7 @@ top-k <= 100 us.
 
     python bench/bench_decode_topk.py [--batches 1 8 64] [--contexts 8192 32768 131072] [--finish-blocks 1024 16]
         [--coop-programs 32 64] [--coop-polls acquire hist hist+acquire] [--fused-programs 256]
-        [--table-tokens 163840] [--out DIR]
+        [--fused-stages 9 13 17] [--coop-spread] [--table-tokens 163840] [--out DIR]
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ FINISH_BLOCKS = [one_launch.FINISH_BLOCK]  # --finish-blocks: survivors the fini
 COOP_PROGRAMS: list[int] = []  # --coop-programs: cooperative.MAX_PROGRAMS values to time beside the default
 COOP_POLLS: list[str] = []  # --coop-polls: how the barriers poll (POLLS), timed beside the default
 FUSED_PROGRAMS: list[int] = []  # --fused-programs: decode_cooperative.MAX_PROGRAMS values beside the default
+COOP_SPREAD = [False]  # --coop-spread: cooperative.SPREAD on, timed beside the default
+FUSED_STAGES: list[int] = []  # --fused-stages: decode_cooperative.NUM_STAGES values beside the default
 TABLE_TOKENS = [0]  # --table-tokens: block tables at least this wide (the engine's are max_model_len wide)
 # --coop-polls values: (cooperative.POLL_ACQUIRE, cooperative.POLL_HIST)
 POLLS = {"volatile": (False, False), "acquire": (True, False), "hist": (False, True), "hist+acquire": (True, True)}
@@ -119,74 +121,96 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
     out = torch.empty(batch, K, dtype=torch.int32, device="cuda")
     ws = new_one_launch_workspace(batch, one_launch_plan(K), q.device)  # kept across calls, as the engine's
     t_logits = median_us(lambda: lightning_indexer_decode(q, w, cache, table, ctx, BS))
+    has_fused = use_fused_cooperative(batch, 1, logits.shape[1], q.device)
+    # the default's selection is checked on the logits its own path computes (the fused launch sums the heads in
+    # another order, so a tie at the k-th largest may fall either way against the indexer's)
+    default_fused = has_fused and decode_cooperative.FUSED_COOPERATIVE and batch <= decode_cooperative.AUTO_ROWS
     rows = []
     for fblock, pdl in ((fb, pd) for fb in FINISH_BLOCKS for pd in (True, False)):
         _utils.PDL = pdl
         one_launch.FINISH_BLOCK = fblock
-        check_topk(indexer_decode_topk(q, w, cache, table, ctx, BS, K)[:, 0], logits, lengths, K)
-        t_full = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K))
-        check_topk(topk_indices_one_launch(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
-        t_topk = median_us(lambda: topk_indices_one_launch(logits, lengths, K, out=out, workspace=ws))
-        row = dict(batch=batch, context=ctx_len, pdl=pdl, finish_block=fblock, indexer_logits_us=t_logits,
-                   indexer_topk_us=t_full, topk_only_us=t_topk)
-        coop = use_cooperative(batch, logits.shape[1], q.device)
-        if coop:  # the default is the cooperative top-k: the one-launch path beside it
-            row["indexer_topk_one_launch_us"] = t_one = median_us(
-                lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="one_launch"))
-            check_topk(topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
-            row["topk_only_cooperative_us"] = t_coop = median_us(
-                lambda: topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws))
-        has_fused = use_fused_cooperative(batch, 1, logits.shape[1], q.device)
         if has_fused:  # the indexer and the cooperative top-k in one launch
             fused_logits = indexer_cooperative_launch(q, w, cache, table, ctx, BS, out, ws, one_launch_plan(K))
             check_topk(out, fused_logits, lengths, K)
+        check_topk(indexer_decode_topk(q, w, cache, table, ctx, BS, K)[:, 0],
+                   fused_logits if default_fused else logits, lengths, K)
+        t_full = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K))
+        check_topk(topk_indices_one_launch(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
+        t_topk = median_us(lambda: topk_indices_one_launch(logits, lengths, K, out=out, workspace=ws))
+        row = dict(batch=batch, context=ctx_len, table_tokens=logits.shape[1], pdl=pdl, finish_block=fblock,
+                   indexer_logits_us=t_logits, indexer_topk_us=t_full, topk_only_us=t_topk)
+        coop = use_cooperative(batch, logits.shape[1], q.device)
+        if coop:  # the cooperative top-k after the indexer (the default without the fused launch), the one-launch
+            # path beside it
+            row["indexer_topk_one_launch_us"] = t_one = median_us(
+                lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="one_launch"))
+            row["indexer_topk_cooperative_us"] = t_two = median_us(
+                lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="cooperative"))
+            check_topk(topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
+            row["topk_only_cooperative_us"] = t_coop = median_us(
+                lambda: topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws))
+        if has_fused:
             row["indexer_topk_fused_us"] = t_fused = median_us(
                 lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="fused_cooperative"))
         rows.append(row)
+        default = "fused" if default_fused else "cooperative" if coop else "one-launch"
         print(f"B{batch:<3d} {ctx_len // 1024:4d}K  pdl {int(pdl)} finish block {fblock:4d}: indexer + top-k "
-              f"{t_full:7.1f} us, one-launch top-k alone {t_topk:7.1f} us (indexer logits alone {t_logits:6.1f} us)"
-              + (f"; cooperative by default: indexer + one-launch top-k {t_one:7.1f} us, cooperative top-k alone "
-                 f"{t_coop:7.1f} us" if coop else "")
+              f"{t_full:7.1f} us (the default, {default}), one-launch top-k alone {t_topk:7.1f} us (indexer logits "
+              f"alone {t_logits:6.1f} us)"
+              + (f"; indexer + one-launch top-k {t_one:7.1f} us, indexer + cooperative top-k {t_two:7.1f} us, "
+                 f"cooperative top-k alone {t_coop:7.1f} us" if coop else "")
               + (f"; fused indexer + cooperative top-k {t_fused:7.1f} us" if has_fused else ""), flush=True)
     _utils.PDL, one_launch.FINISH_BLOCK = True, FINISH_BLOCKS[0]
-    defaults = cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST
+    defaults = cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST, cooperative.SPREAD
     variants = [("programs", p) for p in COOP_PROGRAMS] + [("poll", p) for p in COOP_POLLS]
+    variants += [("spread", True)] if COOP_SPREAD[0] else []
     for kind, value in variants if use_cooperative(batch, logits.shape[1], q.device) else ():
-        cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = defaults
+        cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST, cooperative.SPREAD = defaults
         if kind == "programs":
             cooperative.MAX_PROGRAMS = value  # fewer programs a row: wider slices, fewer arrivals at each barrier
-        else:
+        elif kind == "poll":
             cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = POLLS[value]
+        else:
+            cooperative.SPREAD = value
         block = cooperative_block(batch, logits.shape[1], q.device)
-        label = f"at most {value} programs a row" if kind == "programs" else f"barriers polling {value}"
+        label = {"programs": f"at most {value} programs a row", "poll": f"barriers polling {value}",
+                 "spread": "slices spread by the row's length"}[kind]
         if block is None:  # too few programs for this row: its slices would exceed MAX_BLOCK
             print(f"B{batch:<3d} {ctx_len // 1024:4d}K  cooperative, {label}: does not fit (slices over "
                   f"{cooperative.MAX_BLOCK} keys)", flush=True)
             continue
         check_topk(topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws), logits, lengths, K)
-        t_pair = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K))
+        t_pair = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="cooperative"))
         t_alone = median_us(lambda: topk_indices_cooperative(logits, lengths, K, out=out, workspace=ws))
         rows[0].setdefault(f"by_coop_{kind}", {})[value] = dict(block=block, indexer_topk_us=t_pair,
                                                                  topk_only_us=t_alone)
         print(f"B{batch:<3d} {ctx_len // 1024:4d}K  cooperative, {label} ({block}-key slices): indexer + top-k "
               f"{t_pair:7.1f} us, top-k alone {t_alone:7.1f} us", flush=True)
-    cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST = defaults
-    fused_default = decode_cooperative.MAX_PROGRAMS
-    for value in FUSED_PROGRAMS if use_fused_cooperative(batch, 1, logits.shape[1], q.device) else ():
-        decode_cooperative.MAX_PROGRAMS = value
+    cooperative.MAX_PROGRAMS, cooperative.POLL_ACQUIRE, cooperative.POLL_HIST, cooperative.SPREAD = defaults
+    fused_defaults = decode_cooperative.MAX_PROGRAMS, decode_cooperative.NUM_STAGES
+    fused_variants = [("programs", v) for v in FUSED_PROGRAMS] + [("stages", v) for v in FUSED_STAGES]
+    for kind, value in fused_variants if use_fused_cooperative(batch, 1, logits.shape[1], q.device) else ():
+        decode_cooperative.MAX_PROGRAMS, decode_cooperative.NUM_STAGES = fused_defaults
+        if kind == "programs":
+            decode_cooperative.MAX_PROGRAMS = value
+        else:  # key chunks in flight: two stages a chunk (its page ids, its keys)
+            decode_cooperative.NUM_STAGES = value
+        label = f"at most {value} programs a row" if kind == "programs" else f"{value} pipeline stages"
         plan = fused_plan(batch, logits.shape[1], q.device)
-        if plan is None:
-            print(f"B{batch:<3d} {ctx_len // 1024:4d}K  fused, at most {value} programs a row: does not fit",
-                  flush=True)
+        try:
+            if plan is None:
+                raise ValueError("no plan")
+            fused_logits = indexer_cooperative_launch(q, w, cache, table, ctx, BS, out, ws, one_launch_plan(K))
+        except ValueError as err:  # no plan, or a build whose programs cannot all be resident at once
+            print(f"B{batch:<3d} {ctx_len // 1024:4d}K  fused, {label}: does not fit ({err})", flush=True)
             continue
-        fused_logits = indexer_cooperative_launch(q, w, cache, table, ctx, BS, out, ws, one_launch_plan(K))
         check_topk(out, fused_logits, lengths, K)
         t_fused = median_us(lambda: indexer_decode_topk(q, w, cache, table, ctx, BS, K, topk="fused_cooperative"))
-        rows[0].setdefault("by_fused_programs", {})[value] = dict(programs=plan[0], block=plan[1],
-                                                                  indexer_topk_us=t_fused)
-        print(f"B{batch:<3d} {ctx_len // 1024:4d}K  fused, at most {value} programs a row ({plan[0]} x {plan[1]}-key "
-              f"blocks): indexer + top-k {t_fused:7.1f} us", flush=True)
-    decode_cooperative.MAX_PROGRAMS = fused_default
+        rows[0].setdefault(f"by_fused_{kind}", {})[value] = dict(programs=plan[0], block=plan[1],
+                                                                 indexer_topk_us=t_fused)
+        print(f"B{batch:<3d} {ctx_len // 1024:4d}K  fused, {label} ({plan[0]} x {plan[1]}-key blocks): indexer + "
+              f"top-k {t_fused:7.1f} us", flush=True)
+    decode_cooperative.MAX_PROGRAMS, decode_cooperative.NUM_STAGES = fused_defaults
     rows[0]["trace"] = timeline_of(logits, lengths, "logits")
     if use_cooperative(batch, logits.shape[1], q.device):
         rows[0]["coop_trace"] = coop_timeline_of(logits, lengths)
@@ -211,6 +235,12 @@ def main() -> None:
                          "acquire atomic, acquire loads, the first barrier by the histogram's sum (hist)")
     ap.add_argument("--fused-programs", type=int, nargs="*", default=[],
                     help="decode_cooperative.MAX_PROGRAMS values to time beside the default (the fused launch)")
+    ap.add_argument("--coop-spread", action="store_true",
+                    help="the cooperative top-k with each row's keys spread over its programs by its length "
+                         "(cooperative.SPREAD), timed beside the default; with --table-tokens")
+    ap.add_argument("--fused-stages", type=int, nargs="*", default=[],
+                    help="decode_cooperative.NUM_STAGES values to time beside the default (odd: key chunks in flight "
+                         "= (stages - 1) / 2; 13 fits two programs an SM, 17 one)")
     ap.add_argument("--table-tokens", type=int, default=0,
                     help="block tables at least this many tokens wide, as the engine's (max_model_len), whatever "
                          "the context")
@@ -220,6 +250,8 @@ def main() -> None:
     COOP_PROGRAMS[:] = args.coop_programs
     COOP_POLLS[:] = args.coop_polls
     FUSED_PROGRAMS[:] = args.fused_programs
+    FUSED_STAGES[:] = args.fused_stages
+    COOP_SPREAD[:] = [args.coop_spread]
     TABLE_TOKENS[:] = [args.table_tokens]
     rows = [r for b in args.batches for c in args.contexts for r in rows_for(b, c)]
     Path(args.out, "decode_topk.json").write_text(json.dumps(rows, indent=1))

@@ -6,7 +6,7 @@ fit one or two programs per SM" and "is the gather pipelined at all" before a va
 
     python bench/kernel_report.py sparse_mla [--fp8] [--config "block_n=32,num_stages=7" ...]
     python bench/kernel_report.py one_launch [--config "SCAN=2" "BLOCK=4096,num_warps=4" ...]
-    python bench/kernel_report.py cooperative [--config "BLOCK=2048" ...]
+    python bench/kernel_report.py cooperative [--config "BLOCK=2048" "SPREAD=true" ...]
     python bench/kernel_report.py fused_cooperative [--config "BLOCK_T=64" "num_stages=4" ...]
 
 Each --config is one compile: comma-separated name=value pairs over the kernel's defaults, where
@@ -154,7 +154,7 @@ def cooperative_report(config: dict, arch: int = 90) -> Report:
     `MAX_PROGRAMS` a row), ``config``'s constexprs and launch options over its defaults."""
     config, options, constexprs = _select_setup(config, 1024)
     constexprs |= dict(WAYS=one_launch.TABLE_WAYS, POLL_ACQUIRE=cooperative.POLL_ACQUIRE,
-                       POLL_HIST=cooperative.POLL_HIST) | config
+                       POLL_HIST=cooperative.POLL_HIST, SPREAD=cooperative.SPREAD) | config
     signature = {"x_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "ws_ptr": "*i32", "map_ptr": "*i32",
                  "trace_ptr": "*i64", "stride_x": "i32", "stride_out": "i32", "stride_ws": "i32", "N": "i32/16",
                  "K": "i32/16"}

@@ -98,6 +98,12 @@ ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE = (COUNTER_LINES - HEADER + 32 * i for
 # Keys a program holds (one block); rows wider than two programs a SM of this many take `one_launch`.
 MAX_BLOCK = 2048
 MIN_BLOCK = 256  # one key a thread at 8 warps
+# Whether a row's keys are spread over its programs by its length rather than the table's width (`SPREAD` in the
+# kernel). The engine's decode tables are `max_model_len` wide: on the H200 (2026-12-04, `bench_decode_topk.py
+# --table-tokens 163840`) this top-k alone took 10.0-10.9 us at 1-2 rows of 8K-128K in 160K tables, where tables
+# as wide as the context gave 6.4-9.1 (2,048-key blocks, a few programs holding an 8K row). The slice's load then
+# waits for the length (a round trip). Off until timed (`--coop-spread`).
+SPREAD = False
 # Programs a row at most: a barrier's cost grows with its arrivals (H200, 2026-12-04: 256 programs a b1 x 128K row
 # took the top-k alone to 14.0 us against the one-launch path's 12.4; 128 a row of 32K: 8.0 against 9.2).
 MAX_PROGRAMS = 128
@@ -115,6 +121,7 @@ _HIST2, _HEADER, _SCRATCH = (tl.constexpr(v) for v in (HIST2, HEADER, SCRATCH))
 _N_GT, _N_SURV, _KEY_MIN, _KEY_MAX, _PATH = (tl.constexpr(v) for v in (N_GT, N_SURV, KEY_MIN, KEY_MAX, PATH))
 _ARRIVED_HIST, _ARRIVED_SPLIT, _ARRIVED_DONE = (tl.constexpr(v) for v in (ARRIVED_HIST, ARRIVED_SPLIT, ARRIVED_DONE))
 _PATH_TAKE, _PATH_SECOND = tl.constexpr(PATH_TAKE), tl.constexpr(PATH_SECOND)
+_MIN_BLOCK = tl.constexpr(MIN_BLOCK)
 
 
 @triton.jit
@@ -310,6 +317,7 @@ def _cooperative_topk_kernel(
     WAYS: tl.constexpr,
     POLL_ACQUIRE: tl.constexpr,
     POLL_HIST: tl.constexpr,
+    SPREAD: tl.constexpr,
     NBINS: tl.constexpr,
     BITS: tl.constexpr,
     PASSES: tl.constexpr,
@@ -327,12 +335,22 @@ def _cooperative_topk_kernel(
     p_x = x_ptr + i_r.to(tl.int64) * stride_x
     p_out = out_ptr + i_r.to(tl.int64) * stride_out
     p_ws = ws_ptr + i_r.to(tl.int64) * stride_ws
-    o_t = i_s * BLOCK + tl.arange(0, BLOCK)
-    # the slice in flight beside the length (masked by the row's width, then by its length)
-    b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
-    n_len = tl.minimum(tl.load(len_ptr + i_r), N)  # (a length past the row: the row; no barrier waits for more)
+    if SPREAD:
+        # the row's keys spread over its programs by its length (a short context in a wide table would leave a few
+        # programs holding whole blocks), whole MIN_BLOCK pieces a program: the slice waits for the length
+        n_len = tl.minimum(tl.load(len_ptr + i_r), N)  # (a length past the row: the row; no barrier waits for more)
+        width = tl.cdiv(tl.cdiv(n_len, tl.num_programs(1)), _MIN_BLOCK) * _MIN_BLOCK
+        width = tl.maximum(tl.minimum(width, BLOCK), _MIN_BLOCK)
+        o_t = i_s * width + tl.arange(0, BLOCK)
+        b_x = tl.load(p_x + o_t, mask=(tl.arange(0, BLOCK) < width) & (o_t < n_len), other=0.0)
+    else:
+        width = BLOCK
+        o_t = i_s * BLOCK + tl.arange(0, BLOCK)
+        # the slice in flight beside the length (masked by the row's width, then by its length)
+        b_x = tl.load(p_x + o_t, mask=o_t < N, other=0.0)
+        n_len = tl.minimum(tl.load(len_ptr + i_r), N)
     cooperative_select(
-        p_x, p_out, p_ws, map_ptr, p_trace, b_x, o_t, n_len, i_s, BLOCK, K,
+        p_x, p_out, p_ws, map_ptr, p_trace, b_x, o_t, n_len, i_s, width, K,
         CAP, CAP2, MAP_PAGE, BLOCK, FBLOCK, RANK_BLOCK, WAYS, POLL_ACQUIRE, POLL_HIST, NBINS, BITS, PASSES, TRACE,
     )  # fmt: skip
 
@@ -391,7 +409,8 @@ def cooperative_topk_launch(
         trace if trace is not None else out, scores.stride(0), out.stride(0), workspace.stride(0), n_cols, plan.k,
         CAP=plan.capacity, CAP2=plan.capacity2, MAP_PAGE=0 if page_map is None else page_map[1], BLOCK=block,
         FBLOCK=plan.finish_block, RANK_BLOCK=RANK_BLOCK, WAYS=TABLE_WAYS, POLL_ACQUIRE=POLL_ACQUIRE,
-        POLL_HIST=POLL_HIST, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES, PDL=pdl, TRACE=trace is not None,
+        POLL_HIST=POLL_HIST, SPREAD=SPREAD and block >= MIN_BLOCK, NBINS=NBINS, BITS=RADIX_BITS, PASSES=PASSES,
+        PDL=pdl, TRACE=trace is not None,
         num_warps=NUM_WARPS, maxnreg=SELECT_MAXNREG, launch_pdl=pdl,
     )  # fmt: skip
 

@@ -87,6 +87,45 @@ def test_every_path_with_several_programs_a_row_gpu(poll_acquire, poll_hist, mon
     _every_path(256, torch.device("cuda"))
 
 
+def test_spread_by_length_one_program_a_row(device, monkeypatch):
+    """`SPREAD`: each program's slice follows the row's length; with one program a row its slice is the row's
+    length rounded up, every path exact, the workspace clean; rows of at most k and empty rows as before."""
+    monkeypatch.setattr(cooperative, "SPREAD", True)
+    _every_path(4096, device)
+    n, k = 777, 300
+    s = torch.randn(3, n, device=device)
+    lengths = torch.tensor([n, k + 1, 0], dtype=torch.int32, device=device)
+    out = torch.full((3, k), POISON, dtype=torch.int32, device=device)
+    topk_indices_cooperative(s, lengths, k, out=out, block=1024)
+    check_topk(out, s, lengths, k)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["randn", "edge", "increasing"])
+def test_spread_by_length_in_a_wide_table_gpu(rows, kind, monkeypatch):
+    """`SPREAD` with the engine's tables (160K wide: 2,048-key blocks): rows of 2K-128K spread over the row's
+    programs by their length, three calls on one workspace with moving lengths, exact against torch."""
+    monkeypatch.setattr(cooperative, "SPREAD", True)
+    n, k = 163840, 2048
+    s = gpu_scores("randn", rows, n)
+    if kind == "edge":
+        s = s * 1e-7
+    elif kind == "increasing":
+        s = torch.arange(n, device="cuda").float().expand(rows, n).contiguous()
+    plan = one_launch_plan(k)
+    ws = new_one_launch_workspace(rows, plan, s.device)
+    assert use_cooperative(rows, n, s.device)  # (four rows of 160K take the one-launch path)
+    for call, length in enumerate((8192, 131072, 2049)):
+        lengths = torch.randint(k + 1, length + 1, (rows,), dtype=torch.int32, device="cuda")
+        lengths[0] = length - call
+        out = torch.full((rows, k), POISON, dtype=torch.int32, device="cuda")
+        topk_indices_cooperative(s, lengths, k, out=out, workspace=ws)
+        check_topk(out, s, lengths, k)
+        _assert_all_clean(ws)
+
+
 def _sub_bin_rows(n: int, k: int, device: torch.device) -> torch.Tensor:
     """Three rows of distinct keys whose k-th largest is in a sub-bin of one-ulp neighbours at 1.1 (the band is the
     quarter binade [1, 1.25)), with 20 band keys above the sub-bin and 40 below: the whole sub-bin needed (30 keys,
