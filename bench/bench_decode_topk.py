@@ -12,7 +12,8 @@ top-k <= 100 us.
 
     python bench/bench_decode_topk.py [--batches 1 8 64] [--contexts 8192 32768 131072] [--finish-blocks 1024 16]
         [--coop-programs 32 64] [--coop-polls acquire hist hist+acquire] [--fused-programs 256]
-        [--fused-stages 9 13 17] [--coop-spread] [--table-tokens 163840] [--out DIR]
+        [--fused-stages 9 13 17] [--coop-spread] [--indexer-stages 9 13]
+        [--table-tokens 163840] [--out DIR]
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ FINISH_BLOCKS = [one_launch.FINISH_BLOCK]  # --finish-blocks: survivors the fini
 COOP_PROGRAMS: list[int] = []  # --coop-programs: cooperative.MAX_PROGRAMS values to time beside the default
 COOP_POLLS: list[str] = []  # --coop-polls: how the barriers poll (POLLS), timed beside the default
 FUSED_PROGRAMS: list[int] = []  # --fused-programs: decode_cooperative.MAX_PROGRAMS values beside the default
+INDEXER_STAGES: list[int] = []  # --indexer-stages: the persistent indexer's num_stages beside its default
 COOP_SPREAD = [False]  # --coop-spread: cooperative.SPREAD on, timed beside the default
 FUSED_STAGES: list[int] = []  # --fused-stages: decode_cooperative.NUM_STAGES values beside the default
 TABLE_TOKENS = [0]  # --table-tokens: block tables at least this wide (the engine's are max_model_len wide)
@@ -121,6 +123,14 @@ def rows_for(batch: int, ctx_len: int, heads: int = 64) -> list[dict]:
     out = torch.empty(batch, K, dtype=torch.int32, device="cuda")
     ws = new_one_launch_workspace(batch, one_launch_plan(K), q.device)  # kept across calls, as the engine's
     t_logits = median_us(lambda: lightning_indexer_decode(q, w, cache, table, ctx, BS))
+    for stages in INDEXER_STAGES:  # the persistent indexer's key chunks in flight (its default 7 stages: three)
+        deeper, _ = lightning_indexer_decode(q, w, cache, table, ctx, BS, config={"num_stages": stages})
+        valid = torch.arange(logits.shape[1], device="cuda")[None, :] < lengths[:, None]
+        assert torch.equal(deeper[valid], logits[valid]), "the same sums in the same order"
+        t_deeper = median_us(lambda st=stages: lightning_indexer_decode(q, w, cache, table, ctx, BS,
+                                                                         config={"num_stages": st}))
+        print(f"B{batch:<3d} {ctx_len // 1024:4d}K  indexer logits alone, {stages} pipeline stages: "
+              f"{t_deeper:6.1f} us (default {t_logits:6.1f} us)", flush=True)
     has_fused = use_fused_cooperative(batch, 1, logits.shape[1], q.device)
     # the default's selection is checked on the logits its own path computes (the fused launch sums the heads in
     # another order, so a tie at the k-th largest may fall either way against the indexer's)
@@ -235,6 +245,9 @@ def main() -> None:
                          "acquire atomic, acquire loads, the first barrier by the histogram's sum (hist)")
     ap.add_argument("--fused-programs", type=int, nargs="*", default=[],
                     help="decode_cooperative.MAX_PROGRAMS values to time beside the default (the fused launch)")
+    ap.add_argument("--indexer-stages", type=int, nargs="*", default=[],
+                    help="the persistent decode indexer's pipeline stages to time beside its default (its logits "
+                         "alone, checked equal)")
     ap.add_argument("--coop-spread", action="store_true",
                     help="the cooperative top-k with each row's keys spread over its programs by its length "
                          "(cooperative.SPREAD), timed beside the default; with --table-tokens")
@@ -252,6 +265,7 @@ def main() -> None:
     FUSED_PROGRAMS[:] = args.fused_programs
     FUSED_STAGES[:] = args.fused_stages
     COOP_SPREAD[:] = [args.coop_spread]
+    INDEXER_STAGES[:] = args.indexer_stages
     TABLE_TOKENS[:] = [args.table_tokens]
     rows = [r for b in args.batches for c in args.contexts for r in rows_for(b, c)]
     Path(args.out, "decode_topk.json").write_text(json.dumps(rows, indent=1))

@@ -171,7 +171,8 @@ for step in "${steps[@]}"; do
         gpu_tests 300 tests/kernels/test_indexer_cooperative.py tests/kernels/test_topk_cooperative.py \
             tests/kernels/test_lightning_indexer.py
         # K2I_TABLES: table widths to run the rows at (0: as wide as the context; 163840: the engine's decode tables at
-        # DeepSeek's max_model_len); K2I_ARGS: more flags (--fused-programs 256, --fused-stages 9 13 17, --coop-spread)
+        # DeepSeek's max_model_len); K2I_ARGS: more flags (--fused-programs 256, --fused-stages 9 13 17, --coop-spread,
+        # --indexer-stages 9 13)
         for tokens in ${K2I_TABLES:-0}; do
             timeout 240 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
                 --table-tokens $tokens ${K2I_ARGS:-} --out "$OUT" > "$OUT/decode-topk-$tokens.log" 2>&1
