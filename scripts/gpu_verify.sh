@@ -174,7 +174,7 @@ for step in "${steps[@]}"; do
         # DeepSeek's max_model_len); K2I_ARGS: more flags (--fused-programs 256, --fused-stages 9 13 17, --coop-spread,
         # --indexer-stages 9 13)
         for tokens in ${K2I_TABLES:-0}; do
-            timeout 240 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
+            timeout 270 python3 bench/bench_decode_topk.py --batches 1 2 4 --contexts ${K2C_CONTEXTS:-8192 32768 131072} \
                 --table-tokens $tokens ${K2I_ARGS:-} --out "$OUT" > "$OUT/decode-topk-$tokens.log" 2>&1
             grep -E "^B|Error|error" "$OUT/decode-topk-$tokens.log" | grep -v "pdl 0" | tail -30
         done ;;
