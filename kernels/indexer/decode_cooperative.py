@@ -17,9 +17,11 @@ the scaled logits (the single-program finish re-reads the row) and runs `coopera
 persistent kernel's: logit = (sum_h w_h * relu(q_h . k)) * k_scale in fp32 (only the reduction tree over heads may
 differ), one query per request at position context_len - 1, so every token of the context is a candidate.
 
-Where. One query per request (next_n == 1), at most `cooperative.MAX_ROWS` rows, the cooperative plan's slices;
-never under the CPU interpreter with more than one program a row (the barriers; the tests run one program a row
-there). `indexer_decode_topk(topk="fused_cooperative")` runs it; "auto" takes it where `FUSED_COOPERATIVE` is on.
+Where. One query per request (next_n == 1), at most `cooperative.MAX_ROWS` rows, `fused_plan`'s programs a row
+(each row's keys spread over them by its length, whole chunks a program); never under the CPU interpreter with
+more than one program a row (the barriers; the tests run one program a row there).
+`indexer_decode_topk(topk="fused_cooperative")` runs it; "auto" takes it at up to `AUTO_ROWS` requests (one)
+where `FUSED_COOPERATIVE` is on.
 """
 
 from __future__ import annotations
