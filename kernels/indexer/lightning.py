@@ -431,7 +431,8 @@ def indexer_decode_topk(
     Same arguments as `lightning_indexer_decode` plus k (2048 for DeepSeek-V3.2 / GLM-5). Row j of
     request b selects among positions 0..context_lens[b]-next_n+j; unsorted; no host sync.
     topk picks the selection: "auto" (the default: "fused_cooperative" where `use_fused_cooperative` allows it and
-    `decode_cooperative.FUSED_COOPERATIVE` is on, at up to `decode_cooperative.AUTO_ROWS` requests, else
+    `decode_cooperative.FUSED_COOPERATIVE` is on, at up to `decode_cooperative.AUTO_ROWS` requests and without a
+    config for the indexer kernel, else
     "cooperative" where `cooperative.use_cooperative` allows it and `cooperative.COOPERATIVE` is on, else
     "one_launch", with the histogram fused where rows x the block table's token capacity is at most
     `ONE_LAUNCH_FUSED_MAX_WORK`; "radix" whenever fuse_hist is given), "cooperative"
@@ -462,7 +463,7 @@ def indexer_decode_topk(
     if topk == "auto":
         if fuse_hist is not None:
             topk = "radix"
-        elif decode_cooperative.FUSED_COOPERATIVE and n_req <= decode_cooperative.AUTO_ROWS \
+        elif decode_cooperative.FUSED_COOPERATIVE and n_req <= decode_cooperative.AUTO_ROWS and config is None \
                 and use_fused_cooperative(n_req, next_n, capacity, q.device):
             topk = "fused_cooperative"
         elif cooperative.COOPERATIVE and use_cooperative(rows, capacity, q.device):

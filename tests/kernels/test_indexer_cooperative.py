@@ -57,8 +57,8 @@ def test_one_program_a_row_matches_the_indexer_and_the_top_k(q_dtype, block_size
 
 def test_auto_takes_it_where_allowed_and_asked_for_refused_elsewhere(device, monkeypatch):
     """"auto" runs the fused launch only where `use_fused_cooperative` holds, `FUSED_COOPERATIVE` is on and the
-    requests are at most `AUTO_ROWS` (one: two take the two launches); "fused_cooperative" asked for where it cannot
-    run (the CPU, several queries a request) is refused."""
+    requests are at most `AUTO_ROWS` (one: two take the two launches), without a config for the indexer kernel;
+    "fused_cooperative" asked for where it cannot run (the CPU, several queries a request) is refused."""
     block_size, ctx, k = 16, [37, 90], 24
     cache, table = _filled_cache(ctx, block_size, 8, device)
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
@@ -75,6 +75,10 @@ def test_auto_takes_it_where_allowed_and_asked_for_refused_elsewhere(device, mon
             idx = indexer_decode_topk(q[:rows], w[:rows], cache, table[:rows], ctx_t[:rows], block_size, k)
             assert idx.shape == (rows, 1, k)
             assert len(launches) == (1 if on and rows == 1 and device.type == "cuda" else 0)
+    launches.clear()  # a config for the indexer kernel: the two launches, which use it
+    monkeypatch.setattr(decode_cooperative, "FUSED_COOPERATIVE", True)
+    indexer_decode_topk(q[:1], w[:1], cache, table[:1], ctx_t[:1], block_size, k, config={"kernel": "tiled"})
+    assert not launches
     assert not use_fused_cooperative(2, 2, 128, device)  # several queries a request: the two launches
     if device.type != "cuda":
         with pytest.raises(ValueError, match="fused"):
