@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from hearth.kernels._utils import FP8_E4M3, is_interpreter, mma, mma_fp8, require, sm_count
+from hearth.kernels._utils import FP8_E4M3, is_interpreter, require, sm_count
+from hearth.kernels.indexer.decode_persistent import score_chunk
 from hearth.kernels.topk import cooperative
 from hearth.kernels.topk.cooperative import NUM_WARPS, cooperative_select
 from hearth.kernels.topk.one_launch import (
@@ -138,14 +139,9 @@ def _indexer_cooperative_kernel(
         for i_c in range(i_s * (width // BLOCK_T), (t_end + BLOCK_T - 1) // BLOCK_T):
             o_c = i_c * BLOCK_T + tl.arange(0, BLOCK_T)
             m_c = o_c < t_end
-            b_kpage = tl.load(p_table + o_c // BLOCK_SIZE, mask=m_c, other=0).to(tl.int64)
-            p_k = cache_u8_ptr + (b_kpage * stride_blk + (o_c % BLOCK_SIZE) * D)[:, None] + o_d[None, :]
-            b_k = tl.load(p_k, mask=m_c[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-            b_acc = tl.zeros([BLOCK_T, H], dtype=tl.float32)
-            if Q_FP8:
-                b_s = mma_fp8(b_k, b_qt, b_acc, UPCAST, PRECISE)
-            else:
-                b_s = mma(b_k.to(tl.bfloat16), b_qt, b_acc, UPCAST)
+            b_s = score_chunk(
+                cache_u8_ptr, p_table, o_c, m_c, b_qt, stride_blk, BLOCK_T, H, BLOCK_SIZE, D, Q_FP8, UPCAST, PRECISE
+            )
             tl.store(p_x + o_c, tl.sum(tl.maximum(b_s, 0.0) * b_w[None, :], axis=1), mask=m_c)
         tl.debug_barrier()  # the block's stores above are visible to all its threads after it
         b_x = tl.load(p_x + o_t, mask=m_t, other=0.0) * b_ks

@@ -109,6 +109,37 @@ def _chunk_scales(
     return tl.load(p_ks, mask=o_t < t_end, other=0.0)
 
 
+@triton.jit
+def score_chunk(
+    cache_u8_ptr,
+    p_table,
+    o_t,
+    m_t,
+    b_qt,
+    stride_blk,
+    BLOCK_T: tl.constexpr,
+    M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    D: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """[BLOCK_T, M] fp32 q . k of a chunk's tokens o_t (m_t: those to read) against the queries b_qt [D, M]: each
+    token's page from the request's table p_table, its e4m3 key from the page, keys x q^T on the MMA (fp8, or bf16
+    for bf16 queries)."""
+    o_d = tl.arange(0, D)
+    b_kpage = tl.load(p_table + o_t // BLOCK_SIZE, mask=m_t, other=0).to(tl.int64)
+    p_k = cache_u8_ptr + (b_kpage * stride_blk + (o_t % BLOCK_SIZE) * D)[:, None] + o_d[None, :]
+    b_k = tl.load(p_k, mask=m_t[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+    b_acc = tl.zeros([BLOCK_T, M], dtype=tl.float32)
+    if Q_FP8:
+        b_s = mma_fp8(b_k, b_qt, b_acc, UPCAST, PRECISE)
+    else:
+        b_s = mma(b_k.to(tl.bfloat16), b_qt, b_acc, UPCAST)
+    return b_s
+
+
 # NOTE: n_req and n_progs change with the batch and the table width; like the prefill kernel's T and
 # n_ctx they only bound loops and masks, so they must not compile a variant per divisibility class
 # (REQ_P2 already gives one variant per power of two of the batch).
@@ -184,14 +215,9 @@ def _indexer_decode_persistent_kernel(
             b_page = _chunk_pages(p_table, i_c + 2, t_end, BLOCK_T, BLOCK_SIZE)
             o_t = i_c * BLOCK_T + tl.arange(0, BLOCK_T)
             m_t = o_t < n_ctx
-            b_kpage = tl.load(p_table + o_t // BLOCK_SIZE, mask=m_t, other=0).to(tl.int64)
-            p_k = cache_u8_ptr + (b_kpage * stride_blk + (o_t % BLOCK_SIZE) * D)[:, None] + o_d[None, :]
-            b_k = tl.load(p_k, mask=m_t[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-            b_acc = tl.zeros([BLOCK_T, M], dtype=tl.float32)
-            if Q_FP8:
-                b_s = mma_fp8(b_k, b_qt, b_acc, UPCAST, PRECISE)
-            else:
-                b_s = mma(b_k.to(tl.bfloat16), b_qt, b_acc, UPCAST)
+            b_s = score_chunk(
+                cache_u8_ptr, p_table, o_t, m_t, b_qt, stride_blk, BLOCK_T, M, BLOCK_SIZE, D, Q_FP8, UPCAST, PRECISE
+            )
             b_s = tl.maximum(b_s, 0.0) * b_w[None, :]  # (BLOCK_T, M)
             if NEXT_N_P2 == 1:
                 b_l = tl.sum(b_s, axis=1)[:, None]  # (BLOCK_T, 1)
