@@ -157,8 +157,13 @@ def fused_plan(n_req: int, n_cols: int, device: torch.device) -> tuple[int, int]
     all, BLOCK the power of two (at least a chunk) that covers a row as wide as the table; a row's programs share
     its actual length (`width`, in the kernel). None where BLOCK would exceed `cooperative.MAX_BLOCK`."""
     programs = max(1, min(MAX_PROGRAMS, 2 * sm_count(device, 4) // max(n_req, 1)))
-    block = max(BLOCK_T, triton.next_power_of_2(triton.cdiv(max(n_cols, 1), programs)))
+    block = _block(n_cols, programs)
     return (programs, block) if block <= cooperative.MAX_BLOCK else None
+
+
+def _block(n_cols: int, programs: int) -> int:
+    """BLOCK: the power of two (at least a chunk) that covers a row as wide as the table over `programs`."""
+    return max(BLOCK_T, triton.next_power_of_2(triton.cdiv(max(n_cols, 1), programs)))
 
 
 def use_fused_cooperative(n_req: int, next_n: int, n_cols: int, device: torch.device) -> bool:
@@ -202,8 +207,8 @@ def indexer_cooperative_launch(
         require(fits, f"{n_req} rows of {n_cols} do not fit one resident cooperative launch here")
         programs = fused_plan(n_req, n_cols, q.device)[0]
     require(programs == 1 or fits, f"{programs} programs a row must all be resident at once (one a row here)")
-    block = max(BLOCK_T, triton.next_power_of_2(triton.cdiv(max(n_cols, 1), programs)))
-    require(block <= max(cooperative.MAX_BLOCK, n_cols) or programs == 1,
+    block = _block(n_cols, programs)
+    require(programs == 1 or block <= cooperative.MAX_BLOCK,
             f"{programs} programs a row would hold {block} keys each (at most {cooperative.MAX_BLOCK})")
     grid = (n_req, programs)
     pdl = pdl_for_rows(n_req, q.device)
@@ -234,7 +239,7 @@ _PER_SM: dict[tuple, int] = {}
 
 def programs_per_sm(args: tuple, meta: dict, grid: tuple[int, int], device: torch.device) -> int:
     """How many programs of the build these arguments select fit one SM (compiled, not launched, the first time)."""
-    key = (device, *args[0].shape[2:], args[0].dtype, *sorted(meta.items()))
+    key = (device, *meta.values())  # (the build: its constexprs and options, in the launch's fixed order)
     if key not in _PER_SM:
         kernel = _indexer_cooperative_kernel.warmup(*args, **meta, grid=grid)
         kernel._init_handles()  # (loaded on the device: its register count is known from here)
