@@ -60,9 +60,10 @@ BLOCK_T = 128  # tokens of a key chunk (one [BLOCK_T, 128] e4m3 tile, 16 KB)
 # The pipeliner's stages, as the persistent indexer's: three key chunks in flight ((stages - 1) / 2). The sm_90
 # build (Triton 3.6, `bench/kernel_report.py fused_cooperative`): 128 registers, 4 bytes of spills, 58 KiB of shared
 # memory, so two programs fit an SM; at 3 stages it held one chunk buffer (25 KiB) and spilled 20 bytes. On the H200
-# a b1 x 128K row scores its 8 chunks a program at ~1.1 us a chunk (latency-bound: one program an SM at one request);
-# 9 / 13 / 17 stages hold 4 / 6 / 8 chunks in flight in 74.5 / 107.5 / 140.5 KiB (17: one program an SM), not yet
-# timed (`bench_decode_topk.py --fused-stages 9 13 17`).
+# a b1 x 128K row scores its 8 chunks a program at ~1.1 us a chunk. 9 / 13 / 17 stages (4 / 6 / 8 chunks in flight
+# in 74.5 / 107.5 / 140.5 KiB; 17: one program an SM) were slower at every length, 1-2 rows in 160K tables (2026-12-04,
+# `bench_decode_topk.py --fused-stages 9 13 17`: b1 x 128K 20.7 / 22.8 / 24.5 us against 20.0), so a chunk's time is
+# its own work in the program, not its loads' latency.
 NUM_STAGES = 7
 # Programs a row at most (the cooperative top-k's bound: a barrier's cost grows with its arrivals).
 MAX_PROGRAMS = cooperative.MAX_PROGRAMS

@@ -18,9 +18,10 @@ load stages ahead of the key copy (cp.async into shared memory) and the copy ahe
 num_stages = 7 that is three 16 KB key buffers (two chunks in flight while one is scored; the
 sm_90 build checked offline with Triton 3.6 and 3.9: 59-60 KB of shared memory, 180-182 registers
 a thread at 4 warps, no spills, so two programs fit an SM: ~50-70 KB in flight per SM against the ~30 KB that
-Little's law asks of an H200 SM at 32 B/ns and ~1 us). The pipeliner leaves loads that do not feed a
-dot synchronous, so the scales are prefetched by hand: each iteration loads the next chunk's scales
-(from page ids loaded one iteration earlier) and the page ids of the chunk after. The dot is keys x
+Little's law asks of an H200 SM at 32 B/ns and ~1 us; 9 and 13 stages, 4 and 6 chunks in flight, were slower at
+1-4 requests and every length on the H200, 2026-12-04: b1 x 128K 9.1 / 10.2 us against 8.7). The pipeliner
+leaves loads that do not feed a dot synchronous, so the scales are prefetched by hand: each iteration loads the
+next chunk's scales (from page ids loaded one iteration earlier) and the page ids of the chunk after. The dot is keys x
 q^T -> [BLOCK_T, next_n * H] (keys as the M operand, both operands K-major as Hopper's fp8 MMA
 wants), so the weighted sum over heads is a reduction along the accumulator's N axis (within a
 thread and its quad) instead of across warps.

@@ -102,7 +102,9 @@ MIN_BLOCK = 256  # one key a thread at 8 warps
 # kernel). The engine's decode tables are `max_model_len` wide: on the H200 (2026-12-04, `bench_decode_topk.py
 # --table-tokens 163840`) this top-k alone took 10.0-10.9 us at 1-2 rows of 8K-128K in 160K tables, where tables
 # as wide as the context gave 6.4-9.1 (2,048-key blocks, a few programs holding an 8K row). The slice's load then
-# waits for the length (a round trip). Off until timed (`--coop-spread`).
+# waits for the length (a round trip), which costs more than it saves: timed with `--coop-spread` (2026-12-04,
+# 160K tables) the indexer and this top-k took 18.2 / 18.3 / 22.6 us at b1 x 8K / 32K / 128K against 14.9 / 18.0 /
+# 22.1, and 28.8 against 28.4 at 2 x 128K, so off.
 SPREAD = False
 # Programs a row at most: a barrier's cost grows with its arrivals (H200, 2026-12-04: 256 programs a b1 x 128K row
 # took the top-k alone to 14.0 us against the one-launch path's 12.4; 128 a row of 32K: 8.0 against 9.2).
