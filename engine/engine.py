@@ -394,16 +394,16 @@ class Engine:
         Nothing of it remains: its requests finish and free their pages; its pages leave the prefix
         cache (a user's prompt cannot hit them); the RAM and disk tiers behind the prefix cache are
         detached meanwhile, so nothing is spilled, restored or written and a warm start's pages are
-        left alone; the counters ``stats()`` reports start from zero after it. Raises HearthError when
+        left alone; with experts in RAM no expert is copied and the cache forgets every expert the
+        warm-up routed to (``_no_expert_copies``); the counters ``stats()`` reports and auto's runahead
+        gate start from zero after it. Raises HearthError when
         a warm-up request fails (the GPU ran out of memory)."""
         if self._generated or self.has_unfinished():
             raise RuntimeError("the warm-up runs before the engine's first request")
         start = time.perf_counter()
-        # round 3 (prompts up to a whole prefill chunk) only where the experts are on the GPU (warm_up.py)
-        chunk = self.config.max_num_batched_tokens if self.runner.expert_cache is None else 0
         limits = Limits(self.runner.block_size, self.max_model_len, self.blocks.num_blocks, self.config.max_num_seqs,
-                        chunk)
-        with self._set_aside():
+                        self.config.max_num_batched_tokens)
+        with self._set_aside(), self._no_expert_copies():
             rounds = warm_up_rounds(warm_up_token_ids(self.tokenizer, self.model_config.vocab_size), limits)
             for i, prompts in enumerate(rounds):
                 self._run_aside(prompts)
@@ -429,6 +429,26 @@ class Engine:
             self.timer = StepTimer(enabled=self.timer.enabled)
             self.blocks.hit_tokens = self.blocks.restored_tokens = 0
             self.runner.reset_stats()
+            if self.runahead_gate is not None:  # (the warm-up's rounds copied nothing: no measure of the link)
+                self.runahead_gate.reset()
+            self._gate_interval = None
+
+    @contextlib.contextmanager
+    def _no_expert_copies(self) -> Iterator[None]:
+        """With experts in RAM: the warm-up's expert fetches copy nothing (``ExpertCache.dry_copies``; its
+        outputs are thrown away), so its prompts up to a whole prefill chunk compile the kernels a user's
+        would without streaming the experts they route to over the link (seconds a prompt on a large model).
+        The runahead decoder's holds are let go at the end, and every expert it fetched is forgotten."""
+        cache = self.runner.expert_cache
+        if cache is None:
+            yield
+            return
+        with cache.dry_copies():
+            try:
+                yield
+            finally:
+                if self.decoder is not None:
+                    self.decoder.release_holds()
 
     def _forget_warm_up(self) -> None:
         """Drop the warm-up's pages from the prefix cache and its chats from the tier cache."""

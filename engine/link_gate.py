@@ -70,6 +70,11 @@ class RunaheadGate:
         self._at: dict[int, _AtConcurrency] = {}
         self._link_mark = 0.0
 
+    def reset(self) -> None:
+        """Forget every measure and trial (the engine's warm-up rounds are not the users')."""
+        self.trials = self.lost = 0
+        self._at.clear()
+
     def allows(self, num_requests: int) -> bool:
         """May runahead decode ``num_requests`` requests now?"""
         state = self._at.get(num_requests)

@@ -16,18 +16,21 @@ The rounds (``warm_up_rounds``), each run to its end before the next:
 2. that prompt extended by about a page (where the context has room): its full pages come from the
    prefix cache and the rest is a prefill chunk attending to cached context, the path of a chat's next
    turn; then batch-1 decode;
-3. with every expert on the GPU (``Limits.chunk_tokens``), one prompt each of an eighth, a quarter, half and a
-   whole prefill chunk and an odd remainder (where the context has room; 259 / 515 / 1,027 / 2,051 tokens at the
-   defaults), one after another: the prefill kernels at each size class (GEMMs, the fused MoE's larger tiles,
-   sparse attention over a context longer than the indexer's top-k), which a user's first long prompt would
-   otherwise compile (about 7 s on the H200 with an empty Triton cache, 2026-12-04). Not with experts in RAM:
-   there a prompt this long streams every expert of every layer over the link, seconds on a large model;
+3. one prompt each of an eighth, a quarter, half and a whole prefill chunk (``Limits.chunk_tokens``) and an odd
+   remainder (where the context has room; 259 / 515 / 1,027 / 2,051 tokens at the defaults), one after another:
+   the prefill kernels at each size class (GEMMs, the fused MoE's larger tiles, sparse attention over a context
+   longer than the indexer's top-k), which a user's first long prompt would otherwise compile (on the H200 with
+   an empty Triton cache, 2026-12-04: about 7 s with every expert on the GPU; with experts in RAM, where this
+   round was not run then, the first 2K-token prompt took 5.2 s against 0.42 s for the next);
 4. for each larger decode batch bucket up to ``max_num_seqs``, that many short prompts decoded
    together, so every bucket's decode graph is captured before a user's request needs it.
 
 Each request is greedy, ignores EOS and answers ``ANSWER_TOKENS`` tokens: its first from the prefill,
-then a synchronous decode step and overlapped ones (``EngineConfig.overlap_decode``). What the engine
-does so that none of it shows afterwards is ``Engine.warm_up``'s doc.
+then a synchronous decode step and overlapped ones (``EngineConfig.overlap_decode``). With experts in RAM
+the rounds copy no expert (``ExpertCache.dry_copies``): every fetch, stream and expert kernel runs as for a
+user, on whatever the cache's slots hold, so round 3's prompts (which route to every expert of every layer)
+cost compute only, not the seconds of a large model's experts streamed over the link. What the engine does
+so that none of it shows afterwards is ``Engine.warm_up``'s doc.
 """
 
 from __future__ import annotations

@@ -9,13 +9,18 @@ than a bf16 one (3.76x more experts fit in the same GPU memory).
 On a CPU device the copies are synchronous and the bookkeeping is the same, so the logic is tested
 without a GPU. ``acquire`` merges duplicate requests: an expert already in flight is not copied twice.
 Every copy records its own event, so a caller can compute with each expert as soon as it lands.
+
+Under :meth:`ExpertCache.dry_copies` (the engine's warm-up) the bookkeeping, the copy stream's events and
+so every caller's path run as they would, but no byte is copied: a slot keeps what it held, and every
+expert assigned a slot meanwhile is forgotten at the end, so no later lookup finds one.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,6 +206,7 @@ class ExpertCache:
         self.copies = 0  # experts copied into slots since the cache was built (never reset: callers compare)
         self._copy_events: list = []  # (layer, start event, end event), resolved by _resolve_copies
         self._copy_ms_total = 0.0  # copy-stream busy time of the resolved copies, never reset (copy_seconds)
+        self._dry: set[int] | None = None  # under dry_copies: the slots assigned an expert without its bytes
 
     def _pool(self, layer: int) -> _Pool:
         return self._pool_of[layer]
@@ -313,11 +319,16 @@ class ExpertCache:
         if src is None:
             src = self._expert_rows[layer] = self.store.layer_buffer(layer).unbind(0)
         stats.misses += len(todo)
-        self.copies += len(todo)
-        stats.bytes_fetched += len(todo) * self.store.record_bytes
+        dry = self._dry is not None
+        if dry:
+            self._dry.update(slot for _, slot in todo)
+        else:
+            self.copies += len(todo)
+            stats.bytes_fetched += len(todo) * self.store.record_bytes
         if not self.is_cuda:
             for i, slot in todo:
-                dst[slot].copy_(src[lease.experts[i]])
+                if not dry:
+                    dst[slot].copy_(src[lease.experts[i]])
                 lease.ready[i] = True
                 self._assign(lease, i, slot, pool)
             return
@@ -329,7 +340,8 @@ class ExpertCache:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             for i, slot in todo:
-                dst[slot].copy_(src[lease.experts[i]], non_blocking=True)
+                if not dry:
+                    dst[slot].copy_(src[lease.experts[i]], non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(stream)
                 self._ready[slot] = lease.expert_events[i] = landed
@@ -365,6 +377,34 @@ class ExpertCache:
             if released is not None:
                 self._released[slot] = released
         lease.slots = [-1] * len(lease.slots)
+
+    @contextlib.contextmanager
+    def dry_copies(self) -> Iterator[None]:
+        """Within: every fetch is bookkept, ordered and timed as usual but copies nothing (the module doc).
+        On leaving, each expert given a slot within is forgotten (its slot free again); every lease on one
+        must have been released by then (a RuntimeError names those still held, which stay as they are).
+        What the engine's warm-up runs under: its prompts take every path a user's would, the kernels of
+        the expert computations included, without moving the experts they route to over the link."""
+        if self._dry is not None:
+            raise RuntimeError("dry_copies does not nest")
+        self._dry = set()
+        try:
+            yield
+        finally:
+            dry, self._dry = self._dry, None
+            held = [self._key_of[slot] for slot in sorted(dry) if self._refs[slot]]
+            for slot in dry:
+                key = self._key_of[slot]
+                if key is None or self._refs[slot]:
+                    continue
+                del self._slot_of[key]
+                self._key_of[slot] = None
+                self._ready[slot] = None
+                pool = self._pool_of[key[0]]
+                pool.policy.remove(key)
+                pool.free.append(slot)
+        if held:  # (not where the body raised: that error is the one to see)
+            raise RuntimeError(f"dry_copies: leases still hold experts copied dry: {held[:8]}")
 
     def stats(self) -> dict:
         """{'layers': {layer: counters}, 'total': counters}; waits for copies still in flight."""

@@ -115,3 +115,17 @@ def test_ahead_time_is_ignored_outside_a_trial_and_bad_settings_are_refused():
     for bad in ({"min_gain": 0.6}, {"min_gain": -0.1}, {"window": 0}, {"recheck": 0}, {"max_backoff": 0}):
         with pytest.raises(ValueError):
             RunaheadGate(link, **bad)
+
+
+def test_reset_forgets_every_measure_and_trial():
+    """What the engine calls after its warm-up, whose rounds copied no expert (their link looked idle)."""
+    link = Link()
+    gate = RunaheadGate(link, min_gain=0.15, window=3)
+    _sync_rounds(gate, link, 8, 3, seconds=0.10, busy=0.0)  # a dry warm-up: nothing on the link
+    _sync_rounds(gate, link, 4, 3, seconds=0.10, busy=0.05)
+    assert gate.allows(4) and gate.trials == 1
+    gate.reset()
+    assert not gate.allows(4) and gate.trials == gate.lost == 0
+    assert gate.state(8).idle is None and gate.state(4).idle is None
+    _sync_rounds(gate, link, 4, 2, seconds=0.10, busy=0.05)
+    assert not gate.allows(4)  # a whole window of the users' rounds again before a trial

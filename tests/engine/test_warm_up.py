@@ -187,23 +187,39 @@ def test_the_warm_up_runs_a_prefix_hit_and_every_decode_bucket(models):
     assert decode_batches == set(batch_buckets(MAX_NUM_SEQS))
 
 
-@pytest.mark.parametrize("features", [{}, {"offload": "always", "expert_cache_slots": 3}], ids=["resident", "offload"])
-def test_a_whole_prefill_chunk_is_warmed_with_the_experts_on_the_gpu_only(models, features):
-    """With every expert on the GPU the warm-up reads one whole chunk (max_num_batched_tokens) in a step, so a
-    user's first long prompt compiles nothing; with experts in RAM (where a chunk streams every expert) it does
-    not, and its longest step is the first prompt's."""
+@pytest.mark.parametrize("features", [{}, {"offload": "always", "expert_cache_slots": 3},
+                                      {"offload": "always", "expert_cache_slots": 3, "scheduler": "runahead"}],
+                         ids=["resident", "offload", "offload-runahead"])
+def test_a_whole_prefill_chunk_is_warmed_and_no_expert_crosses_the_link(models, features):
+    """The warm-up reads one whole chunk (max_num_batched_tokens) in a step, so a user's first long prompt compiles
+    nothing. With experts in RAM, where such a chunk routes to every expert of every layer, the warm-up's fetches
+    copy nothing (ExpertCache.dry_copies) and leave no expert in the cache; the answers after it are a fresh
+    engine's (test_the_warm_up_runs_with_the_configured_features)."""
     engine = _engine(models["deepseek_v32"], warm_up="true", max_num_batched_tokens=512, **features)
-    run, steps = engine.runner.run, []
+    cache = engine.runner.expert_cache
+    run, steps, fetched = engine.runner.run, [], []
 
     def spy_run(inputs, *args, **kwargs):
         steps.append(sum(len(s.token_ids) for s in inputs))
         return run(inputs, *args, **kwargs)
 
     engine.runner.run = spy_run
+    if cache is not None:
+        assert cache.copies == 0 and all(cache.resident(layer) == [] for layer in cache.store.layers)
+        fetch = cache._fetch
+
+        def spy_fetch(lease, todo, stats):
+            fetched.append(len(todo))
+            return fetch(lease, todo, stats)
+
+        cache._fetch = spy_fetch
     engine.warm_up()
-    assert max(steps) == (2 * BS + 3 if features else 512)
-    if not features:  # an eighth, a quarter, half and all of a chunk and 3 (the last in two steps: 512, then 3)
-        assert {67, 131, 259, 512} <= set(steps)
+    assert max(steps) == 512  # an eighth, a quarter, half and all of a chunk and 3 (the last in two steps: 512, 3)
+    assert {67, 131, 259, 512} <= set(steps)
+    if cache is not None:
+        assert sum(fetched) > 3 * len(cache.store.layers)  # (3 slots a layer: the pools were cycled through)
+        assert cache.copies == 0 and all(cache.resident(layer) == [] for layer in cache.store.layers)
+        assert all(cache.available(layer) == 3 for layer in cache.store.layers)
 
 
 def test_the_warm_up_writes_no_chat_cache_file(models, tmp_path):

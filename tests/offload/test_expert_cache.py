@@ -5,6 +5,7 @@ import torch
 
 from hearth.offload.expert_cache import CacheFullError, ExpertCache, LFUPolicy
 from hearth.offload.expert_store import ExpertLayout, ExpertStore
+from hearth.offload.fetch_plan import MISSING, RESIDENT
 
 LAYERS = [0, 1]
 
@@ -195,3 +196,43 @@ def test_copy_seconds_is_zero_on_a_host_cache(store):
     _use(cache, 0, [1, 2, 3])
     assert cache.copies == 3
     assert cache.copy_seconds() == 0.0
+
+
+def test_dry_copies_bookkeep_every_fetch_copy_nothing_and_forget_them(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    _use(cache, 0, [5])  # a real expert, held in a slot before
+    real_slot = cache._slot_of[(0, 5)]
+    before = cache.buffer.clone()
+    with cache.dry_copies():
+        lease = cache.acquire(0, [1, 2, 5])  # two dry fetches beside the resident expert
+        assert lease.ready == [True, True, True] and sorted(lease.slots) == sorted(set(lease.slots))
+        assert cache.lookup(0, [1, 2, 5]) == [RESIDENT] * 3
+        cache.release(lease)
+        with pytest.raises(CacheFullError):  # a pool's room is bookkept as for real fetches
+            cache.acquire(1, [0, 1, 2, 3])
+        _use(cache, 1, [7])
+        assert cache.copies == 1  # (the real fetch before)
+    assert torch.equal(cache.buffer, before)  # not a byte copied
+    # the dry experts are forgotten (free slots again), the real one stays where it was
+    assert cache.resident(0) == [5] and cache.resident(1) == []
+    assert cache._slot_of[(0, 5)] == real_slot and cache.available(0) == 3
+    assert cache.lookup(0, [1, 2]) == [MISSING, MISSING]
+    # fetched for real afterwards, they hold the store's bytes
+    lease = cache.acquire(0, [1, 2])
+    for expert, slot in zip(lease.experts, lease.slots):
+        assert torch.equal(cache.buffer[slot], store.expert(0, expert))
+    assert cache.copies == 3
+
+
+def test_dry_copies_refuse_a_held_dry_expert_and_nesting_and_keep_the_bodys_error(store):
+    cache = ExpertCache(store, "cpu", slots_per_layer=3)
+    with pytest.raises(RuntimeError, match="dry_copies does not nest"), cache.dry_copies(), cache.dry_copies():
+        pass
+    with pytest.raises(RuntimeError, match=r"leases still hold experts copied dry: \[\(0, 4\)\]"), cache.dry_copies():
+        held = cache.acquire(0, [4])
+    assert cache.resident(0) == [4]  # still held: left as it is
+    cache.release(held)
+    with pytest.raises(ValueError, match="the body's"), cache.dry_copies():
+        _use(cache, 1, [3])
+        raise ValueError("the body's")
+    assert cache.resident(1) == []
