@@ -83,13 +83,35 @@ def require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+# A float dtype's bits as an integer dtype of its width, and the mask of its exponent (float8_e4m3fn: exponent and
+# mantissa, its only non-finite value being NaN, S.1111.111): an element is NaN or inf exactly where all of its mask's
+# bits are set, and the mask is the largest value `bits & mask` can take (it has no sign bit).
+_NONFINITE_BITS = {
+    torch.float8_e4m3fn: (torch.uint8, 0x7F),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
+
+
 def count_nonfinite(t: torch.Tensor) -> int:
-    """NaN/inf elements of a float or float8_e4m3fn tensor (e4m3fn has no inf; NaN is S.1111.111)."""
-    if t.dtype == torch.float8_e4m3fn:
-        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
-    if t.is_floating_point():
-        return int((~torch.isfinite(t)).sum())
-    return 0
+    """NaN/inf elements of a float or float8_e4m3fn tensor (e4m3fn has no inf; NaN is S.1111.111).
+
+    Every weight of a checkpoint goes through this at load, so the common answer, none, is found in one masked
+    max over the raw bits (two passes over the bytes, no bool tensor): on a CPU core 3 ms for a 14.7 MB e4m3
+    expert matrix where counting took 80 ms (the bool tensor's sum), which made the checks most of an
+    experts-in-RAM load. Only a tensor with a non-finite element is counted exactly."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0
+    bits = _NONFINITE_BITS.get(t.dtype)
+    if bits is not None:
+        as_int, mask = bits
+        masked = t.view(as_int) & mask
+        if int(masked.max()) != mask:
+            return 0
+        return int((masked == mask).sum())
+    return int((~torch.isfinite(t)).sum())
 
 
 def check_tensor(
