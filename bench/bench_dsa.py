@@ -366,7 +366,8 @@ def decode_sparse_mla(batch: int, heads: int = 128, ctx_len: int = 32768, k: int
     sm = 0.1352
     flops = batch * heads * k * (576 + 512) * 2
     variants = [  # (label, cache format, base config, sweep it)
-        ("bf16", "bf16", None, True),  # the engine's default: the one-wave plan (see launch_plan)
+        ("bf16", "bf16", None, False),  # the default: the Gluon kernel on sm_90 (gluon_kernels.py), else Triton's
+        ("bf16 triton", "bf16", {"gluon": False}, True),  # the Triton kernel's one-wave plan (see launch_plan)
         ("bf16 h200 plan", "bf16", {"plan": "h200"}, batch <= 8),  # at batch 64 the same launch as the default
         ("fp8 old path", "fp8", old_mla_plan(batch, heads, k, True), False),
         ("fp8 tile path", "fp8", None, True),
@@ -494,12 +495,13 @@ def prefill_mla(ctx_len: int, n_q: int, max_blocks: int, table: torch.Tensor, sw
             )
 
     t_base = bench(torch_mla, rep=1) if not mla_fp8 else None
-    cfgs = [None] + ([{"block_n": 64, "num_warps": 8, "num_stages": 1}] + mla_sweep(4096) if sweep else [])
+    # the default (the Gluon kernel on sm_90 with a bf16 cache), the Triton kernel's plan, and with `sweep` its configs
+    cfgs = [None, {"gluon": False}] + (
+        [{"block_n": 64, "num_warps": 8, "num_stages": 1}] + mla_sweep(4096) if sweep else [])
     best = None
     for cfg in cfgs:
         t = bench(lambda cfg=cfg: sparse_mla_prefill(qm, lat, idx, table, posi, 0.1352, config=cfg), rep=30)
-        if sweep:
-            print(f"    sweep {cfg}: {t * 1e3:.2f} ms", flush=True)
+        print(f"    prefill sparse MLA {cfg}: {t * 1e3:.2f} ms ({mflops / t / 1e12:.0f} TFLOP/s)", flush=True)
         if best is None or t < best[0]:
             best = (t, cfg)
     emit(

@@ -1,4 +1,5 @@
-"""DSA sparse MLA forward in absorbed (MQA) form over the paged latent cache.
+"""DSA sparse MLA forward in absorbed (MQA) form over the paged latent cache: the Triton kernel, and the
+dispatch to the Gluon kernels (`gluon_kernels.py`) that run instead on an sm_90 GPU with a bf16 cache.
 
 For each query row r (a decode request or a prefill token) and head h:
     s[n]   = sm_scale * q[r, h, :576] . kv[slot(idx[r, n]), :576]   for valid n (0 <= idx <= limit[r])
@@ -42,6 +43,14 @@ import triton.language as tl
 
 from hearth.kernels._utils import check_tensor, is_interpreter, is_power_of_two, mma, require, sm_count
 
+# Whether `sparse_mla_decode` / `sparse_mla_prefill` run the Gluon kernels (`gluon_kernels.py`: explicit
+# warpgroup MMAs, a cp.async producer and two consumer warpgroups) where they can (an sm_90 GPU, a bf16 cache,
+# heads in 64s: `gluon_kernels.gluon_unsupported`); the Triton kernel below takes every other call. H200,
+# 2026-12-04 (`bench/bench_gluon_mla.py`, 128 heads, top-k 2048 of 32K): decode 13.4 / 35.4 / 111.7 us at batch
+# 1 / 8 / 64 against this kernel's 13.8 / 46.1 / 166.6 (327 against 219 TFLOP/s at 64); prefill of 4,096 queries
+# 5.91 against 9.81 ms (396 against 238 TFLOP/s).
+GLUON_DECODE = True
+GLUON_PREFILL = True
 D_LATENT = 512
 D_ROPE = 64
 D_QK = D_LATENT + D_ROPE
@@ -260,21 +269,44 @@ def launch_plan(n_rows: int, heads: int, topk: int, is_fp8: bool, sm_count: int,
     return cfg
 
 
-def _launch(q, kv_cache, indices, table, stride_table_r, limits, limit_bias, sm_scale, config, out=None, lse=None):
+def _outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [rows, H, 512] bf16 and lse [rows, H] fp32: those given, checked, or new ones."""
     n_rows, heads, _ = q.shape
-    topk = indices.shape[1]
-    block_size, is_fp8 = _check_cache(kv_cache, q.device)
-    cfg = launch_plan(n_rows, heads, topk, is_fp8, _sm_count(q.device), config)
-    block_h, chunk, splits = cfg["block_h"], cfg["chunk"], cfg["splits"]
-    n_hb = triton.cdiv(heads, block_h)
     if out is None:
         out = torch.empty(n_rows, heads, D_LATENT, dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(n_rows, heads, dtype=torch.float32, device=q.device)
     check_tensor("out", out, dtypes=(torch.bfloat16,), shape=(n_rows, heads, D_LATENT), device=q.device)
     check_tensor("lse", lse, dtypes=(torch.float32,), shape=(n_rows, heads), device=q.device)
+    return out, lse
+
+
+def _gluon_wanted(config: dict | None, default: bool) -> bool:
+    """Whether a call asks for the Gluon kernels: config {"gluon": bool} says so; any other config entry (a
+    Triton launch override) selects the Triton kernel; no config: the module's default for the call's kind."""
+    if config is not None and "gluon" in config:
+        return bool(config["gluon"])
+    return default and not config
+
+
+def _launch(q, kv_cache, indices, table, stride_table_r, limits, limit_bias, sm_scale, config, out=None, lse=None,
+            gluon: bool = False):
+    n_rows, heads, _ = q.shape
+    topk = indices.shape[1]
+    block_size, is_fp8 = _check_cache(kv_cache, q.device)
+    out, lse = _outputs(q, out, lse)
     if n_rows == 0:
         return out, lse
+    if _gluon_wanted(config, gluon):
+        from hearth.kernels.sparse_mla import gluon_kernels  # (imports this module)
+
+        if gluon_kernels.gluon_unsupported(q, kv_cache) is None:
+            return gluon_kernels.gluon_launch(q, kv_cache, indices, table, stride_table_r, limits, limit_bias,
+                                              sm_scale, out, lse)
+    config = {k: v for k, v in (config or {}).items() if k != "gluon"}
+    cfg = launch_plan(n_rows, heads, topk, is_fp8, _sm_count(q.device), config)
+    block_h, chunk, splits = cfg["block_h"], cfg["chunk"], cfg["splits"]
+    n_hb = triton.cdiv(heads, block_h)
     partial = splits > 1
     if partial:
         po = torch.empty(n_rows, splits, heads, D_LATENT, dtype=torch.float32, device=q.device)
@@ -378,11 +410,20 @@ def sparse_mla_decode(
         sm_scale: softmax scale (0.13523378 DeepSeek-V3.2, 0.0625 GLM-5).
         out, lse: optional preallocated outputs (shapes and dtypes as returned), e.g. for CUDA graphs.
         config: optional overrides of `launch_plan` (block_h, block_n, num_warps, num_stages, splits,
-            q_reload, fp8_tile: False selects the old per-element FP8 dequantisation).
+            q_reload, fp8_tile: False selects the old per-element FP8 dequantisation), which select the Triton
+            kernel; {"gluon": False} selects it as planned, {"gluon": True} the Gluon kernels where they can
+            run (`GLUON_DECODE` / `GLUON_PREFILL`: the default).
     Returns:
         out [B, H, 512] bf16 (zeros where no index is valid), lse [B, H] fp32 natural-log
         log-sum-exp of the scaled scores (-inf where none is valid).
     """
+    out, lse = check_decode(q, kv_cache, indices, block_table, context_lens, out, lse)
+    return _launch(q, kv_cache, indices, block_table, block_table.stride(0), context_lens, -1, sm_scale, config, out,
+                   lse, gluon=GLUON_DECODE)
+
+
+def check_decode(q, kv_cache, indices, block_table, context_lens, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla_decode`'s argument checks (ValueError naming the argument); returns (out, lse), new where None."""
     _check_q_indices(q, indices, "B")
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, contiguous=False, device=q.device)
     require(
@@ -390,8 +431,8 @@ def sparse_mla_decode(
         "block_table must be [B, max_blocks] with unit last stride",
     )
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(q.shape[0],), device=q.device)
-    return _launch(q, kv_cache, indices, block_table, block_table.stride(0), context_lens, -1, sm_scale, config, out,
-                   lse)
+    _check_cache(kv_cache, q.device)
+    return _outputs(q, out, lse)
 
 
 def sparse_mla_prefill(
@@ -422,7 +463,8 @@ def sparse_mla_prefill(
     _check_q_indices(q, indices, "T")
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=1, device=q.device)
     check_tensor("positions", positions, dtypes=(torch.int32,), shape=(q.shape[0],), device=q.device)
-    return _launch(q, kv_cache, indices, block_table, 0, positions, 0, sm_scale, config, out, lse)
+    return _launch(q, kv_cache, indices, block_table, 0, positions, 0, sm_scale, config, out, lse,
+                   gluon=GLUON_PREFILL)
 
 
 def default_sm_scale(qk_head_dim: int = 192, yarn_factor: float | None = 40.0) -> float:

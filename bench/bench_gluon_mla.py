@@ -1,0 +1,172 @@
+"""Time the Gluon sparse MLA kernels (kernels/sparse_mla/gluon_kernels.py: "seesaw" and "simple") beside the
+Triton kernel (`sparse_mla_decode` / `sparse_mla_prefill` with config {"gluon": False}: its default launch plan)
+on one Hopper GPU, decode and prefill.
+
+    python3 bench/bench_gluon_mla.py [--batches 1,8,64] [--prefill 4096] [--variants seesaw,simple] [--events]
+
+Shapes: batch 1, 8, 64 x 128 heads x top-k 2048 of a 32K-token context (random distinct positions per
+request), bf16 latent cache in 64-token pages. Each kernel is first checked against `sparse_mla_decode_ref`
+(max abs error of out and lse on every row), then timed: median of CUDA-graph replays
+(triton.testing.do_bench_cudagraph, as bench/bench_dsa.py times decode) or, with --events, the median of
+torch.cuda.Event pairs around single launches. TFLOP/s counts batch * heads * k * (576 + 512) * 2 FLOPs, as
+bench_dsa.py's decode_mla rows. A watchdog (faulthandler) dumps the stacks and ends the process (exit status 1)
+if one step (compile, check, timing) takes longer than --timeout seconds (a hung mbarrier protocol in a variant
+being changed). Prefill rows (--prefill): bench_dsa.py's prefill_mla shape, the first and last 8 queries checked.
+H200, 2026-12-04: see gluon_kernels.py's module doc."""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from hearth.kernels.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from hearth.kernels.sparse_mla.gluon_kernels import GLUON_ERROR, VARIANTS, gluon_launch, sparse_mla_decode_gluon
+from hearth.kernels.sparse_mla.reference import sparse_mla_decode_ref, sparse_mla_prefill_ref
+
+BS = 64
+SM_SCALE = 0.1352
+
+
+def problem(batch: int, heads: int, ctx_len: int, k: int):
+    max_blocks = ctx_len // BS
+    cache = torch.randn(batch * max_blocks, BS, 576, device="cuda").to(torch.bfloat16)
+    table = torch.randperm(batch * max_blocks, device="cuda").int().view(batch, max_blocks)
+    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, 576, device="cuda").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(ctx_len, device="cuda")[:k] for _ in range(batch)]).int()
+    return q, cache, idx, table, ctx
+
+
+def time_events(fn, rep: int = 100) -> float:
+    """Median seconds of `rep` launches, each between two CUDA events."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2] * 1e-3
+
+
+def time_graph(fn, rep: int = 100) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
+
+
+def run_batch(batch: int, args, variants: list[str], timer) -> None:
+    """Check, then time, the Triton kernel and each gluon variant at one batch size; one line each."""
+    torch.manual_seed(batch)
+    q, cache, idx, table, ctx = problem(batch, args.heads, args.ctx, args.k)
+    ref_out, ref_lse = sparse_mla_decode_ref(q, cache, idx, table, ctx, SM_SCALE)
+    flops = batch * args.heads * args.k * (576 + 512) * 2
+    shape = f"B{batch} H{args.heads} k{args.k} ctx{args.ctx}"
+    kernels = [("triton", lambda: sparse_mla_decode(q, cache, idx, table, ctx, SM_SCALE, config={"gluon": False}))]
+    for v in variants:
+        kernels.append((f"gluon {v}", lambda v=v: sparse_mla_decode_gluon(q, cache, idx, table, ctx, SM_SCALE,
+                                                                          variant=v)))
+    t_triton = None
+    for name, fn in kernels:
+        faulthandler.dump_traceback_later(args.timeout, exit=True)
+        try:
+            out, lse = fn()
+            torch.cuda.synchronize()
+            err_o = float((out.float() - ref_out).abs().max())
+            err_l = float((lse - ref_lse).abs().max())
+            t = timer(fn, args.rep)
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile or launch: report it, time the others
+            print(f"{name:16s} {shape:26s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        t_triton = t if name == "triton" else t_triton
+        ratio = f"x{t_triton / t:5.2f}" if t_triton else ""
+        print(f"{name:16s} {shape:26s} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} {err_o:10.2e} {err_l:10.2e}  {ratio}",
+              flush=True)
+
+
+def run_prefill(n_q: int, args, variants: list[str], timer) -> None:
+    """A prefill chunk of `n_q` queries at the end of an `args.ctx`-token context, each selecting `args.k` earlier
+    positions (bench_dsa.py's prefill_mla shape): the Triton kernel, then each Gluon variant; the first and last 8
+    queries checked against the reference (all of them would gather n_q x k latent rows)."""
+    torch.manual_seed(n_q)
+    blocks = args.ctx // BS
+    cache = torch.randn(blocks, BS, 576, device="cuda").to(torch.bfloat16)
+    table = torch.randperm(blocks, device="cuda").int()
+    q = torch.randn(n_q, args.heads, 576, device="cuda").to(torch.bfloat16)
+    pos = (args.ctx - n_q + torch.arange(n_q, device="cuda")).int()
+    idx = torch.randint(0, args.ctx - n_q, (n_q, args.k), device="cuda").int()
+    rows = torch.cat([torch.arange(8), torch.arange(n_q - 8, n_q)]).cuda()
+    ref_out, ref_lse = sparse_mla_prefill_ref(q[rows], cache, idx[rows], table, pos[rows], SM_SCALE)
+    flops = n_q * args.heads * args.k * (576 + 512) * 2
+    shape = f"T{n_q} H{args.heads} k{args.k} ctx{args.ctx}"
+    kernels = [("triton prefill", lambda: sparse_mla_prefill(q, cache, idx, table, pos, SM_SCALE,
+                                                             config={"gluon": False}))]
+    for v in variants:
+        def gluon(v=v):
+            out = torch.empty(n_q, args.heads, 512, dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty(n_q, args.heads, dtype=torch.float32, device="cuda")
+            return gluon_launch(q, cache, idx, table, 0, pos, 0, SM_SCALE, out, lse, variant=v)
+        kernels.append((f"gluon {v}", gluon))
+    t_triton = None
+    for name, fn in kernels:
+        faulthandler.dump_traceback_later(args.timeout, exit=True)
+        try:
+            out, lse = fn()
+            torch.cuda.synchronize()
+            err_o = float((out[rows].float() - ref_out).abs().max())
+            err_l = float((lse[rows] - ref_lse).abs().max())
+            t = timer(fn, max(args.rep // 5, 10))
+        except Exception as e:  # noqa: BLE001 - report it, time the others
+            print(f"{name:16s} {shape:26s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        t_triton = t if name.startswith("triton") else t_triton
+        ratio = f"x{t_triton / t:5.2f}" if t_triton else ""
+        print(f"{name:16s} {shape:26s} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} {err_o:10.2e} {err_l:10.2e}  {ratio}",
+              flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prefill", default="4096", help="prefill chunk sizes (queries), comma-separated; '' for none")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"gluon variants among {VARIANTS}")
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--events", action="store_true", help="CUDA-event medians instead of CUDA-graph replay")
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--timeout", type=float, default=240.0, help="watchdog seconds per step (compile included)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    if GLUON_ERROR is not None:
+        print(f"# gluon unavailable: {GLUON_ERROR}; timing the Triton kernel only", flush=True)
+    variants = [v for v in args.variants.split(",") if v] if GLUON_ERROR is None else []
+    timer = time_events if args.events else time_graph
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {torch.cuda.get_device_name()} torch {torch.__version__} "
+          f"triton {triton.__version__}; {'cuda events' if args.events else 'cuda graph'} medians", flush=True)
+    print(f"{'kernel':16s} {'shape':26s} {'us':>9s} {'TFLOP/s':>8s} {'max|dout|':>10s} {'max|dlse|':>10s}  x triton",
+          flush=True)
+    for batch in map(int, args.batches.split(",")):
+        run_batch(batch, args, variants, timer)
+        torch.cuda.empty_cache()
+    for n_q in (int(n) for n in args.prefill.split(",") if n):
+        run_prefill(n_q, args, variants, timer)
+        torch.cuda.empty_cache()
+
+if __name__ == "__main__":
+    main()
