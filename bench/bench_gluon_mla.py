@@ -65,6 +65,30 @@ def time_graph(fn, rep: int = 100) -> float:
     return do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
 
 
+def time_kernels(kernels, shape: str, flops: int, checked, ref_out, ref_lse, args, timer, rep: int) -> None:
+    """Run each (name, fn) once, compare `checked(out, lse)` with the reference (max abs errors), time it; one line
+    each, the first kernel (Triton's) the ratios' base. A kernel that fails to compile or launch is reported and
+    the others timed; one that hangs longer than `args.timeout` ends the process with its stacks."""
+    t_base = None
+    for name, fn in kernels:
+        faulthandler.dump_traceback_later(args.timeout, exit=True)
+        try:
+            out, lse = checked(*fn())
+            torch.cuda.synchronize()
+            err_o = float((out.float() - ref_out).abs().max())
+            err_l = float((lse - ref_lse).abs().max())
+            t = timer(fn, rep)
+        except Exception as e:  # noqa: BLE001 - report it, time the others
+            print(f"{name:16s} {shape:26s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        t_base = t if t_base is None and name == kernels[0][0] else t_base
+        ratio = f"x{t_base / t:5.2f}" if t_base else ""
+        print(f"{name:16s} {shape:26s} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} {err_o:10.2e} {err_l:10.2e}  {ratio}",
+              flush=True)
+
+
 def run_batch(batch: int, args, variants: list[str], timer) -> None:
     """Check, then time, the Triton kernel and each gluon variant at one batch size; one line each."""
     torch.manual_seed(batch)
@@ -76,24 +100,7 @@ def run_batch(batch: int, args, variants: list[str], timer) -> None:
     for v in variants:
         kernels.append((f"gluon {v}", lambda v=v: sparse_mla_decode_gluon(q, cache, idx, table, ctx, SM_SCALE,
                                                                           variant=v)))
-    t_triton = None
-    for name, fn in kernels:
-        faulthandler.dump_traceback_later(args.timeout, exit=True)
-        try:
-            out, lse = fn()
-            torch.cuda.synchronize()
-            err_o = float((out.float() - ref_out).abs().max())
-            err_l = float((lse - ref_lse).abs().max())
-            t = timer(fn, args.rep)
-        except Exception as e:  # noqa: BLE001 - a variant that fails to compile or launch: report it, time the others
-            print(f"{name:16s} {shape:26s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        t_triton = t if name == "triton" else t_triton
-        ratio = f"x{t_triton / t:5.2f}" if t_triton else ""
-        print(f"{name:16s} {shape:26s} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} {err_o:10.2e} {err_l:10.2e}  {ratio}",
-              flush=True)
+    time_kernels(kernels, shape, flops, lambda out, lse: (out, lse), ref_out, ref_lse, args, timer, args.rep)
 
 
 def run_prefill(n_q: int, args, variants: list[str], timer) -> None:
@@ -119,24 +126,8 @@ def run_prefill(n_q: int, args, variants: list[str], timer) -> None:
             lse = torch.empty(n_q, args.heads, dtype=torch.float32, device="cuda")
             return gluon_launch(q, cache, idx, table, 0, pos, 0, SM_SCALE, out, lse, variant=v)
         kernels.append((f"gluon {v}", gluon))
-    t_triton = None
-    for name, fn in kernels:
-        faulthandler.dump_traceback_later(args.timeout, exit=True)
-        try:
-            out, lse = fn()
-            torch.cuda.synchronize()
-            err_o = float((out[rows].float() - ref_out).abs().max())
-            err_l = float((lse[rows] - ref_lse).abs().max())
-            t = timer(fn, max(args.rep // 5, 10))
-        except Exception as e:  # noqa: BLE001 - report it, time the others
-            print(f"{name:16s} {shape:26s} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        t_triton = t if name.startswith("triton") else t_triton
-        ratio = f"x{t_triton / t:5.2f}" if t_triton else ""
-        print(f"{name:16s} {shape:26s} {t * 1e6:9.1f} {flops / t / 1e12:8.1f} {err_o:10.2e} {err_l:10.2e}  {ratio}",
-              flush=True)
+    time_kernels(kernels, shape, flops, lambda out, lse: (out[rows], lse[rows]), ref_out, ref_lse, args, timer,
+                 max(args.rep // 5, 10))
 
 
 def main() -> None:
