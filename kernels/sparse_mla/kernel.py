@@ -44,8 +44,9 @@ import triton.language as tl
 from hearth.kernels._utils import check_tensor, is_interpreter, is_power_of_two, mma, require, sm_count
 
 # Whether `sparse_mla_decode` / `sparse_mla_prefill` run the Gluon kernels (`gluon_kernels.py`: explicit
-# warpgroup MMAs, a cp.async producer and two consumer warpgroups) where they can (an sm_90 GPU, a bf16 cache,
-# heads in 64s: `gluon_kernels.gluon_unsupported`); the Triton kernel below takes every other call. H200,
+# warpgroup MMAs, a cp.async producer and two consumer warpgroups) where they can (an sm_90 GPU, a bf16 cache, or
+# an FP8 one once `gluon_kernels.FP8` is on, heads in 64s: `gluon_kernels.gluon_unsupported`); the Triton kernel
+# below takes every other call. H200,
 # 2026-12-04 (`bench/bench_gluon_mla.py`, 128 heads, top-k 2048 of 32K): decode 13.4 / 35.4 / 111.7 us at batch
 # 1 / 8 / 64 against this kernel's 13.8 / 46.1 / 166.6 (327 against 219 TFLOP/s at 64); prefill of 4,096 queries
 # 5.91 against 9.81 ms (396 against 238 TFLOP/s).
