@@ -23,7 +23,8 @@
 #   experts in RAM, the server's stack samples over it), `first` (~7 min: the warm-up's tests, then on an empty Triton
 #   cache the first 2K prompt after start, resident and with experts in RAM: what a first long prompt compiles), `k2n`
 #   (~3 min: Nsight Compute on the persistent decode indexer at 1 and 8 x 128K), `k2i` (~5 min: the decode indexer and
-#   the cooperative top-k in one launch, its tests and the decode rows at 1-4 requests beside the two launches).
+#   the cooperative top-k in one launch, its tests and the decode rows at 1-4 requests beside the two launches),
+#   `gluon` (~5 min: the Gluon sparse MLA kernels' GPU tests, then their decode and prefill rows, bf16 and FP8 caches).
 #   E2E_DS_ONLY=1 leaves gpt-oss out of `e2e`.
 # The wheels of the server and the OpenAI client (fastapi, uvicorn, openai, ...) come from .whl/ when
 # the machine lacks them; checkpoints are written once per machine (bench_e2e reuses them).
@@ -158,6 +159,12 @@ for step in "${steps[@]}"; do
                 --reps 2 --decode-tokens 32 --configs $config --concurrency 1 --ttft 2048 > "$OUT/e2e-first-$config.log" 2>&1
             grep -E "==|load|TTFT|c=1" "$OUT/e2e-first-$config.log" | tail -6
         done ;;
+    gluon)  # the Gluon sparse MLA kernels (kernels/sparse_mla/gluon_kernels.py): their GPU tests (the FP8 seesaw's among
+            # them), then decode b1 / 8 / 64 and prefill rows beside the Triton kernel, bf16 and FP8 caches (~5 min)
+        gpu_tests 150 tests/kernels/test_sparse_mla_gluon.py
+        timeout 200 python3 bench/bench_gluon_mla.py --fp8 --batches 1,8,64 --prefill 4096 --timeout 90 \
+            > "$OUT/gluon.log" 2>&1
+        tail -30 "$OUT/gluon.log" ;;
     k2c)  # the cooperative few-row top-k (histogram, select and finish in one launch with grid barriers): its tests and
           # the indexer's and the DSA engine's, then the decode rows at 1-4 requests beside the one-launch path (~5 min)
         gpu_tests 300 tests/kernels/test_topk_cooperative.py tests/kernels/test_lightning_indexer.py \
