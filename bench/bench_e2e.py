@@ -627,6 +627,21 @@ async def run_streams(url: str, model: str, prompts: list[Request], max_tokens: 
         return streams
 
 
+def triton_builds() -> set[Path]:
+    """The kernel builds in the Triton cache the bench and its servers share (TRITON_CACHE_DIR, as `gpu_verify.sh
+    first` sets it): one folder a build, holding its <kernel>.cubin. Empty when that variable is not set."""
+    root = os.environ.get("TRITON_CACHE_DIR")
+    return set(Path(root).glob("*/*.cubin")) if root else set()
+
+
+def new_builds(before: set[Path]) -> str:
+    """The kernels built since ``before`` (`triton_builds`), by name with their counts: what a request compiled."""
+    names: dict[str, int] = {}
+    for path in sorted(triton_builds() - before):
+        names[path.stem] = names.get(path.stem, 0) + 1
+    return ", ".join(f"{name} x{n}" if n > 1 else name for name, n in names.items()) or "none"
+
+
 def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespace, floors: Floors,
             offloaded: bool) -> dict:
     def streams(lengths: list[int], max_tokens: int, snapshots: list | None = None) -> list[Stream]:
@@ -637,12 +652,16 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     import httpx  # noqa: F401 - the client's imports (about a second), before the first request is timed
     import openai  # noqa: F401 - (until 2026-12-04 its first_request_s included them)
 
+    builds = triton_builds()
     t0 = time.perf_counter()
     streams([256], 16)
     res["first_request_s"] = time.perf_counter() - t0
     res["warm_up_s"] = server.stats().get("warm_up_s")
     print(f"  {server.load_text()}; first request (compiles, graph captures) {res['first_request_s']:.1f} s",
           flush=True)
+    if os.environ.get("TRITON_CACHE_DIR"):
+        res["first_request_builds"] = new_builds(builds)
+        print(f"    kernels the first request built: {res['first_request_builds']}", flush=True)
     if offloaded:
         res["host_speeds"] = host_speeds(server.stats())
         if res["host_speeds"]:
@@ -652,8 +671,13 @@ def measure(server: Server, model: str, prompts: Prompts, args: argparse.Namespa
     for c in args.concurrency:
         streams([64] * c, 8)
     for length in args.ttft:  # one untimed run first: a new prompt length compiles prefill kernels
+        builds = triton_builds()
         first = streams([length], 2)[0]
         res[f"ttft_{length}_first_s"] = first.ttft  # (what a first prompt this long costs: compiles on a new machine)
+        if os.environ.get("TRITON_CACHE_DIR"):
+            res[f"ttft_{length}_first_builds"] = new_builds(builds)
+            print(f"    kernels the untimed first {length}-token prompt built: {res[f'ttft_{length}_first_builds']}",
+                  flush=True)
         before = server.stats() if offloaded else {}
         sent, runs = [], []
         for _ in range(args.reps):

@@ -157,7 +157,7 @@ for step in "${steps[@]}"; do
         for config in ${FIRST_CONFIGS:-resident offload-sync}; do  # each on its own empty cache
             TRITON_CACHE_DIR=$(mktemp -d) timeout 200 python3 bench/bench_e2e.py --dir /tmp/ckpt-deepseek_v32 --logs "$OUT/l" \
                 --reps 2 --decode-tokens 32 --configs $config --concurrency 1 --ttft 2048 > "$OUT/e2e-first-$config.log" 2>&1
-            grep -E "==|load|TTFT|c=1" "$OUT/e2e-first-$config.log" | tail -6
+            grep -E "==|load|TTFT|c=1|kernels the" "$OUT/e2e-first-$config.log" | tail -8
         done ;;
     gluon)  # the Gluon sparse MLA kernels (kernels/sparse_mla/gluon_kernels.py): their GPU tests (the FP8 seesaw's among
             # them), then decode b1 / 8 / 64 and prefill rows beside the Triton kernel, bf16 and FP8 caches (~5 min)
