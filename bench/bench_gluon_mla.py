@@ -155,37 +155,9 @@ def run_batch_fp8(batch: int, args, timer) -> None:
     time_kernels(kernels, shape, flops, lambda out, lse: (out, lse), ref_out, ref_lse, args, timer, args.rep)
 
 
-def run_prefill_fp8(n_q: int, args, timer) -> None:
-    """`run_prefill`'s chunk over an FP8 cache: Triton's FP8 tile path, the Gluon FP8 seesaw (its default
-    settings), the Gluon bf16 seesaw on the dequantised cache."""
-    torch.manual_seed(n_q)
-    blocks = args.ctx // BS
-    fp8, deq = fp8_latents(torch.randn(blocks, BS, 576, device="cuda").to(torch.bfloat16))
-    table = torch.randperm(blocks, device="cuda").int()
-    q = torch.randn(n_q, args.heads, 576, device="cuda").to(torch.bfloat16)
-    pos = (args.ctx - n_q + torch.arange(n_q, device="cuda")).int()
-    idx = torch.randint(0, args.ctx - n_q, (n_q, args.k), device="cuda").int()
-    rows = torch.cat([torch.arange(8), torch.arange(n_q - 8, n_q)]).cuda()
-    ref_out, ref_lse = sparse_mla_prefill_ref(q[rows], fp8, idx[rows], table, pos[rows], SM_SCALE)
-    flops = n_q * args.heads * args.k * (576 + 512) * 2
-    shape = f"T{n_q} H{args.heads} k{args.k} ctx{args.ctx}"
-    kernels = [("triton fp8 pf", lambda: sparse_mla_prefill(q, fp8, idx, table, pos, SM_SCALE,
-                                                            config={"gluon": False}))]
-    if GLUON_ERROR is None:
-        for name, cache in (("gluon fp8", fp8), ("gluon bf16 deq", deq)):
-            def gluon(cache=cache):
-                out = torch.empty(n_q, args.heads, 512, dtype=torch.bfloat16, device="cuda")
-                lse = torch.empty(n_q, args.heads, dtype=torch.float32, device="cuda")
-                return gluon_launch(q, cache, idx, table, 0, pos, 0, SM_SCALE, out, lse)
-            kernels.append((name, gluon))
-    time_kernels(kernels, shape, flops, lambda out, lse: (out[rows], lse[rows]), ref_out, ref_lse, args, timer,
-                 max(args.rep // 5, 10))
-
-
-def run_prefill(n_q: int, args, variants: list[str], timer) -> None:
-    """A prefill chunk of `n_q` queries at the end of an `args.ctx`-token context, each selecting `args.k` earlier
-    positions (bench_dsa.py's prefill_mla shape): the Triton kernel, then each Gluon variant; the first and last 8
-    queries checked against the reference (all of them would gather n_q x k latent rows)."""
+def prefill_problem(n_q: int, args):
+    """A prefill chunk of `n_q` queries at the end of an `args.ctx`-token bf16 cache, each selecting `args.k`
+    earlier positions, with the rows checked against the reference (the first and last 8) and its FLOPs."""
     torch.manual_seed(n_q)
     blocks = args.ctx // BS
     cache = torch.randn(blocks, BS, 576, device="cuda").to(torch.bfloat16)
@@ -194,17 +166,43 @@ def run_prefill(n_q: int, args, variants: list[str], timer) -> None:
     pos = (args.ctx - n_q + torch.arange(n_q, device="cuda")).int()
     idx = torch.randint(0, args.ctx - n_q, (n_q, args.k), device="cuda").int()
     rows = torch.cat([torch.arange(8), torch.arange(n_q - 8, n_q)]).cuda()
-    ref_out, ref_lse = sparse_mla_prefill_ref(q[rows], cache, idx[rows], table, pos[rows], SM_SCALE)
     flops = n_q * args.heads * args.k * (576 + 512) * 2
-    shape = f"T{n_q} H{args.heads} k{args.k} ctx{args.ctx}"
+    return cache, table, q, pos, idx, rows, flops, f"T{n_q} H{args.heads} k{args.k} ctx{args.ctx}"
+
+
+def gluon_prefill(q, cache, idx, table, pos, variant: str = "seesaw"):
+    """The prefill chunk on a Gluon kernel directly (one shared table, each query's position its limit)."""
+    out = torch.empty(q.shape[0], q.shape[1], 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device="cuda")
+    return gluon_launch(q, cache, idx, table, 0, pos, 0, SM_SCALE, out, lse, variant=variant)
+
+
+def run_prefill_fp8(n_q: int, args, timer) -> None:
+    """`run_prefill`'s chunk over an FP8 cache: Triton's FP8 tile path, the Gluon FP8 seesaw (its default
+    settings), the Gluon bf16 seesaw on the dequantised cache."""
+    cache, table, q, pos, idx, rows, flops, shape = prefill_problem(n_q, args)
+    fp8, deq = fp8_latents(cache)
+    del cache
+    ref_out, ref_lse = sparse_mla_prefill_ref(q[rows], fp8, idx[rows], table, pos[rows], SM_SCALE)
+    kernels = [("triton fp8 pf", lambda: sparse_mla_prefill(q, fp8, idx, table, pos, SM_SCALE,
+                                                            config={"gluon": False}))]
+    if GLUON_ERROR is None:
+        for name, lat in (("gluon fp8", fp8), ("gluon bf16 deq", deq)):
+            kernels.append((name, lambda lat=lat: gluon_prefill(q, lat, idx, table, pos)))
+    time_kernels(kernels, shape, flops, lambda out, lse: (out[rows], lse[rows]), ref_out, ref_lse, args, timer,
+                 max(args.rep // 5, 10))
+
+
+def run_prefill(n_q: int, args, variants: list[str], timer) -> None:
+    """A prefill chunk of `n_q` queries at the end of an `args.ctx`-token context, each selecting `args.k` earlier
+    positions (bench_dsa.py's prefill_mla shape): the Triton kernel, then each Gluon variant; the first and last 8
+    queries checked against the reference (all of them would gather n_q x k latent rows)."""
+    cache, table, q, pos, idx, rows, flops, shape = prefill_problem(n_q, args)
+    ref_out, ref_lse = sparse_mla_prefill_ref(q[rows], cache, idx[rows], table, pos[rows], SM_SCALE)
     kernels = [("triton prefill", lambda: sparse_mla_prefill(q, cache, idx, table, pos, SM_SCALE,
                                                              config={"gluon": False}))]
     for v in variants:
-        def gluon(v=v):
-            out = torch.empty(n_q, args.heads, 512, dtype=torch.bfloat16, device="cuda")
-            lse = torch.empty(n_q, args.heads, dtype=torch.float32, device="cuda")
-            return gluon_launch(q, cache, idx, table, 0, pos, 0, SM_SCALE, out, lse, variant=v)
-        kernels.append((f"gluon {v}", gluon))
+        kernels.append((f"gluon {v}", lambda v=v: gluon_prefill(q, cache, idx, table, pos, v)))
     time_kernels(kernels, shape, flops, lambda out, lse: (out[rows], lse[rows]), ref_out, ref_lse, args, timer,
                  max(args.rep // 5, 10))
 

@@ -192,6 +192,24 @@ _FP8_ROW = tl.constexpr(FP8_TOKEN_BYTES)
 
 
 @gluon.jit
+def _program_split(TOPK, CHUNK):
+    """This program's row (int32 and int64), head block and split; the split's first selection entry and its
+    number of entries."""
+    i_r = gl.program_id(0)
+    i_h = gl.program_id(1)
+    i_s = gl.program_id(2)
+    i_start = i_s * CHUNK
+    return i_r, i_r.to(gl.int64), i_h, i_s, i_start, gl.minimum(CHUNK, TOPK - i_start)
+
+
+@gluon.jit
+def _output_rows(o_ptr, lse_ptr, i_r64, i_h, i_s, stride_o_r, stride_o_s, stride_o_h, stride_lse_r, stride_lse_s):
+    """Where this program's [64, 512] output and its 64 lse values go (row, split, first head)."""
+    o_row_ptr = o_ptr + i_r64 * stride_o_r + i_s.to(gl.int64) * stride_o_s + (i_h * _BH).to(gl.int64) * stride_o_h
+    return o_row_ptr, lse_ptr + i_r64 * stride_lse_r + i_s.to(gl.int64) * stride_lse_s + i_h * _BH
+
+
+@gluon.jit
 def _load_selection(sel_ptr, n_sel, t, BN: gl.constexpr, layout: gl.constexpr):
     """Logical positions of tile t of the split's selection (`sel_ptr`, `n_sel` entries; -1 past its end),
     in `layout` (a 1-D slice layout)."""
@@ -281,12 +299,7 @@ def _sparse_mla_simple_kernel(
     NS: gl.constexpr,
 ):
     gl.static_assert(NS == 2, "the simple variant double-buffers")
-    i_r = gl.program_id(0)
-    i_h = gl.program_id(1)
-    i_s = gl.program_id(2)
-    i_r64 = i_r.to(gl.int64)
-    i_start = i_s * CHUNK
-    n_sel = gl.minimum(CHUNK, TOPK - i_start)
+    i_r, i_r64, i_h, i_s, i_start, n_sel = _program_split(TOPK, CHUNK)
     n_tiles = gl.cdiv(n_sel, BN)
     limit = gl.load(ctx_ptr + i_r) + limit_bias
     sel_ptr = idx_ptr + i_r64 * stride_idx_r + i_start
@@ -352,8 +365,8 @@ def _sparse_mla_simple_kernel(
         gl.thread_barrier()  # every warpgroup is done with stage st before the next iteration refills it
     async_copy.wait_group(0)
 
-    o_row_ptr = o_ptr + i_r64 * stride_o_r + i_s.to(gl.int64) * stride_o_s + (i_h * _BH).to(gl.int64) * stride_o_h
-    lse_row_ptr = lse_ptr + i_r64 * stride_lse_r + i_s.to(gl.int64) * stride_lse_s + i_h * _BH
+    o_row_ptr, lse_row_ptr = _output_rows(o_ptr, lse_ptr, i_r64, i_h, i_s, stride_o_r, stride_o_s, stride_o_h,
+                                          stride_lse_r, stride_lse_s)
     _store_output(acc, m_run, l_run, o_row_ptr, stride_o_h, lse_row_ptr, 0, True, o_l)
 
 
@@ -502,12 +515,7 @@ def _sparse_mla_seesaw_kernel(
     gl.static_assert(gl.num_warps() == 4, "the producer (default partition) is one warpgroup: launch with num_warps=4")
     gl.static_assert(NS % 2 == 0, "a step's two tiles must sit in different stages")
     gl.static_assert(NS >= 4, "the producer fills step p + 1 during step p")
-    i_r = gl.program_id(0)
-    i_h = gl.program_id(1)
-    i_s = gl.program_id(2)
-    i_r64 = i_r.to(gl.int64)
-    i_start = i_s * CHUNK
-    n_sel = gl.minimum(CHUNK, TOPK - i_start)
+    i_r, i_r64, i_h, i_s, i_start, n_sel = _program_split(TOPK, CHUNK)
     n_pairs = gl.cdiv(gl.cdiv(n_sel, BN), 2)
     limit = gl.load(ctx_ptr + i_r) + limit_bias
 
@@ -544,8 +552,8 @@ def _sparse_mla_seesaw_kernel(
     q_row_ptr = q_ptr + i_r64 * stride_q_r + (i_h * _BH).to(gl.int64) * stride_q_h
     sel_ptr = idx_ptr + i_r64 * stride_idx_r + i_start
     table_row_ptr = table_ptr + i_r64 * stride_table_r
-    o_row_ptr = o_ptr + i_r64 * stride_o_r + i_s.to(gl.int64) * stride_o_s + (i_h * _BH).to(gl.int64) * stride_o_h
-    lse_row_ptr = lse_ptr + i_r64 * stride_lse_r + i_s.to(gl.int64) * stride_lse_s + i_h * _BH
+    o_row_ptr, lse_row_ptr = _output_rows(o_ptr, lse_ptr, i_r64, i_h, i_s, stride_o_r, stride_o_s, stride_o_h,
+                                          stride_lse_r, stride_lse_s)
     smem = (q_lat, q_rope, kv_lat, kv_rope, p_smem, m_smem, r_smem)
     bars = (q_bar, kv_ready, kv_free, p_ready, p_free)
     producer_args = (q_row_ptr, stride_q_h, kv_ptr, sel_ptr, table_row_ptr, limit, n_sel, n_pairs)
@@ -728,12 +736,7 @@ def _sparse_mla_seesaw_fp8_kernel(
     gl.static_assert(gl.num_warps() == 4, "the producer (default partition) is one warpgroup: launch with num_warps=4")
     gl.static_assert(NS % 2 == 0, "a step's two tiles must sit in different stages")
     gl.static_assert(NS >= 4, "the producer fills step p + 1 during step p")
-    i_r = gl.program_id(0)
-    i_h = gl.program_id(1)
-    i_s = gl.program_id(2)
-    i_r64 = i_r.to(gl.int64)
-    i_start = i_s * CHUNK
-    n_sel = gl.minimum(CHUNK, TOPK - i_start)
+    i_r, i_r64, i_h, i_s, i_start, n_sel = _program_split(TOPK, CHUNK)
     n_pairs = gl.cdiv(gl.cdiv(n_sel, BN), 2)
     limit = gl.load(ctx_ptr + i_r) + limit_bias
 
@@ -771,8 +774,8 @@ def _sparse_mla_seesaw_fp8_kernel(
     q_row_ptr = q_ptr + i_r64 * stride_q_r + (i_h * _BH).to(gl.int64) * stride_q_h
     sel_ptr = idx_ptr + i_r64 * stride_idx_r + i_start
     table_row_ptr = table_ptr + i_r64 * stride_table_r
-    o_row_ptr = o_ptr + i_r64 * stride_o_r + i_s.to(gl.int64) * stride_o_s + (i_h * _BH).to(gl.int64) * stride_o_h
-    lse_row_ptr = lse_ptr + i_r64 * stride_lse_r + i_s.to(gl.int64) * stride_lse_s + i_h * _BH
+    o_row_ptr, lse_row_ptr = _output_rows(o_ptr, lse_ptr, i_r64, i_h, i_s, stride_o_r, stride_o_s, stride_o_h,
+                                          stride_lse_r, stride_lse_s)
     smem = (q_lat, q_rope, kv_lat, kv_rope, p_smem, m_smem, r_smem)
     bars = (q_bar, kv_ready, kv_free, p_ready, p_free)
     producer_args = (q_row_ptr, stride_q_h, kv_ptr, sel_ptr, table_row_ptr, limit, n_sel, n_pairs)
