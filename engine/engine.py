@@ -409,6 +409,8 @@ class Engine:
                 self._run_aside(prompts)
                 if i >= 1:  # the second prompt found the first's pages; every later one is read whole
                     self._forget_warm_up()
+            if self.decoder is not None:  # its micro-steps' own graphs (the rounds above ran sync steps)
+                self.decoder.warm_up(self.config.max_num_seqs)
         self.warm_up_s = time.perf_counter() - start
         return self.warm_up_s
 

@@ -15,7 +15,8 @@ save at most the smaller of the busy and the idle share. Runahead is tried only 
 least ``min_gain`` (a link busy 90% of a round, or idle 100% because every expert is resident, leaves
 nothing worth a split). A trial's first ``window`` rounds' worth of tokens warm it in and are not
 judged (they carry the switch itself: every request's token put in flight, and the first calls at
-group sizes sync never ran, which compile and capture); each later window must beat sync's median
+group sizes sync never ran; the decoder's expert micro-steps are captured at every size by the engine's
+warm-up since 2026-12-04, after the trials measured in docs/benchmarks.md); each later window must beat sync's median
 round time. A trial that loses goes back to sync, and the next trial waits twice as long
 (``max_backoff`` windows at most). A runahead that keeps winning is re-checked against fresh sync
 rounds every ``recheck`` windows, since what the link carries changes as contexts grow and caches warm.

@@ -249,6 +249,17 @@ class RunaheadDecoder:
         self._landed.clear()
         self._queued.clear()
 
+    def warm_up(self, max_requests: int) -> int:
+        """Before any user request: room for ``max_requests`` flights, and the expert micro-step captured
+        at every pair bucket that many requests can reach (``FlightRows.warm``), so the decoder's first
+        rounds (a runahead gate's trial) compile and capture nothing the sync steps before them did not.
+        Returns the graphs captured."""
+        if self.residency is None:
+            return 0
+        self.slab.reserve(max_requests)
+        shared = {getattr(layer.mlp, "shared_experts", None) is not None for layer in self.model.layers if layer.is_moe}
+        return self.slab.warm(self.residency, self.pieces, max_requests * self.slab.k, shared)
+
     @property
     def num_held(self) -> int:
         """Experts held in the cache for waiting pairs (0 when nothing waits)."""
@@ -667,6 +678,18 @@ class FlightRows:
             self._grow(2 * self.capacity)
         return self.free.pop()
 
+    def reserve(self, flights: int) -> None:
+        """Room for ``flights`` rows at once, so that no later ``take`` grows the buffers (which drops the
+        captured graphs: they read the old ones)."""
+        if flights > self.capacity:
+            self._grow(flights)
+
+    @staticmethod
+    def pair_bucket(n: int, pieces: PiecewiseDecode) -> int:
+        """The padded size of an expert micro-step of ``n`` pairs: the decode batch buckets, then multiples
+        of the largest."""
+        return pieces.bucket(n) if n <= pieces.max_batch else -(-n // pieces.max_batch) * pieces.max_batch
+
     def give(self, row: int) -> None:
         self.free.append(row)
 
@@ -685,22 +708,48 @@ class FlightRows:
             if done:
                 self._finish(_to_device([done], self.device)[0], shared)
             return
-        b = pieces.bucket(n) if n <= pieces.max_batch else -(-n // pieces.max_batch) * pieces.max_batch
-        if b > self.plan.shape[1]:
-            self.plan = torch.zeros((4, b), dtype=torch.long, device=self.device)
-            self.graphs = {}  # they read the old plan
+        b = self.pair_bucket(n, pieces)
+        self._plan_width(b)
         pad = b - n
         host = torch.tensor([rows + [self.scratch] * pad, ks + [0] * pad,
                              residency.slots(handles) + [-1] * pad, done + [self.scratch] * (b - len(done))],
                             dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.plan[:, :b].copy_(host, non_blocking=True)
         residency.wait_landed(handles)  # the compute stream waits for the copies the graph reads
+        piece = self._piece(residency, b, shared, pieces)
+        self.replays += piece.graph is not None
+        piece()
+
+    def warm(self, residency: Residency, pieces: PiecewiseDecode | None, max_pairs: int,
+             shared: set[bool]) -> int:
+        """Capture the expert micro-step at every pair bucket up to ``max_pairs`` pairs (for each of
+        ``shared``: whether a layer adds shared experts) on a plan of padding rows only, which computes
+        nothing and writes only the scratch row; returns how many graphs were captured. A user's first
+        micro-steps at each size then replay instead of compiling the fused kernel's tile configs and
+        capturing mid-request (what the runahead gate's first trial rounds paid). Nothing where the
+        micro-step is not captured (the CPU, the reference MoE)."""
+        if pieces is None or not pieces.capture or not getattr(residency, "capturable", False) or max_pairs < 1:
+            return 0
+        buckets = sorted({self.pair_bucket(n, pieces) for n in range(1, max_pairs + 1)})
+        self._plan_width(buckets[-1])  # (a wider plan later would drop the graphs: they read this one)
+        before = len(self.graphs)
+        for b in buckets:
+            self.plan[:, :b].copy_(torch.tensor([[self.scratch] * b, [0] * b, [-1] * b, [self.scratch] * b]))
+            for kind in sorted(shared):
+                self._piece(residency, b, kind, pieces)()
+        return len(self.graphs) - before
+
+    def _plan_width(self, b: int) -> None:
+        if b > self.plan.shape[1]:
+            self.plan = torch.zeros((4, b), dtype=torch.long, device=self.device)
+            self.graphs = {}  # they read the old plan
+
+    def _piece(self, residency: Residency, b: int, shared: bool, pieces: PiecewiseDecode) -> Piece:
         key = (b, shared, id(residency))
         piece = self.graphs.get(key)
         if piece is None:
             piece = self.graphs[key] = Piece(lambda: self._pairs(residency, b, shared), pieces, True)
-        self.replays += piece.graph is not None
-        piece()
+        return piece
 
     def _pairs(self, residency: Residency, b: int, shared: bool) -> dict:
         plan = self.plan[:, :b]

@@ -25,6 +25,11 @@ The rounds (``warm_up_rounds``), each run to its end before the next:
 4. for each larger decode batch bucket up to ``max_num_seqs``, that many short prompts decoded
    together, so every bucket's decode graph is captured before a user's request needs it.
 
+After the rounds, an engine with a runahead decoder captures its expert micro-step at every pair bucket
+(``RunaheadDecoder.warm_up``): the rounds decode with sync steps (auto's gate has measured nothing yet), so
+the decoder's own graph, one per bucket of (request, expert) pairs, would otherwise be recorded (and the
+fused MoE kernel compiled at its tile sizes) in the first runahead rounds a user's requests run.
+
 Each request is greedy, ignores EOS and answers ``ANSWER_TOKENS`` tokens: its first from the prefill,
 then a synchronous decode step and overlapped ones (``EngineConfig.overlap_decode``). With experts in RAM
 the rounds copy no expert (``ExpertCache.dry_copies``): every fetch, stream and expert kernel runs as for a

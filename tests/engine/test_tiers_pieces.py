@@ -140,6 +140,39 @@ def test_runahead_runs_tiered_attention_pieces_per_group(kernel_model, kernel_pa
     assert tiered.decoder.num_held == 0
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="emulates capture on the CPU (CUDA captures for real)")
+def test_the_runahead_expert_step_is_captured_at_every_pair_bucket_before_use(kernel_model, kernel_path, monkeypatch):
+    """``RunaheadDecoder.warm_up`` (the engine's warm-up calls it after its rounds, which run sync steps)
+    captures the expert micro-step at every pair bucket that max_num_seqs requests can reach, on padding
+    rows that leave every flight row as it was; two requests running ahead through a 3-slot pool then
+    replay those graphs and capture none, with the tokens of a decoder that never warmed up."""
+    prompts, sampling = [PROMPT[:40], PROMPT[:30]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    options = dict(slots=3, scheduler="runahead", max_num_seqs=4)
+    plain = _engine(kernel_model, **options)
+    plain.runner.residency.use_kernel = True  # the expert micro-steps in the fused kernel, as captured below
+    expected = run_to_completion(plain, prompts, sampling)
+    assert plain.decoder.expert_steps > 0
+    warmed = _engine(kernel_model, **options)
+    warmed.runner.residency.use_kernel = True
+    pieces, slab = warmed.runner.pieces, warmed.decoder.slab
+    _emulate_captures(pieces, monkeypatch)
+    assert warmed.decoder.warm_up(4) == 0  # nothing to capture while the residency's compute is not capturable
+    monkeypatch.setattr(CacheResidency, "capturable", property(lambda self: self.use_kernel))
+    torch.manual_seed(0)
+    slab.hidden.normal_()
+    rows = slab.hidden[:slab.scratch].clone()
+    k = warmed.runner.model_config.num_experts_per_tok
+    buckets = {slab.pair_bucket(n, pieces) for n in range(1, 4 * k + 1)}
+    assert pieces.max_batch == 4 and max(buckets) == 4 * k > pieces.max_batch  # past the decode buckets too
+    assert warmed.decoder.warm_up(4) == len(buckets)
+    assert {key[0] for key in slab.graphs} == buckets and all(p.graph is not None for p in slab.graphs.values())
+    assert torch.equal(slab.hidden[:slab.scratch], rows)  # only the scratch row was written
+    captured = dict(slab.graphs)
+    assert run_to_completion(warmed, prompts, sampling) == expected
+    assert warmed.decoder.expert_steps > 0 and slab.replays > 0
+    assert slab.graphs == captured  # every micro-step replayed a warm-up graph
+
+
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need a GPU (the CPU tests above emulate them)")
 @pytest.mark.parametrize("mli", [False, True])
 def test_tiered_pieces_in_cuda_graphs_equal_tiers_off(kernel_model, kernel_path, mli):
@@ -181,8 +214,12 @@ def test_runahead_expert_micro_steps_in_cuda_graphs_equal_eager(kernel_model, ke
     eager.runahead_gate = graphs.runahead_gate = None  # the decoder itself, whatever auto's gate would pick
     expected = run_to_completion(eager, prompts, sampling)
     assert eager.decoder.expert_steps > 0 and eager.decoder.slab.replays == 0
-    assert run_to_completion(graphs, prompts, sampling) == expected
+    graphs.warm_up()  # its last act captures the decoder's expert micro-step at every pair bucket
     slab = graphs.decoder.slab
+    captured = dict(slab.graphs)
+    assert len(captured) >= len(graphs.runner.pieces.sizes)
+    assert run_to_completion(graphs, prompts, sampling) == expected
     assert graphs.decoder.expert_steps > 0 and slab.replays > 0
     assert all(piece.graph is not None for piece in slab.graphs.values())
+    assert slab.graphs == captured  # the user's rounds captured nothing
     assert graphs.decoder.num_held == 0
