@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,7 +33,28 @@ class CheckpointError(HearthError):
 
 
 class RequestError(HearthError):
-    """A request cannot be served as asked (prompt longer than the context, bad parameters...)."""
+    """A request cannot be served as asked (prompt longer than the context, bad parameters...).
+
+    ``param``: the request field at fault, when there is one (the HTTP server's error names it).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(RequestError):
+    """The prompt leaves no room for an answer in the context. The message opens with OpenAI's
+    wording ("This model's maximum context length is N tokens"), which clients such as LiteLLM
+    match to trim a conversation's history."""
+
+    def __init__(self, prompt_tokens: int, max_model_len: int, *, at_least: bool = False) -> None:
+        super().__init__(f"This model's maximum context length is {max_model_len} tokens. However, the prompt has "
+                         f"{'at least ' if at_least else ''}{prompt_tokens} tokens, and the context holds "
+                         f"{max_model_len} for prompt and answer together: shorten the prompt or raise the "
+                         "context length.")
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
 
 
 @dataclass(frozen=True)
@@ -41,6 +63,8 @@ class SamplingParams:
 
     ``top_k == 0``, ``top_p == 1``, ``min_p == 0`` and penalties of 1/0/0 switch those filters off.
     ``seed`` makes a request reproducible regardless of what else runs in the batch.
+    ``logit_bias``: (token id, bias) pairs, each bias in [-100, 100] added to that token's logit
+    before sampling (OpenAI's ``logit_bias``; a mapping is accepted and stored sorted by id).
     """
 
     temperature: float = 1.0
@@ -55,6 +79,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,24 +87,36 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.temperature >= 0, "temperature", "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1"),
+            (all(s for s in self.stop), "stop", "stop strings must not be empty"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias), "logit_bias",
+             "logit_bias values must be in [-100, 100]"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise RequestError(message)
+                raise RequestError(message, param)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise RequestError if ``logit_bias`` names a token id outside ``0..vocab_size - 1`` (the
+        sampler indexes the logits with those ids; on a GPU a stray one is a device-side assert)."""
+        bad = next((t for t, _ in self.logit_bias if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab_size - 1})",
+                               "logit_bias")
 
 
 OptionKind = Literal["bool", "int", "float", "str", "choice"]

@@ -78,6 +78,7 @@ import torch
 
 from hearth.engine import api
 from hearth.engine.api import (
+    ContextLengthError,
     EngineConfig,
     EngineStats,
     Event,
@@ -239,9 +240,11 @@ class Engine:
                prompt_token_ids: Sequence[int] | None = None, *, max_tokens: int | None = None,
                conversation_id: str | None = None, **chat_options: Any) -> list[int]:
         """Prompt token ids from exactly one of: chat messages, raw text, token ids. With
-        ``max_tokens``, text that certainly encodes to more tokens is refused before tokenising.
-        A chat's ``conversation_id`` lets a follow-up turn tokenise only what its last prompt lacked
-        (``hearth.engine.text.prompt_tokens``: the same ids)."""
+        ``max_tokens``, text that certainly encodes to more tokens is refused before tokenising
+        (``ContextLengthError``). A chat's ``conversation_id`` lets a follow-up turn tokenise only what
+        its last prompt lacked (``hearth.engine.text.prompt_tokens``: the same ids). ``chat_options``
+        go to ``Tokenizer.chat_prompt`` (``add_generation_prompt``, ``continue_final_message``,
+        template variables)."""
         given = [x is not None for x in (messages, prompt, prompt_token_ids)]
         if sum(given) != 1:
             raise RequestError("give exactly one of messages, prompt or prompt_token_ids")
@@ -250,15 +253,14 @@ class Engine:
 
         def refuse(fewest: int) -> None:
             if max_tokens is not None and fewest > max_tokens:
-                raise RequestError(f"the prompt has at least {fewest} tokens but the context holds "
-                                   f"{self.max_model_len} (prompt + answer); shorten it or raise the context length")
+                raise ContextLengthError(fewest, self.max_model_len, at_least=True)
 
         if messages is None:
             assert prompt is not None
             if max_tokens is not None:
                 refuse(self.tokenizer.fewest_tokens(prompt))
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        text = self.tokenizer.chat_prompt(list(messages), add_generation_prompt=True, **chat_options)
+        text = self.tokenizer.chat_prompt(list(messages), **chat_options)
         if conversation_id is not None:
             self._adopt_saved_prompt(conversation_id)
             return self._prompt_tokens.encode(text, conversation_id, refuse)
@@ -295,6 +297,7 @@ class Engine:
         ids = self.encode(messages, prompt, prompt_token_ids, conversation_id=conversation_id, **chat_options)
         self._validate(ids)
         params = sampling if isinstance(sampling, SamplingParams) else self.sampling_params(sampling or {}, len(ids))
+        params.check_vocabulary(self.model_config.vocab_size)
         request_id = request_id or uuid.uuid4().hex
         seq = Seq(request_id=request_id, prompt_ids=ids, params=params, conversation=conversation_id)
         request = _Request(
@@ -329,8 +332,7 @@ class Engine:
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
-                               "(prompt + answer); shorten it or raise the context length")
+            raise ContextLengthError(len(ids), self.max_model_len)
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:  # (min and max in C: prompts are tens of thousands of ids)
             bad = next(t for t in ids if not 0 <= t < vocab)

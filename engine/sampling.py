@@ -1,4 +1,4 @@
-"""On-device token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws.
+"""On-device token sampling: penalties, logit bias, temperature, top-k / top-p / min-p, seeded draws.
 
 ``Sampler()(logits, params, generators, token_ids, output_ids)`` turns a batch of next-token logits
 ``[B, V]`` into next tokens ``[B]`` on the logits' device, in this order:
@@ -7,15 +7,17 @@
    a positive logit is divided by ``repetition_penalty`` and a negative one multiplied by it.
 2. Presence / frequency penalties (as in OpenAI), over the row's output tokens only:
    ``logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)``.
-3. ``temperature == 0``: greedy argmax of the penalised logits. Greedy and random rows may share a
+3. Logit bias (as in OpenAI): ``logit[t] += bias`` for each (t, bias) of the row's ``logit_bias``,
+   added after the penalties, so no repetition penalty scales it; -100 / +100 all but ban / force t.
+4. ``temperature == 0``: greedy argmax of the biased logits. Greedy and random rows may share a
    batch; the random steps below only run on the random rows.
-4. Otherwise the logits are divided by the temperature, then filtered:
+5. Otherwise the logits are divided by the temperature, then filtered:
    top-k keeps the k largest logits (ties at the boundary broken by sort order);
    top-p keeps the smallest set of most likely tokens whose probability sums to >= top_p (always at
    least the most likely token); min-p drops tokens whose probability is below
    ``min_p * max probability`` (probabilities after top-k / top-p; the ratio does not depend on the
    renormalisation).
-5. A token is drawn from the renormalised distribution by an exponential race:
+6. A token is drawn from the renormalised distribution by an exponential race:
    ``argmax(probs / E)`` with ``E ~ Exp(1)`` per vocabulary entry, which picks token i with
    probability ``probs[i]``. A row with its own ``torch.Generator`` draws its V exponentials from that
    generator alone, so a seeded request gets the same tokens whatever else shares the batch. Rows
@@ -38,6 +40,7 @@ from hearth.engine.api import SamplingParams
 __all__ = [
     "Sampler",
     "row_argmax",
+    "apply_logit_bias",
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
@@ -113,6 +116,19 @@ def apply_penalties(
     """
     logits = _repetition_penalty(logits, params, token_ids)
     return _presence_frequency_penalty(logits, params, output_ids)
+
+
+def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Add each row's ``logit_bias`` to its logits (rows without one come back unchanged).
+
+    logits: [B, V] float32; every biased token id must be < V (``SamplingParams.check_vocabulary``).
+    """
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    row_idx, col_idx = _row_col_indices(rows, [[t for t, _ in params[i].logit_bias] for i in rows], logits.device)
+    bias = _to_device([b for i in rows for _, b in params[i].logit_bias], torch.float32, logits.device)
+    return logits.index_put((row_idx, col_idx), bias, accumulate=True)
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -208,7 +224,7 @@ class Sampler:
         """logits: [B, V] any float dtype -> next tokens: [B] long, on the logits' device."""
         if not (logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
-        logits = apply_penalties(logits.float(), params, token_ids, output_ids)
+        logits = apply_logit_bias(apply_penalties(logits.float(), params, token_ids, output_ids), params)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             return row_argmax(logits)

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hearth.engine.api import Event, Finished, HearthError, TokenDelta
+from hearth.engine.api import ContextLengthError, Event, Finished, HearthError, RequestError, TokenDelta
 from hearth.engine.server.host import BusyError, EngineHost, EventRelay, NoModelError, StillLoadingError
 from hearth.engine.server.protocol import (
     APIError,
@@ -129,16 +129,17 @@ class StreamWithCleanup(StreamingResponse):
 
 
 class ApiKeyMiddleware:
-    """Answers 401 unless the request carries ``Authorization: Bearer <key>``."""
+    """Answers 401 unless the request carries ``Authorization: Bearer <key>`` (the scheme in any case,
+    as RFC 7235 has it; the key compared in constant time)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (hmac.compare_digest(key.lstrip(b" "), self._expected) and scheme.lower() == b"bearer"):
                 body = error_body("missing or wrong API key (send 'Authorization: Bearer <key>')",
                                   code="invalid_api_key")
                 response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -175,7 +176,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def hearth_error(_: Request, exc: HearthError) -> JSONResponse:
         headers = {"Retry-After": str(_RETRY_AFTER_LOADING_S)} if isinstance(exc, StillLoadingError) else None
-        return JSONResponse(error_body(str(exc)), status_code=_status_of(exc), headers=headers)
+        status = _status_of(exc)
+        type_ = "invalid_request_error" if status < 500 else "server_error"  # no model: the server's state
+        param = exc.param if isinstance(exc, RequestError) else None
+        return JSONResponse(error_body(str(exc), type_, param), status_code=status, headers=headers)
 
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(_validation_body(exc), status_code=400)
@@ -299,8 +303,11 @@ async def _serve(host: EngineHost, request: Request, body: ChatCompletionRequest
                  prompt: dict[str, Any], *, chat: bool) -> Any:
     sampling = sampling_fields(body)
     stream = RequestStream(host.relay)
-    submission = await run_in_threadpool(
-        lambda: host.submit(stream.sink, sampling=sampling, conversation_id=body.conversation_id, **prompt))
+    try:
+        submission = await run_in_threadpool(
+            lambda: host.submit(stream.sink, sampling=sampling, conversation_id=body.conversation_id, **prompt))
+    except ContextLengthError as err:  # OpenAI's shape, which clients match to trim the history
+        raise APIError(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded") from None
     writer = ResponseWriter(submission.request_id, host.model.name if host.model else body.model, chat)
     model_type = host.model.model_type if host.model else ""
     parsed = isinstance(body, ChatCompletionRequest) and body.reasoning_format == "parsed"

@@ -1,10 +1,12 @@
 """The OpenAI-compatible wire format of the engine host: request bodies (pydantic), their checks,
 and the JSON / server-sent-event payloads sent back. Pure data: no HTTP framework, no engine state.
 
-Unknown request fields are accepted and ignored, as OpenAI clients send many optional ones. Field
-checks of the wire format (``n``, ``max_tokens`` >= 1, logprobs) raise ``APIError`` here, so the
-server turns them into ``{"error": {...}}`` bodies; sampling ranges are checked once, by the engine
-(``SamplingParams``), and come back as 400s too.
+Unknown request fields are accepted and ignored, as OpenAI clients send many optional ones; a JSON
+null in a known field means "not given" (clients send null for unset optional fields), and numbers
+must be finite (Python's json reads NaN and Infinity, which no field means). Field checks of the
+wire format (``n``, ``max_tokens`` >= 1, logprobs, ``response_format``, ``logit_bias`` keys) raise
+``APIError`` here, so the server turns them into ``{"error": {...}}`` bodies; sampling ranges are
+checked once, by the engine (``SamplingParams``), and come back as 400s naming the field too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hearth.engine.api import Finished, RequestStats, usage
 
@@ -21,7 +23,10 @@ from hearth.engine.api import Finished, RequestStats, usage
 # arguments of Engine.encode: a request's chat_template_kwargs must not replace them.
 TEMPLATE_OWN_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "raise_exception",
                                     "strftime_now", "bos_token", "eos_token", "pad_token", "unk_token",
-                                    "prompt", "prompt_token_ids", "max_tokens", "conversation_id"})
+                                    "prompt", "prompt_token_ids", "max_tokens", "conversation_id",
+                                    "continue_final_message"})
+# What /v1/completions writes when the request gives no max_tokens (OpenAI's and vLLM's default).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class APIError(Exception):
@@ -49,11 +54,24 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """Drop the known fields given as null, so they take their defaults (a null required field is
+        then reported missing)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    type: str
 
 
 class HearthFields(_Lenient):
@@ -83,6 +101,8 @@ class _SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -115,6 +135,10 @@ class ChatCompletionRequest(_SamplingFields):
     # "parsed": a thinking model's reasoning comes back as reasoning_content, apart from the
     # content; "raw": the text as the model wrote it, reasoning and its markers inside the content.
     reasoning_format: Literal["parsed", "raw"] = "parsed"
+    # vLLM's: render without the assistant's generation prompt (None: unless continuing), or end the
+    # prompt inside the last (assistant) message so the answer continues its text.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
 
     @property
     def uses_tools(self) -> bool:
@@ -131,8 +155,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
                                 "those itself (send messages and tools as their own fields)",
                            param="chat_template_kwargs", code="invalid_value")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: a prompt "
+                                "that continues the last message cannot also open a new one",
+                           param="continue_final_message", code="invalid_value")
         if self.uses_tools:
             options["tools"] = self.tools
+        options["add_generation_prompt"] = self.add_generation_prompt is not False and not self.continue_final_message
+        options["continue_final_message"] = self.continue_final_message
         return options
 
     def requested_max_tokens(self) -> int | None:
@@ -154,6 +184,11 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is None:
+            return COMPLETIONS_DEFAULT_MAX_TOKENS
+        return _check_max_tokens(self.max_tokens, "max_tokens")
 
     def prompt_kwargs(self) -> dict[str, Any]:
         """``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` for ``Engine.encode``."""
@@ -201,19 +236,46 @@ def sampling_fields(req: _SamplingFields) -> dict[str, Any]:
     """The sampling options the client gave, as ``SamplingParams`` keywords (None = not given;
     ``Engine.add_request`` fills in the model's defaults and checks the values).
 
-    Raises APIError (400) for what the wire format itself rules out: ``n != 1``, logprobs, and a
-    ``max_tokens`` below 1."""
+    Raises APIError (400) for what the wire format itself rules out: ``n != 1``, logprobs, a
+    ``max_tokens`` below 1, structured output and ``logit_bias`` keys that are not token ids."""
     if req.n != 1:
         raise APIError(400, f"n must be 1 (Hearth returns one choice per request), got {req.n}", param="n")
     if getattr(req, "logprobs", None):
         raise APIError(400, "logprobs are not supported", param="logprobs")
+    _check_response_format(req.response_format)
     return {
-        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
-        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": 0 if req.top_k == -1 else req.top_k,  # vLLM's "off"
+        "min_p": req.min_p, "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "seed": req.seed, "max_tokens": req.requested_max_tokens(),
         "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
+        "logit_bias": _token_ids(req.logit_bias),
     }
+
+
+def _check_response_format(response_format: ResponseFormat | None) -> None:
+    """Plain text is all Hearth writes: JSON modes need constrained decoding, which it does not have,
+    and an answer that only looks like it complied is worse than a refusal."""
+    if response_format is None or response_format.type == "text":
+        return
+    if response_format.type in ("json_object", "json_schema"):
+        raise APIError(400, f"response_format {response_format.type!r} is not supported yet: Hearth has no "
+                            "structured output (constrained decoding) to hold the answer to JSON; ask for JSON "
+                            "in the prompt instead", param="response_format", code="unsupported_value")
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, not "
+                        f"{response_format.type!r}", param="response_format.type", code="invalid_value")
+
+
+def _token_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` with its keys (token ids, as JSON object keys are strings) as ints."""
+    if logit_bias is None:
+        return None
+    try:
+        return {int(token): bias for token, bias in logit_bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids, e.g. {\"1234\": -100}", param="logit_bias",
+                       code="invalid_value") from None
 
 
 # ---- responses -----------------------------------------------------------------------------

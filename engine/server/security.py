@@ -6,7 +6,8 @@
   address when bound to all interfaces) or a name added with ``--allowed-host``: a web page whose
   domain was re-pointed at 127.0.0.1 (DNS rebinding) still sends its own domain;
 - a browser request from another origin (its ``Origin`` header) unless ``--cors-origin`` allows
-  that origin; allowed origins get their CORS preflights answered and CORS headers on responses;
+  that origin; allowed origins get their CORS preflights answered and CORS headers on responses,
+  the refusals below included (without them a browser shows the page an opaque network error);
 - a POST whose body is not ``application/json``: browsers send form and text bodies across sites
   without asking, but a JSON body needs a preflight, which the origin check refuses;
 - a body over the size limit (413), from ``Content-Length`` before reading any of it, otherwise as
@@ -146,6 +147,8 @@ class RequestGuard:
         if cross_origin and scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             await _answer_preflight(send, origin, headers)
             return
+        if cross_origin:
+            send = _with_cors(send, origin)
         if scope["method"] == "POST" and _media_type(headers.get("content-type", "")) != "application/json":
             await _refuse(send, 415, "send the request body as JSON with 'Content-Type: application/json'",
                           "unsupported_media_type")
@@ -153,7 +156,7 @@ class RequestGuard:
         body = await self._read_body(headers, receive, send)
         if body is None:
             return
-        await self.app(scope, _replay(body, receive), _with_cors(send, origin) if cross_origin else send)
+        await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(self, headers: dict[str, str], receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None after answering 413 (before reading past the limit)."""

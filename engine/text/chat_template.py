@@ -6,6 +6,11 @@ run in jinja2's immutable sandbox with the settings and helpers those templates 
 against: ``trim_blocks``/``lstrip_blocks``, loop controls, ``raise_exception``, ``strftime_now`` and
 a ``tojson`` filter that keeps non-ASCII text as is. Any template failure becomes a ``HearthError``
 carrying the template's own message.
+
+Templates get every message's ``content`` as a string: OpenAI clients may send it as a list of parts
+(``[{"type": "text", "text": ...}]``), and most templates do string operations on it (Qwen3's
+``content.startswith(...)``), so the text parts are joined with newlines first, as vLLM does for such
+templates. (Non-text parts are refused before a prompt is rendered: Hearth's models read text only.)
 """
 
 from __future__ import annotations
@@ -82,6 +87,16 @@ def compile_template(source: str) -> jinja2.Template:
         raise HearthError(f"chat template has a syntax error (line {err.lineno}): {err.message}") from err
 
 
+def text_parts(content: Sequence[Any]) -> list[str]:
+    """The texts of OpenAI content parts (``[{"type": "text", "text": ...}, ...]``), in order."""
+    return [p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+
+
+def _string_content(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    content = message.get("content")
+    return {**message, "content": "\n".join(text_parts(content))} if isinstance(content, list) else message
+
+
 def render_chat_template(
     source: str,
     messages: Sequence[Mapping[str, Any]],
@@ -99,7 +114,8 @@ def render_chat_template(
     template = compile_template(source)
     variables: dict[str, Any] = dict(special_tokens or {})
     variables.update(extra)
-    variables.update(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools)
+    variables.update(messages=[_string_content(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                     tools=tools)
     try:
         return template.render(**variables)
     except TemplateRaisedError:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from hearth.engine.api import CheckpointError, HearthError, RequestError
 from hearth.engine.text import dsv32_encoding
-from hearth.engine.text.chat_template import render_chat_template
+from hearth.engine.text.chat_template import render_chat_template, text_parts
 from hearth.engine.text.prompt_tokens import PromptTokens
 from hearth.engine.text.reasoning import THINK_END, THINK_START
 
@@ -88,6 +88,23 @@ def _load_template(model_dir: Path, config: Mapping[str, Any]) -> str | None:
             raise CheckpointError(f"{jinja_file} is not readable text: {err}") from err
     legacy = _read_json(model_dir / "chat_template.json")
     return _pick_template(config.get("chat_template")) or _pick_template(legacy.get("chat_template"))
+
+
+def _final_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The text a continued last message ends with (its last text part when given as parts: the end
+    of the message however a format joins them)."""
+    final = messages[-1] if messages else {}
+    if final.get("role") != "assistant":
+        raise RequestError("continue_final_message needs an assistant message last (the text to continue)",
+                           "continue_final_message")
+    content = final.get("content")
+    if isinstance(content, list):
+        parts = text_parts(content)
+        content = parts[-1] if parts else None
+    if not isinstance(content, str) or not content.strip():
+        raise RequestError("continue_final_message needs text in the last (assistant) message to continue",
+                           "continue_final_message")
+    return content
 
 
 class Tokenizer:
@@ -234,6 +251,10 @@ class Tokenizer:
                 **extra,
             )
         if self.model_type == "deepseek_v32":
+            if not add_generation_prompt and messages and messages[-1].get("role") in ("user", "developer", "tool"):
+                raise RequestError("DeepSeek-V3.2's chat format ends every user and tool turn with the assistant's "
+                                   "prefix, so add_generation_prompt=false works only after an assistant message",
+                                   "add_generation_prompt")
             try:
                 return self._encode_dsv32(messages, **extra)
             except (AttributeError, KeyError, TypeError, ValueError) as err:
@@ -250,13 +271,26 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         thinking: bool = False,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
         """The chat prompt's text. ``thinking`` asks for reasoning before the answer; it is passed
-        to templates as both ``thinking`` and ``enable_thinking``."""
+        to templates as both ``thinking`` and ``enable_thinking``. ``continue_final_message``: the
+        prompt ends inside the last message, an assistant's, right after its text (no end-of-turn
+        token, no generation prompt), so the answer continues that text, as in vLLM and transformers."""
         extra.setdefault("thinking", thinking)
         extra.setdefault("enable_thinking", thinking)
-        return self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        if not continue_final_message:
+            return self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        final = _final_text(messages)
+        text = self.apply_chat_template(messages, add_generation_prompt=False, **extra)
+        # Some templates strip a message's surrounding whitespace: then the stripped text is what to continue.
+        for piece in (final, final.strip()):
+            end = text.rfind(piece)
+            if end >= 0:
+                return text[:end + len(piece)]
+        raise RequestError("the chat format does not keep the last message's text as written, so the prompt "
+                           "cannot end inside it", "continue_final_message")
 
     def encode_chat(
         self,
@@ -280,7 +314,7 @@ class Tokenizer:
         **_ignored: Any,
     ) -> str:
         # The V3.2 format always ends a user turn with the assistant prefix, so there is no
-        # separate generation prompt to add or leave out.
+        # separate generation prompt to add (apply_chat_template refuses to leave it out).
         mode: dsv32_encoding.ThinkingMode = "thinking" if thinking else "chat"
         return dsv32_encoding.encode_messages(
             messages, mode, drop_thinking=drop_thinking, tools=tools, response_format=response_format

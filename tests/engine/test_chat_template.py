@@ -1,4 +1,5 @@
-"""The sandboxed Jinja chat-template renderer, and chat prompts of every tiny model family."""
+"""The sandboxed Jinja chat-template renderer, chat prompts of every tiny model family, content given
+as text parts, and prompts that continue the last message (vLLM's ``continue_final_message``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hearth.engine.api import HearthError
+from hearth.engine.api import HearthError, RequestError
 from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
 from hearth.engine.text.chat_template import render_chat_template
 from hearth.engine.text.tokenizer import Tokenizer
@@ -155,3 +156,83 @@ def test_glm45_template_reasoning_tools_and_parts(tmp_path: Path):
         assert ids.count(tok.token_to_id(special)) == text.count(special) > 0
     with pytest.raises(HearthError, match="Unknown message role"):
         tok.encode_chat([{"role": "critic", "content": "x"}])
+
+
+# --------------------------------------------------------------------------- content parts, continuing
+
+# String operations on content, as Qwen3's template does them ("'list object' has no attribute
+# 'startswith'" when content came as a list of parts).
+STRING_OPS_TEMPLATE = """\
+{%- if messages[0].role == 'system' -%}
+{{- '<|im_start|>system\\n' + messages[0].content.strip() + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages if message.role != 'system' -%}
+{%- if message.role == 'user' and message.content.startswith('<tool_response>') -%}
+{{- '<|im_start|>tool\\n' + message.content + '<|im_end|>\\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + message.role + '\\n' + message.content.split('</think>')[-1] + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}
+"""
+
+
+def _parts(*texts: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def test_text_parts_reach_templates_as_one_string():
+    as_strings = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    as_parts = [{"role": "system", "content": _parts("Be brief.")}, {"role": "user", "content": _parts("hi")}]
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert render_chat_template(STRING_OPS_TEMPLATE, as_strings) == expected
+    assert render_chat_template(STRING_OPS_TEMPLATE, as_parts) == expected
+    several = [{"role": "user", "content": _parts("one", "two")}]
+    assert render_chat_template(STRING_OPS_TEMPLATE, several, add_generation_prompt=False) == \
+        "<|im_start|>user\none\ntwo<|im_end|>\n"  # joined with newlines, as vLLM joins them
+
+
+def _tokenizer(tmp_path: Path, family: str) -> Tokenizer:
+    write_tiny_tokenizer(tmp_path, family, 400)
+    return Tokenizer.from_pretrained(tmp_path, family)
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_last_message(tmp_path: Path):
+    tok = _tokenizer(tmp_path, "glm_moe_dsa")
+    started = [*USER, {"role": "assistant", "content": "Blue and "}]
+    assert tok.chat_prompt(started, continue_final_message=True) == "[gMASK]<sop><|user|>\nhi<|assistant|>\nBlue and "
+    assert tok.chat_prompt(USER, add_generation_prompt=False) == "[gMASK]<sop><|user|>\nhi"
+    parts = [*USER, {"role": "assistant", "content": _parts("Blue", "and")}]
+    assert tok.chat_prompt(parts, continue_final_message=True).endswith("<|assistant|>\nBlue\nand")
+
+
+def test_continue_final_message_with_a_template_that_strips_the_text(tmp_path: Path):
+    tok = _tokenizer(tmp_path, "glm_moe_dsa")
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}"
+    started = [*USER, {"role": "assistant", "content": "  Blue and  "}]
+    assert tok.chat_prompt(started, continue_final_message=True) == "<user>hi</user><assistant>Blue and"
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content | upper }}{% endfor %}"
+    with pytest.raises(RequestError, match="does not keep the last message's text") as err:
+        tok.chat_prompt(started, continue_final_message=True)
+    assert err.value.param == "continue_final_message"
+
+
+def test_deepseek_v32_continues_the_final_message_and_keeps_its_assistant_prefix(tmp_path: Path):
+    tok = _tokenizer(tmp_path, "deepseek_v32")
+    started = [*USER, {"role": "assistant", "content": "Blue and "}]
+    assert tok.chat_prompt(started, continue_final_message=True) == \
+        "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>Blue and "
+    whole = [*USER, {"role": "assistant", "content": "Blue."}]
+    assert tok.chat_prompt(whole, add_generation_prompt=False).endswith("</think>Blue.<｜end▁of▁sentence｜>")
+    with pytest.raises(RequestError, match="add_generation_prompt=false works only after an assistant") as err:
+        tok.chat_prompt(USER, add_generation_prompt=False)
+    assert err.value.param == "add_generation_prompt"
+
+
+@pytest.mark.parametrize("messages", [USER, [*USER, {"role": "assistant", "content": " "}],
+                                      [*USER, {"role": "assistant", "content": None}]])
+def test_continue_final_message_needs_assistant_text_last(tmp_path: Path, messages):
+    tok = _tokenizer(tmp_path, "glm_moe_dsa")
+    with pytest.raises(RequestError, match="continue_final_message needs") as err:
+        tok.chat_prompt(messages, continue_final_message=True)
+    assert err.value.param == "continue_final_message"

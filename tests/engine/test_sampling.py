@@ -1,4 +1,5 @@
-"""Tests for hearth.engine.sampling: penalties, greedy, temperature, top-k / top-p / min-p, seeds.
+"""Tests for hearth.engine.sampling: penalties, logit bias, greedy, temperature, top-k / top-p / min-p,
+seeds; and SamplingParams' checks, which name the field at fault.
 
 The statistical tests draw many samples with fixed seeds and compare empirical counts with the
 analytic distribution by a chi-square statistic. ``CHI2_BOUND`` is far above what a correct sampler
@@ -13,9 +14,10 @@ import math
 import pytest
 import torch
 
-from hearth.engine.api import SamplingParams
+from hearth.engine.api import RequestError, SamplingParams
 from hearth.engine.sampling import (
     Sampler,
+    apply_logit_bias,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -80,6 +82,60 @@ def test_penalties_feed_the_greedy_choice():
     params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
     assert Sampler()(logits, params, [None], [[0]], [[]]).tolist() == [1]
     assert Sampler()(logits, params, [None], [[1]], [[]]).tolist() == [0]
+
+
+# ---- logit bias --------------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_to_exactly_the_named_tokens_of_its_row():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(3, 1)
+    params = [SamplingParams(logit_bias={1: 2.5, 4: -100}), SamplingParams(), SamplingParams(logit_bias={"5": 0.5})]
+    out = apply_logit_bias(logits, params)
+    expected = torch.tensor([
+        [2.0, 0.5, 1.0, 0.5, -101.0, 0.0],
+        [2.0, -2.0, 1.0, 0.5, -1.0, 0.0],  # no bias: unchanged
+        [2.0, -2.0, 1.0, 0.5, -1.0, 0.5],
+    ])
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(logits[0], torch.tensor([2.0, -2.0, 1.0, 0.5, -1.0, 0.0])), "input not modified"
+
+
+def test_logit_bias_steers_greedy_rows_and_comes_after_the_penalties():
+    logits = torch.tensor([[2.0, 1.9, 0.0]]).repeat(2, 1)
+    params = [SamplingParams(temperature=0, logit_bias={2: 5.0}), SamplingParams(temperature=0)]
+    assert Sampler()(logits, params, [None, None], [[], []], [[], []]).tolist() == [2, 0]
+    # Token 0 was seen: 2.0 / 2 = 1.0, + 0.95 = 1.95 > 1.9. Biased first, (2.0 + 0.95) / 2 = 1.475 would lose.
+    penalised = [SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={0: 0.95})]
+    assert Sampler()(logits[:1], penalised, [None], [[0]], [[]]).tolist() == [0]
+
+
+def test_logit_bias_samples_the_biased_distribution():
+    bias = {0: -100.0, 3: 1.5}
+    samples = _sample_rows(LOGITS, SamplingParams(temperature=1.0, logit_bias=bias), 40_000)
+    biased = LOGITS + torch.tensor([-100.0, 0.0, 0.0, 1.5, 0.0])
+    assert _chi2(samples, torch.softmax(biased, dim=-1)) < CHI2_BOUND
+    assert not (samples == 0).any(), "a -100 bias all but bans the token"
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"max_tokens": 0}, "max_tokens"), ({"stop": ["ok", ""]}, "stop"), ({"logit_bias": {7: 100.5}}, "logit_bias"),
+    ({"logit_bias": {7: float("nan")}}, "logit_bias"),
+])
+def test_out_of_range_parameters_name_their_field(fields, param):
+    with pytest.raises(RequestError) as err:
+        SamplingParams(**fields)
+    assert err.value.param == param and param in str(err.value)
+
+
+def test_logit_bias_ids_must_be_in_the_vocabulary():
+    SamplingParams(logit_bias={0: 1, 511: -1}).check_vocabulary(512)
+    for bad in (512, -1):
+        with pytest.raises(RequestError, match=f"token id {bad}, outside the vocabulary") as err:
+            SamplingParams(logit_bias={3: 1, bad: 1}).check_vocabulary(512)
+        assert err.value.param == "logit_bias"
 
 
 # ---- greedy and temperature --------------------------------------------------------------------
@@ -250,7 +306,7 @@ def test_cuda_sampling_has_no_host_syncs_and_is_seeded():
         SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1),
         SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2, seed=2),
         SamplingParams(temperature=1.3, presence_penalty=0.5, frequency_penalty=0.5),
-        SamplingParams(temperature=0.9, top_p=0.5, seed=3),
+        SamplingParams(temperature=0.9, top_p=0.5, seed=3, logit_bias={17: -100, 31_999: 2.0}),
         SamplingParams(temperature=0, repetition_penalty=1.1),
     ]
     token_ids = [[1, 2, 3], [4, 5], [6, 6, 7], [8], [9, 10], [11]]

@@ -1,6 +1,8 @@
 """The engine host end to end: the official ``openai`` client against ``python -m
 hearth.engine.server`` serving a tiny random DeepSeek-V3.2 on 127.0.0.1 (one server per module,
-started with an API key), plus raw HTTP for malformed requests."""
+started with an API key), plus raw HTTP for malformed requests. OpenAI's conventions clients rely
+on: null for "not given", the legacy completions' 16-token default, ``context_length_exceeded``,
+``logit_bias``, errors naming their field; vLLM's ``continue_final_message``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import httpx
 import pytest
 
 from hearth.engine.testing.tiny import write_tiny_model
+from hearth.engine.text.tokenizer import Tokenizer
 from tests.engine.test_server_support import ServerProcess, start_server, wait_until
 
 openai = pytest.importorskip("openai")
@@ -130,17 +133,130 @@ def test_impossible_parameters_are_400(client, change, param):
     assert err.value.param == param
 
 
-def test_out_of_range_sampling_is_400_with_the_engine_message(client):
+@pytest.mark.parametrize(("change", "param", "message"), [
+    ({"top_p": 0.0}, "top_p", "top_p must be in (0, 1]"), ({"temperature": -1}, "temperature", "temperature must"),
+    ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must"), ({"stop": [""]}, "stop", "stop strings"),
+    ({"extra_body": {"logit_bias": {"5": 101}}}, "logit_bias", "logit_bias values"),
+    ({"logit_bias": {"512": 1}}, "logit_bias", "token id 512, outside the vocabulary (0..511)"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "token id -1, outside the vocabulary"),
+    ({"logit_bias": {"the": 1}}, "logit_bias", "keys must be token ids"),
+])
+def test_out_of_range_sampling_is_400_naming_the_field(client, change, param, message):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny-v32", messages=MESSAGES, top_p=0.0)
-    assert "top_p must be in (0, 1]" in err.value.message
+        client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2, **change)
+    assert err.value.param == param and err.value.type == "invalid_request_error"
+    assert message in err.value.body["message"]
 
 
-def test_prompt_longer_than_the_context_is_400_with_the_numbers(client):
+def test_prompt_longer_than_the_context_is_context_length_exceeded(server, client):
     long = [{"role": "user", "content": "hearth fire " * 400}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny-v32", messages=long, max_tokens=2)
-    assert f"the context holds {MAX_MODEL_LEN}" in err.value.message
+    assert (err.value.type, err.value.param, err.value.code) == ("invalid_request_error", "messages",
+                                                                 "context_length_exceeded")
+    opening = f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, the prompt has "
+    assert err.value.body["message"].startswith(opening)
+    assert f"the context holds {MAX_MODEL_LEN}" in err.value.body["message"]
+    # Refused before tokenising (from a bound on its length), after it, and as token ids.
+    for prompt, has in (("hearth " * 100_000, "at least "), ("hearth fire " * 400, "1"),
+                        (list(range(3, 3 + MAX_MODEL_LEN)), "512 tokens")):
+        response = httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, timeout=30,
+                              json={"model": "tiny-v32", "prompt": prompt, "max_tokens": 2})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["message"].startswith(opening + has)
+        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "prompt",
+                                                                  "context_length_exceeded")
+
+
+def test_null_is_the_default_for_every_optional_field(server, greedy_text):
+    nulls = dict.fromkeys(["n", "stream", "stream_options", "ignore_eos", "reasoning_format", "stop", "seed", "top_p",
+                           "top_k", "min_p", "logit_bias", "response_format", "logprobs", "tools", "tool_choice",
+                           "presence_penalty", "max_completion_tokens", "chat_template_kwargs", "hearth",
+                           "add_generation_prompt", "continue_final_message", "stop_token_ids", "user"])
+    body = {"model": "tiny-v32", "messages": MESSAGES, "max_tokens": 24, "temperature": 0, **nulls}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == greedy_text
+    body = {"model": "tiny-v32", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "echo": None, "n": None,
+            "suffix": None, "logprobs": None, "stream": None, "ignore_eos": None}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3, response.text
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'"temperature": Infinity', "temperature"), (b'"top_p": NaN', "top_p"),
+    (b'"presence_penalty": -Infinity', "presence_penalty"), (b'"logit_bias": {"5": Infinity}', "logit_bias.5"),
+    (b'"max_tokens": Infinity', "max_tokens"),
+])
+def test_non_finite_numbers_are_400(server, raw, param):
+    body = b'{"model": "tiny-v32", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, ' + raw + b"}"
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", content=body, timeout=10,
+                          headers={**server.headers, "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_completions_default_to_16_tokens(client):
+    text = client.completions.create(model="tiny-v32", prompt="Once upon a time", temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert text.usage.completion_tokens == 16 and text.choices[0].finish_reason == "length"
+
+
+def test_top_k_minus_one_is_off(client, greedy_text):
+    result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=24, temperature=0,
+                                            extra_body={"top_k": -1})
+    assert result.choices[0].message.content == greedy_text
+
+
+def test_response_format_text_is_served_and_json_is_refused(client, greedy_text):
+    result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=24, temperature=0,
+                                            response_format={"type": "text"})
+    assert result.choices[0].message.content == greedy_text
+    schema = {"name": "answer", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}
+    for response_format in ({"type": "json_object"}, {"type": "json_schema", "json_schema": schema}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2,
+                                           response_format=response_format)
+        assert err.value.param == "response_format" and "not supported yet" in err.value.body["message"]
+
+
+def test_logit_bias_forces_a_token_greedy_sampled_and_streamed(client, model_path):
+    (the,) = Tokenizer.from_pretrained(model_path).encode(" the")
+    ask = {"model": "tiny-v32", "max_tokens": 6, "extra_body": {"ignore_eos": True}, "logit_bias": {str(the): 100}}
+    greedy = client.completions.create(prompt=[5, 6, 7, 8], temperature=0, **ask)
+    sampled = client.completions.create(prompt=[5, 6, 7, 8], temperature=1.0, seed=7, **ask)
+    streamed = client.chat.completions.create(messages=MESSAGES, temperature=0, stream=True, **ask)
+    assert greedy.choices[0].text == sampled.choices[0].text == " the" * 6
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == " the" * 6
+    unbiased = client.completions.create(prompt=[5, 6, 7, 8], temperature=0, **{**ask, "logit_bias": None})
+    assert unbiased.choices[0].text != " the" * 6
+
+
+def test_continue_final_message_continues_the_assistant_s_text(client, model_path):
+    started = [*MESSAGES, {"role": "assistant", "content": "Hearths are"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True,
+               "reasoning_format": "raw"}
+    chat = client.chat.completions.create(model="tiny-v32", messages=started, max_tokens=8, temperature=0,
+                                          extra_body=options)
+    # DeepSeek-V3.2's prompt, ending inside the assistant's turn (no end of sentence after its text).
+    ids = Tokenizer.from_pretrained(model_path).encode(
+        "<｜begin▁of▁sentence｜><｜User｜>Tell me about hearths.<｜Assistant｜></think>Hearths are")
+    text = client.completions.create(model="tiny-v32", prompt=ids, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == text.choices[0].text
+
+
+@pytest.mark.parametrize(("messages", "options", "param"), [
+    (MESSAGES, {"add_generation_prompt": False}, "add_generation_prompt"),  # V3.2 cannot leave it out
+    (MESSAGES, {"continue_final_message": True}, "continue_final_message"),  # nothing to continue
+    ([*MESSAGES, {"role": "assistant", "content": "So"}], {"continue_final_message": True,
+                                                          "add_generation_prompt": True}, "continue_final_message"),
+])
+def test_generation_prompt_options_the_prompt_cannot_follow_are_400(client, messages, options, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-v32", messages=messages, max_tokens=2, extra_body=options)
+    assert err.value.param == param
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"model": "tiny-v32"}',
@@ -160,10 +276,14 @@ def test_unknown_route_is_a_json_404(server):
 
 
 def test_api_key_is_required(server):
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
+                    {"Authorization": API_KEY}, {"Authorization": f"Bearer {API_KEY}x"}):
         response = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=5)
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
+    for scheme in ("bearer", "BEARER", "bEaReR"):  # RFC 7235: the scheme is case-insensitive
+        response = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert response.status_code == 200, scheme
     no_key = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         no_key.models.list()
@@ -214,7 +334,7 @@ def test_unload_and_load(server, client, model_path, tmp_path):
     assert client.models.list().data == []
     with pytest.raises(openai.InternalServerError) as err:  # 503: nothing to run on
         client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2)
-    assert err.value.status_code == 503
+    assert err.value.status_code == 503 and err.value.type == "server_error"
 
     loaded = httpx.post(f"{base}/hearth/load", json={"model": path, "served_name": "again"}, headers=headers,
                         timeout=60)

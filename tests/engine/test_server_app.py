@@ -79,6 +79,7 @@ def test_no_model_is_503():
         assert client.get("/health").json() == {"status": "no_model", "model": None}
         response = client.post("/v1/chat/completions", json=BODY)
         assert response.status_code == 503 and "no model is loaded" in response.json()["error"]["message"]
+        assert response.json()["error"]["type"] == "server_error"  # the server's state, not the request's fault
         assert client.get("/v1/models").json()["data"] == []
 
 

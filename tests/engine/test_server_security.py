@@ -2,7 +2,8 @@
 uvicorn server on a thread, with a real tiny engine: foreign Host headers and cross-site origins,
 body-less and non-JSON POSTs, oversized bodies (early, from Content-Length or while streaming),
 prompts past the context (before tokenising them), bad values as 400s naming the field, load paths
-outside the allowed folders (one generic error), and 503 "still loading" with Retry-After."""
+outside the allowed folders (one generic error), 503 "still loading" with Retry-After, and CORS
+headers on the refusals an allowed origin gets."""
 
 from __future__ import annotations
 
@@ -113,6 +114,24 @@ def test_cors_origin_allows_a_web_page_and_answers_its_preflight(host):
         other = client.options("/v1/chat/completions", headers={
             "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
         assert other.status_code == 403 and "access-control-allow-origin" not in other.headers
+
+
+def test_refusals_after_the_origin_check_carry_cors_headers(host):
+    """A page from an allowed origin must be able to read why its request was refused (a response
+    without Access-Control-Allow-Origin reaches its script as an opaque network error)."""
+    page = "https://chat.example"
+    policy = AccessPolicy(cors_origins=(page,), max_body_bytes=1000)
+    with app_client(create_app(host, policy=policy)) as client:
+        not_json = client.post("/v1/chat/completions", content=b"{}", headers={"Origin": page,
+                                                                             "Content-Type": "text/plain"})
+        too_large = client.post("/v1/chat/completions", headers={"Origin": page}, json={
+            **BODY, "messages": [{"role": "user", "content": "x" * 2000}]})
+        bad_value = client.post("/v1/chat/completions", headers={"Origin": page}, json={**BODY, "top_p": 0})
+        for response, status in ((not_json, 415), (too_large, 413), (bad_value, 400)):
+            assert response.status_code == status
+            assert response.headers["access-control-allow-origin"] == page
+        same_origin = client.post("/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+        assert same_origin.status_code == 415 and "access-control-allow-origin" not in same_origin.headers
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -349,6 +368,7 @@ def test_requests_during_a_load_get_503_still_loading_with_retry_after(host, mon
             response = client.post("/v1/chat/completions", json=BODY)
             assert response.status_code == 503 and response.headers["retry-after"].isdigit()
             assert "still loading" in _error(response)["message"] and str(tmp_path) not in response.text
+            assert _error(response)["type"] == "server_error"
             assert client.get("/health").json()["status"] == "loading"
             release.set()
             loader.join(60)

@@ -132,6 +132,55 @@ def test_bad_fields_are_400(fields, param):
 
 
 
+def test_null_means_not_given():
+    request = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi", "name": None}], "n": None, "stream": None,
+        "ignore_eos": None, "reasoning_format": None, "stream_options": {"include_usage": None}, "temperature": None,
+        "stop": None, "hearth": None, "add_generation_prompt": None, "continue_final_message": None})
+    assert (request.n, request.stream, request.ignore_eos, request.reasoning_format) == (1, False, False, "parsed")
+    assert not request.include_usage and not request.continue_final_message
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "a", "echo": None, "suffix": None})
+    assert completion.prompt_kwargs() == {"prompt": "a"}
+    with pytest.raises(ValueError, match="Field required"):
+        ChatCompletionRequest.model_validate({"model": None, "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_context():
+    assert sampling_fields(CompletionRequest(model="m", prompt="a"))["max_tokens"] == 16
+    assert sampling_fields(CompletionRequest(model="m", prompt="a", max_tokens=300))["max_tokens"] == 300
+    assert sampling_fields(_chat())["max_tokens"] is None
+
+
+def test_top_k_minus_one_is_off_and_logit_bias_keys_become_ids():
+    fields = sampling_fields(_chat(top_k=-1, logit_bias={"12": -100, "7": 2.5}))
+    assert fields["top_k"] == 0 and fields["logit_bias"] == {12: -100, 7: 2.5}
+    with pytest.raises(APIError, match="logit_bias keys must be token ids") as err:
+        sampling_fields(_chat(logit_bias={"the": 1}))
+    assert err.value.param == "logit_bias"
+
+
+def test_response_format_text_only():
+    assert sampling_fields(_chat(response_format={"type": "text"}))["temperature"] is None
+    for kind, param in (("json_object", "response_format"), ("json_schema", "response_format"),
+                        ("yaml", "response_format.type")):
+        with pytest.raises(APIError) as err:
+            sampling_fields(_chat(response_format={"type": kind, "json_schema": {"name": "x", "schema": {}}}))
+        assert err.value.status == 400 and err.value.param == param
+
+
+def test_generation_prompt_options_reach_the_chat_format():
+    assert _chat().chat_options() == {"add_generation_prompt": True, "continue_final_message": False}
+    assert _chat(continue_final_message=True).chat_options() == {"add_generation_prompt": False,
+                                                                 "continue_final_message": True}
+    assert _chat(add_generation_prompt=False).chat_options()["add_generation_prompt"] is False
+    with pytest.raises(APIError, match="cannot both be true") as err:
+        _chat(continue_final_message=True, add_generation_prompt=True).chat_options()
+    assert err.value.param == "continue_final_message"
+    with pytest.raises(APIError) as err:
+        _chat(chat_template_kwargs={"continue_final_message": True}).chat_options()
+    assert err.value.param == "chat_template_kwargs"
+
+
 def test_completion_prompt_forms():
     assert CompletionRequest(model="m", prompt="abc").prompt_kwargs() == {"prompt": "abc"}
     assert CompletionRequest(model="m", prompt=[1, 2]).prompt_kwargs() == {"prompt_token_ids": [1, 2]}
