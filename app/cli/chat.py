@@ -5,10 +5,14 @@ one already serves the model, and stopped on exit if this chat started it; ``--k
 leaves it running) or, with ``--backend URL`` / ``backend_url`` in the settings, from any
 OpenAI-compatible server.
 
-Commands: ``/system TEXT`` sets the system prompt (``/system`` alone clears it), ``/reset`` forgets
-the conversation, ``/stats`` shows the engine's statistics, ``/help``, ``/exit`` (or Ctrl-D).
+Commands: ``/system TEXT`` sets the system prompt (``/system`` alone clears it), ``/clear`` (or
+``/reset``) forgets the conversation, ``/stats`` shows the engine's statistics, ``/help``, ``/bye``
+or ``/exit`` (or Ctrl-D). A message of several lines goes between lines of ``\"\"\"`` (as in Ollama).
 Ctrl-C stops the answer being written (what was written stays in the conversation); Ctrl-C twice
 in a row at the prompt quits. If the local engine dies, the next message restarts it.
+
+With stdin not a terminal (``hearth --cli chat < questions.txt``) no prompt is printed: each line
+(or block) is a message, and the answers go to stdout, everything else to stderr.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from hearth.app.cli.common import (
     backend_of,
     chat_options,
     consume,
-    resolve_model_path,
+    context_of,
+    note_context_cap,
+    resolve_model,
     sampling_options,
     thoughts_stream,
 )
@@ -35,10 +41,12 @@ from hearth.app.client.local_engine import EngineProcess
 from hearth.app.client.openai_client import ChatChunk, ChatClient, ClientError, EngineDiedError
 from hearth.app.store.settings import Settings, load_settings
 
+BLOCK = '"""'  # a message of several lines starts and ends with it (Ollama's convention)
 HELP = ("/system TEXT  set the system prompt (/system alone clears it)\n"
-        "/reset        start a new conversation\n"
+        "/clear        start a new conversation (also /reset)\n"
         "/stats        engine statistics\n"
-        "/exit         quit (also Ctrl-D, or Ctrl-C twice at the prompt)\n"
+        "/bye          quit (also /exit, Ctrl-D, or Ctrl-C twice at the prompt)\n"
+        f"{BLOCK}         begin and end a message of several lines\n"
         "Ctrl-C while an answer is written stops it.")
 
 
@@ -67,10 +75,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 class ChatSession:
     """A client, the model it talks to, and the local engine process behind it (if any)."""
 
-    def __init__(self, client: ChatClient, model: str, proc: EngineProcess | None = None) -> None:
+    def __init__(self, client: ChatClient, model: str, proc: EngineProcess | None = None,
+                 label: str | None = None) -> None:
+        """``model``: the id requests name; ``label``: what the user calls it (default: ``model``)."""
         self.client = client
         self.model = model
         self.proc = proc
+        self.label = label or model
 
     @classmethod
     def open(cls, args: argparse.Namespace, settings: Settings, err: TextIO) -> ChatSession:
@@ -78,11 +89,18 @@ class ChatSession:
         if url:
             client = ChatClient(url, api_key_of(args))
             return cls(client, args.model or _first_model(client))
-        path = resolve_model_path(args.model, settings)
-        print(f"Starting the engine for {path.name}...", file=err, flush=True)
-        proc = EngineProcess.ensure_running(path, max_model_len=args.max_model_len or settings.context_length)
+        model = resolve_model(args.model, settings)
+        note_context_cap(model.path, args, err)
+        print(f"Starting the engine for {model.name}...", file=err, flush=True)
+        options: dict[str, Any] = {"max_model_len": context_of(args, settings)}
+        running = EngineProcess.find_running()
+        if running is None or not running.serves(str(model.path.resolve()), options):
+            # A new host serves the model under the user's name; one already serving this folder
+            # (the app's, say) is reused as it is rather than restarted for a name.
+            options["served_name"] = model.name
+        proc = EngineProcess.ensure_running(model.path, **options)
         client = proc.client()
-        return cls(client, _first_model(client), proc)
+        return cls(client, _first_model(client), proc, label=model.name)
 
     @property
     def where(self) -> str:
@@ -126,44 +144,62 @@ class Repl:
         self.err = err or sys.stderr
 
     def run(self) -> int:
-        print(f"Chatting with {self.session.model} ({self.session.where}). /help for commands.", file=self.err)
+        print(f"Chatting with {self.session.label} ({self.session.where}). /help for commands.", file=self.err)
         while True:
             try:
-                line = self._read()
-                if line is None:
+                read = self._read()
+                if read is None:
                     return 0
-                if line.startswith("/"):
-                    if not self._command(line):
+                text, is_block = read
+                if text.startswith("/") and not is_block:
+                    if not self._command(text):
                         return 0
-                elif line:
-                    self._answer(line)
+                elif text:
+                    self._answer(text)
             except KeyboardInterrupt:  # Ctrl-C between prompts (e.g. while /stats prints) is harmless
                 self.out.write("\n")
 
-    def _read(self) -> str | None:
-        """The next line; None to quit (Ctrl-D, or a second Ctrl-C in a row)."""
+    def _read(self) -> tuple[str, bool] | None:
+        """The next message and whether it was a \"\"\" block (never a command); None to quit
+        (Ctrl-D, or a second Ctrl-C in a row)."""
+        interactive = sys.stdin.isatty()
+        line = self._input("> " if interactive else "")
+        if line is None or not line.lstrip().startswith(BLOCK):
+            return None if line is None else (line.strip(), False)
+        lines, rest = [], line.lstrip()[len(BLOCK):]
+        while not rest.rstrip().endswith(BLOCK):
+            lines.append(rest)
+            rest = self._input("... " if interactive else "")
+            if rest is None:  # the input ended inside the block: send what came
+                return "\n".join(lines).strip(), True
+        lines.append(rest.rstrip()[:-len(BLOCK)])
+        return "\n".join(lines).strip(), True
+
+    def _input(self, prompt: str) -> str | None:
+        """One line; None at the end of the input or after a second Ctrl-C in a row."""
         warned = False
         while True:
             try:
-                return input("> ").strip()
+                return input(prompt)
             except EOFError:
-                self.out.write("\n")
+                if prompt:  # on a terminal: end the prompt's line
+                    self.out.write("\n")
                 return None
             except KeyboardInterrupt:
                 if warned:
                     self.out.write("\n")
                     return None
-                self.out.write("\n(press Ctrl-C again or type /exit to quit)\n")
+                self.out.write("\n(press Ctrl-C again or type /bye to quit)\n")
                 warned = True
 
     def _command(self, line: str) -> bool:
         name, _, rest = line.partition(" ")
-        if name in ("/exit", "/quit"):
+        if name in ("/bye", "/exit", "/quit"):
             return False
         if name == "/system":
             self.system = rest.strip() or None
             print("System prompt set." if self.system else "System prompt cleared.", file=self.err)
-        elif name == "/reset":
+        elif name in ("/clear", "/reset"):
             self.history.clear()
             print("Conversation cleared.", file=self.err)
         elif name == "/stats":
@@ -180,7 +216,7 @@ class Repl:
         except ClientError as err:
             print(f"error: {err}", file=self.err)
             return
-        print(format_stats(stats) if stats else "This backend does not report statistics.", file=self.out)
+        print(format_stats(stats) if stats else "This backend does not report statistics.", file=self.err)
 
     def _answer(self, text: str) -> None:
         system = [{"role": "system", "content": self.system}] if self.system else []

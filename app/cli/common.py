@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from typing import Any, TextIO
 from hearth.app.client.openai_client import ChatChunk
 from hearth.app.demo_model import DEMO_NAMES, bundled_demo_path
 from hearth.app.store.settings import Settings
-from hearth.engine.api import HearthError, decode_rate, usage
+from hearth.engine.api import HearthError, decode_rate, engine_options, usage
 
 API_KEY_ENV = "HEARTH_API_KEY"
 
@@ -34,7 +35,7 @@ def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
     parser.add_argument("--backend", metavar="URL", help="use this OpenAI-compatible server instead of the "
                         "local engine (default: backend_url in the settings)", **d)
     parser.add_argument("--api-key", help=f"API key for --backend (default: ${API_KEY_ENV})", **d)
-    parser.add_argument("--max-model-len", type=int, metavar="N",
+    parser.add_argument("--max-model-len", type=context_length, metavar="N",
                         help="context length for the local engine (default: max_model_len in the settings)", **d)
     parser.add_argument("--max-tokens", type=int, metavar="N", help="answer length limit (default: the context)", **d)
     parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: the model's)", **d)
@@ -46,7 +47,47 @@ def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
                         "(the chat template's thinking switch; gpt-oss always reasons)", **d)
     parser.add_argument("--hide-thinking", action="store_true", help="do not print the model's reasoning "
                         "(by default it goes to stderr, dimmed, after \"Thinking:\")", **d)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks", **d)
+    add_debug_option(parser, sub=sub)
+
+
+def add_debug_option(parser: argparse.ArgumentParser, *, sub: bool = True) -> None:
+    """--debug, also after a subcommand (``hearth --cli pull REPO --debug``)."""
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs",
+                        **({"default": argparse.SUPPRESS} if sub else {}))
+
+
+def context_length(text: str) -> int:
+    """--max-model-len: a whole number of tokens the engine accepts (checked before any model loads)."""
+    minimum = next(o.text.minimum for o in engine_options() if o.name == "max_model_len") or 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"the context must hold at least {minimum} tokens, not {value}")
+    return value
+
+
+def context_of(args: argparse.Namespace, settings: Settings) -> int:
+    """The context length asked for: --max-model-len, else the settings' (0 is refused by the parser)."""
+    given = getattr(args, "max_model_len", None)
+    return given if given is not None else settings.context_length
+
+
+def note_context_cap(path: Path, args: argparse.Namespace, err: TextIO) -> None:
+    """One line on ``err`` when --max-model-len is more than the model holds (the engine caps it there)."""
+    given = getattr(args, "max_model_len", None)
+    if given is None:
+        return
+    from hearth.engine.config import ModelConfig
+
+    try:
+        limit = ModelConfig.from_file(path).max_position_embeddings
+    except HearthError:  # the load reports what is wrong with the model
+        return
+    if given > limit:
+        print(f"note: --max-model-len {given} is more than this model holds; using its limit, {limit} tokens",
+              file=err)
 
 
 def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,37 +114,56 @@ def api_key_of(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The folder to load, and the name people know it by: the installed name or repo id given (or
+    the only installed model's), "demo", or a folder's name. The engine serves it under that name."""
+
+    path: Path
+    name: str
+
+
 def resolve_model_path(name: str | None, settings: Settings) -> Path:
-    """The model folder to load: ``name`` (a folder, an installed name, a repo id or its short
-    name), else the default model in the settings, else the only installed model, else the
-    bundled demo model. Several installed models and no default is an error that lists them."""
+    """The model folder to load (see ``resolve_model``)."""
+    return resolve_model(name, settings).path
+
+
+def resolve_model(name: str | None, settings: Settings) -> ResolvedModel:
+    """The model to load: ``name`` (a folder, an installed name, a repo id or its short name), else
+    the default model in the settings, else the only installed model, else the bundled demo model.
+    Several installed models and no default is an error that lists them."""
     if name:
         return _resolve_named(name)
     if settings.default_model:
         return _resolve_named(settings.default_model)
     installed = _installed_runnable()
     if len(installed) == 1:
-        return installed[0].path
+        return ResolvedModel(installed[0].path, installed[0].name)
     if not installed:
-        return _bundled_demo(explicit=False)
+        return ResolvedModel(_bundled_demo(explicit=False), "demo")
     names = ", ".join(m.name for m in installed)
     raise HearthError(f"no model given and {len(installed)} are installed ({names}); pass --model NAME or "
                       "set a default with `hearth --cli config set default_model NAME`")
 
 
-def _resolve_named(name: str) -> Path:
-    if name.strip().lower() in DEMO_NAMES:
-        return _bundled_demo(explicit=True)
+def _resolve_named(name: str) -> ResolvedModel:
+    if is_demo_name(name):
+        return ResolvedModel(_bundled_demo(explicit=True), "demo")
     path = Path(name).expanduser()
     if path.is_dir():
-        return path.resolve()
+        return ResolvedModel(path.resolve(), path.resolve().name)
     if _looks_like_path(name):
         raise HearthError(f"{name}: no such model folder")
     try:
-        from hearth.app.hub import resolve_model
+        from hearth.app.hub import resolve_model as resolve_installed
     except ImportError:  # the Hub manager is optional at run time
         raise HearthError(f"{name}: no such model folder") from None
-    return Path(resolve_model(name))
+    return ResolvedModel(Path(resolve_installed(name)), name.strip())
+
+
+def is_demo_name(name: str) -> bool:
+    """``name`` picks the bundled demo model (``--model demo``)."""
+    return name.strip().lower() in DEMO_NAMES
 
 
 def _looks_like_path(name: str) -> bool:
@@ -135,12 +195,27 @@ def _installed_runnable() -> list[Any]:
 
 
 def read_prompt(prompt: str | None, stdin: TextIO) -> str:
-    """--prompt TEXT, or stdin for ``--prompt -`` or when stdin is piped and no prompt is given."""
+    """The prompt: TEXT (``--prompt`` or the words after ``run``), stdin for ``--prompt -`` or when
+    stdin is not a terminal and no prompt is given, and TEXT, a blank line and stdin when both come
+    (``git diff | hearth --cli run "review this"``)."""
     if prompt == "-" or (prompt is None and not stdin.isatty()):
         prompt = stdin.read()
+    elif prompt is not None and is_piped(stdin):
+        piped = stdin.read()
+        if piped.strip():
+            prompt = f"{prompt}\n\n{piped}"
     if not prompt or not prompt.strip():
-        raise HearthError("no prompt: pass --prompt TEXT, or pipe the prompt on stdin")
+        raise HearthError("no prompt: pass the prompt (`run TEXT` or --prompt TEXT), or pipe it on stdin")
     return prompt
+
+
+def is_piped(stream: TextIO) -> bool:
+    """``stream`` is a pipe or a file (``cmd | hearth``, ``< file``), not a terminal or /dev/null."""
+    try:
+        mode = os.fstat(stream.fileno()).st_mode
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's stand-in, a closed stream)
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode)
 
 
 def messages_for(prompt: str, system: str | None) -> list[dict[str, str]]:

@@ -2,7 +2,8 @@
 
     hearth --cli config list [--json]      every setting, and where the Hub ones come from
     hearth --cli config get KEY            one value (null = unset)
-    hearth --cli config set KEY VALUE      validated; true/false, numbers, null to unset
+    hearth --cli config set KEY VALUE      validated; true/false, numbers, null to unset (a default_model
+                                           that is not installed is kept, with a warning)
     hearth --cli config unset KEY          back to the default
     hearth --cli config path               where the file is
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
-from hearth.app.cli.common import print_json
+from hearth.app.cli.common import add_debug_option, print_json, resolve_model_path
 from hearth.app.paths import settings_path
 from hearth.app.store.settings import (
     Settings,
@@ -24,21 +26,27 @@ from hearth.app.store.settings import (
     save_settings,
     setting_names,
 )
+from hearth.engine.api import HearthError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("config", help="show or change settings (the file the app uses)",
                                    description="Show or change Hearth's settings; the desktop app reads the "
                                    "same file.")
+    add_debug_option(parser)
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="every setting with its value")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
-    actions.add_parser("get", help="one setting's value").add_argument("key")
+    getter = actions.add_parser("get", help="one setting's value")
+    getter.add_argument("key")
     setter = actions.add_parser("set", help="change a setting (null unsets one that may be unset)")
     setter.add_argument("key")
     setter.add_argument("value")
-    actions.add_parser("unset", help="put a setting back to its default").add_argument("key")
-    actions.add_parser("path", help="where the settings file is")
+    unsetter = actions.add_parser("unset", help="put a setting back to its default")
+    unsetter.add_argument("key")
+    where = actions.add_parser("path", help="where the settings file is")
+    for action in (listing, getter, setter, unsetter, where):
+        add_debug_option(action)
     parser.set_defaults(func=cmd_config)
 
 
@@ -59,7 +67,17 @@ def cmd_config(args: argparse.Namespace) -> int:
         settings = settings.replace(**{args.key: value})  # validates: SettingsError is one line
         save_settings(settings)
         print(f"{args.key} = {_shown(settings.to_json()[args.key])}")
+        if args.key == "default_model" and settings.default_model:
+            _warn_if_not_installed(settings)
     return 0
+
+
+def _warn_if_not_installed(settings: Settings) -> None:
+    """The default model may be pulled later, so it is kept; say when it cannot be loaded now."""
+    try:
+        resolve_model_path(settings.default_model, settings)
+    except HearthError as err:
+        print(f"warning: {settings.default_model} cannot be loaded yet: {err}", file=sys.stderr)
 
 
 def _list(settings: Settings, *, as_json: bool) -> None:

@@ -3,7 +3,9 @@
 Each subcommand sets ``func(args) -> int`` (the exit code). Errors print as one line on stderr,
 never a traceback. ``pull`` draws a live one-line bar on a terminal and plain lines every few
 seconds otherwise; Ctrl-C pauses it, keeping the partial files, and running the same ``pull``
-again resumes where it stopped.
+again resumes where it stopped. It refuses, before fetching weights, a repo Hearth could not load
+(no safetensors weights; an architecture it does not run, unless ``--force``). ``rm`` finds a model
+as ``--model`` does (installed name, repo id or its short name) and also forgets an unfinished pull.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from hearth.app.cli.common import add_debug_option, is_demo_name
 from hearth.app.demo_model import bundled_demo_path
 from hearth.app.hub import events as ev
 from hearth.app.hub.catalog import SORTS, SUPPORTED_MODEL_TYPES, search_models
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.installed import delete_model, list_installed
+from hearth.app.hub.errors import HubError
+from hearth.app.hub.installed import InstalledModel, delete_model, find_installed, list_installed
 from hearth.app.hub.manager import DownloadManager, DownloadOptions, ItemState
+from hearth.app.hub.state import QueueFile, Registry
 from hearth.app.hub.units import format_bytes, format_duration, format_speed
 from hearth.app.store.settings import load_settings
 from hearth.engine.api import HearthError
@@ -42,15 +47,20 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                       help="only files matching GLOB (repeatable; default: safetensors, json, tokenizer)")
     pull.add_argument("--exclude", action="append", metavar="GLOB", help="skip files matching GLOB")
     pull.add_argument("--revision", help="branch, tag or commit (default: main)")
+    pull.add_argument("--force", action="store_true",
+                      help="download even an architecture Hearth cannot run (it then cannot load it)")
+    add_debug_option(pull)
     pull.set_defaults(func=cmd_pull)
 
     rm = subparsers.add_parser("rm", help="delete a downloaded model (or forget an imported one)")
-    rm.add_argument("repo")
+    rm.add_argument("repo", metavar="NAME", help="installed name, repo id or its short name (as --model takes)")
     rm.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    add_debug_option(rm)
     rm.set_defaults(func=cmd_rm)
 
     models = subparsers.add_parser("models", help="list installed models (and the bundled demo model)")
     models.add_argument("--json", action="store_true", help="machine-readable output")
+    add_debug_option(models)
     models.set_defaults(func=cmd_models)
 
     search = subparsers.add_parser("search", help="search the Hub for models Hearth can run")
@@ -59,6 +69,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--all", action="store_true", help="include architectures Hearth cannot run")
     search.add_argument("--limit", type=int, default=20)
     search.add_argument("--json", action="store_true", help="machine-readable output")
+    add_debug_option(search)
     search.set_defaults(func=cmd_search)
 
 
@@ -67,6 +78,8 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return command(args)
+        except BrokenPipeError:  # the reader went away (`| head`): the CLI's main ends quietly
+            raise
         except (HearthError, OSError) as exc:  # OSError: permissions, a vanished folder...
             if getattr(args, "debug", False):
                 traceback.print_exc()
@@ -82,7 +95,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     manager = DownloadManager(load_settings(), on_event=printer.on_event, options=PULL_OPTIONS)
     include = tuple(args.include) if args.include else None
     exclude = tuple(args.exclude) if args.exclude else None
-    item_id = manager.enqueue(args.repo, revision=args.revision, include=include, exclude=exclude)
+    item_id = manager.enqueue(args.repo, revision=args.revision, include=include, exclude=exclude,
+                              force=args.force)
     manager.start()
     try:
         state = manager.wait(item_id)
@@ -95,6 +109,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if state == ItemState.READY:
         print(f"Ready: {item.repo_id} ({format_bytes(item.bytes_total)}, checksums verified) in {item.path}")
         return EXIT_OK
+    if state == ItemState.FAILED and not item.is_resumable:
+        manager.cancel(item_id)  # nothing to continue: no queue entry left behind (partial files are kept)
     print(f"error: {item.message or f'download {state}'}", file=sys.stderr)
     return EXIT_ERROR
 
@@ -105,40 +121,64 @@ def _interrupted(manager: DownloadManager, item_id: str, printer: ProgressPrinte
         manager.wait(item_id, timeout=manager.options.stall_timeout_s + 5)
     printer.end_line()
     item = manager.item(item_id)
-    print(f"Paused: {format_bytes(item.bytes_done)} of {format_bytes(item.bytes_total)} kept; run "
-          f"`hearth --cli pull {item.repo_id}` again to resume.", file=sys.stderr)
+    if item.bytes_done == 0:  # interrupted while planning (or before any byte arrived)
+        print(f"Stopped: nothing downloaded yet; run `hearth --cli pull {item.repo_id}` again to start.",
+              file=sys.stderr)
+    else:
+        print(f"Paused: {format_bytes(item.bytes_done)} of {format_bytes(item.bytes_total)} kept; run "
+              f"`hearth --cli pull {item.repo_id}` again to resume.", file=sys.stderr)
     return EXIT_INTERRUPTED
 
 
 @_one_line_errors
 def cmd_rm(args: argparse.Namespace) -> int:
     ctx = HubContext.from_settings(load_settings())
-    model = next((m for m in list_installed(ctx) if m.name == args.repo), None)
+    name, model = _to_remove(args.repo, ctx)
     if not args.yes:
         if not sys.stdin.isatty():
-            print(f"error: not a terminal; pass --yes to delete {args.repo}", file=sys.stderr)
+            print(f"error: not a terminal; pass --yes to delete {name}", file=sys.stderr)
             return EXIT_ERROR
-        size = format_bytes(model.size_bytes) if model else "partial download"
-        if input(f"Delete {args.repo} ({size})? [y/N] ").strip().lower() not in ("y", "yes"):
+        size = format_bytes(model.size_bytes) if model else "unfinished download"
+        if input(f"Delete {name} ({size})? [y/N] ").strip().lower() not in ("y", "yes"):
             print("Nothing deleted.")
             return EXIT_ERROR
-    freed = delete_model(args.repo, ctx)
-    if model is not None and model.source == "imported":
-        print(f"Forgot {args.repo}; its folder {model.path} was left alone.")
+    freed = delete_model(name, ctx)
+    if model is None:
+        print(f"Removed the unfinished download of {name} ({format_bytes(freed)} freed).")
+    elif model.source == "imported":
+        print(f"Forgot {name}; its folder {model.path} was left alone.")
     else:
-        print(f"Deleted {args.repo} ({format_bytes(freed)} freed).")
+        print(f"Deleted {name} ({format_bytes(freed)} freed).")
     return EXIT_OK
+
+
+def _to_remove(name: str, ctx: HubContext) -> tuple[str, InstalledModel | None]:
+    """What ``rm NAME`` deletes, found as ``--model`` finds models (exact name, repo id, or its short
+    name in any case): the installed name and the model (None for a download that never started
+    its first file but is queued); HubError when nothing matches or several do."""
+    if is_demo_name(name):
+        raise HubError("the bundled demo model is part of Hearth and cannot be removed")
+    matches = find_installed(name, ctx)
+    if len(matches) > 1:
+        raise HubError(f"{name} could be {', '.join(m.name for m in matches)}; pass the full name")
+    if matches:
+        return matches[0].name, matches[0]
+    if any(item.get("repo_id") == name for item in QueueFile(ctx.queue_path).load().values()):
+        return name, None
+    raise HubError(f"{name} is not installed (see `hearth --cli models`)")
 
 
 @_one_line_errors
 def cmd_models(args: argparse.Namespace) -> int:
-    models = list_installed(HubContext.from_settings(load_settings()))
+    ctx = HubContext.from_settings(load_settings())
+    models = list_installed(ctx)
+    verified = Registry(ctx.registry_path).ready()
     demo = _demo_entry()
     if args.json:
         print(json.dumps([m.to_json() for m in models] + ([demo] if demo else []), indent=2))
         return EXIT_OK
     rows = [(m.name, format_bytes(m.size_bytes), m.model_type or "?", "yes" if m.is_supported else "no",
-             _status(m.source, m.is_ready), str(m.path)) for m in models]
+             _status(m, m.name in verified), str(m.path)) for m in models]
     if demo:
         rows.append(("demo", format_bytes(demo["size_bytes"]), demo["model_type"] or "?",
                      "yes" if demo["is_supported"] else "no", "bundled demo", demo["path"]))
@@ -181,10 +221,15 @@ def cmd_search(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _status(source: str, is_ready: bool) -> str:
-    if source == "imported":
-        return "imported" if is_ready else "folder missing"
-    return "ready" if is_ready else "incomplete"
+def _status(model: InstalledModel, verified: bool) -> str:
+    """``verified``: the download finished and matched its checksums."""
+    if model.source == "imported":
+        if not model.path.is_dir():
+            return "folder missing"
+        return "imported" if model.is_ready else "no weights"
+    if model.is_ready:
+        return "ready"
+    return "no weights" if verified and not model.has_weights else "incomplete"
 
 
 def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:

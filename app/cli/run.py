@@ -1,5 +1,8 @@
-"""``hearth --cli run``: answer one prompt and exit (also the bare short form
+"""``hearth --cli run [TEXT...]``: answer one prompt and exit (also the bare short form
 ``hearth --cli --model DIR --prompt "..."``).
+
+The prompt is the words after ``run`` (or ``--prompt``), else stdin when it is piped; with both, the
+words come first, then a blank line and stdin (``git diff | hearth --cli run review this``).
 
 The answer streams to stdout and a speed line (tokens, tok/s, time to first token) goes to stderr,
 so ``hearth --cli run ... > answer.txt`` keeps only the answer. ``--json`` prints one JSON object
@@ -21,22 +24,26 @@ from hearth.app.cli.common import (
     backend_of,
     chat_options,
     consume,
+    context_of,
     local_chunks,
     messages_for,
+    note_context_cap,
     print_json,
     read_prompt,
-    resolve_model_path,
+    resolve_model,
     sampling_options,
     thoughts_stream,
 )
 from hearth.app.client.openai_client import ChatChunk, ChatClient, ClientError
 from hearth.app.store.settings import Settings, load_settings
+from hearth.engine.api import HearthError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="answer one prompt and exit",
                                    description="Answer one prompt and exit: the answer streams to stdout, "
                                    "the speed goes to stderr.")
+    parser.add_argument("words", nargs="*", metavar="TEXT", help="the prompt (or use --prompt)")
     add_common_options(parser, sub=True)
     add_run_options(parser, sub=True)
     parser.set_defaults(func=cmd_run)
@@ -50,7 +57,10 @@ def add_run_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     settings = load_settings()
-    prompt = read_prompt(args.prompt, sys.stdin)
+    words = getattr(args, "words", None)
+    if words and args.prompt is not None:
+        raise HearthError("give the prompt as words after `run` or with --prompt, not both")
+    prompt = read_prompt(" ".join(words) if words else args.prompt, sys.stdin)
     messages = messages_for(prompt, args.system)
     out = None if args.json else sys.stdout
     thoughts = None if args.json else thoughts_stream(args, sys.stderr)
@@ -72,12 +82,13 @@ def _run_local(args: argparse.Namespace, settings: Settings, messages: list[dict
                out: TextIO | None, thoughts: TextIO | None) -> tuple[str, Answer]:
     from hearth.engine import Engine, EngineConfig
 
-    path = resolve_model_path(args.model, settings)
+    model = resolve_model(args.model, settings)
+    note_context_cap(model.path, args, sys.stderr)
     # One request at a time here, so the cache only needs room for one sequence.
-    config = EngineConfig(max_model_len=args.max_model_len or settings.context_length, max_num_seqs=1)
-    engine = Engine.load(str(path), config)
+    config = EngineConfig(max_model_len=context_of(args, settings), max_num_seqs=1)
+    engine = Engine.load(str(model.path), config)
     chunks = local_chunks(engine, messages, sampling_options(args), chat_options(args))
-    return path.name, _consume_closing(chunks, out, thoughts)
+    return model.name, _consume_closing(chunks, out, thoughts)
 
 
 def _run_remote(url: str, args: argparse.Namespace, messages: list[dict[str, str]],

@@ -12,11 +12,13 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from hearth.app.cli.common import DEMO_NAMES, api_key_of, print_json, resolve_model_path
+from hearth.app.cli.common import add_debug_option, api_key_of, note_context_cap, print_json, resolve_model
 from hearth.app.client.local_engine import serve_record_path
 from hearth.app.paths import prefix_cache_dir
 from hearth.app.store.settings import Settings, load_settings
@@ -34,12 +36,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--model", "-m", default=argparse.SUPPRESS,
                        help="model folder or installed name (default: the default model in the settings)")
     serve.add_argument("--served-name", help="the model name clients use (default: the installed name or "
-                       "repo id given to --model, else the folder name)")
+                       "repo id given to --model, demo for the demo model, else the folder name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    serve.add_argument("--port", type=port_number, default=8000, help="port (default: 8000; 0 = any free port)")
     serve.add_argument("--api-key", default=argparse.SUPPRESS, help="require this bearer token "
                        "(default: $HEARTH_API_KEY; needed to bind anything but this machine's loopback)")
-    serve.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    add_debug_option(serve)
     add_security_arguments(serve)
     add_engine_arguments(serve, defaults_from="the settings")
     serve.set_defaults(func=cmd_serve)
@@ -51,20 +53,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="ask this server (default: the local engine host)")
     stats.add_argument("--api-key", default=argparse.SUPPRESS, help="API key for --backend")
     stats.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    add_debug_option(stats)
     stats.set_defaults(func=cmd_stats)
 
     stop = subparsers.add_parser("stop", help="stop the engine host running in the background",
                                  description="Stop the background engine host (started by `chat "
                                  "--keep-engine` or the desktop app); --all also stops `serve` processes.")
     stop.add_argument("--all", action="store_true", help="also stop running `hearth --cli serve` processes")
+    add_debug_option(stop)
     stop.set_defaults(func=cmd_stop)
+
+
+def port_number(text: str) -> int:
+    """--port: 0 (any free port) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 (any free one) to 65535, not {port}")
+    return port
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from hearth.engine.server.main import main as server_main
 
     settings = load_settings()
-    path = resolve_model_path(args.model, settings)
+    model = resolve_model(args.model, settings)
+    path = model.path
+    check_port_free(args.host, args.port)  # before the model loads, which can take minutes
+    note_context_cap(path, args, sys.stderr)
     # (None from a non-flag option is the top-level parser's "not given" for --max-model-len.)
     given = {o.name: getattr(args, o.name) for o in engine_options()
              if hasattr(args, o.name) and (getattr(args, o.name) is not None or o.kind == "bool")}
@@ -73,9 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = dataclasses.replace(engine, prefix_cache_dir=str(prefix_cache_dir()))
     argv = ["--model", str(path), "--host", args.host, "--port", str(args.port), "--log-level", "warning",
             "--max-body-mib", str(args.max_body_mib), *engine_flags(engine)]
-    served_name = args.served_name or _installed_name(args.model or settings.default_model)
-    if served_name:
-        argv += ["--served-name", served_name]
+    # Clients ask for the name the user knows ("demo", org/repo), not the snapshot's commit-hash folder;
+    # the host also answers to the folder's name.
+    served_name = args.served_name or model.name
+    argv += ["--served-name", served_name]
     key = api_key_of(args)
     if key:
         argv += ["--api-key", key]
@@ -89,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         argv.append("--debug")
     port_file = serve_record_path(os.getpid()).with_suffix(".port")
     argv += ["--port-file", str(port_file)]
-    with _registered(port_file, args.host, key, served_name or path.name):
+    with _registered(port_file, args.host, key, served_name):
         return server_main(argv)
 
 
@@ -117,12 +136,19 @@ def _registered(port_file: Path, host: str, api_key: str | None, model: str):
         serve_record_path(os.getpid()).unlink(missing_ok=True)
 
 
-def _installed_name(name: str | None) -> str | None:
-    """The name ``--model`` was given when it named an installed model or a repo id rather than a
-    folder: clients then ask for ``org/repo``, not for the snapshot's commit-hash folder."""
-    if not name or name.strip().lower() in DEMO_NAMES or Path(name).expanduser().is_dir():
-        return None
-    return name
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``HearthError`` when ``host:port`` cannot be bound now (in use, or not this machine's
+    address), as the server would find out only after loading the model. Port 0 always binds."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+            sock.bind((host, port))
+    except OSError as err:
+        raise HearthError(f"cannot listen on {host}:{port}: {err.strerror or err}; pick another --port "
+                          "(0 = any free port) or stop what uses it") from None
 
 
 def _model_folders(settings: Settings) -> list[str]:
@@ -151,8 +177,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     engines = running_engines()
     if not engines:
-        raise HearthError("no local engine is running (`hearth --cli serve`, `chat --keep-engine` or the app "
-                          "starts one)")
+        if args.json:
+            print_json([])
+        else:
+            print("No local engine is running (`hearth --cli serve`, `chat --keep-engine` or the app starts one).")
+        return 0
     reports = []
     for engine in engines:
         with engine.client() as client:

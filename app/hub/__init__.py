@@ -43,6 +43,7 @@ from hearth.app.hub.fit import (
 from hearth.app.hub.installed import (
     InstalledModel,
     delete_model,
+    find_installed,
     import_local_model,
     list_installed,
     resolve_model,
@@ -55,7 +56,7 @@ __all__ = [
     "DownloadQueued", "DownloadReady", "DownloadRetrying", "DownloadStalled", "DownloadStarted",
     "DownloadVerifying", "FileProgress", "FitReport", "Footprint", "GatedRepoAccessError", "HubContext",
     "HubError", "InstalledModel", "ItemState", "Machine", "OfflineError", "RepoDetails", "RepoFileInfo",
-    "RepoNotFoundError", "SearchResult", "Verdict", "assess_fit", "delete_model", "fit_for_repo",
+    "RepoNotFoundError", "SearchResult", "Verdict", "assess_fit", "delete_model", "find_installed", "fit_for_repo",
     "footprint_from_config", "import_local_model", "list_installed", "probe_machine", "repo_details",
     "resolve_model", "search_models",
 ]

@@ -148,14 +148,15 @@ def repo_details(ctx: HubContext, repo_id: str, revision: str | None = None) -> 
     config, access_error = None, None
     if any(f.filename == "config.json" for f in files):
         try:
-            config = _fetch_config(ctx, repo_id, info.sha or revision)
+            config = fetch_config(ctx, repo_id, info.sha or revision)
         except HubError as exc:
             access_error = str(exc)
     listed = info.config.get("model_type") if isinstance(info.config, dict) else None
     return RepoDetails(repo_id, info.sha or "", bool(info.gated), files, config, access_error, listed)
 
 
-def _fetch_config(ctx: HubContext, repo_id: str, revision: str | None) -> dict[str, Any]:
+def fetch_config(ctx: HubContext, repo_id: str, revision: str | None) -> dict[str, Any]:
+    """The repo's parsed config.json (raises ``HubError``)."""
     try:
         # NOTE: into Hearth's own cache, not the HF cache: a lone config.json there would make the
         # repo look half-installed.

@@ -64,6 +64,10 @@ class NetworkError(HubError):
     is_resumable = True
 
 
+class UnsupportedRepoError(HubError):
+    """The repo holds nothing Hearth can load: no safetensors weights, or an architecture it does not run."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures a retry can fix: network drops, timeouts, 5xx/429, short reads."""
     if isinstance(exc, DryRunError) and exc.__cause__ is not None:
@@ -78,6 +82,14 @@ def is_transient(exc: BaseException) -> bool:
         return True
     # http_get checks the received size against the expected one after a dropped connection.
     return isinstance(exc, OSError) and "Consistency check failed" in str(exc)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True when no connection could be made at all (refused, unknown host, no route): unlike a
+    dropped transfer, retrying for minutes seldom helps, so planning gives up after a short try."""
+    if isinstance(exc, DryRunError) and exc.__cause__ is not None:
+        return is_unreachable(exc.__cause__)
+    return isinstance(exc, httpx.ConnectError)
 
 
 def describe(exc: BaseException, repo_id: str, endpoint: str) -> HubError:
@@ -103,6 +115,9 @@ def describe(exc: BaseException, repo_id: str, endpoint: str) -> HubError:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return DiskFullError(f"The disk filled up while downloading {repo_id}; free some space and "
                              "resume (the partial files are kept)")
+    if is_unreachable(exc):
+        return NetworkError(f"Cannot reach {endpoint} to download {repo_id} ({_first_line(exc)}); check the "
+                            "network, or the hf_endpoint setting / HF_ENDPOINT")
     if is_transient(exc):
         return NetworkError(f"Cannot download {repo_id} from {endpoint}: {_first_line(exc)}")
     return HubError(f"{repo_id}: {type(exc).__name__}: {_first_line(exc)}")

@@ -29,7 +29,9 @@ from hearth.app.store.settings import load_settings
 
 @dataclass(frozen=True)
 class InstalledModel:
-    """A model Hearth can see. ``is_ready``: downloaded and verified (or an imported folder)."""
+    """A model Hearth can see. ``is_ready``: downloaded and verified (or an imported folder), with
+    safetensors weights; ``has_weights``: the folder holds ``*.safetensors`` files (a pull with
+    ``--include`` may have fetched none, and Hearth never loads other weight formats)."""
 
     name: str
     path: Path
@@ -38,15 +40,17 @@ class InstalledModel:
     source: Literal["hub", "imported"]
     is_ready: bool
     commit: str | None
+    has_weights: bool = True
 
     @property
     def is_supported(self) -> bool:
-        return self.model_type in SUPPORTED_MODEL_TYPES
+        """An architecture Hearth runs, with weights it can load."""
+        return self.model_type in SUPPORTED_MODEL_TYPES and self.has_weights
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "path": str(self.path), "size_bytes": self.size_bytes,
                 "model_type": self.model_type, "is_supported": self.is_supported, "source": self.source,
-                "is_ready": self.is_ready, "commit": self.commit}
+                "is_ready": self.is_ready, "commit": self.commit, "has_weights": self.has_weights}
 
 
 def list_installed(ctx: HubContext | None = None) -> list[InstalledModel]:
@@ -60,16 +64,29 @@ def list_installed(ctx: HubContext | None = None) -> list[InstalledModel]:
         if revision is None:
             continue
         entry = ready.get(repo.repo_id)
+        has_weights = _has_weights(revision.snapshot_path)
         models.append(InstalledModel(
             name=repo.repo_id, path=revision.snapshot_path, size_bytes=repo.size_on_disk,
             model_type=_model_type(revision.snapshot_path), source="hub",
-            is_ready=entry is not None and entry.get("commit") == revision.commit_hash,
-            commit=revision.commit_hash))
+            is_ready=entry is not None and entry.get("commit") == revision.commit_hash and has_weights,
+            commit=revision.commit_hash, has_weights=has_weights))
     for name, folder in registry.imported().items():
         path = Path(folder)
+        has_weights = _has_weights(path)
         models.append(InstalledModel(name, path, _folder_size(path), _model_type(path), "imported",
-                                     is_ready=path.is_dir(), commit=None))
+                                     is_ready=path.is_dir() and has_weights, commit=None, has_weights=has_weights))
     return sorted(models, key=lambda m: m.name.lower())
+
+
+def find_installed(name: str, ctx: HubContext | None = None) -> list[InstalledModel]:
+    """The installed models ``name`` names: the one with exactly that name, else those whose name,
+    or repo name without the owner, is ``name`` in any letter case (what ``--model`` accepts)."""
+    models = list_installed(ctx)
+    exact = [m for m in models if m.name == name]
+    if exact:
+        return exact
+    wanted = name.lower()
+    return [m for m in models if wanted in (m.name.lower(), m.name.rsplit("/", 1)[-1].lower())]
 
 
 def import_local_model(folder: str | Path, name: str | None = None,
@@ -120,9 +137,11 @@ def _downloaded_snapshot(repo_id: str, ctx: HubContext, registry: Registry) -> P
     cache = RepoCache(ctx.cache_dir, repo_id)
     entry = registry.ready().get(repo_id)
     if entry is not None and cache.snapshot(entry["commit"]).is_dir():
-        return cache.snapshot(entry["commit"])
-    unfinished = [i for i in QueueFile(ctx.queue_path).load().values() if i.get("repo_id") == repo_id]
-    if unfinished:
+        snapshot = cache.snapshot(entry["commit"])
+        if not _has_weights(snapshot):
+            raise HubError(_no_weights(repo_id))
+        return snapshot
+    if QueueFile(ctx.queue_path).unfinished(repo_id):
         raise HubError(f"{repo_id} is not fully downloaded yet; resume it with `hearth --cli pull {repo_id}`")
     for repo in _cached_repos(ctx):
         revision = _pick_revision(repo, None) if repo.repo_id == repo_id else None
@@ -133,9 +152,7 @@ def _downloaded_snapshot(repo_id: str, ctx: HubContext, registry: Registry) -> P
 
 def _by_short_name(name: str, ctx: HubContext) -> Path:
     """The one installed model whose name, or repo name without the owner, is ``name`` (any case)."""
-    wanted = name.lower()
-    matches = [m for m in list_installed(ctx)
-               if wanted in (m.name.lower(), m.name.rsplit("/", 1)[-1].lower())]
+    matches = find_installed(name, ctx)
     ready = [m for m in matches if m.is_ready]
     if len(ready) == 1:
         return ready[0].path
@@ -143,15 +160,18 @@ def _by_short_name(name: str, ctx: HubContext) -> Path:
         raise HubError(f"{name} could be {', '.join(m.name for m in ready)}; pass the full name")
     if matches:
         model = matches[0]
-        if model.source == "imported":
+        if model.source == "imported" and not model.path.is_dir():
             raise HubError(f"The folder imported as {model.name} is gone ({model.path}); import it again")
+        if not model.has_weights and (model.source == "imported" or model.name in Registry(ctx.registry_path).ready()):
+            raise HubError(_no_weights(model.name))
         raise HubError(f"{model.name} is not fully downloaded yet; resume it with `hearth --cli pull {model.name}`")
     raise HubError(f"No model called {name}: not a folder, an installed name, a downloaded repo or its short "
                    "name (see `hearth --cli models`)")
 
 
 def delete_model(name: str, ctx: HubContext | None = None) -> int:
-    """Forget an imported name (its folder stays) or delete a download; returns bytes freed."""
+    """Forget an imported name (its folder stays) or delete a download, partial ones and their queue
+    entries included; returns bytes freed."""
     ctx = ctx or HubContext.from_settings(load_settings())
     registry = Registry(ctx.registry_path)
     if registry.remove_import(name):
@@ -163,13 +183,14 @@ def delete_model(name: str, ctx: HubContext | None = None) -> int:
         freed = strategy.expected_freed_size
         strategy.execute()
     folder = RepoCache(ctx.cache_dir, name).folder
-    if folder.exists():  # partial downloads the cache scanner does not list as a revision
+    had_folder = folder.exists()
+    if had_folder:  # partial downloads the cache scanner does not list as a revision
         freed += _folder_size(folder)
         shutil.rmtree(folder)
-    elif repo is None:
+    queued = QueueFile(ctx.queue_path).remove_repo(name)  # a failed or paused pull of it, too
+    if repo is None and not had_folder and not queued and name not in registry.ready():
         raise HubError(f"{name} is not installed (see `hearth --cli models`)")
     registry.unmark_ready(name)
-    QueueFile(ctx.queue_path).remove_repo(name)
     return freed
 
 
@@ -196,6 +217,15 @@ def _read_config(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
+
+
+def _has_weights(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.glob("*.safetensors"))
+
+
+def _no_weights(name: str) -> str:
+    return (f"{name} has no .safetensors weights (Hearth never loads pickle files; GGUF is not supported); "
+            f"remove it with `hearth --cli rm {name}`")
 
 
 def _model_type(folder: Path) -> str | None:

@@ -2,7 +2,9 @@
 
 plan: ``snapshot_download(dry_run=True)`` lists the files the patterns select, with sizes and
     whether each is already cached; ``model_info(files_metadata=True)`` adds each file's sha256 (LFS)
-    or git object id; the bytes still to fetch are checked against the free disk space.
+    or git object id; a repo Hearth could not load is refused here, before any weight is fetched (no
+    ``.safetensors`` weights, or a ``model_type`` it does not run, read from the Hub's listing or else
+    from config.json); the bytes still to fetch are checked against the free disk space.
 fetch: files in parallel (``Settings.download_parallelism`` threads), each with retries and
     exponential backoff for transient failures (the counter restarts when bytes arrived).
 verify: every file is hashed against the published checksum before the model counts as ready; a
@@ -20,11 +22,19 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from huggingface_hub import snapshot_download
+from huggingface_hub.hf_api import ModelInfo
 
 from hearth.app.hub import fit
-from hearth.app.hub.catalog import DEFAULT_INCLUDE, NEVER_INCLUDE
+from hearth.app.hub.catalog import DEFAULT_INCLUDE, NEVER_INCLUDE, SUPPORTED_MODEL_TYPES, fetch_config
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.errors import ChecksumError, DiskFullError, HubError, is_transient
+from hearth.app.hub.errors import (
+    ChecksumError,
+    DiskFullError,
+    HubError,
+    UnsupportedRepoError,
+    is_transient,
+    is_unreachable,
+)
 from hearth.app.hub.events import FileProgress
 from hearth.app.hub.transfer import (
     QuietTqdm,
@@ -39,6 +49,8 @@ from hearth.app.hub.units import format_bytes
 
 T = TypeVar("T")
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
+PLAN_UNREACHABLE_RETRIES = 2  # planning's retries when no connection can be made at all (see is_unreachable)
+NOT_LOADABLE = (".gguf", ".bin", ".pt", ".pth", ".ckpt")  # weights Hearth never loads, named when a repo has only those
 
 
 @dataclass(frozen=True)
@@ -151,8 +163,10 @@ class RunControl:
 
 def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, stop: threading.Event,
                     on_retry: Callable[[int, float, BaseException], None],
-                    progress: Callable[[], int] = lambda: 0) -> T:
-    """``fn()``, retried with exponential backoff while it fails transiently; stop ends the wait."""
+                    progress: Callable[[], int] = lambda: 0,
+                    max_retries: Callable[[BaseException], int] | None = None) -> T:
+    """``fn()``, retried with exponential backoff while it fails transiently; stop ends the wait.
+    ``max_retries(exc)``: how many retries a failure like ``exc`` gets (default: the policy's)."""
     attempt = 0
     while True:
         before = progress()
@@ -166,7 +180,7 @@ def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, stop: threading.Ev
             if not is_transient(exc):
                 raise
             attempt = 1 if progress() > before else attempt + 1
-            if attempt > policy.max_retries:
+            if attempt > (max_retries(exc) if max_retries is not None else policy.max_retries):
                 raise
             delay = policy.delay(attempt)
             on_retry(attempt, delay, exc)
@@ -175,14 +189,18 @@ def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, stop: threading.Ev
 
 
 def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: tuple[str, ...] | None,
-                  exclude: tuple[str, ...] | None) -> Plan:
-    """Which files, how big, what is cached; raises ``DiskFullError`` if the rest cannot fit."""
+                  exclude: tuple[str, ...] | None, force: bool = False) -> Plan:
+    """Which files, how big, what is cached; raises ``UnsupportedRepoError`` for a repo Hearth could
+    not load (``force``: not for its architecture) and ``DiskFullError`` if the rest cannot fit."""
     allow = list(include or DEFAULT_INCLUDE)
     ignore = [*(exclude or ()), *NEVER_INCLUDE]
     dry = snapshot_download(repo_id, revision=revision, cache_dir=ctx.cache_dir, endpoint=ctx.endpoint,
                             allow_patterns=allow, ignore_patterns=ignore, max_workers=ctx.parallelism,
                             library_name="hearth", tqdm_class=QuietTqdm, dry_run=True)
     if not dry:
+        if include is None:
+            listing = ctx.api().model_info(repo_id, revision=revision).siblings or ()
+            raise UnsupportedRepoError(_no_weights_message(repo_id, [s.rfilename for s in listing]))
         raise HubError(f"No file of {repo_id} matches {', '.join(allow)}")
     commit = dry[0].commit_hash
     cache = RepoCache(ctx.cache_dir, repo_id)
@@ -197,6 +215,7 @@ def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: 
         files.append(PlannedFile(d.filename, size, s.lfs.sha256 if s and s.lfs else None,
                                  s.blob_id if s else None, is_cached=not d.will_download))
     plan = Plan(commit, tuple(files))
+    _check_loadable(ctx, repo_id, plan, info, weights_required=include is None, force=force)
     _check_disk_space(plan, cache, repo_id)
     cache.snapshot(commit).mkdir(parents=True, exist_ok=True)  # scan_cache_dir wants the folder
     return plan
@@ -204,13 +223,47 @@ def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: 
 
 def plan_with_retry(ctx: HubContext, repo_id: str, revision: str | None, include: tuple[str, ...] | None,
                     exclude: tuple[str, ...] | None, ctl: RunControl, policy: RetryPolicy,
-                    on_retry: Callable[[int, float, BaseException], None]) -> Plan:
-    """``plan_download`` with retries; a stop request made while planning counts once it returns."""
-    plan = call_with_retry(lambda: plan_download(ctx, repo_id, revision, include, exclude), policy,
-                           ctl.stop, on_retry)
+                    on_retry: Callable[[int, float, BaseException], None], force: bool = False) -> Plan:
+    """``plan_download`` with retries (only ``PLAN_UNREACHABLE_RETRIES`` when the endpoint cannot be
+    reached at all); a stop request made while planning counts once it returns."""
+
+    def max_retries(exc: BaseException) -> int:
+        return min(policy.max_retries, PLAN_UNREACHABLE_RETRIES) if is_unreachable(exc) else policy.max_retries
+
+    plan = call_with_retry(lambda: plan_download(ctx, repo_id, revision, include, exclude, force), policy,
+                           ctl.stop, on_retry, max_retries=max_retries)
     if ctl.stop.is_set():
         raise TransferStopped()
     return plan
+
+
+def _check_loadable(ctx: HubContext, repo_id: str, plan: Plan, info: ModelInfo, *, weights_required: bool,
+                    force: bool) -> None:
+    """Refuse a repo Hearth could not load before any weight is fetched: one without safetensors
+    weights (unless ``--include`` chose the files), or one of an architecture Hearth does not run
+    (unless ``force``). The model_type comes from the Hub's listing, else from config.json (small)."""
+    if weights_required and not any(f.filename.endswith(".safetensors") for f in plan.files):
+        raise UnsupportedRepoError(_no_weights_message(repo_id, [s.rfilename for s in info.siblings or ()]))
+    if force:
+        return
+    model_type = info.config.get("model_type") if isinstance(info.config, dict) else None
+    if model_type is None and any(s.rfilename == "config.json" for s in info.siblings or ()):
+        model_type = fetch_config(ctx, repo_id, plan.commit).get("model_type")
+    runs = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+    again = f"`hearth --cli pull --force {repo_id}` downloads it anyway"
+    if model_type is None:
+        raise UnsupportedRepoError(f"{repo_id} names no model_type (no config.json), so it is not a model Hearth "
+                                   f"can run (it runs {runs}); {again}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedRepoError(f"{repo_id} is a {model_type} model, an architecture Hearth cannot run (it runs "
+                                   f"{runs}); nothing was downloaded; {again}")
+
+
+def _no_weights_message(repo_id: str, filenames: list[str] | tuple[str, ...]) -> str:
+    kinds = sorted({ext for name in filenames for ext in NOT_LOADABLE if name.endswith(ext)})
+    has = f" (only {', '.join(kinds)} files)" if kinds else ""
+    return (f"{repo_id} has no .safetensors weights{has}: Hearth never loads pickle files; GGUF is not "
+            "supported; nothing was downloaded")
 
 
 def _check_disk_space(plan: Plan, cache: RepoCache, repo_id: str) -> None:
@@ -221,8 +274,9 @@ def _check_disk_space(plan: Plan, cache: RepoCache, repo_id: str) -> None:
             missing += f.size - (partial.stat().st_size if partial and partial.exists() else 0)
     free = fit.free_disk_bytes(cache.cache_dir)
     if missing + DISK_MARGIN_BYTES > free:
-        raise DiskFullError(f"{repo_id} needs {format_bytes(missing)} more but {cache.cache_dir} has only "
-                            f"{format_bytes(free)} free; free some space or pick another cache folder")
+        raise DiskFullError(f"{repo_id} needs {format_bytes(missing)} more, plus {format_bytes(DISK_MARGIN_BYTES)} "
+                            f"kept free as a margin, but {cache.cache_dir} has only {format_bytes(free)} free; free "
+                            "some space or pick another cache folder")
 
 
 def fetch_all(ctx: HubContext, repo_id: str, plan: Plan, ctl: RunControl, policy: RetryPolicy,

@@ -9,7 +9,10 @@ nothing for that long is reconnected with a Range request (by ``http_get`` itsel
 retry with exponential backoff); the ticker reports each stall as ``DownloadStalled``.
 
 Restart: every unfinished item is kept in ``downloads.json``; a new manager loads them paused, and
-``resume`` continues from the partial files.
+``resume`` continues from the partial files. A failed item is kept too (the GUI shows its reason
+after a restart), marked ``is_resumable=False`` when pulling again has nothing to continue (no such
+repo, no access, nothing Hearth can load, or a failure before any plan was made): name resolution
+does not take such an entry for an unfinished download, and ``hearth --cli pull`` drops it.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class DownloadItem:
     bytes_total: int = 0
     message: str | None = None
     path: str | None = None
+    force: bool = False  # download even an architecture Hearth does not run
+    is_resumable: bool = True  # False after a failure that pulling again has nothing to continue from
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "state": str(self.state)}
@@ -78,6 +83,8 @@ class DownloadItem:
         item.state = ItemState(item.state)
         item.include = tuple(item.include) if item.include else None
         item.exclude = tuple(item.exclude) if item.exclude else None
+        if "is_resumable" not in data:  # written by an older Hearth: resumable once it had a plan
+            item.is_resumable = item.commit is not None
         return item
 
 
@@ -131,8 +138,9 @@ class DownloadManager:
         self._threads.clear()
 
     def enqueue(self, repo_id: str, *, revision: str | None = None, include: tuple[str, ...] | None = None,
-                exclude: tuple[str, ...] | None = None) -> str:
-        """Queue ``repo_id`` (again); returns its item id. A paused or failed item resumes."""
+                exclude: tuple[str, ...] | None = None, force: bool = False) -> str:
+        """Queue ``repo_id`` (again); returns its item id. A paused or failed item resumes. ``force``:
+        download it even when its architecture is not one Hearth runs."""
         self.ctx.require_online(f"download {repo_id}")
         check_repo_id(repo_id)
         item_id = f"{repo_id}@{revision or 'main'}"
@@ -141,9 +149,10 @@ class DownloadManager:
             if item is not None and item.state in (ItemState.QUEUED, ItemState.RUNNING):
                 return item_id
             new = DownloadItem(item_id, repo_id, revision, tuple(include) if include else None,
-                               tuple(exclude) if exclude else None)
+                               tuple(exclude) if exclude else None, force=force)
             if item is not None and item.include == new.include and item.exclude == new.exclude:
-                new.commit = item.commit  # resume the same commit, not whatever main is now
+                # Resume the same commit, not whatever main is now (what is kept counts until the plan).
+                new.commit, new.bytes_done, new.bytes_total = item.commit, item.bytes_done, item.bytes_total
             self._items[item_id] = new
             self._persist(new)
             self._emit(ev.DownloadQueued(item_id, repo_id))
@@ -168,7 +177,7 @@ class DownloadManager:
             item = self._items[item_id]
             if item.state not in (ItemState.PAUSED, ItemState.FAILED):
                 return
-            item.state, item.message = ItemState.QUEUED, None
+            item.state, item.message, item.is_resumable = ItemState.QUEUED, None, True
             self._persist(item)
             self._emit(ev.DownloadQueued(item_id, item.repo_id))
             self._cond.notify_all()
@@ -246,6 +255,8 @@ class DownloadManager:
             if isinstance(error, ChecksumError):
                 self._registry.unmark_ready(item.repo_id)  # a re-pull found a bad file
             item.bytes_done = ctl.bytes_done()
+            # Kept for a later pull only when there is something to continue: a plan, maybe partial files.
+            item.is_resumable = error.is_resumable and item.commit is not None
             self._close(item, ctl, ev.DownloadFailed(item.item_id, item.repo_id, str(error), error.is_resumable),
                         ItemState.FAILED, message=str(error))
 
@@ -257,7 +268,7 @@ class DownloadManager:
             self._emit(ev.DownloadRetrying(item.item_id, item.repo_id, filename, attempt, delay, reason))
 
         plan = plan_with_retry(self.ctx, item.repo_id, item.commit or item.revision, item.include,
-                               item.exclude, ctl, policy, lambda a, d, e: on_retry(None, a, d, e))
+                               item.exclude, ctl, policy, lambda a, d, e: on_retry(None, a, d, e), item.force)
         cache = RepoCache(self.ctx.cache_dir, item.repo_id)
         item.commit, item.bytes_total = plan.commit, plan.bytes_total
         ctl.set_plan(plan, cache)

@@ -99,10 +99,21 @@ class QueueFile:
     def remove(self, item_id: str) -> None:
         self._file.update(lambda d: d.setdefault("items", {}).pop(item_id, None))
 
-    def remove_repo(self, repo_id: str) -> None:
+    def unfinished(self, repo_id: str) -> list[dict[str, Any]]:
+        """The repo's entries that pulling again would continue: a plan was made (so files may be
+        here) and no failure ended it for good (``DownloadItem.is_resumable``)."""
+        return [item for item in self.load().values() if item.get("repo_id") == repo_id
+                and item.get("commit") is not None and item.get("is_resumable", True)]
+
+    def remove_repo(self, repo_id: str) -> int:
+        """Forget every entry of ``repo_id``; returns how many there were."""
+        removed: list[str] = []
+
         def change(data: dict[str, Any]) -> None:
             items = data.setdefault("items", {})
-            for key in [k for k, v in items.items() if v.get("repo_id") == repo_id]:
+            removed.extend(k for k, v in items.items() if v.get("repo_id") == repo_id)
+            for key in removed:
                 del items[key]
 
         self._file.update(change)
+        return len(removed)

@@ -19,9 +19,11 @@ read as unset, so ``HF_ENDPOINT`` applies to them too.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -84,13 +86,30 @@ class Settings:
         _check_types(self)
         if self.hf_endpoint is not None:
             object.__setattr__(self, "hf_endpoint", self.hf_endpoint.rstrip("/"))
+        engine = self.engine
         checks = [
-            (self.hf_endpoint is None or self.hf_endpoint.startswith(("http://", "https://")),
+            (self.hf_endpoint is None or _is_http_url(self.hf_endpoint),
              "hf_endpoint must be an http(s) URL (or null for HF_ENDPOINT / the Hub)"),
+            (self.hf_cache_dir is None or Path(self.hf_cache_dir).expanduser().is_absolute(),
+             f"hf_cache_dir must be an absolute folder path (~ allowed), not {self.hf_cache_dir!r}"),
+            (self.backend_url is None or _is_http_url(self.backend_url),
+             f"backend_url must be an http(s) URL such as http://host:8000/v1 (or null for the local engine), "
+             f"not {self.backend_url!r}"),
             (1 <= self.download_parallelism <= 64, "download_parallelism must be in [1, 64]"),
             (self.theme in ("light", "dark", "system"), "theme must be light, dark or system"),
             (self.context_overflow in ("truncate", "stop"), "context_overflow must be truncate or stop"),
+            (_is_host(self.api_host), f"api_host must be an IP address or a host name, not {self.api_host!r}"),
             (0 <= self.api_port <= 65535, "api_port must be in [0, 65535]"),
+            # NOTE: the engine takes any page size, but its attention kernels only powers of two from 16;
+            # another size would quietly run the slow plain-PyTorch path.
+            (engine.block_size >= MIN_BLOCK_SIZE and engine.block_size & (engine.block_size - 1) == 0,
+             f"block_size must be a power of two of at least {MIN_BLOCK_SIZE} (16, 32, 64, 128...), "
+             f"not {engine.block_size}"),
+            (engine.index_topk_pattern is None or _INDEX_PATTERN.fullmatch(engine.index_topk_pattern),
+             "index_topk_pattern must be one letter per layer, F (own indexer) or S (reuse), starting with F, "
+             f"not {engine.index_topk_pattern!r}"),
+            (engine.index_topk_pattern is None or engine.index_topk_freq is None,
+             "index_topk_pattern replaces index_topk_freq: set one of them, not both"),
         ]
         for ok, message in checks:
             if not ok:
@@ -117,6 +136,27 @@ class Settings:
         """The settings as the file holds them: one flat object."""
         flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
         return {**flat, **dataclasses.asdict(self.engine)}
+
+
+MIN_BLOCK_SIZE = 16  # the smallest page size the attention kernels take (hearth.engine.models.dsa_kernels)
+_INDEX_PATTERN = re.compile(r"[Ff][FfSs]*")  # the engine reads it upper-cased; the first layer runs its indexer
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _is_http_url(url: str) -> bool:
+    scheme, _, rest = url.partition("://")
+    return scheme.lower() in ("http", "https") and bool(rest) and not rest.startswith("/")
+
+
+def _is_host(host: str) -> bool:
+    """An IPv4 / IPv6 address or a DNS host name (what a server can bind)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    return 0 < len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
 
 
 ENGINE_KEYS = frozenset(option.name for option in engine_options())

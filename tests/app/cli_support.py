@@ -21,6 +21,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from hearth.app.client import ChatChunk
+
 SHARD_1 = "model-00001-of-00002.safetensors"
 SHARD_2 = "model-00002-of-00002.safetensors"
 
@@ -116,7 +118,10 @@ class Terminal:
 
 
 class _FakeOpenAI(BaseHTTPRequestHandler):
-    """A minimal OpenAI-compatible server that is not Hearth (no /health, no /hearth/*)."""
+    """A minimal OpenAI-compatible server that is not Hearth (no /health, no /hearth/*). Streamed
+    chats answer "echo: " and the last message; every chat request body is kept in ``received``."""
+
+    received: list[dict]
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server API
         if self.path == "/v1/models":
@@ -129,10 +134,25 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
         if self.path != "/v1/chat/completions":
             self._json(404, {"detail": "Not Found"})
             return
+        self.received.append(body)
+        if body.get("stream"):
+            self._stream(f"echo: {body['messages'][-1]['content']}")
+            return
         answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"echo {body['model']}"},
                                "finish_reason": "stop"}],
                   "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
         self._json(200, answer)
+
+    def _stream(self, text: str) -> None:
+        events = [{"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]},
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}]
+        payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(payload.encode())))
+        self.end_headers()
+        self.wfile.write(payload.encode())
 
     def _json(self, status: int, data: dict) -> None:
         payload = json.dumps(data).encode()
@@ -147,9 +167,11 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def fake_openai_server() -> Iterator[str]:
-    """The base URL of a running minimal non-Hearth OpenAI server."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+def fake_openai_server(received: list[dict] | None = None) -> Iterator[str]:
+    """The base URL of a running minimal non-Hearth OpenAI server; the chat requests it gets are
+    appended to ``received``."""
+    handler = type("Handler", (_FakeOpenAI,), {"received": received if received is not None else []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
@@ -157,3 +179,31 @@ def fake_openai_server() -> Iterator[str]:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class FakeSession:
+    """Stands in for the chat's ChatSession: records what the REPL sends and answers "ok N"."""
+
+    model = label = "fake-model"
+    where = "a fake server"
+
+    def __init__(self) -> None:
+        self.sent: list[list[dict[str, str]]] = []
+
+    def stream(self, messages, sampling):
+        self.sent.append(messages)
+        yield ChatChunk(f"ok {len(self.sent)}")
+        yield ChatChunk("", "stop", {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
+
+
+def feed_input(monkeypatch, *lines: str | type[BaseException]) -> None:
+    """``input()`` returns ``lines`` in turn (an exception class is raised instead)."""
+    queue = list(lines)
+
+    def fake_input(_prompt: str = "") -> str:
+        item = queue.pop(0)
+        if isinstance(item, type):
+            raise item()
+        return item
+
+    monkeypatch.setattr("builtins.input", fake_input)

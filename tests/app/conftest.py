@@ -56,6 +56,18 @@ def write_tiny_model(folder: Path) -> Path:
     return folder
 
 
+def add_unloadable_repos(hub: FakeHub) -> None:
+    """Repos Hearth cannot load: pickle-only, GGUF-only, and llama (one whose listing names no type)."""
+    config, pickle = tiny_model_files()["config.json"], tiny_model_files()["pytorch_model.bin"]
+    hub.add_repo(FakeRepo("hearth-test/pickle-only", {f.path: f for f in (config, pickle)}, commit="d" * 40,
+                          model_type="deepseek_v3"))
+    gguf = FakeFile("model.Q4_K_M.gguf", b"GGUF" + bytes(4096), is_lfs=True)
+    hub.add_repo(FakeRepo("hearth-test/gguf-only", {gguf.path: gguf}, commit="e" * 40))
+    llama = {**tiny_model_files(seed=3), "config.json": FakeFile("config.json", b'{"model_type": "llama"}')}
+    hub.add_repo(FakeRepo("meta/llama-tiny", llama, commit="c" * 40, model_type="llama"))
+    hub.add_repo(FakeRepo("meta/llama-unlisted", dict(llama), commit="f" * 40, model_type=None))
+
+
 @pytest.fixture(autouse=True)
 def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Hearth's folders under tmp_path, and no token from this machine's environment or login."""

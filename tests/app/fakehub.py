@@ -10,7 +10,8 @@ It answers what huggingface_hub 2.4 calls, with the headers the library reads:
 - gated repos: 401 without a token, 403 with an ungranted one, both with ``X-Error-Code: GatedRepo``.
 
 Faults are queued per file and consumed by GET requests: answer with an HTTP status, drop the
-connection after some bytes, stall after some bytes, or stream slowly. Every request is logged.
+connection after some bytes, stall after some bytes, or stream slowly; ``add_api_fault`` queues an
+HTTP status for an API path (``/api/models``). Every request is logged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+_API = "<api>"  # the fault key of API paths (not a repo id)
 
 
 @dataclass
@@ -99,6 +102,10 @@ class FakeHub:
         with self._lock:
             self._faults.setdefault((repo_id, path), []).append(fault)
 
+    def add_api_fault(self, path: str, fault: Fault) -> None:
+        """Answer the next ``fault.times`` requests of API ``path`` with ``fault.status``."""
+        self.add_fault(_API, path, fault)
+
     def take_fault(self, repo_id: str, path: str) -> Fault | None:
         with self._lock:
             faults = self._faults.get((repo_id, path), [])
@@ -156,6 +163,9 @@ class _Handler(BaseHTTPRequestHandler):
         path, query = unquote(parts.path), parse_qs(parts.query)
         self.hub.log(LoggedRequest(self.command, path, query, {k.lower(): v for k, v in self.headers.items()}))
         try:
+            fault = self.hub.take_fault(_API, path) if path.startswith("/api/") else None
+            if fault is not None:
+                return self._error(fault.status, None, "injected failure")
             if path == "/api/models":
                 return self._json(self._search(query))
             if path.startswith("/api/models/"):

@@ -150,9 +150,10 @@ def test_an_older_file_with_the_default_endpoint_lets_hf_endpoint_apply():
 def test_run_uses_the_only_installed_model_and_its_short_name(runnable, capsys):
     import_local_model(runnable, "Tiny-DeepSeek-V3.2")
     assert cli(["run", "-p", "hi", "--max-tokens", "2", "--temperature", "0", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["model"] == "tiny-v32"
+    assert json.loads(capsys.readouterr().out)["model"] == "Tiny-DeepSeek-V3.2"  # its installed name
     assert cli(["run", "-m", "tiny-deepseek-v3.2", "-p", "hi", "--max-tokens", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["usage"]["completion_tokens"] == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["usage"]["completion_tokens"] == 2 and out["model"] == "tiny-deepseek-v3.2"  # the name given
 
 
 def test_resolution_order_and_ambiguous_short_names(runnable, settings, capsys):
@@ -210,8 +211,8 @@ def test_stats_sees_a_running_serve_and_stop_all_ends_it(runnable, isolated_home
             proc.kill()
             proc.wait()
     assert not list((isolated_home / "run").glob("serve-*"))
-    assert cli(["stats"]) == 1
-    assert "no local engine is running" in _one_error_line(capsys.readouterr().err)
+    assert cli(["stats"]) == 0
+    assert capsys.readouterr().out.startswith("No local engine is running")
 
 
 def test_stop_stops_a_kept_background_host(runnable, capsys):
@@ -281,8 +282,8 @@ def test_no_runtime_dir_warning_without_xdg_runtime_dir(tmp_path):
     env["HOME"] = str(tmp_path / "home")  # the config and data folders land here, not in the real home
     result = subprocess.run(hearth_cmd("stats"), capture_output=True, text=True, env=env, timeout=120,
                             stdin=subprocess.DEVNULL)
-    assert result.returncode == 1
-    assert "no local engine is running" in _one_error_line(result.stderr)  # and no RuntimeDirWarning
+    assert (result.returncode, result.stderr) == (0, "")  # no RuntimeDirWarning
+    assert result.stdout.startswith("No local engine is running")
     where = subprocess.run([sys.executable, "-c", "from hearth.app.paths import runtime_dir; print(runtime_dir())"],
                            capture_output=True, text=True, env=env, timeout=60, check=True)
     assert where.stderr == "" and Path(where.stdout.strip()).stat().st_mode & 0o777 == 0o700

@@ -57,7 +57,8 @@ def test_without_think_the_model_answers_directly(model_dir, capsys):
 class _ThinkingSession:
     """Answers every message with reasoning, then the answer; records what the REPL sends."""
 
-    model, where = "fake-model", "a fake server"
+    model = label = "fake-model"
+    where = "a fake server"
 
     def __init__(self) -> None:
         self.sent: list[list[dict[str, str]]] = []

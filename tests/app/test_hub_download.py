@@ -5,19 +5,20 @@ full disks, cancel, and offline mode. Every wait is bounded."""
 from __future__ import annotations
 
 import errno
+import socket
 from pathlib import Path
 
 import pytest
 
 from hearth.app.hub import events as ev
-from hearth.app.hub import fit, transfer
+from hearth.app.hub import fit, job, transfer
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.errors import OfflineError
+from hearth.app.hub.errors import HubError, OfflineError
 from hearth.app.hub.installed import list_installed, resolve_model
 from hearth.app.hub.manager import DownloadManager, ItemState
-from hearth.app.hub.state import Registry
+from hearth.app.hub.state import QueueFile, Registry
 from hearth.app.hub.transfer import RepoCache
-from tests.app.conftest import FAST, GATED_REPO, TINY_REPO, EventLog
+from tests.app.conftest import FAST, GATED_REPO, TINY_REPO, EventLog, add_unloadable_repos
 from tests.app.fakehub import FakeHub, Fault
 
 WEIGHTS = "model.safetensors"
@@ -248,3 +249,108 @@ def test_queue_survives_a_restart_paused(settings):
     reloaded = EventLog()
     again = DownloadManager(settings, on_event=reloaded, options=FAST)
     assert [(i.repo_id, i.state) for i in again.items()] == [(TINY_REPO, ItemState.PAUSED)]
+
+
+# ---- repos Hearth could not load are refused before their weights are fetched ----------------
+
+
+@pytest.mark.parametrize(("repo_id", "words"), [
+    ("hearth-test/pickle-only", "has no .safetensors weights (only .bin files): Hearth never loads pickle files"),
+    ("hearth-test/gguf-only", "has no .safetensors weights (only .gguf files): Hearth never loads pickle files; "
+                              "GGUF is not supported"),
+])
+def test_a_repo_without_safetensors_is_refused_for_good(make_manager, fake_hub: FakeHub, repo_id, words):
+    add_unloadable_repos(fake_hub)
+    manager, log = make_manager()
+    assert manager.wait(manager.enqueue(repo_id), timeout=20) == ItemState.FAILED
+    failed = log.of(ev.DownloadFailed)[0]
+    assert words in failed.message and not failed.is_resumable
+    assert not log.of(ev.DownloadStarted) and not log.of(ev.DownloadRetrying)
+    assert not [r for r in fake_hub.requests if r.method == "GET" and "/resolve/" in r.path]  # nothing fetched
+    assert list_installed(manager.ctx) == [] and not _is_ready(manager, repo_id)
+    assert QueueFile(manager.ctx.queue_path).unfinished(repo_id) == []  # pulling again cannot continue it
+
+
+def test_an_architecture_hearth_cannot_run_is_refused_unless_forced(make_manager, fake_hub: FakeHub):
+    add_unloadable_repos(fake_hub)
+    manager, log = make_manager()
+    for repo_id in ("meta/llama-tiny", "meta/llama-unlisted"):  # from the listing, or else config.json
+        assert manager.wait(manager.enqueue(repo_id), timeout=20) == ItemState.FAILED
+        message = log.of(ev.DownloadFailed)[-1].message
+        assert f"{repo_id} is a llama model, an architecture Hearth cannot run (it runs deepseek_v2, " in message
+        assert f"`hearth --cli pull --force {repo_id}`" in message
+        assert not fake_hub.file_requests(repo_id, WEIGHTS)
+    assert not fake_hub.file_requests("meta/llama-tiny", "config.json")  # the listing said it
+    assert list_installed(manager.ctx) == []
+
+    item_id = manager.enqueue("meta/llama-tiny", force=True)
+    assert manager.wait(item_id, timeout=20) == ItemState.READY
+    [model] = list_installed(manager.ctx)
+    assert (model.name, model.model_type, model.is_ready, model.is_supported) == ("meta/llama-tiny", "llama",
+                                                                                  True, False)
+
+
+def test_a_pull_of_only_some_files_is_not_ready_to_run(make_manager, fake_hub: FakeHub):
+    """--include may leave the weights out: verified, but neither ready nor supported."""
+    manager, _ = make_manager()
+    assert manager.wait(manager.enqueue(TINY_REPO, include=("*.json",)), timeout=20) == ItemState.READY
+    [model] = list_installed(manager.ctx)
+    assert not model.has_weights and not model.is_ready and not model.is_supported
+    with pytest.raises(HubError, match=r"has no \.safetensors weights .*hearth --cli rm hearth-test/tiny-deepseek"):
+        resolve_model(TINY_REPO, manager.ctx)
+
+
+# ---- failures: what is kept, how fast an unreachable Hub gives up, what the messages say --------
+
+
+def test_failures_for_good_are_not_taken_for_unfinished_downloads(make_manager, fake_hub: FakeHub, settings):
+    """They stay listed (the app shows why after a restart) but nothing resolves them as "resume it"."""
+    manager, log = make_manager()
+    failures = (("nobody/nothing", None), (GATED_REPO, None), (TINY_REPO, "no-such-branch"))
+    for repo_id, revision in failures:
+        assert manager.wait(manager.enqueue(repo_id, revision=revision), timeout=20) == ItemState.FAILED
+    assert [e.is_resumable for e in log.of(ev.DownloadFailed)] == [False, False, False]
+    queue = QueueFile(manager.ctx.queue_path)
+    assert all(queue.unfinished(repo_id) == [] for repo_id, _ in failures)
+    restarted = DownloadManager(settings, options=FAST).items()
+    assert sorted((i.repo_id, i.state, i.is_resumable) for i in restarted) == sorted(
+        (repo_id, ItemState.FAILED, False) for repo_id, _ in failures)
+    with pytest.raises(HubError, match="No model called nobody/nothing"):
+        resolve_model("nobody/nothing", manager.ctx)
+
+
+def test_an_old_failed_entry_without_a_plan_is_not_resumable(settings):
+    ctx = HubContext.from_settings(settings)
+    old = {"item_id": "nobody/nothing@main", "repo_id": "nobody/nothing", "revision": None, "include": None,
+           "exclude": None, "state": "failed", "commit": None, "bytes_done": 0, "bytes_total": 0,
+           "message": "nobody/nothing was not found", "path": None}  # what an older Hearth wrote
+    QueueFile(ctx.queue_path).put(old["item_id"], old)
+    [item] = DownloadManager(settings, options=FAST).items()
+    assert not item.is_resumable and QueueFile(ctx.queue_path).unfinished("nobody/nothing") == []
+    with pytest.raises(HubError, match="No model called nobody/nothing"):
+        resolve_model("nobody/nothing", ctx)
+
+
+def test_an_unreachable_hub_fails_after_a_short_try(make_manager, settings, tmp_path):
+    with socket.socket() as sock:  # a port nothing listens on: the connection is refused
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    manager, log = make_manager(settings_=settings.replace(hf_endpoint=closed))
+    assert manager.wait(manager.enqueue(TINY_REPO), timeout=20) == ItemState.FAILED
+    assert len(log.of(ev.DownloadRetrying)) == job.PLAN_UNREACHABLE_RETRIES < FAST.max_retries
+    failed = log.of(ev.DownloadFailed)[0]
+    assert failed.message.startswith(f"Cannot reach {closed} to download {TINY_REPO} (")
+    assert "HF_ENDPOINT" in failed.message
+    assert failed.is_resumable  # worth a retry, but nothing was planned that a later pull could continue
+    assert not manager.items()[0].is_resumable and QueueFile(manager.ctx.queue_path).unfinished(TINY_REPO) == []
+
+
+def test_the_disk_space_message_names_the_margin(make_manager, fake_hub: FakeHub, monkeypatch):
+    needed = sum(len(f.content) for p, f in fake_hub.repos[TINY_REPO].files.items()
+                 if p in ("config.json", WEIGHTS, "tokenizer.json"))
+    monkeypatch.setattr(fit, "free_disk_bytes", lambda path: needed + job.DISK_MARGIN_BYTES // 2)
+    manager, log = make_manager()
+    assert manager.wait(manager.enqueue(TINY_REPO), timeout=20) == ItemState.FAILED
+    message = log.of(ev.DownloadFailed)[0].message
+    assert f"needs 262.6 kB more, plus 268.4 MB kept free as a margin, but {manager.ctx.cache_dir} has only " \
+           "134.5 MB free" in message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -135,8 +136,49 @@ def _another_value(option):
         return not option.default if option.default is not None else True
     if option.kind == "choice":
         return next(c for c in option.choices if c != option.default)
+    if option.name == "block_size":
+        return option.default * 2  # a power of two (the kernels' page sizes)
     if option.kind == "int":
         return (option.default or option.text.minimum or 1) + 3
     if option.kind == "float":
         return 1.5
     return "cpu" if option.name == "device" else "FSFS"
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"backend_url": "ftp://gpu-box/v1"}, "backend_url must be an http(s) URL"),
+    ({"backend_url": "gpu-box:8000"}, "backend_url must be an http(s) URL"),
+    ({"hf_cache_dir": "models/hf"}, "hf_cache_dir must be an absolute folder path"),
+    ({"block_size": 65}, "block_size must be a power of two of at least 16"),
+    ({"block_size": 8}, "block_size must be a power of two of at least 16"),
+    ({"api_host": "my host"}, "api_host must be an IP address or a host name"),
+    ({"api_host": "http://0.0.0.0"}, "api_host must be an IP address or a host name"),
+    ({"index_topk_pattern": ""}, "index_topk_pattern must be one letter per layer"),
+    ({"index_topk_pattern": "SFF"}, "starting with F"),
+    ({"index_topk_pattern": "FSX"}, "F (own indexer) or S (reuse)"),
+    ({"index_topk_pattern": "FS", "index_topk_freq": 2}, "index_topk_pattern replaces index_topk_freq"),
+])
+def test_values_that_would_fail_later_are_refused_now(changes, words):
+    with pytest.raises(SettingsError, match=re.escape(words)):
+        Settings().replace(**changes)
+
+
+def test_values_the_engine_and_the_server_take_are_accepted():
+    settings = Settings().replace(backend_url="https://gpu-box:8000/v1", hf_cache_dir="~/models", block_size=128,
+                                  api_host="::1", index_topk_pattern="fssf")
+    assert settings.engine.block_size == 128 and settings.engine.index_topk_pattern == "fssf"
+    for host in ("0.0.0.0", "localhost", "gpu-box.lan"):
+        assert Settings(api_host=host).api_host == host
+
+
+def test_config_set_warns_about_a_default_model_that_is_not_installed(capsys):
+    from hearth.app.cli.main import main as cli
+
+    assert cli(["config", "set", "default_model", "org/later"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "default_model = org/later\n"  # kept: it may be pulled afterwards
+    assert captured.err.startswith("warning: org/later cannot be loaded yet: No model called org/later")
+    assert cli(["config", "set", "default_model", "demo"]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli(["config", "set", "block_size", "100"]) == 1
+    assert "block_size must be a power of two" in capsys.readouterr().err
