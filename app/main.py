@@ -4,6 +4,7 @@
     hearth --screenshot FILE    open the app, save a screenshot of the window to FILE, quit
                                 (``--tab NAME`` picks the view)
     hearth --cli ...            the headless command line (``hearth --cli --help``)
+    hearth --version            the installed version
 
 The GUI (``hearth.app.gui.main:run``) and the CLI are imported only when used, so each starts
 without loading the other (the CLI never needs Qt).
@@ -21,6 +22,7 @@ USAGE = """usage: hearth [--screenshot FILE [--tab chat|truncated|thinking|model
     --tab chat|truncated|thinking|models|settings|server   the view the screenshot shows (default: chat)
     --timeout S                                   give up after S seconds (default: 120)
   hearth --cli --help        the command line: chat, run, serve, stats, stop, pull, rm, models, search, config
+  hearth --version           the installed version
 """
 
 
@@ -33,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         return cli_main(argv[:i] + argv[i + 1:])
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE, end="")
+        return 0
+    if argv and argv[0] == "--version":
+        from hearth.app.cli.main import version
+
+        print(f"hearth {version()}")
         return 0
     return _run_gui(argv)
 

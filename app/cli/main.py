@@ -35,7 +35,7 @@ EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hearth --cli", description="Hearth without the window.",
                                      epilog="Run `hearth --cli COMMAND --help` for a command's options.")
-    parser.add_argument("--version", action="version", version=f"hearth {_version()}")
+    parser.add_argument("--version", action="version", version=f"hearth {version()}")
     add_common_options(parser, sub=False)
     run.add_run_options(parser, sub=False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -56,7 +56,8 @@ def _add_hub_commands(subparsers: argparse._SubParsersAction) -> None:
     add_subcommands(subparsers)
 
 
-def _version() -> str:
+def version() -> str:
+    """The installed package's version."""
     try:
         return metadata.version("hearth")
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed

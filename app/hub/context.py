@@ -23,6 +23,11 @@ from hearth.app.store.settings import DEFAULT_ENDPOINT, Settings
 
 _TRUE = ("1", "on", "yes", "true")  # what huggingface_hub counts as a set switch
 
+# No telemetry from a local app: with it on, huggingface_hub 2.4 puts the torch version in every request's
+# user agent and, on the first request of a process, fetches an "agent harnesses" list from its own default
+# endpoint (huggingface.co, whatever mirror Hearth's settings name; a 3 s wait where it cannot be reached).
+constants.HF_HUB_DISABLE_TELEMETRY = True
+
 
 @dataclass(frozen=True)
 class HubContext:

@@ -96,6 +96,9 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("hearth 0.")
+    from hearth.app.main import main as hearth
+
+    assert hearth(["--version"]) == 0 and capsys.readouterr().out.startswith("hearth 0.")  # (no --cli: no Qt)
 
 
 def test_a_context_beyond_the_model_is_capped_with_a_note(model_dir, capsys):

@@ -171,3 +171,18 @@ def test_disk_filling_up_mid_download_is_one_line(settings, fake_hub: FakeHub, c
     assert run(["pull", "hearth-test/tiny-deepseek"]) == 1
     assert "disk filled up" in _one_error_line(capsys.readouterr().err)
     assert _no_logged_tracebacks(caplog)
+
+
+def test_pulls_send_no_telemetry(settings, fake_hub: FakeHub, monkeypatch, capsys):
+    """No torch version in the user agent, and no lookup of huggingface_hub's "agent harnesses" list,
+    which it fetches from its own default endpoint (huggingface.co), not the mirror the settings name."""
+    from huggingface_hub.utils import _headers
+
+    looked_up = []
+    monkeypatch.setattr(_headers, "detect_agent", lambda: looked_up.append(1))
+    files = tiny_model_files(seed=4)
+    fake_hub.add_repo(FakeRepo("quiet/model", files, commit=COMMIT))
+    assert run(["pull", "quiet/model"]) == 0, capsys.readouterr().err
+    agents = [r.headers.get("user-agent", r.headers.get("User-Agent", "")) for r in fake_hub.requests]
+    assert agents and all(a.startswith("hearth/") for a in agents), agents
+    assert not any("torch/" in a for a in agents) and not looked_up
