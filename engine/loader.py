@@ -9,7 +9,7 @@
   dequantised at load into the stacked expert parameters, or kept as MXFP4 (``keep_mxfp4``: the
   fused MoE kernel reads them directly).
 - MTP layers (``model.layers.{num_hidden_layers + i}``) are skipped, as are indexer weights of
-  layers configured to share the previous layer's top-k.
+  layers configured to share the previous layer's top-k and tensors with no elements.
 - Missing, unexpected and mis-shaped tensors and truncated/corrupt files raise one
   ``CheckpointError`` naming the file and the tensor.
 """
@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from hearth.engine.api import CheckpointError
+from hearth.engine.api import CheckpointError, UnsupportedModelError
 from hearth.engine.config import ModelConfig
 from hearth.engine.models.deepseek import DeepseekForCausalLM
 from hearth.engine.models.gpt_oss import GptOssExperts
@@ -98,13 +98,25 @@ class CheckpointFiles:
         except Exception as exc:  # safetensors raises its own error types for bad headers
             raise CheckpointError(f"{path}: not a valid safetensors file ({exc})") from None
 
+    def _handle(self, path: Path):
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        return handle
+
     def get(self, name: str) -> torch.Tensor:
         path = self.location[name]
         try:
-            handle = self._handles.get(path)
-            if handle is None:
-                handle = self._handles[path] = safe_open(str(path), framework="pt")
-            return handle.get_tensor(name)
+            return self._handle(path).get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot read tensor '{name}' (truncated or corrupt file?): {exc}") \
+                from None
+
+    def is_empty(self, name: str) -> bool:
+        """Whether tensor ``name`` holds no elements (from its header; nothing is read)."""
+        path = self.location[name]
+        try:
+            return 0 in self._handle(path).get_slice(name).get_shape()
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read tensor '{name}' (truncated or corrupt file?): {exc}") \
                 from None
@@ -201,10 +213,13 @@ def _load_one(model: nn.Module, files: CheckpointFiles, name: str, expected: tor
         check_fp8_scales(tensor, scale, block)
     except ValueError as exc:
         raise CheckpointError(f"{files.location[name]}: tensor '{scale_name}': {exc}") from None
-    if keep_fp8 and name.endswith(".weight"):
-        module_name = name.rpartition(".")[0]
+    module_name = name.rpartition(".")[0]
+    module = model.get_submodule(module_name) if name.endswith(".weight") else None
+    # Only a true nn.Linear becomes an Fp8Linear (carrying its bias, loaded before or after the weight);
+    # an FP8 weight of another module (a Mixtral router stored in FP8) is dequantised here.
+    if keep_fp8 and isinstance(module, nn.Linear):
         parent, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent), child, Fp8Linear(tensor, scale, block, target))
+        setattr(model.get_submodule(parent), child, Fp8Linear(tensor, scale, block, target, module.bias))
     else:
         _set_param(model, name, dequantize_fp8_blocks(tensor, scale, block, target))
 
@@ -215,6 +230,24 @@ def _check_finite(files: CheckpointFiles, name: str, tensor: torch.Tensor) -> No
     if bad:
         raise CheckpointError(f"{files.location[name]}: tensor '{name}' has {bad} NaN/inf value(s) "
                               f"of {tensor.numel()} (corrupt checkpoint?)")
+
+
+def _check_declared_index_sharing(declared: ModelConfig, files: CheckpointFiles) -> None:
+    """A DeepSeek-V3.2 config.json with IndexCache keys (index_topk_freq / _pattern / indexer_types) over a
+    checkpoint that ships the indexers of the layers they share: transformers' DeepseekV32 has no IndexCache
+    and runs those indexers, so the keys are refused rather than their weights silently skipped. (GLM-5's
+    class reads the keys; Hearth's index_topk_freq engine option shares layers at run time on purpose.)"""
+    if declared.model_type != "deepseek_v32" or declared.indexer_types is None:
+        return
+    shared = {f"model.layers.{i}.self_attn.indexer." for i, kind in enumerate(declared.indexer_types)
+              if kind == "shared"}
+    shipped = next((n for n in files.location if any(n.startswith(prefix) for prefix in shared)), None)
+    if shipped is not None:
+        raise UnsupportedModelError(
+            f"{files.folder}/config.json: its IndexCache keys share the indexer of a layer whose weights the "
+            f"checkpoint ships ('{shipped}'); transformers' DeepseekV32 runs every layer's indexer. Remove "
+            "index_topk_freq / index_topk_pattern / indexer_types from config.json (Hearth's index_topk_freq "
+            "option shares layers at run time)")
 
 
 def materialize_buffers(model: DeepseekForCausalLM, device: torch.device) -> None:
@@ -259,8 +292,10 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, 
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a model folder")
-    config = config or ModelConfig.from_file(folder)
+    declared = ModelConfig.from_file(folder)
+    config = config or declared
     files = CheckpointFiles(folder)
+    _check_declared_index_sharing(declared, files)
     with torch.device("meta"):
         model = DeepseekForCausalLM(config, faithful, attention)
     consumed: set[str] = set()
@@ -272,8 +307,10 @@ def load_checkpoint(path: str | Path, device: torch.device, dtype: torch.dtype, 
         _load_one(model, files, name, shape, dtype, device, keep_fp8, consumed, keep_mxfp4)
     if "lm_head.weight" not in expected:
         model.lm_head.weight = model.model.embed_tokens.weight
+    # NOTE: zero-element tensors carry no weights: transformers saves a shared_experts MLP of width 0 when
+    # n_shared_experts is 0, which Hearth builds no module for.
     unexpected = [n for n in files.location if n not in consumed and not _is_skipped(n, config)
-                  and not (skip_routed_experts and ROUTED_EXPERT.search(n))]
+                  and not (skip_routed_experts and ROUTED_EXPERT.search(n)) and not files.is_empty(n)]
     files.close()
     if unexpected:
         first = unexpected[0]

@@ -90,9 +90,8 @@ class Gate(nn.Module):
         return ids, weights * c.routed_scaling_factor
 
     def _normalises(self) -> bool:
-        c = self.config
-        # NOTE: only DeepSeek-V2's reference skips the normalisation for top-1 routing.
-        return c.norm_topk_prob and (c.num_experts_per_tok > 1 or c.model_type != "deepseek_v2")
+        # NOTE: DeepSeek's V2 code would skip it for top-1 routing; config.py refuses norm_topk_prob on V2.
+        return self.config.norm_topk_prob
 
     def _route_kernel(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config

@@ -83,20 +83,28 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     return (weight.float() * scale).to(dtype)
 
 
+def fp8_kernels_apply(x: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether Fp8Linear multiplies through Hearth's FP8 kernels (CUDA, 128x128 blocks) rather than a
+    per-call dequantisation (tests force the kernels on the CPU, under Triton's interpreter)."""
+    return x.is_cuda and block == (128, 128)
+
+
 class Fp8Linear(nn.Module):
     """A linear layer whose weight stays FP8 e4m3 with 128x128 block scales (the checkpoint
-    format). Parameter names match the checkpoint (``weight``, ``weight_scale_inv``).
+    format). Parameter names match the checkpoint (``weight``, ``weight_scale_inv``, ``bias``).
 
     On CUDA it runs Hearth's FP8 kernels (a GEMV for decode, a tl.dot GEMM for prefill), which read
     the FP8 bytes and never build a dequantised weight; elsewhere it dequantises block-wise per call.
-    ``dense_weight`` (MLA's absorbed ``kv_b_proj``, used as per-head matrices rather than a linear)
-    is dequantised once and kept."""
+    The bias (GLM-4.5's and Qwen3's q/k/v projections) stays in the compute dtype and is added after
+    the product. ``dense_weight`` (MLA's absorbed ``kv_b_proj``, used as per-head matrices rather than
+    a linear) is dequantised once and kept."""
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.block = block
         self.compute_dtype = compute_dtype
         self.out_features, self.in_features = weight.shape
@@ -110,9 +118,11 @@ class Fp8Linear(nn.Module):
         return self._dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.block == (128, 128):
-            return fp8_linear(x, self.weight, self.weight_scale_inv, weights_checked=True)
-        return F.linear(x, dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, x.dtype))
+        if not fp8_kernels_apply(x, self.block):
+            weight = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block, x.dtype)
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, weights_checked=True)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:

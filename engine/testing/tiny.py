@@ -137,7 +137,9 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
 
 def is_fp8_quantized(name: str, shape: tuple[int, ...]) -> bool:
     """Which tensors DeepSeek's FP8 releases store in FP8: the 2-D linear weights except the
-    embedding, lm_head, router gate and the indexer's weights_proj."""
+    embedding, lm_head, router gate and the indexer's weights_proj. (Mixtral's router,
+    ``block_sparse_moe.gate``, is stored in FP8 on purpose: a weight of a module that is not a linear
+    layer, which the loader must dequantise even with keep_fp8.)"""
     excluded = ("embed_tokens", "lm_head", "mlp.gate.weight", "weights_proj", "norm")
     return len(shape) == 2 and name.endswith(".weight") and not any(e in name for e in excluded)
 
@@ -197,14 +199,16 @@ KERNEL_SHAPES: dict[str, Any] = {"hidden_size": 256, "num_attention_heads": 16, 
 
 
 def write_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, fp8: bool = False,
-                     overrides: dict[str, Any] | None = None, mxfp4: bool = False) -> Path:
+                     overrides: dict[str, Any] | None = None, mxfp4: bool = False,
+                     drop: tuple[str, ...] = ()) -> Path:
     """Write a complete Hub-layout model folder; returns its path. ``overrides`` replace
-    config.json fields (e.g. KERNEL_SHAPES). ``mxfp4``: gpt_oss experts in MXFP4, as released."""
+    config.json fields (e.g. KERNEL_SHAPES); ``drop`` leaves fields out (the weights then follow
+    the defaults Hearth reads in their place). ``mxfp4``: gpt_oss experts in MXFP4, as released."""
     from hearth.engine.testing.tiny_tokenizer import write_tiny_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raw = {**tiny_config(arch), **(overrides or {})}
+    raw = {k: v for k, v in {**tiny_config(arch), **(overrides or {})}.items() if k not in drop}
     special = write_tiny_tokenizer(out, _TOKENIZER_FAMILY.get(arch, arch), VOCAB_SIZE)
     raw.update(bos_token_id=special["bos_token_id"], eos_token_id=special["eos_token_id"],
                pad_token_id=special.get("pad_token_id"))

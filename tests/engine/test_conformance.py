@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from hearth.engine import Engine, EngineConfig, SamplingParams, load_model
 from hearth.engine.config import ModelConfig
-from hearth.engine.testing.tiny import ARCHS
+from hearth.engine.testing.tiny import ARCHS, write_tiny_model
 from tests.engine.conftest import TEST_DEVICE, dequantize_reference, hf_greedy, hf_model
 
 FP32_ATOL = 1e-4
@@ -116,26 +116,31 @@ def test_glm_index_topk_freq_derivation_matches_transformers(tiny_models):
     assert "shared" in config.indexer_types
 
 
-@pytest.mark.parametrize("keep_fp8", [False, True])
-def test_fp8_checkpoint_matches_dequantized_reference(tiny_fp8_model, tmp_path, keep_fp8):
-    deq = tmp_path / "dequantized"
-    shutil.copytree(tiny_fp8_model, deq)
-    raw = json.loads((deq / "config.json").read_text())
+def _dequantized_copy(src, dst) -> int:
+    """A copy of an FP8 checkpoint with every FP8 weight dequantised (and no quantization_config), for the
+    transformers reference; returns how many FP8 weights there were."""
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
     raw.pop("quantization_config")
-    (deq / "config.json").write_text(json.dumps(raw))
-    index = json.loads((deq / "model.safetensors.index.json").read_text())
+    (dst / "config.json").write_text(json.dumps(raw))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    tensors = {name: t for file in files for name, t in load_file(str(deq / file)).items()}
+    tensors = {name: t for file in files for name, t in load_file(str(dst / file)).items()}
     fp8_names = [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
     for name in fp8_names:
         tensors[name] = dequantize_reference(tensors[name], tensors.pop(name + "_scale_inv"))
     for file in files:
-        save_file({n: t for n, t in tensors.items() if index["weight_map"][n] == file}, str(deq / file),
+        save_file({n: t for n, t in tensors.items() if index["weight_map"][n] == file}, str(dst / file),
                   metadata={"format": "pt"})
-    num_fp8 = len(fp8_names)
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.endswith("_scale_inv")}
-    (deq / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert num_fp8 > 10
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return len(fp8_names)
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_fp8_checkpoint_matches_dequantized_reference(tiny_fp8_model, tmp_path, keep_fp8):
+    deq = tmp_path / "dequantized"
+    assert _dequantized_copy(tiny_fp8_model, deq) > 10
 
     ids = _prompt(40, seed=6)
     ref = _reference_logits(hf_model(deq), ids)
@@ -146,6 +151,48 @@ def test_fp8_checkpoint_matches_dequantized_reference(tiny_fp8_model, tmp_path, 
 
         model = load_model(str(tiny_fp8_model), device=TEST_DEVICE, dtype="float32", keep_fp8=True).runner.model
         assert any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("weights", ["dequantized", "fp8", "fp8_kernels"])
+@pytest.mark.parametrize("arch,overrides", [("glm4_moe", {}), ("qwen3_moe", {"attention_bias": True}),
+                                            ("mixtral", {})])
+def test_fp8_gqa_checkpoint_matches_dequantized_reference(tmp_path, monkeypatch, arch, overrides, weights):
+    """GLM-4.5 and Qwen3 FP8 checkpoints with q/k/v biases, kept in FP8 (keep_fp8, the default on CUDA):
+    the biases are added after the FP8 product, on the per-call dequantisation and on the FP8 kernels (forced
+    on the CPU under Triton's interpreter). The tiny Mixtral stores its router in FP8: not a linear layer, it is
+    dequantised at load even with keep_fp8."""
+    from hearth.engine.models import layers
+
+    src = write_tiny_model(tmp_path / "fp8", arch, seed=3, fp8=True, overrides=overrides)
+    assert _dequantized_copy(src, tmp_path / "dequantized") > 10
+    if weights == "fp8_kernels" and TEST_DEVICE == "cpu":
+        monkeypatch.setattr(layers, "fp8_kernels_apply", lambda x, block: block == (128, 128))
+    ids = _prompt(40, seed=8)
+    ref = _reference_logits(hf_model(tmp_path / "dequantized"), ids)
+    ours = load_model(str(src), device=TEST_DEVICE, dtype="float32", keep_fp8=weights != "dequantized")
+    assert (ours.logits(ids) - ref).abs().max() < FP32_ATOL
+    kept = [m for m in ours.runner.model.modules() if isinstance(m, layers.Fp8Linear)]
+    assert bool(kept) == (weights != "dequantized")
+    if weights != "dequantized" and arch != "mixtral":
+        assert any(m.bias is not None for m in kept)
+    if arch == "mixtral":  # the FP8 router became a float parameter
+        assert ours.runner.model.layers[0].block_sparse_moe.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_fp8_biases_on_the_gpu_kernels_in_bfloat16(tmp_path):
+    """The serving default (CUDA, bf16, keep_fp8): GLM-4.5's biased q/k/v projections through the FP8 kernels
+    agree with the same checkpoint dequantised at load up to bf16 rounding (dropped biases moved logits by ~3)."""
+    src = write_tiny_model(tmp_path / "glm", "glm4_moe", seed=3, fp8=True)
+    ids = _prompt(40, seed=9)
+    kept = load_model(str(src), device="cuda", dtype="bfloat16", keep_fp8=True)
+    assert any(getattr(m, "bias", None) is not None for m in kept.runner.model.modules()
+               if type(m).__name__ == "Fp8Linear")
+    got = kept.logits(ids)
+    ref = load_model(str(src), device="cuda", dtype="bfloat16", keep_fp8=False).logits(ids)
+    row_err = (got - ref).abs().max(-1).values
+    assert row_err.median() < 0.1
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
 def test_faithful_mode_rounds_but_stays_close(tiny_models):

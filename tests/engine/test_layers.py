@@ -1,5 +1,5 @@
 """Unit tests of the model building blocks: rope layouts and YaRN, FP8 simulation, Hadamard,
-FP8 block dequantisation with partial edge blocks."""
+FP8 block dequantisation with partial edge blocks, FP8 linear layers with a bias."""
 
 import math
 
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from hearth.engine.config import RopeConfig
+from hearth.engine.models import layers
 from hearth.engine.models.layers import (
+    Fp8Linear,
     apply_rotary,
     dequantize_fp8_blocks,
     fp8_round_trip,
@@ -79,3 +81,21 @@ def test_fp8_block_dequantization_with_partial_edge_blocks(shape):
     assert ((deq - w).abs() <= w.abs() * 2**-3 + 1e-3).all()
     with pytest.raises(ValueError, match="scale shape"):
         dequantize_fp8_blocks(q, torch.cat([scale, scale], 1), (128, 128), torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 7])  # the GEMV and the GEMM kernel
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fp8_linear_adds_its_bias(monkeypatch, kernels, rows):
+    """A kept-FP8 q/k/v projection of GLM-4.5 or Qwen3 has a bias: added after the FP8 product, on the
+    per-call dequantisation and on the FP8 kernels (on the CPU under Triton's interpreter)."""
+    device = torch.device("cuda" if kernels and torch.cuda.is_available() else "cpu")
+    if kernels:
+        monkeypatch.setattr(layers, "fp8_kernels_apply", lambda x, block: block == (128, 128))
+    w8, scale = quantize_fp8_blocks(torch.randn(72, 200) * 0.1)
+    w8, scale, bias = w8.to(device), scale.to(device), torch.randn(72, device=device)
+    x = torch.randn(rows, 200, device=device)
+    product = x @ dequantize_fp8_blocks(w8, scale, (128, 128), torch.float32).T
+    biased = Fp8Linear(w8, scale, (128, 128), torch.float32, bias)(x)
+    plain = Fp8Linear(w8, scale, (128, 128), torch.float32)(x)
+    assert torch.allclose(biased, product + bias, atol=1e-4)
+    assert torch.allclose(plain, product, atol=1e-4)

@@ -112,6 +112,95 @@ def test_config_variants_parse():
     assert v2.q_lora_rank is None and v2.scoring_func == "softmax" and not v2.has_indexer
 
 
+# Values transformers ignores for the model_type (or cannot run) where DeepSeek's code or vLLM would honour
+# them, and that no release sets: refused, naming the field and the value.
+@pytest.mark.parametrize("arch,change,message", [
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'.*sigmoid"),
+    ("deepseek_v32", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ("glm_moe_dsa", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid'.*softmax"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy'.*noaux_tc"),
+    ("deepseek_v32", {"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob=True"),
+    ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ("deepseek_v32", {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ("deepseek_v3", {"mlp_layer_types": ["sparse", "dense", "sparse"]}, "mlp_layer_types="),
+    ("deepseek_v32", {"indexer_rope_interleave": True}, "indexer_rope_interleave=True"),
+    ("glm_moe_dsa", {"indexer_rope_interleave": False}, "indexer_rope_interleave=False"),
+    ("gpt_oss", {"num_experts_per_tok": 4}, "experts_per_token=2"),
+])
+def test_values_transformers_ignores_are_refused(arch, change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_dict({**tiny_config(arch), **change})
+
+
+def test_the_release_values_of_those_fields_still_parse():
+    v32 = ModelConfig.from_dict({**tiny_config("deepseek_v32"), "moe_layer_freq": 1, "index_topk_freq": 1,
+                                 "indexer_rope_interleave": False, "mlp_layer_types": ["dense", "sparse", "dense"]})
+    assert v32.mlp_layer_types == ("dense", "sparse", "dense") and not v32.indexer_rope_interleave
+    v2 = ModelConfig.from_dict({**tiny_config("deepseek_v2"), "topk_method": "group_limited_greedy", "n_group": 2})
+    assert (v2.scoring_func, v2.topk_method, v2.norm_topk_prob) == ("softmax", "group_limited_greedy", False)
+    assert ModelConfig.from_dict({**tiny_config("deepseek_v3"), "hidden_act": "swish"}).model_type == "deepseek_v3"
+
+
+@pytest.mark.parametrize("arch,change,message", [
+    *[(arch, {"num_experts_per_tok": k}, f"num_experts_per_tok={k}") for k in (0, 9)
+      for arch in ("deepseek_v32", "deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "glm4_moe")],
+    ("gpt_oss", {"num_experts_per_tok": 9, "experts_per_token": 9}, "num_experts_per_tok=9"),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 4}, "n_group=8"),  # one expert per group: no top-2 score
+    ("deepseek_v3", {"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "num_experts_per_tok=3"),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "num_experts_per_tok": 3},
+     "num_experts_per_tok=3"),
+    ("deepseek_v3", {"n_routed_experts": 0}, "n_routed_experts=0"),
+    ("deepseek_v32", {"index_topk": 0}, "index_topk=0"),
+    ("deepseek_v32", {"index_head_dim": 4}, "index_head_dim=4"),
+    ("gpt_oss", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ("qwen3_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+    ("mixtral", {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+])
+def test_out_of_range_values_are_refused(arch, change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_dict({**tiny_config(arch), **change})
+
+
+def test_deepseek_v32_index_sharing_over_shipped_indexers_is_refused(tmp_path):
+    """transformers' DeepseekV32 has no IndexCache and runs every indexer the checkpoint ships: config.json keys
+    that share those layers are refused at load instead of their weights being skipped. A checkpoint without the
+    shared layers' indexers (built for IndexCache) loads."""
+    import torch
+
+    from hearth.engine.testing.tiny import write_tiny_model
+
+    pruned = write_tiny_model(tmp_path / "pruned", "deepseek_v32", seed=1, overrides={"index_topk_pattern": "FSF"})
+    assert not any(".layers.1.self_attn.indexer." in n for n in _load(pruned).state_dict())
+    path = write_tiny_model(tmp_path / "full", "deepseek_v32", seed=1)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "index_topk_freq": 2, "index_skip_topk_offset": 1}))
+    with pytest.raises(UnsupportedModelError, match="layers.1.self_attn.indexer.*index_topk_freq"):
+        load_checkpoint(path, torch.device("cpu"), torch.float32)
+
+
+def test_deepseek_v2_moe_needs_its_top_k():
+    """DeepseekV2Config has no default top-k (None): a MoE config without it cannot run in transformers."""
+    raw = {k: v for k, v in tiny_config("deepseek_v2").items() if k != "num_experts_per_tok"}
+    with pytest.raises(UnsupportedModelError, match="missing required field 'num_experts_per_tok'"):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_quantization_config_of_grouped_query_families_is_parsed(arch):
+    raw = tiny_config(arch)
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    assert ModelConfig.from_dict({**raw, "quantization_config": fp8}).quantization.block_size == (128, 128)
+    with pytest.raises(UnsupportedModelError, match=r"weight_block_size=\[64, 64\]"):
+        ModelConfig.from_dict({**raw, "quantization_config": {**fp8, "weight_block_size": [64, 64]}})
+    for method in ("awq", "gptq"):
+        with pytest.raises(UnsupportedModelError, match=f"quant_method='{method}'"):
+            ModelConfig.from_dict({**raw, "quantization_config": {"quant_method": method, "bits": 4}})
+
+
 @pytest.fixture
 def fp8_copy(tiny_fp8_model, tmp_path):
     path = tmp_path / "fp8"
