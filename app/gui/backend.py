@@ -126,13 +126,21 @@ class Backend:
         self._stats_client: Any = None  # a second client: stats are polled from another thread
         self._can_count = True  # the server counts tokens (/hearth/tokenize); False: estimate
         self.connected: Connected | None = None
+        self.choice: ModelChoice | None = None  # the model last asked for (loaded or not): what restart() loads
 
     @property
     def is_remote(self) -> bool:
         return bool(self.settings.backend_url)
 
     def connect(self, choice: ModelChoice) -> Connected:
-        """Load ``choice`` (starting the engine host if needed); returns what is now served."""
+        """Load ``choice`` (starting the engine host if needed); returns what is now served. Until
+        it is, nothing counts as connected: a failed load leaves no model (and no crash to report)."""
+        self.connected = None
+        self.choice = choice
+        self.connected = self._load(choice)
+        return self.connected
+
+    def _load(self, choice: ModelChoice) -> Connected:
         from hearth.app.client.openai_client import ChatClient
 
         if choice.is_demo:
@@ -146,8 +154,7 @@ class Backend:
         self._stats_client = ChatClient(base_url, api_key=api_key)
         self._can_count = True
         server_name = self._server_name(choice)
-        self.connected = Connected(choice, server_name, effective_context(self.settings, choice))
-        return self.connected
+        return Connected(choice, server_name, effective_context(self.settings, choice))
 
     def _ensure_local(self, choice: ModelChoice) -> tuple[str, str | None]:
         from hearth.app.client.local_engine import EngineProcess
@@ -239,13 +246,17 @@ class Backend:
     def engine_pid(self) -> int | None:
         return None if self._engine is None else int(self._engine.pid)
 
-    def restart(self) -> Connected | None:
-        """Start the engine host again (same model and options) and reconnect to it."""
-        choice = self.connected.choice if self.connected else None
+    def restart(self) -> Connected:
+        """Start the engine host again (same model and options) and reconnect to it; after a load
+        that failed, try that model again. Raises when no model was ever chosen."""
+        choice = self.connected.choice if self.connected else self.choice
+        if choice is None:
+            raise RuntimeError("no model has been chosen yet: pick one in the chat's model list")
         self.connected = None
-        if self._engine is not None and not self.is_remote:
-            self._engine.restart()
-        return self.connect(choice) if choice is not None else None
+        engine = self._engine
+        if engine is not None and not self.is_remote and engine.model == _folder(choice):
+            engine.restart()  # (a host of another model is replaced by connect, not restarted first)
+        return self.connect(choice)
 
     def _close_clients(self) -> None:
         for client in (self._client, self._stats_client):
@@ -259,6 +270,10 @@ class Backend:
             self._engine.stop()
             self._engine = None
         self.connected = None
+
+
+def _folder(choice: ModelChoice) -> str | None:
+    return str(Path(choice.path).expanduser().resolve()) if choice.path is not None else None
 
 
 def cache_key(conversation_id: int) -> str:

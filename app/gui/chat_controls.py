@@ -35,6 +35,7 @@ class ModelPicker(QComboBox):
         super().__init__(parent)
         self.setMinimumContentsLength(22)
         self.setToolTip("Model")
+        self.setAccessibleName("Model")
         self.activated.connect(lambda index: self.chosen.emit(self.itemData(index)))
 
     def set_choices(self, choices: list[ModelChoice], current_label: str | None = None) -> None:
@@ -100,11 +101,13 @@ class SystemPromptPanel(QGroupBox):
         layout = QVBoxLayout(self)
         self.editor = QPlainTextEdit(self)
         self.editor.setPlaceholderText("How the assistant should behave in this conversation")
+        self.editor.setAccessibleName("System prompt")
         self.editor.setMaximumHeight(90)
         layout.addWidget(self.editor)
         row = QHBoxLayout()
         self.presets = QComboBox(self)
         self.presets.setPlaceholderText("Presets")
+        self.presets.setAccessibleName("Preset")
         self.presets.activated.connect(lambda i: self.preset_chosen.emit(self.presets.itemData(i)))
         self.name_edit = _line_edit("Preset name")
         save, delete = QPushButton("Save preset", self), QPushButton("Delete preset", self)
@@ -136,6 +139,7 @@ class ContextMeter(QWidget):
         self.bar.setObjectName("contextBar")
         self.bar.setTextVisible(False)
         self.bar.setFixedWidth(110)
+        self.bar.setAccessibleName("Context used")
         self.label = QLabel(self)
         self.label.setObjectName("hintLabel")
         row.addWidget(self.bar)
@@ -176,5 +180,6 @@ def _line_edit(placeholder: str):
 
     edit = QLineEdit()
     edit.setPlaceholderText(placeholder)
+    edit.setAccessibleName(placeholder)
     edit.setMaximumWidth(160)
     return edit

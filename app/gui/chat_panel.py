@@ -1,37 +1,37 @@
 """The chat tab: controls on top, the thread in the middle, the composer below; and the logic of
-sending, streaming (coalesced on a 30 ms timer), stopping, regenerating, editing and versions.
+sending, streaming, stopping, regenerating, editing and versions.
+
+Streamed chunks are coalesced on a timer (``FLUSH_MS``); each flush renders only the answer's tail
+(see ``MarkdownBrowser.stream_markdown``), and when even that grows slow (one huge code block) the
+timer backs off so rendering keeps to about a ``1 / FLUSH_BACKOFF`` share of the GUI thread.
 
 Every message is written to the store when it starts (an empty, incomplete answer) and when it
-completes or stops; ``save_partial()`` writes a running answer (used when quitting).
+completes or stops; ``save_partial()`` writes a running answer (used when quitting). Typed text is
+never lost: each chat keeps its unsent draft (and a new chat its system prompt) while another is
+open, and editing a message puts the draft aside until the edit is sent or cancelled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from hearth.app.client.context_window import ContextFit
 from hearth.app.gui.backend import Connected, ModelChoice
 from hearth.app.gui.chat_controls import ContextMeter, ModelPicker, SamplingPanel, SystemPromptPanel
 from hearth.app.gui.chat_view import ChatView
+from hearth.app.gui.composer import Composer, Draft
 from hearth.app.gui.engine_worker import EngineThread, GenerationResult
 from hearth.app.gui.message_widget import MessageView
-from hearth.app.gui.qt import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTimer, QVBoxLayout, QWidget, Signal
+from hearth.app.gui.qt import QHBoxLayout, QLabel, QPushButton, QTextCursor, QTimer, QVBoxLayout, QWidget, Signal
 from hearth.app.gui.resources import icon
 from hearth.app.gui.tasks import run_task
 from hearth.app.store.chats import ChatStore, Message, Preset
 
 FLUSH_MS = 30
-
-
-class Composer(QPlainTextEdit):
-    """The message box. Ctrl+Enter sends (a window shortcut handles it)."""
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setObjectName("composer")
-        self.setPlaceholderText("Message the model (Ctrl+Enter to send, Esc to stop)")
-        self.setMaximumHeight(110)
+MAX_FLUSH_MS = 1000
+FLUSH_BACKOFF = 5  # the flush interval is at least this many times the last render's time
 
 
 class ChatPanel(QWidget):
@@ -45,6 +45,8 @@ class ChatPanel(QWidget):
         self.conversation_id: int | None = None
         self.connected: Connected | None = None
         self.editing_id: int | None = None
+        self._draft_before_edit = ""  # the message box's text when an edit began (back when it ends)
+        self._drafts: dict[int | None, Draft] = {}  # per conversation (None: the new, unsaved chat)
         self._request_id = 0
         self._answer: Message | None = None
         self._answer_text = ""
@@ -102,7 +104,7 @@ class ChatPanel(QWidget):
         self.composer = Composer(self)
         self.send_button = QPushButton(icon("send"), "Send", self)
         self.send_button.setObjectName("primary")
-        self.send_button.setToolTip("Send (Ctrl+Enter)")
+        self.send_button.setToolTip("Send (Enter)")
         self.stop_button = QPushButton(icon("stop"), "Stop", self)
         self.stop_button.setToolTip("Stop the answer (Esc)")
         self.stop_button.hide()
@@ -117,6 +119,7 @@ class ChatPanel(QWidget):
         return button
 
     def _wire(self) -> None:
+        self.composer.submitted.connect(self.send)
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.stop)
         self.model_picker.chosen.connect(self.model_chosen)
@@ -166,20 +169,36 @@ class ChatPanel(QWidget):
             self._pending_reasoning.clear()
             self._flush_timer.stop()
             self.busy_changed.emit(False)
+        self._drafts.pop(conversation_id, None)
         self.conversation_id = None  # nothing of it is left to save
-        self.load_conversation(None)
+        self.load_conversation(None, keep_draft=False)  # what was typed in it goes with it
 
-    def load_conversation(self, conversation_id: int | None) -> None:
-        """Show a conversation (None: a fresh, unsaved one)."""
+    def load_conversation(self, conversation_id: int | None, *, keep_draft: bool = True) -> None:
+        """Show a conversation (None: a fresh, unsaved one); what was typed in the one shown before
+        is kept for when it is opened again (unless ``keep_draft`` is False)."""
         if self.is_busy:
             return
         self.save_system_prompt()
-        self.conversation_id = conversation_id
         self.cancel_edit()
+        if keep_draft:
+            self._keep_draft()
+        self.conversation_id = conversation_id
+        draft = self._drafts.pop(conversation_id, Draft())
         conv = self.store.conversation(conversation_id) if conversation_id is not None else None
-        self.system_panel.editor.setPlainText(conv.system_prompt if conv else "")
+        self.system_panel.editor.setPlainText(conv.system_prompt if conv else draft.system_prompt)
+        self.composer.setPlainText(draft.text)
+        self.composer.moveCursor(QTextCursor.MoveOperation.End)
         self._reload_thread()
         self.count_context()
+
+    def _keep_draft(self) -> None:
+        """Set aside what was typed in the open chat (and a new chat's system prompt)."""
+        system = self.system_panel.editor.toPlainText() if self.conversation_id is None else ""
+        draft = Draft(self.composer.toPlainText(), system)
+        if draft.text or draft.system_prompt:
+            self._drafts[self.conversation_id] = draft
+        else:
+            self._drafts.pop(self.conversation_id, None)
 
     def _reload_thread(self) -> None:
         thread = self.store.thread(self.conversation_id) if self.conversation_id is not None else []
@@ -201,7 +220,7 @@ class ChatPanel(QWidget):
         user = self.store.add_message(conv_id, "user", text, parent_id=parent_id)
         self.view.clear_notice()
         self.composer.clear()
-        self.cancel_edit()
+        self.cancel_edit()  # an edit sent: the draft put aside for it comes back
         self._start_answer(user)
 
     def regenerate(self, assistant_id: int) -> None:
@@ -217,23 +236,33 @@ class ChatPanel(QWidget):
             self._reload_thread()
 
     def begin_edit(self, user_id: int) -> None:
+        """Put a sent message in the message box to edit; what was typed there waits aside."""
         if self.is_busy:
             return
+        if self.editing_id is None:
+            self._draft_before_edit = self.composer.toPlainText()
         self.editing_id = user_id
         self.composer.setPlainText(self.store.message(user_id).content)
+        self.composer.moveCursor(QTextCursor.MoveOperation.End)
         self.edit_banner.show()
         self.composer.setFocus()
 
     def cancel_edit(self) -> None:
+        """End an edit (sent or not): the message box gets back what was typed before it."""
+        if self.editing_id is None:
+            return
         self.editing_id = None
         self.edit_banner.hide()
+        self.composer.setPlainText(self._draft_before_edit)
+        self.composer.moveCursor(QTextCursor.MoveOperation.End)
+        self._draft_before_edit = ""
 
     def stop(self) -> None:
+        """Esc: stop the answer being written, or cancel an edit (never clears what was typed)."""
         if self.is_busy:
             self.engine.worker.stop()
-        elif self.editing_id is not None:
+        else:
             self.cancel_edit()
-            self.composer.clear()
 
     def _ensure_conversation(self, first_text: str) -> int:
         if self.conversation_id is None:
@@ -241,6 +270,7 @@ class ChatPanel(QWidget):
             conv = self.store.create_conversation(title, system_prompt=self.system_panel.text(),
                                                   model=self._model_label())
             self.conversation_id = conv.id
+            self._drafts.pop(None, None)  # the new chat's draft became this conversation
         else:
             self.save_system_prompt()
         self.conversation_changed.emit(self.conversation_id)
@@ -255,13 +285,16 @@ class ChatPanel(QWidget):
         self._answer_reasoning, self._pending_reasoning = "", []
         self._context_start_id = self._prompt_tokens = None
         self._reload_thread()
+        live = self.view.widget_for(self._answer.id)
+        if live is not None:
+            live.set_live(True)
         self._request_id += 1
         self._count_generation += 1
         sent = [m for m in history if m.content or m.role == "user"]
         self._sent_ids = [m.id for m in sent]
         self.engine.request_generate.emit(self._request_id, self._messages(sent), self._request_options(),
                                           self.context_policy, self.conversation_id)
-        self._flush_timer.start()
+        self._flush_timer.start(FLUSH_MS)
         self._update_buttons()
         self.busy_changed.emit(True)
 
@@ -313,8 +346,17 @@ class ChatPanel(QWidget):
             self._answer_text += "".join(self._pending)
             self._pending.clear()
             if widget is not None:
-                widget.set_text(self._answer_text)
+                started = time.perf_counter()
+                widget.stream_text(self._answer_text)
+                self._back_off(time.perf_counter() - started)
         self._update_meter()
+
+    def _back_off(self, render_s: float) -> None:
+        """Flush no more often than every ``FLUSH_BACKOFF`` render times (a tail that is slow to
+        render, such as one huge code block, must not take the GUI thread over)."""
+        interval = min(max(FLUSH_MS, int(render_s * 1000 * FLUSH_BACKOFF)), MAX_FLUSH_MS)
+        if interval != self._flush_timer.interval():
+            self._flush_timer.setInterval(interval)
 
     def _on_done(self, result: GenerationResult) -> None:
         if result.request_id != self._request_id or self._answer is None:

@@ -6,7 +6,7 @@ from hearth.app.gui.message_widget import MessageView, MessageWidget
 from hearth.app.gui.qt import QFrame, QLabel, QScrollArea, Qt, QVBoxLayout, QWidget, Signal
 from hearth.app.store.chats import Message
 
-START_HINT = "Start the conversation: type below and press Ctrl+Enter."
+START_HINT = "Start the conversation: type below and press Enter (Shift+Enter starts a new line)."
 DEMO_HINT = ("This is Hearth's tiny demo model, trained on Python's docs: it only imitates English. For real "
              "answers open Models, search DeepSeek-V3.2 or GLM-5 and pick one marked \"runs on the GPU\" or "
              "\"runs with experts in RAM\" for this machine.")
@@ -115,10 +115,20 @@ class ChatView(QScrollArea):
         return next((w for w in self.widgets if w.view.message.id == message_id), None)
 
     def update_message(self, message: Message) -> None:
+        """Show a message that has ended (rendered whole, no longer marked as being written)."""
         widget = self.widget_for(message.id)
         if widget is not None:
             widget.set_text(message.content)
             widget.set_message(message)
+            widget.set_live(False)
+
+    def set_dark(self, dark: bool) -> None:
+        """Render the bubbles again in a new theme's colours (and new ones in them too)."""
+        if dark == self.dark:
+            return
+        self.dark = dark
+        for widget in self.widgets:
+            widget.set_dark(dark)
 
     def set_show_thinking(self, show: bool) -> None:
         self.show_thinking = show

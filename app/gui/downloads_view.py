@@ -1,5 +1,7 @@
 """The download queue as a table: progress, speed, ETA, and the actions that apply to each row's
-state (pause while running; resume when paused or failed; cancel until it is ready; none once ready).
+state (pause while running; resume when paused, or failed with something to continue; cancel until
+it is ready, which also removes a failed row; none once ready). A failure's reason wraps in its row
+(and is the State cell's tooltip); a gated repo's says where the app takes a token.
 
 A retry back-off counts down ("retrying in 8 s (attempt 3)") with the reason in the tooltip. Items
 from an earlier session come back as they were left: paused, or failed with their reason.
@@ -31,9 +33,18 @@ from hearth.app.hub.units import format_bytes, format_duration, format_speed
 
 COLUMNS = ("Model", "State", "Progress", "Speed", "ETA", "")
 ACTIONS = (("pause", "Pause"), ("resume", "Resume"), ("cancel", "Cancel and delete partial files"))
-# Which actions each state offers ("running" covers queued, downloading, retrying and verifying).
-OFFERED = {"running": {"pause", "cancel"}, "paused": {"resume", "cancel"}, "failed": {"resume", "cancel"},
-           "ready": set()}
+# Which actions each state offers ("running" covers queued, downloading, retrying and verifying; a
+# failure is "resumable" when the manager kept something to continue from).
+OFFERED = {"running": {"pause", "cancel"}, "paused": {"resume", "cancel"}, "resumable": {"resume", "cancel"},
+           "failed": {"cancel"}, "ready": set()}
+TOKEN_HINT = "In Hearth, paste a token of an account with access under Settings > Hugging Face > Access token."
+
+
+def with_token_hint(message: str) -> str:
+    """A gated repo's message, plus where this app takes a token (the Hub's message names the CLI's ways)."""
+    if " is gated" not in message or TOKEN_HINT in message:
+        return message
+    return f"{message.rstrip('.')}. {TOKEN_HINT}"
 
 
 class HubBridge(QObject):
@@ -54,10 +65,15 @@ class DownloadsTable(QTableWidget):
         super().__init__(0, len(COLUMNS), parent)
         self.setHorizontalHeaderLabels(COLUMNS)
         self.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.horizontalHeader().setSectionResizeMode(1, QHeaderView.ResizeMode.Stretch)  # a failure's reason
         self.horizontalHeader().setSectionResizeMode(2, QHeaderView.ResizeMode.Stretch)
         self.verticalHeader().hide()
+        self.verticalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)  # wrapped reasons
+        self.setWordWrap(True)
         self.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.setAccessibleName("Downloads")
         self.rows: dict[str, int] = {}
+        self.bytes: dict[str, tuple[int, int]] = {}  # item id -> (bytes done, bytes total), as last shown
         self.buttons: dict[str, dict[str, QToolButton]] = {}
         self._retries: dict[str, tuple[float, int]] = {}  # item id -> (back-off ends at, attempt)
         self._countdown = QTimer(self)
@@ -102,15 +118,22 @@ class DownloadsTable(QTableWidget):
     def _offer(self, item_id: str, state: str) -> None:
         for name, button in self.buttons.get(item_id, {}).items():
             button.setVisible(name in OFFERED[state])
+        cancel = self.buttons.get(item_id, {}).get("cancel")
+        if cancel is not None:  # a failure with nothing to continue: the x only clears the row
+            tip = "Remove from the list" if state == "failed" else dict(ACTIONS)["cancel"]
+            cancel.setToolTip(tip)
+            cancel.setAccessibleName(tip)
 
     def restore(self, item: DownloadItem) -> None:
         """Show an item from an earlier session as it was left (paused, or failed with its reason)."""
         if item.state == ItemState.FAILED:
-            self.apply(ev.DownloadFailed(item.item_id, item.repo_id, item.message or "unknown error", False))
+            self.apply(ev.DownloadFailed(item.item_id, item.repo_id, item.message or "unknown error",
+                                         item.is_resumable))
         else:
             self.apply(ev.DownloadPaused(item.item_id, item.repo_id, item.bytes_done, item.bytes_total))
         if item.bytes_total:
             self._show_bytes(self.rows[item.item_id], item.bytes_done, item.bytes_total)
+            self.bytes[item.item_id] = (item.bytes_done, item.bytes_total)
 
     def progress_bar(self, item_id: str) -> QProgressBar | None:
         row = self.rows.get(item_id)
@@ -142,6 +165,7 @@ class DownloadsTable(QTableWidget):
         self._offer(event.item_id, _offered_state(event))
         if done is not None and total:
             self._show_bytes(row, done, total)
+            self.bytes[event.item_id] = (done, total)
         if isinstance(event, ev.DownloadProgress):
             self.item(row, 3).setText(format_speed(event.speed_bps))
             self.item(row, 4).setText(format_duration(event.eta_s))
@@ -167,6 +191,7 @@ class DownloadsTable(QTableWidget):
 
     def _remove(self, item_id: str) -> None:
         self._retries.pop(item_id, None)
+        self.bytes.pop(item_id, None)
         self.buttons.pop(item_id, None)
         row = self.rows.pop(item_id, None)
         if row is None:
@@ -195,7 +220,7 @@ def _describe(event: ev.DownloadEvent) -> tuple[str | None, int | None, int | No
         case ev.DownloadReady(bytes_total=total):
             return "ready", total, total
         case ev.DownloadFailed(message=message, is_resumable=resumable):
-            return f"failed: {message}" + (" (resumable)" if resumable else ""), None, None
+            return f"failed: {with_token_hint(message)}" + (" (resumable)" if resumable else ""), None, None
     return None, None, None
 
 
@@ -203,5 +228,5 @@ def _offered_state(event: ev.DownloadEvent) -> str:
     if isinstance(event, ev.DownloadPaused):
         return "paused"
     if isinstance(event, ev.DownloadFailed):
-        return "failed"
+        return "resumable" if event.is_resumable else "failed"
     return "ready" if isinstance(event, ev.DownloadReady) else "running"

@@ -68,13 +68,16 @@ class EngineWorker(QObject):
 
     @Slot()
     def restart(self) -> None:
+        """Restart the engine host; always answers, with ``connected`` or ``connect_failed``."""
         try:
             result = self.backend.restart()
         except Exception as exc:
             logger.warning("Engine restart failed", exc_info=exc)
             self.connect_failed.emit(f"Could not restart the engine: {exc}")
             return
-        if result is not None:
+        if result is None:  # a backend with nothing to restart
+            self.connect_failed.emit("Could not restart the engine: no model is chosen; pick one in the chat")
+        else:
             self.connected.emit(result)
 
     @Slot(int, object, object, str, object)

@@ -1,8 +1,14 @@
 """The main window: Chat (sidebar + chat panel), Models, Settings and Server tabs, the status bar, the
 keyboard shortcuts, and the wiring between them and the engine thread.
 
+A model that fails to load is said in the chat area with the reason and a way back to the model
+used before (``LoadErrorBanner``); only an engine host that dies while serving is a crash
+(``CrashBanner``). The default model is saved once a model has loaded, so a broken one is not
+loaded again at the next start.
+
 Quitting writes a running answer as it is (``ChatPanel.save_partial``), pauses downloads, stops the
-API server switch, and stops the engine host when this window started it.
+API server switch, stops the engine host when this window started it, and saves the window's
+geometry, its splitters and the open chat (``STATE_FILE``), which the next start restores.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from hearth.app.gui.engine_worker import EngineThread
 from hearth.app.gui.models_tab import ModelsTab
 from hearth.app.gui.qt import (
     QApplication,
+    QByteArray,
     QCloseEvent,
     QKeySequence,
     QMainWindow,
     QMessageBox,
+    QSettings,
     QShortcut,
     QSplitter,
     Qt,
@@ -26,17 +34,19 @@ from hearth.app.gui.qt import (
     QVBoxLayout,
     QWidget,
 )
-from hearth.app.gui.resources import apply_theme, icon
+from hearth.app.gui.resources import apply_theme, icon, resolve_theme
 from hearth.app.gui.server_tab import ServerTab
 from hearth.app.gui.settings_tab import SettingsTab
 from hearth.app.gui.sidebar import Sidebar
-from hearth.app.gui.status_bar import CrashBanner, EngineStatusBar, StatsPoller
+from hearth.app.gui.status_bar import CrashBanner, EngineStatusBar, LoadErrorBanner, StatsPoller
 from hearth.app.gui.tasks import run_task, wait_for_tasks
 from hearth.app.hub.manager import DownloadOptions
+from hearth.app.paths import data_dir, private_file
 from hearth.app.store.chats import ChatStore
 from hearth.app.store.settings import Settings, load_settings, restart_needed, save_settings
 
 logger = logging.getLogger(__name__)
+STATE_FILE = "window-state.ini"  # under the data folder: geometry, splitters, the open chat
 
 
 class EngineGoneError(RuntimeError):
@@ -54,6 +64,8 @@ class MainWindow(QMainWindow):
         self._owns_backend = backend is None
         self.choices: list[ModelChoice] = []
         self.connected: Connected | None = None
+        self._loading: ModelChoice | None = None  # the model asked for last (it may have failed to load)
+        self._last_loaded: ModelChoice | None = None  # the model that loaded last: the way back after a failure
         self._restarting = False
         self._closing = False  # (a stats poll that fails while the window closes finds the store closed)
         self.setWindowTitle("Hearth")
@@ -63,6 +75,7 @@ class MainWindow(QMainWindow):
         self._build(download_options)
         self._wire()
         self._shortcuts()
+        self._restore_state()
         self.poller = StatsPoller(self._fetch_stats, self)
         self.poller.stats.connect(self.status.show_stats)
         self.poller.failed.connect(self._on_poll_failed)
@@ -80,18 +93,23 @@ class MainWindow(QMainWindow):
         self.chat = ChatPanel(self.store, self.engine, self)
         self.chat.context_policy = self.settings.context_overflow
         self.chat.view.show_thinking = self.settings.show_thinking
+        self.chat.view.dark = resolve_theme(self.settings.theme) == "dark"
         self.chat.think_button.setChecked(self.settings.think)
         self.crash_banner = CrashBanner(self)
+        self.load_banner = LoadErrorBanner(self)
         right = QWidget(self)
         column = QVBoxLayout(right)
         column.setContentsMargins(0, 0, 0, 0)
         column.addWidget(self.crash_banner)
+        column.addWidget(self.load_banner)
         column.addWidget(self.chat, 1)
         split = QSplitter(Qt.Orientation.Horizontal, self)
+        split.setObjectName("chatSplitter")
         split.addWidget(self.sidebar)
         split.addWidget(right)
         split.setStretchFactor(1, 1)
         split.setSizes([260, 1020])
+        self.chat_split = split
         self.models_tab = ModelsTab(self.settings, self, download_options)
         self.settings_tab = SettingsTab(self.settings, self)
         self.server_tab = ServerTab(self.settings, self.backend.upstream, self)
@@ -110,6 +128,8 @@ class MainWindow(QMainWindow):
         worker.engine_died.connect(self.show_engine_died)
         self.status.restart_requested.connect(self.restart_engine)
         self.crash_banner.restart_requested.connect(self.restart_engine)
+        self.load_banner.fallback_requested.connect(self._use_fallback)
+        self.load_banner.retry_requested.connect(self._retry_load)
         self.sidebar.selected.connect(self.open_conversation)
         self.sidebar.deleted.connect(self._on_deleted)
         self.chat.conversation_changed.connect(self._on_conversation_changed)
@@ -122,12 +142,24 @@ class MainWindow(QMainWindow):
         self.chat.think_button.toggled.connect(self._save_think)
 
     def _shortcuts(self) -> None:
-        bindings = (("Ctrl+Return", self.chat.send), ("Ctrl+Enter", self.chat.send), ("Esc", self.chat.stop),
-                    ("Ctrl+N", self.new_chat), ("Ctrl+F", self.focus_search))
-        for keys, slot in bindings:
+        """Ctrl+N and Ctrl+F from anywhere; Ctrl+Enter (send) and Esc (stop, cancel an edit) only
+        while the chat tab shows: on another tab they are left to its widgets."""
+        bindings = (("Ctrl+Return", self.chat.send, True), ("Ctrl+Enter", self.chat.send, True),
+                    ("Esc", self.chat.stop, True), ("Ctrl+N", self.new_chat, False),
+                    ("Ctrl+F", self.focus_search, False))
+        self.chat_shortcuts: list[QShortcut] = []
+        for keys, slot, chat_only in bindings:
             shortcut = QShortcut(QKeySequence(keys), self)
             shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
             shortcut.activated.connect(slot)
+            if chat_only:
+                self.chat_shortcuts.append(shortcut)
+        self.tabs.currentChanged.connect(self._enable_chat_shortcuts)
+        self._enable_chat_shortcuts(self.tabs.currentIndex())
+
+    def _enable_chat_shortcuts(self, index: int) -> None:
+        for shortcut in self.chat_shortcuts:
+            shortcut.setEnabled(self.tabs.widget(index) is self.chat_split)
 
     def _tell_chats_recovered(self, text: str) -> None:
         """Once, without blocking start-up: the chat file was unreadable and was set aside."""
@@ -188,15 +220,17 @@ class MainWindow(QMainWindow):
     def choose_model(self, choice: ModelChoice | None) -> None:
         if choice is None or self.chat.is_busy:
             return
+        # No model is connected while this one loads: the stats poll must not see the old one's
+        # host stopping as a crash, and a failed load leaves none (see _on_connect_failed).
+        self.connected = None
+        self._loading = choice
+        self.load_banner.hide()
+        self.crash_banner.hide()
         self.status.set_engine_state(f"loading {choice.label}…")
         self.chat.set_connected(None)
         self.settings_tab.set_model_context(choice.context_length, choice.label)
         self.server_tab.set_model(None)
         self.engine.request_connect.emit(choice)
-        if choice.label != self.settings.default_model:
-            self.settings = self.settings.replace(default_model=choice.label)
-            self.settings_tab.settings = self.settings  # its Save must not bring the old default back
-            save_settings(self.settings)
 
     def _use_installed(self, name: str) -> None:
         choice = next((c for c in self.choices if c.label == name), None)
@@ -209,8 +243,14 @@ class MainWindow(QMainWindow):
 
     def _on_connected(self, connected: Connected) -> None:
         self.connected = connected
+        self._loading = self._last_loaded = connected.choice
         self._restarting = False
         self.crash_banner.hide()
+        self.load_banner.hide()
+        if connected.choice.label != self.settings.default_model:  # the next start loads it (it loads)
+            self.settings = self.settings.replace(default_model=connected.choice.label)
+            self.settings_tab.settings = self.settings  # its Save must not bring the old default back
+            save_settings(self.settings)
         self.chat.set_choices(self.choices or [connected.choice], connected.choice.label)
         self.chat.set_connected(connected)
         self.server_tab.set_model(connected.server_name)
@@ -218,9 +258,31 @@ class MainWindow(QMainWindow):
         self.status.set_engine_state(f"{connected.choice.label} ready ({where})")
 
     def _on_connect_failed(self, message: str) -> None:
+        """A model did not load: say why in the chat area, offer the model used before (or the demo)."""
         self._restarting = False
+        self.connected = None
+        self.chat.set_connected(None)
+        self.server_tab.set_model(None)
+        self.crash_banner.hide()
         self.status.set_engine_state("failed to load", crashed=not self.backend.is_remote)
         self.status.showMessage(message, 15_000)
+        self.load_banner.show_failure(message, self._fallback_for(self._loading), can_retry=self._loading is not None)
+
+    def _fallback_for(self, failed: ModelChoice | None) -> ModelChoice | None:
+        """The model to offer instead of ``failed``: the one loaded before, else the demo."""
+        if self.backend.is_remote:
+            return None  # every choice goes to the same backend URL
+        candidates = [self._last_loaded, *(c for c in self.choices if c.is_demo)]
+        return next((c for c in candidates if c is not None and (failed is None or c.label != failed.label)), None)
+
+    def _use_fallback(self, choice: ModelChoice | None) -> None:
+        if choice is not None:
+            self.chat.set_choices(self.choices or [choice], choice.label)
+            self.choose_model(choice)
+
+    def _retry_load(self) -> None:
+        if self._loading is not None:
+            self.choose_model(self._loading)
 
     def show_engine_died(self, reason: str) -> None:
         if self._restarting or self._closing:
@@ -232,8 +294,11 @@ class MainWindow(QMainWindow):
         self.crash_banner.show_crash(reason)
 
     def restart_engine(self) -> None:
+        """Restart the engine host (after a failed load: try that model again); the worker always
+        answers, with ``connected`` or ``connect_failed``."""
         self._restarting = True
         self.crash_banner.restart_button.setEnabled(False)
+        self.load_banner.hide()
         self.status.set_engine_state("restarting…")
         self.engine.request_restart.emit()
 
@@ -257,7 +322,7 @@ class MainWindow(QMainWindow):
         self.chat.view.set_show_thinking(settings.show_thinking)
         app = QApplication.instance()
         if app is not None:
-            self.chat.view.dark = apply_theme(app, settings.theme) == "dark"
+            self.chat.view.set_dark(apply_theme(app, settings.theme) == "dark")
         self.models_tab.apply_settings(settings)
         if engine_changed and self.connected is not None:
             self.choose_model(self.connected.choice)
@@ -271,8 +336,45 @@ class MainWindow(QMainWindow):
         self.settings = self.settings.replace(api_host=server_settings.api_host, api_port=server_settings.api_port)
         save_settings(self.settings)
 
+    # ---- window state ---------------------------------------------------------------------------
+    def _state(self) -> QSettings:
+        return QSettings(str(private_file(data_dir() / STATE_FILE)), QSettings.Format.IniFormat)
+
+    def _restore_state(self) -> None:
+        """Geometry and splitters as the last window left them, and the chat it had open."""
+        state = self._state()
+        for key, restore in (("window/geometry", self.restoreGeometry), ("window/state", self.restoreState),
+                             ("chat/splitter", self.chat_split.restoreState),
+                             ("models/splitter", self.models_tab.split.restoreState)):
+            value = state.value(key)
+            if isinstance(value, QByteArray) and not value.isEmpty():
+                restore(value)
+        if state.value("chat/store") != str(self.store.path):
+            return  # the open chat was one of another chat file's
+        try:
+            conversation_id = int(state.value("chat/last_conversation"))
+            self.store.conversation(conversation_id)
+        except (TypeError, ValueError, KeyError):
+            return  # none was open, or it has been deleted since
+        self.chat.load_conversation(conversation_id)
+        self.sidebar.select_id(conversation_id)
+
+    def _save_state(self) -> None:
+        state = self._state()
+        state.setValue("window/geometry", self.saveGeometry())
+        state.setValue("window/state", self.saveState())
+        state.setValue("chat/splitter", self.chat_split.saveState())
+        state.setValue("models/splitter", self.models_tab.split.saveState())
+        state.setValue("chat/store", str(self.store.path))
+        if self.chat.conversation_id is None:
+            state.remove("chat/last_conversation")
+        else:
+            state.setValue("chat/last_conversation", self.chat.conversation_id)
+        state.sync()
+
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt's virtual
         self._closing = True  # (the engine stops below: that is no crash to show)
+        self._save_state()
         self.server_tab.stop_server()
         self.chat.save_partial()
         self.chat.save_system_prompt()

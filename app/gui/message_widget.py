@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hearth.app.gui.markdown import COPY_SCHEME, CodeHighlighter, code_blocks, with_copy_links
+from hearth.app.gui.markdown import COPY_SCHEME, FEATURES, CodeHighlighter, code_blocks, stable_end, with_copy_links
 from hearth.app.gui.qt import (
     QFrame,
     QGuiApplication,
@@ -15,6 +15,7 @@ from hearth.app.gui.qt import (
     QSizePolicy,
     Qt,
     QTextBrowser,
+    QTextCursor,
     QToolButton,
     QUrl,
     QVBoxLayout,
@@ -25,6 +26,8 @@ from hearth.app.gui.resources import icon
 from hearth.app.store.chats import Message, thinking_title
 
 THINKING_LIVE = "Thinking…"
+GENERATING = "generating…"
+_MERGED_AWAY = "\u200b"  # zero-width space (see MarkdownBrowser._append)
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,14 @@ class MessageView:
 
 
 class MarkdownBrowser(QTextBrowser):
-    """A QTextBrowser as tall as its content (the chat view scrolls, not each message)."""
+    """A QTextBrowser as tall as its content (the chat view scrolls, not each message).
+
+    ``stream_markdown`` renders a growing answer at a cost set by its tail, not its length: the
+    complete blocks before ``stable_end`` are parsed once and appended, and only the text after
+    them is parsed again on each call. ``show_markdown`` renders a text from scratch (the answer
+    once it has ended: exactly what a whole-text render gives). ``rendered_chars`` counts the
+    Markdown characters parsed so far.
+    """
 
     def __init__(self, parent: QWidget | None = None, dark: bool = False) -> None:
         super().__init__(parent)
@@ -49,16 +59,94 @@ class MarkdownBrowser(QTextBrowser):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.setFrameShape(QFrame.Shape.NoFrame)
+        self.document().setUndoRedoEnabled(False)  # read-only: an undo stack would keep every streamed tail
         self.highlighter = CodeHighlighter(self.document(), dark)
         self.document().contentsChanged.connect(self._fit_height)
+        self.rendered_chars = 0
+        self._frozen = 0  # streaming: characters of the text rendered for good (complete blocks)
+        self._tail_at = 0  # streaming: the document position where the re-rendered tail starts
+        self._frozen_code_blocks = 0  # streaming: code blocks in the frozen part (copy links count on)
+        self._mark_tail(0)
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt's virtual
         super().resizeEvent(event)
         self._fit_height()
 
     def _fit_height(self) -> None:
-        self.document().setTextWidth(max(self.viewport().width(), 50))
+        width = max(self.viewport().width(), 50)
+        if self.document().textWidth() != width:  # NOTE: setting it, even unchanged, lays out the whole text again
+            self.document().setTextWidth(width)
         self.setFixedHeight(int(self.document().size().height()) + 6)
+
+    def show_markdown(self, text: str) -> None:
+        """Render ``text`` (Markdown, no raw HTML) from scratch."""
+        self._frozen = self._tail_at = self._frozen_code_blocks = 0
+        self._parse_into_document(with_copy_links(text))
+
+    def show_plain(self, text: str) -> None:
+        self._frozen = self._tail_at = self._frozen_code_blocks = 0
+        self.setPlainText(text)
+
+    def stream_markdown(self, text: str) -> None:
+        """Render ``text``, which extends the text of the previous call (or of ``show_markdown``):
+        complete blocks are parsed once, only the tail after them again."""
+        if len(text) < self._frozen:  # not an extension after all
+            self.show_markdown(text)
+            return
+        cut = stable_end(text, self._frozen)
+        if self._frozen == 0:
+            if cut == 0:
+                self._parse_into_document(with_copy_links(text))  # no complete block yet
+                return
+            head = text[:cut]
+            self._parse_into_document(with_copy_links(head))
+            self._frozen, self._frozen_code_blocks = cut, len(code_blocks(head))
+            self._mark_tail(self.document().characterCount() - 1)
+        cursor = QTextCursor(self.document())
+        cursor.beginEditBlock()  # one contentsChanged (one height fit) per call
+        cursor.setPosition(self._tail_at)
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        # NOTE: removing the tail can leave its first block's format on the block it merged into
+        # (the empty one after a table becomes a heading): that block gets its own back.
+        cursor.setBlockFormat(self._tail_block_format)
+        cursor.setBlockCharFormat(self._tail_char_format)
+        if cut > self._frozen:
+            chunk = text[self._frozen:cut]
+            self._append(cursor, with_copy_links(chunk, self._frozen_code_blocks))
+            self._frozen, self._frozen_code_blocks = cut, self._frozen_code_blocks + len(code_blocks(chunk))
+            self._mark_tail(cursor.position())
+        tail = text[self._frozen:]
+        if tail.strip():
+            self._append(cursor, with_copy_links(tail, self._frozen_code_blocks))
+        cursor.endEditBlock()
+
+    def _mark_tail(self, position: int) -> None:
+        """The tail starts at ``position``, the end of the frozen blocks' last block."""
+        self._tail_at = position
+        block = self.document().findBlock(position)
+        self._tail_block_format, self._tail_char_format = block.blockFormat(), block.charFormat()
+
+    def _parse_into_document(self, markdown: str) -> None:
+        self.rendered_chars += len(markdown)
+        self.document().setMarkdown(markdown, FEATURES)
+
+    def _append(self, cursor: QTextCursor, markdown: str) -> None:
+        """Parse ``markdown`` as blocks of their own at the end of the document.
+
+        NOTE: an inserted fragment's first block merges into the block at the cursor and takes its
+        format (a heading would become the paragraph before it), so the fragment starts with an
+        invisible zero-width space paragraph: that one merges into the last block, and the real
+        blocks follow with their own formats.
+        """
+        self.rendered_chars += len(markdown)
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertMarkdown(f"{_MERGED_AWAY}\n\n{markdown}", FEATURES)
+
+    def set_dark(self, dark: bool) -> None:
+        """Code colours for a dark (or light) background (the caller renders the text again, as
+        Markdown's link colour is taken from the palette when it is parsed)."""
+        self.highlighter.set_dark(dark, rehighlight=False)
 
 
 class ThinkingBlock(QWidget):
@@ -91,9 +179,15 @@ class ThinkingBlock(QWidget):
         self.toggle.setChecked(expanded)
 
     def set_text(self, text: str) -> None:
-        if text != self.text:
-            self.text = text
-            self.body.setPlainText(text)
+        if text == self.text:
+            return
+        if self.text and text.startswith(self.text):  # streaming: only the new part goes in
+            cursor = QTextCursor(self.body.document())
+            cursor.movePosition(QTextCursor.MoveOperation.End)
+            cursor.insertText(text[len(self.text):])
+        else:
+            self.body.show_plain(text)
+        self.text = text
 
     def _expand(self, expanded: bool) -> None:
         self.body.setVisible(expanded)
@@ -114,6 +208,7 @@ class MessageWidget(QFrame):
         self.view = view
         self.text = view.message.content
         self.show_thinking = show_thinking
+        self.live = False  # the answer is streaming into this bubble
         self._folded = bool(self.text)  # the Thinking block was folded for the answer (or never opened)
         self.setObjectName(f"bubble_{view.message.role}")
         layout = QVBoxLayout(self)
@@ -178,13 +273,46 @@ class MessageWidget(QFrame):
         if 0 <= index < len(self.view.sibling_ids):
             self.version_requested.emit(self.view.sibling_ids[index])
 
+    @property
+    def is_markdown(self) -> bool:
+        """Answers are Markdown; the user's own words are shown as typed (a "# note" stays a note)."""
+        return self.view.message.role != "user"
+
     def set_text(self, text: str) -> None:
-        """Re-render the body (called per coalesced batch while streaming)."""
+        """Render the whole body from scratch."""
         self.text = text
-        self.body.setMarkdown(with_copy_links(text) if text else "…")
-        if text and not self._folded:
+        if not self.is_markdown:
+            self.body.show_plain(text)
+        else:
+            self.body.show_markdown(text or "…")
+        self._fold_for_answer()
+
+    def stream_text(self, text: str) -> None:
+        """Show a streaming answer that has grown to ``text`` (called per coalesced batch): only its
+        tail is rendered again, so a long answer costs no more per batch than a short one."""
+        if not text or not self.is_markdown:
+            self.set_text(text)
+            return
+        self.text = text
+        self.body.stream_markdown(text)
+        self._fold_for_answer()
+
+    def _fold_for_answer(self) -> None:
+        if self.text and not self._folded:
             self._folded = True
             self.thinking.set_expanded(False)
+
+    def set_live(self, live: bool) -> None:
+        """Mark the bubble as the answer being written (its stats line says so) or not."""
+        self.live = live
+        self._show_stats()
+
+    def set_dark(self, dark: bool) -> None:
+        """Render again in a new theme's colours (links and code take them when parsed)."""
+        self.body.set_dark(dark)
+        self.thinking.body.set_dark(dark)
+        self.set_text(self.text)
+        self.thinking.body.highlighter.rehighlight()
 
     def set_reasoning(self, text: str, live: bool = False) -> None:
         """Show the reasoning; ``live``: it is streaming (open, titled "Thinking…", until the answer starts)."""
@@ -206,7 +334,10 @@ class MessageWidget(QFrame):
         self.thinking.toggle.setText(thinking_title(message))
         if message.role == "assistant" and message.model:
             self.role_label.setText(f"Assistant · {message.model}")
-        self.stats_label.setText(stats_line(message))
+        self._show_stats()
+
+    def _show_stats(self) -> None:
+        self.stats_label.setText(stats_line(self.view.message, live=self.live))
         self.stats_label.setVisible(bool(self.stats_label.text()))
 
     def set_busy(self, busy: bool) -> None:
@@ -228,8 +359,9 @@ class MessageWidget(QFrame):
         QDesktopServices.openUrl(url)
 
 
-def stats_line(message: Message) -> str:
-    """"12.3 tok/s · first token 0.21 s · 40 tokens", plus "stopped" for a partial answer."""
+def stats_line(message: Message, *, live: bool = False) -> str:
+    """"12.3 tok/s · first token 0.21 s · 40 tokens", plus "generating…" while the answer streams
+    (``live``) and "stopped" for a partial one."""
     parts = []
     stats = message.stats
     if stats is not None:
@@ -239,7 +371,9 @@ def stats_line(message: Message) -> str:
             parts.append(f"first token {stats.time_to_first_token_s:.2f} s")
         if stats.completion_tokens:
             parts.append(f"{stats.completion_tokens} tokens")
-    if message.role == "assistant" and not message.is_complete:
+    if message.role == "assistant" and live:
+        parts.append(GENERATING)
+    elif message.role == "assistant" and not message.is_complete:
         parts.append("stopped" if message.finish_reason in (None, "abort") else f"ended: {message.finish_reason}")
     return " · ".join(parts)
 

@@ -19,10 +19,13 @@ import logging
 import sys
 
 from PySide6.QtCore import (
+    QByteArray,
     QEvent,
     QEventLoop,
     QObject,
+    QRect,
     QRunnable,
+    QSettings,
     QSize,
     Qt,
     QThread,
@@ -33,6 +36,7 @@ from PySide6.QtCore import (
     Slot,
 )
 from PySide6.QtGui import (
+    QAccessible,
     QAction,
     QCloseEvent,
     QColor,
@@ -41,17 +45,20 @@ from PySide6.QtGui import (
     QFontDatabase,
     QGuiApplication,
     QIcon,
+    QKeyEvent,
     QKeySequence,
     QPalette,
     QShortcut,
     QSyntaxHighlighter,
     QTextCharFormat,
+    QTextCursor,
     QTextDocument,
     QTextFormat,
 )
 from PySide6.QtWidgets import (
     QAbstractButton,
     QAbstractItemView,
+    QAbstractSpinBox,
     QApplication,
     QCheckBox,
     QComboBox,
@@ -90,16 +97,16 @@ from PySide6.QtWidgets import (
 from shiboken6 import isValid as is_alive  # False once a QObject's C++ side was deleted
 
 __all__ = [
-    "QAbstractButton", "QAbstractItemView", "QAction", "QApplication", "QCheckBox", "QCloseEvent", "QColor",
-    "QComboBox",
-    "QDesktopServices", "QDialog", "QDialogButtonBox", "QDoubleSpinBox", "QEvent", "QEventLoop", "QFileDialog", "QFont",
-    "QFontDatabase", "QFormLayout", "QFrame", "QGroupBox", "QGuiApplication", "QHBoxLayout", "QHeaderView",
-    "QIcon", "QInputDialog", "QKeySequence", "QLabel", "QLineEdit", "QListWidget", "QListWidgetItem",
-    "QMainWindow", "QMessageBox", "QObject", "QPalette", "QPlainTextEdit", "QProgressBar", "QPushButton",
-    "QRunnable", "QScrollArea", "QShortcut", "QSize", "QSizePolicy", "QSpinBox", "QSplitter", "QStatusBar",
+    "QAbstractButton", "QAbstractItemView", "QAbstractSpinBox", "QAccessible", "QAction", "QApplication",
+    "QByteArray", "QCheckBox", "QCloseEvent", "QColor", "QComboBox", "QDesktopServices", "QDialog",
+    "QDialogButtonBox", "QDoubleSpinBox", "QEvent", "QEventLoop", "QFileDialog", "QFont", "QFontDatabase",
+    "QFormLayout", "QFrame", "QGroupBox", "QGuiApplication", "QHBoxLayout", "QHeaderView", "QIcon", "QInputDialog",
+    "QKeyEvent", "QKeySequence", "QLabel", "QLineEdit", "QListWidget", "QListWidgetItem", "QMainWindow",
+    "QMessageBox", "QObject", "QPalette", "QPlainTextEdit", "QProgressBar", "QPushButton", "QRect", "QRunnable",
+    "QScrollArea", "QSettings", "QShortcut", "QSize", "QSizePolicy", "QSpinBox", "QSplitter", "QStatusBar",
     "QSyntaxHighlighter", "QTabWidget", "QTableWidget", "QTableWidgetItem", "QTextBrowser", "QTextCharFormat",
-    "QTextDocument", "QTextFormat", "QThread", "QThreadPool", "QTimer", "QToolButton", "QUrl", "QVBoxLayout",
-    "QWidget", "Qt", "Signal", "Slot", "is_alive",
+    "QTextCursor", "QTextDocument", "QTextFormat", "QThread", "QThreadPool", "QTimer", "QToolButton", "QUrl",
+    "QVBoxLayout", "QWidget", "Qt", "Signal", "Slot", "is_alive",
 ]
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """The status bar (engine state, GPU and RAM use, expert-cache hit rate, cached chats, tok/s), its stats poller,
-and the banner that says the engine stopped, with a Restart button.
+the banner that says the engine stopped, with a Restart button, and the one that says a model could
+not be loaded and why, with a way back to the model used before.
 
 Messages ("Could not load ...") go to their own stretching label on the left, clipped with the full
 text in its tooltip, so they never draw over the engine state on the right.
@@ -23,6 +24,7 @@ from hearth.app.gui.qt import (
     QPushButton,
     QSizePolicy,
     QStatusBar,
+    Qt,
     QTimer,
     QWidget,
     Signal,
@@ -180,4 +182,41 @@ class CrashBanner(QFrame):
     def show_crash(self, reason: str) -> None:
         self.label.setText(f"The engine stopped ({reason}). Your chats are safe; restart it to continue.")
         self.restart_button.setEnabled(True)
+        self.show()
+
+
+class LoadErrorBanner(QFrame):
+    """"Could not load X: why" above the chat, with [Use <the model before>] and [Try again]; hidden
+    while a model is loaded. A model that cannot load is no engine crash: this says what went wrong."""
+
+    fallback_requested = Signal(object)  # the ModelChoice to load instead
+    retry_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("crashBanner")  # (styled as the crash banner: both say something went wrong)
+        row = QHBoxLayout(self)
+        self.label = QLabel("", self)
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.fallback_button = QPushButton("Use the model before", self)  # named for the model when shown
+        self.fallback_button.setToolTip("Load the model that worked before instead")
+        self.fallback_button.clicked.connect(lambda: self.fallback_requested.emit(self.fallback))
+        self.retry_button = QPushButton(icon("restart"), "Try again", self)
+        self.retry_button.clicked.connect(self.retry_requested)
+        row.addWidget(self.label, 1)
+        row.addWidget(self.fallback_button)
+        row.addWidget(self.retry_button)
+        self.fallback: Any = None
+        self.hide()
+
+    def show_failure(self, message: str, fallback: Any = None, *, can_retry: bool = True) -> None:
+        """Show ``message``; ``fallback`` (a ModelChoice) gets a button that loads it instead."""
+        self.label.setText(message)
+        self.label.setToolTip(message)
+        self.fallback = fallback
+        self.fallback_button.setVisible(fallback is not None)
+        if fallback is not None:
+            self.fallback_button.setText(f"Use {fallback.label}")
+        self.retry_button.setVisible(can_retry)
         self.show()

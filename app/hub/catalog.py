@@ -4,6 +4,8 @@ details (every file with size and checksum, gated state, the parsed ``config.jso
 The architecture filter asks the Hub once per supported ``model_type`` (the Hub tags models with
 their ``model_type``), merges the answers and sorts them locally, so ``limit`` counts runnable
 models rather than whatever a text search returned first. ``all_architectures=True`` asks once.
+Before asking, one quick request checks that the endpoint can be reached at all: the library
+retries each request five times with back-off (some 23 s) when it cannot, while the user waits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Literal
 
 from huggingface_hub import hf_hub_download
 from huggingface_hub.hf_api import ModelInfo
-from huggingface_hub.utils import filter_repo_objects
+from huggingface_hub.utils import filter_repo_objects, get_session, httpx
 
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.errors import HubError, describe, search_error
@@ -34,6 +36,7 @@ SEARCH_EXPAND = ["config", "safetensors", "downloads", "likes", "trendingScore",
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                 "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
+REACHABLE_TIMEOUT_S = 5.0  # the one attempt that tells an unreachable endpoint before a search
 SortKey = Literal["downloads", "likes", "trending", "recent"]
 # Hearth's sort names -> (huggingface_hub's sort value, ModelInfo attribute to merge by).
 SORTS: dict[str, tuple[str, str]] = {
@@ -120,6 +123,7 @@ def search_models(ctx: HubContext, query: str, *, sort: SortKey = "downloads",
     tags: list[str | None] = [None] if all_architectures else sorted(SUPPORTED_MODEL_TYPES)
     found: dict[str, ModelInfo] = {}
     try:
+        _check_reachable(ctx.endpoint)
         for tag in tags:
             for info in api.list_models(search=query or None, filter=tag, sort=hub_sort, limit=limit,
                                         expand=SEARCH_EXPAND):
@@ -131,6 +135,18 @@ def search_models(ctx: HubContext, query: str, *, sort: SortKey = "downloads",
         results = [r for r in results if r.is_supported]
     results.sort(key=lambda r: _sort_value(found[r.repo_id], attribute), reverse=True)
     return results[:limit]
+
+
+def _check_reachable(endpoint: str) -> None:
+    """Fail at once (one attempt, no retries) when no connection to ``endpoint`` can be made; any
+    answer, even an error status, means it can, and the search then keeps the library's retries for
+    what they can ride out (5xx, 429, dropped connections)."""
+    try:
+        get_session().head(endpoint, timeout=REACHABLE_TIMEOUT_S)
+    except (httpx.ConnectError, httpx.ConnectTimeout):
+        raise
+    except httpx.HTTPError:
+        pass  # it answered, if oddly: the search itself says what is wrong
 
 
 def repo_details(ctx: HubContext, repo_id: str, revision: str | None = None) -> RepoDetails:

@@ -51,7 +51,7 @@ def open_window(qtbot, backend, engine_home: Path, tmp_path: Path, windows):
 def ask(qtbot, window: MainWindow, text: str, max_tokens: int = 24) -> None:
     window.chat.sampling_panel.max_tokens.setValue(max_tokens)
     window.chat.composer.setPlainText(text)
-    qtbot.keyClick(window.chat.composer, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    qtbot.keyClick(window.chat.composer, Qt.Key.Key_Return)  # Enter sends (Shift+Enter: a new line)
     assert window.chat.is_busy
 
 
@@ -85,6 +85,7 @@ def test_stop_keeps_the_partial_answer(qtbot, open_window):
     qtbot.waitUntil(lambda: len(window.chat.view.widgets) == 2 and bool(window.chat.view.widgets[1].text),
                     timeout=TIMEOUT_MS)
     assert window.chat.is_busy  # text is on screen while the answer is still streaming
+    assert "generating" in window.chat.view.widgets[1].stats_label.text()  # not "stopped" while it runs
     qtbot.keyClick(window.chat.composer, Qt.Key.Key_Escape)
     wait_idle(qtbot, window)
     stored = window.store.thread(window.chat.conversation_id)[-1]

@@ -1,14 +1,19 @@
-"""Helpers shared by the GUI tests (no tests here): window factories that close what they open
-and fail on leaked top-level widgets, and a demo-model engine backend shared per test module."""
+"""Helpers shared by the GUI tests: window factories that close what they open and fail on leaked
+top-level widgets, a demo-model engine backend shared per test module, and ``ScriptedBackend``,
+a backend without an engine host whose answers the test writes."""
 
 from __future__ import annotations
 
 import os
+import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from hearth.app.gui.backend import DEMO_LABEL, Backend, ModelChoice, demo_model_dir, ensure_demo_model
+from hearth.app.client.context_window import ContextFit, estimate_tokens
+from hearth.app.client.openai_client import ChatChunk
+from hearth.app.gui.backend import DEMO_LABEL, Backend, Connected, ModelChoice, demo_model_dir, ensure_demo_model
 from hearth.app.gui.qt import QApplication, QEvent, QWidget
 from hearth.app.hub.manager import DownloadOptions
 from hearth.app.paths import HOME_ENV
@@ -89,6 +94,63 @@ def shared_demo_backend(home: Path) -> Iterator[Backend]:
             os.environ.pop(HOME_ENV, None)
         else:
             os.environ[HOME_ENV] = old
+
+
+class ScriptedBackend(Backend):
+    """The GUI's Backend with the engine host replaced by a script: a model "loads" at once unless
+    its label is in ``broken`` (then loading raises that message, as a host that cannot load it
+    does); an answer streams the pieces the test puts into ``answers``, one chunk each, until None
+    ends it ("stop"). Everything else (connect, restart, what counts as connected) is Backend's own."""
+
+    def __init__(self, settings: Settings | None = None, broken: dict[str, str] | None = None) -> None:
+        super().__init__(settings or Settings())
+        self.broken = dict(broken or {})
+        self.answers: queue.Queue[str | None] = queue.Queue()
+        self.loads: list[str] = []  # the labels asked for, in order
+
+    def _load(self, choice: ModelChoice) -> Connected:
+        self.loads.append(choice.label)
+        if choice.label in self.broken:
+            raise RuntimeError(self.broken[choice.label])
+        return Connected(choice, choice.label, choice.context_length or 2048)
+
+    def fit_context(self, messages: list[dict[str, Any]], max_tokens: int | None, policy: str) -> ContextFit:
+        if self.connected is None:
+            raise RuntimeError("No model is loaded")
+        return ContextFit(list(messages), 0, estimate_tokens(messages), exact=False)
+
+    def count_tokens(self, messages: list[dict[str, Any]]) -> tuple[int, bool]:
+        return estimate_tokens(messages), False
+
+    def stream(self, messages: list[dict[str, Any]], sampling: dict[str, Any],
+               conversation_id: int | None = None) -> Iterator[ChatChunk]:
+        if self.connected is None:
+            raise RuntimeError("No model is loaded")
+        while True:
+            try:
+                piece = self.answers.get(timeout=0.02)
+            except queue.Empty:
+                yield ChatChunk("")  # nothing yet: an empty chunk lets the worker see a Stop
+                continue
+            if piece is None:
+                yield ChatChunk("", finish_reason="stop")
+                return
+            yield ChatChunk(piece)
+
+    def is_alive(self) -> bool:
+        return self.connected is not None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def upstream(self) -> tuple[str, str | None] | None:
+        return None
+
+    def drop_conversation(self, conversation_id: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.connected = None
 
 
 def link_demo_model(shared_home: Path) -> None:

@@ -1,23 +1,30 @@
 """The Models tab against the fake Hub (search, details with sizes and fit, a download with
-progress, pause/resume, delete, import) and the Settings tab (persisted across a restart; the
-Hugging Face token goes to the library's login store, never to Hearth's settings)."""
+progress, pause/resume, delete, import; no Download for repos Hearth cannot run; a failure's
+reason in full and Resume only when there is something to continue; questions before deleting
+files; an unreachable Hub fails a search at once, in the results area) and the Settings tab
+(persisted across a restart; the Hugging Face token goes to the library's login store, never to
+Hearth's settings)."""
 
 from __future__ import annotations
 
+import html
+import logging
+import socket
 from pathlib import Path
 
 import pytest
 from huggingface_hub import constants as hf_constants
 
 from hearth.app.gui import settings_tab as settings_module
+from hearth.app.gui.downloads_view import TOKEN_HINT
 from hearth.app.gui.models_tab import ModelsTab
-from hearth.app.gui.qt import Qt
+from hearth.app.gui.qt import QApplication, QMessageBox, QPushButton, Qt, QTimer
 from hearth.app.gui.settings_tab import SettingsTab
 from hearth.app.hub import events as ev
 from hearth.app.hub.manager import DownloadOptions
 from hearth.app.paths import settings_path
 from hearth.app.store.settings import Settings, load_settings
-from tests.app.conftest import GATED_REPO, TINY_REPO, write_tiny_model
+from tests.app.conftest import GATED_REPO, TINY_REPO, add_unloadable_repos, write_tiny_model
 from tests.app.fakehub import FakeHub, Fault
 from tests.app.test_gui_helpers import FAST_DOWNLOADS, windows_checked
 
@@ -51,6 +58,31 @@ def _open_details(qtbot, tab: ModelsTab, query: str = "tiny") -> None:
     qtbot.waitUntil(lambda: tab.results.rowCount() > 0 and tab.search_button.isEnabled(), timeout=TIMEOUT_MS)
     tab.results.selectRow(_row_of(tab.results, TINY_REPO))
     qtbot.waitUntil(tab.download_button.isEnabled, timeout=TIMEOUT_MS)
+
+
+def _answer_next_question(button: QMessageBox.StandardButton, seen: list[tuple[str, bool]]) -> None:
+    """Answer the next modal question (a real QMessageBox) with ``button`` once it is up; records its
+    text and whether No was its default answer."""
+
+    def click() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            seen.append(("no question was asked", False))
+            return
+        seen.append((box.text(), box.defaultButton() is box.button(QMessageBox.StandardButton.No)))
+        box.button(button).click()
+
+    QTimer.singleShot(0, click)
+
+
+def _wrapped_text_fits(table, row: int, column: int) -> bool:
+    """Whether the cell's text, wrapped at its column's width, fits the row's height."""
+    from hearth.app.gui.qt import QRect
+
+    text = table.item(row, column).text()
+    needed = table.fontMetrics().boundingRect(QRect(0, 0, table.columnWidth(column) - 8, 100_000),
+                                              Qt.TextFlag.TextWordWrap, text)
+    return table.rowHeight(row) >= needed.height()
 
 
 def test_search_details_and_fit(qtbot, models_tab: ModelsTab):
@@ -92,6 +124,7 @@ def test_download_is_bound_to_the_repo_shown_and_gated_repos_name_their_type(qtb
     assert models_tab.details.repo_id == GATED_REPO and models_tab.details.access_error
     assert "deepseek_v32" in models_tab.details_label.text()  # from the listing: config.json is gated
     assert "unknown type" not in models_tab.details_label.text()
+    assert html.escape(TOKEN_HINT) in models_tab.details_label.text()  # where this app takes a token
 
 
 def test_failed_download_keeps_its_reason_after_a_restart(qtbot, models_tab: ModelsTab, settings: Settings, windows):
@@ -102,15 +135,54 @@ def test_failed_download_keeps_its_reason_after_a_restart(qtbot, models_tab: Mod
     item_id = f"{GATED_REPO}@main"
     qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id).startswith("failed"), timeout=TIMEOUT_MS)
     reason = models_tab.downloads.state_text(item_id)
+    assert "is gated" in reason and TOKEN_HINT in reason  # where this app takes a token
+    table, row = models_tab.downloads, models_tab.downloads.rows[item_id]
+    assert table.item(row, 1).toolTip() == reason and _wrapped_text_fits(table, row, 1)  # shown in full
+    buttons = table.buttons[item_id]
+    # Nothing to continue (no access, no plan): no Resume; the x clears the row.
+    assert not buttons["resume"].isVisibleTo(models_tab) and buttons["cancel"].isVisibleTo(models_tab)
+    assert buttons["cancel"].toolTip() == "Remove from the list"
     models_tab.close_manager()
 
     again = windows.track(ModelsTab(settings, options=FAST_DOWNLOADS))
     try:
-        assert again.downloads.state_text(item_id) == reason.replace(" (resumable)", "")
+        assert again.downloads.state_text(item_id) == reason
         buttons = again.downloads.buttons[item_id]
-        assert not buttons["pause"].isVisibleTo(again) and buttons["resume"].isVisibleTo(again)
+        assert not buttons["pause"].isVisibleTo(again) and not buttons["resume"].isVisibleTo(again)
+        assert buttons["cancel"].isVisibleTo(again)
     finally:
         again.close_manager()
+
+
+def test_a_failure_with_something_to_continue_offers_resume(qtbot, models_tab: ModelsTab, fake_hub: FakeHub):
+    fake_hub.add_fault(TINY_REPO, "model.safetensors", Fault("status", status=503, times=100))
+    item_id = models_tab.manager.enqueue(TINY_REPO)
+    qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id).startswith("failed"), timeout=TIMEOUT_MS)
+    assert models_tab.downloads.state_text(item_id).endswith("(resumable)")
+    buttons = models_tab.downloads.buttons[item_id]
+    assert buttons["resume"].isVisibleTo(models_tab) and not buttons["pause"].isVisibleTo(models_tab)
+
+
+def test_repos_hearth_cannot_run_offer_no_download(qtbot, models_tab: ModelsTab, fake_hub: FakeHub):
+    add_unloadable_repos(fake_hub)
+    models_tab.all_arch_check.setChecked(True)
+    _open_details(qtbot, models_tab, "")
+    reasons = {"hearth-test/gguf-only": "No .safetensors weights (only .gguf files)",
+               "hearth-test/pickle-only": "No .safetensors weights (only .bin files)",
+               "meta/llama-tiny": "llama is not an architecture Hearth runs",
+               "meta/llama-unlisted": "llama is not an architecture Hearth runs"}
+    for repo, reason in reasons.items():
+        models_tab.results.selectRow(_row_of(models_tab.results, repo))
+        qtbot.waitUntil(lambda r=repo: models_tab.details is not None and models_tab.details.repo_id == r,
+                        timeout=TIMEOUT_MS)
+        assert reason in models_tab.details_label.text(), repo
+        button = models_tab.download_button
+        assert not button.isEnabled() and "0 files" not in button.text() and reason in button.toolTip(), repo
+        models_tab.download_selected()
+        assert models_tab.manager.items() == [], repo
+    models_tab.results.selectRow(_row_of(models_tab.results, TINY_REPO))  # one it can run: offered
+    qtbot.waitUntil(models_tab.download_button.isEnabled, timeout=TIMEOUT_MS)
+    assert models_tab.download_button.text().startswith("Download ")
 
 
 def test_retry_backoff_counts_down_instead_of_reporting_a_stall(qtbot, settings: Settings, fake_hub: FakeHub,
@@ -156,7 +228,18 @@ def test_download_shows_progress_and_completes(qtbot, models_tab: ModelsTab, fak
     assert models_tab.installed_table.item(row, 4).text() == "yes"
 
     models_tab.installed_table.selectRow(row)
-    models_tab.delete_selected()
+    delete = next(b for b in models_tab.findChildren(QPushButton) if b.text() == "Delete")
+    size = models_tab.installed_table.item(row, 1).text()
+    asked: list[tuple[str, bool]] = []
+    _answer_next_question(QMessageBox.StandardButton.No, asked)
+    qtbot.mouseClick(delete, Qt.MouseButton.LeftButton)
+    assert asked == [(f"Delete {TINY_REPO} ({size})? Its files are removed from disk; using it again means "
+                      f"downloading all {size} again.", True)]  # asked, No by default, and No keeps it
+    models_tab.refresh_installed()
+    qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 1, timeout=TIMEOUT_MS)
+    models_tab.installed_table.selectRow(0)
+    _answer_next_question(QMessageBox.StandardButton.Yes, asked)
+    qtbot.mouseClick(delete, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 0, timeout=TIMEOUT_MS)
 
 
@@ -175,12 +258,52 @@ def test_pause_resume_and_cancel(qtbot, models_tab: ModelsTab, fake_hub: FakeHub
     fake_hub.add_fault(TINY_REPO, "model.safetensors", Fault("slow", chunk=8 * 1024, seconds=0.1))
     qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 1, timeout=TIMEOUT_MS)
     models_tab.installed_table.selectRow(0)
-    models_tab.delete_selected()
+    models_tab.delete_selected(confirmed=True)
     qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 0, timeout=TIMEOUT_MS)
     models_tab.download_selected()
     qtbot.waitUntil(lambda: models_tab.downloads.state_text(item_id) == "downloading", timeout=TIMEOUT_MS)
-    models_tab.downloads.cancel_requested.emit(item_id)
+    qtbot.waitUntil(lambda: models_tab.downloads.bytes[item_id][0] > 0, timeout=TIMEOUT_MS)
+    cancel = models_tab.downloads.buttons[item_id]["cancel"]
+    asked: list[tuple[str, bool]] = []
+    _answer_next_question(QMessageBox.StandardButton.No, asked)
+    qtbot.mouseClick(cancel, Qt.MouseButton.LeftButton)
+    assert len(asked) == 1 and asked[0][1] and asked[0][0].startswith(f"Cancel the download of {TINY_REPO} and "
+                                                                       "delete the ")
+    assert item_id in models_tab.downloads.rows and models_tab.manager.item(item_id).state != "cancelled"
+    _answer_next_question(QMessageBox.StandardButton.Yes, asked)
+    qtbot.mouseClick(cancel, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: item_id not in models_tab.downloads.rows, timeout=TIMEOUT_MS)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_an_unreachable_hub_fails_the_search_at_once_in_the_results_area(qtbot, settings: Settings, windows):
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    tab = windows.track(ModelsTab(settings.replace(hf_endpoint=dead), options=FAST_DOWNLOADS))
+    records = _Records()
+    library = logging.getLogger("huggingface_hub")
+    library.addHandler(records)
+    try:
+        qtbot.waitUntil(lambda: tab.results.rowCount() > 0, timeout=TIMEOUT_MS)  # the recommendations
+        tab.query_edit.setText("deepseek")
+        qtbot.mouseClick(tab.search_button, Qt.MouseButton.LeftButton)
+        assert tab.results_label.text() == "Searching the Hub for “deepseek”…" and tab.results.rowCount() == 0
+        qtbot.waitUntil(tab.search_button.isEnabled, timeout=TIMEOUT_MS)
+        assert tab.results_label.text().startswith("<b>Search failed</b>: ")
+        assert f"cannot reach {dead}" in tab.results_label.text() and tab.results.rowCount() == 0
+        assert not [m for m in records.messages if "Retrying" in m]  # one attempt, not the library's back-off
+    finally:
+        library.removeHandler(records)
+        tab.close_manager()
 
 
 def test_import_local_folder(qtbot, models_tab: ModelsTab, tmp_path: Path):
