@@ -76,7 +76,7 @@ for step in "${steps[@]}"; do
             tests/engine/test_tiers_graph_step.py tests/engine/test_prefix_store.py tests/engine/test_runner.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_conformance.py tests/engine/test_warm_up.py \
             tests/engine/test_tiers_pieces.py tests/engine/test_mli.py tests/engine/test_tier_cache.py \
-            tests/engine/test_tiers_kernels_engine.py ;;
+            tests/engine/test_tiers_kernels_engine.py tests/engine/test_sampling.py ;;
     e2e)
         wait  # the checkpoints
         E=(python3 bench/bench_e2e.py --logs "$OUT/l" --reps 2 --decode-tokens 128)  # TTFT: the median of 2
@@ -266,7 +266,7 @@ torch.cuda.synchronize()" > "$OUT/ncu-indexer-$batch.txt" 2>&1
         gpu_tests ${TESTS_TIMEOUT:-130} tests/kernels/test_topk_short.py \
             tests/offload/test_planned_tiers_launches.py tests/engine/test_tier_store.py \
             tests/engine/test_tier_cache.py tests/engine/test_warm_start.py \
-            tests/engine/test_tiers_kernels_engine.py ;;
+            tests/engine/test_tiers_kernels_engine.py tests/engine/test_sampling.py ;;
     c2stack)  # the planned read and the tiered 61-layer stack with the default candidate select (narrow) beside the
               # bisection, then the GPU tests of the tier cache, the tiered pieces and graph steps (~5 min)
         timeout 120 python3 bench/bench_longctx.py --planned --contexts 131072 --stack-contexts 131072 \
