@@ -22,6 +22,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from hearth.app.client import ChatChunk
+from hearth.app.hub.state import Registry
+from hearth.app.paths import data_dir
+from hearth.app.store.settings import Settings, save_settings
 
 SHARD_1 = "model-00001-of-00002.safetensors"
 SHARD_2 = "model-00002-of-00002.safetensors"
@@ -207,3 +210,16 @@ def feed_input(monkeypatch, *lines: str | type[BaseException]) -> None:
         return item
 
     monkeypatch.setattr("builtins.input", fake_input)
+
+
+def install_download(model_dir: Path, cache: Path, repo: str, commit: str) -> Path:
+    """``model_dir`` as a verified download of ``repo`` at ``commit`` in the Hugging Face cache ``cache`` (the
+    layout the Hub client writes: models--org--name/snapshots/<commit>/), the settings pointing there; returns
+    the snapshot folder."""
+    snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(commit)
+    save_settings(Settings(hf_cache_dir=str(cache)))
+    Registry(data_dir() / "models.json").mark_ready(repo, commit=commit, revision="main", num_files=7, size_bytes=1)
+    return snapshot

@@ -5,7 +5,6 @@ non-loopback bind without an API key refuses to start."""
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import subprocess
 
@@ -13,11 +12,9 @@ import httpx
 import pytest
 
 from hearth.app.cli.main import main as cli
-from hearth.app.hub.state import Registry
-from hearth.app.paths import data_dir
 from hearth.app.store.settings import Settings, save_settings
 from hearth.engine.testing.tiny import write_tiny_model
-from tests.app.cli_support import hearth_cmd
+from tests.app.cli_support import hearth_cmd, install_download
 
 REPO = "hearth-test/tiny-v32"
 COMMIT = "c0ffee" + "0" * 34
@@ -32,15 +29,7 @@ def model_dir(tmp_path_factory):
 def installed(model_dir, tmp_path):
     """The tiny model as a verified download of REPO in a Hugging Face cache (the layout the Hub
     client writes: models--org--name/snapshots/<commit>/)."""
-    cache = tmp_path / "hf-cache"
-    snapshot = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
-    shutil.copytree(model_dir, snapshot)
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
-    save_settings(Settings(hf_cache_dir=str(cache)))
-    Registry(data_dir() / "models.json").mark_ready(REPO, commit=COMMIT, revision="main", num_files=7,
-                                                    size_bytes=1)
-    return snapshot
+    return install_download(model_dir, tmp_path / "hf-cache", REPO, COMMIT)
 
 
 def test_serve_a_repo_id_under_its_name_and_load_only_installed_models(installed, model_dir):

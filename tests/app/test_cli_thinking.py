@@ -15,6 +15,7 @@ from hearth.app.cli.main import main as cli
 from hearth.app.client import ChatChunk
 from hearth.engine.testing.tiny import write_tiny_model
 from hearth.engine.text.tokenizer import Tokenizer
+from tests.app.cli_support import FakeSession
 from tests.engine.scripted_model import rewire
 
 THOUGHT, ANSWER = " the kettle sang", " Mira smiled."
@@ -54,14 +55,8 @@ def test_without_think_the_model_answers_directly(model_dir, capsys):
     assert out.strip() == ANSWER.strip() and "Thinking" not in err
 
 
-class _ThinkingSession:
+class _ThinkingSession(FakeSession):
     """Answers every message with reasoning, then the answer; records what the REPL sends."""
-
-    model = label = "fake-model"
-    where = "a fake server"
-
-    def __init__(self) -> None:
-        self.sent: list[list[dict[str, str]]] = []
 
     def stream(self, messages, sampling):
         self.sent.append(messages)

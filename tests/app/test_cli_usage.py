@@ -6,7 +6,6 @@ download's repo id, "demo"), and ``chat`` fed from a pipe (no prompt, \"\"\" blo
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import sys
 
@@ -15,11 +14,9 @@ import pytest
 from hearth.app.cli.chat import ChatSession, Repl
 from hearth.app.cli.main import build_parser
 from hearth.app.cli.main import main as cli
-from hearth.app.hub.state import Registry
-from hearth.app.paths import data_dir
-from hearth.app.store.settings import Settings, save_settings
+from hearth.app.store.settings import Settings
 from hearth.engine.testing.tiny import write_tiny_model
-from tests.app.cli_support import FakeSession, fake_openai_server, feed_input, run_hearth
+from tests.app.cli_support import FakeSession, fake_openai_server, feed_input, install_download, run_hearth
 
 REPO = "hearth-test/tiny-v32"
 COMMIT = "c0ffee" + "0" * 34
@@ -34,14 +31,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def downloaded(model_dir, tmp_path):
     """The tiny model as the only installed model: a verified download of REPO in the HF cache."""
-    cache = tmp_path / "hf-cache"
-    snapshot = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
-    shutil.copytree(model_dir, snapshot)
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
-    save_settings(Settings(hf_cache_dir=str(cache)))
-    Registry(data_dir() / "models.json").mark_ready(REPO, commit=COMMIT, revision="main", num_files=7, size_bytes=1)
-    return snapshot
+    return install_download(model_dir, tmp_path / "hf-cache", REPO, COMMIT)
 
 
 # ---- run: the prompt ---------------------------------------------------------------------------
