@@ -695,7 +695,8 @@ class Engine:
         starting = choice == "runahead" and not self._runahead
         self._runahead = choice == "runahead"
         for seq in list(self.scheduler.running) if starting else []:
-            if not seq.in_prefill and seq.request_id not in self.decoder.flights:
+            # (a prompt with one token left and nothing sampled yet is read as a prompt chunk: Scheduler.schedule)
+            if not seq.in_prefill and seq.output_ids and seq.request_id not in self.decoder.flights:
                 self._launch(seq)
         if self.runner.prefetcher is not None:
             self.runner.prefetcher.active = choice == "prefetch"

@@ -106,7 +106,10 @@ class Scheduler:
     def schedule(self, include_decodes: bool = True, busy: Container[str] = ()) -> list[ScheduledChunk]:
         """The next step's work. include_decodes=False leaves decoding requests to another
         executor (runahead) and schedules prompt chunks only; ``busy``: ids of requests whose next
-        token that executor is still computing (they are left to it)."""
+        token that executor is still computing (they are left to it). That executor takes a request
+        only once it has a sampled token, so without decodes every uncomputed token of a request it
+        does not hold is read here: a prompt whose last chunk left exactly one token (or a preempted
+        request recomputed up to its last token) would otherwise never be read by anyone."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for seq in list(self.running) if include_decodes else []:
@@ -119,7 +122,8 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, 1))
             budget -= 1
         for seq in self.running:
-            if seq.in_prefill and budget > 0:
+            orphan = not include_decodes and seq.num_computed < seq.num_tokens and seq.request_id not in busy
+            if (seq.in_prefill or orphan) and budget > 0:
                 n = min(budget, seq.num_tokens - seq.num_computed)
                 chunks.append(ScheduledChunk(seq, n))
                 budget -= n

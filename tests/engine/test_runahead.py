@@ -568,3 +568,33 @@ def test_the_gate_is_on_only_where_a_link_is_measured(model_dir):
         engine = Engine.load(model_dir, EngineConfig(scheduler=scheduler, **config))
         assert (engine.runahead_gate is not None) == (scheduler == "runahead" and TEST_DEVICE == "cuda")
         assert (engine.decoder is not None) == (scheduler == "runahead")
+
+
+@pytest.mark.parametrize("options", [{}, dict(offload="always", expert_cache_slots=2, host_experts="off")],
+                         ids=["resident", "offloaded"])
+def test_a_prompt_whose_last_chunk_leaves_one_token_is_read_at_once(model_dir, options):
+    """The decoder takes a request only once it has a sampled token, and the step loop leaves decodes to
+    it. A 33-token prompt read in 32-token chunks has one token left after its first chunk: that token is
+    read in the next step, as under sync (it was left to nobody: with resident experts the request never
+    answered, with offloaded ones it waited until the two decoding requests had finished), with sync's
+    tokens."""
+    steps: dict[str, int] = {}
+    answers: dict[str, list[int]] = {}
+    for scheduler in ("sync", "runahead"):
+        engine = _engine(model_dir, scheduler, max_num_batched_tokens=32, **options)
+        long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for first in (100, 200):  # two requests decoding (runahead runs the decoder for them)
+            engine.add_request(prompt_token_ids=list(range(first, first + 10)), sampling=long)
+        for _ in range(3):
+            engine.step()
+        late = engine.add_request(prompt_token_ids=list(range(40, 73)), sampling=GREEDY)
+        answers[scheduler], step = [], 0
+        while engine.has_unfinished():
+            step += 1
+            assert step < 500, "engine stalled"
+            for event in engine.step():
+                if isinstance(event, TokenDelta) and event.request_id == late:
+                    steps.setdefault(scheduler, step)
+                    answers[scheduler].extend(event.token_ids)
+    assert steps["runahead"] == steps["sync"] == 2  # its first chunk, then its last token
+    assert answers["runahead"] == answers["sync"] and len(answers["sync"]) == GREEDY.max_tokens
