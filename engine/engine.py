@@ -168,7 +168,8 @@ class Engine:
         if preload is not None and (self.prefix_tier is None or self.prefix_tier.store.preload is not preload):
             preload.cancel(wait=False)  # (no pages on disk to warm: tiered latents)
         self.blocks = BlockManager(runner.num_blocks, runner.block_size,
-                                   enable_prefix_caching=runner.latent_tiers is None, tier=self.prefix_tier)
+                                   enable_prefix_caching=self.tier_cache is None or self.tier_cache.needs_pages,
+                                   tier=self.prefix_tier)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    states=self.tier_cache)
         self._prompt_tokens = tokenizer.prompt_tokens()

@@ -23,7 +23,10 @@ prompt tokens like a prefix-cache hit.
   latents only) and caps each request's page hits at what its adopted keys cover
   (``BlockManager.allocate(max_cached=...)``), and the adopted keys are cut to the page hits: the
   two always cover the same tokens, and pages the GPU reused in between only shorten the hit.
-  With tiered latents the prefix cache stays off: the parked state is all a request needs.
+  With tiered latents only, the indexer keys live in the pages: the same holds for them (the prefix
+  cache on, page hits and adopted latents cut to each other; after a restart nothing is adopted, as those
+  pages have no files: the prefix cache's RAM and disk tiers stay off with tiered latents). With both
+  tiered the prefix cache stays off: the parked state is all a request needs.
 - Budget: at most ``budget_bytes`` of parked host memory; parking evicts the least recently parked
   chats beyond it, and a chat larger than the whole budget is not kept in RAM (only on disk, below).
   A parked chat whose tokens a newer one of the same conversation extends is dropped (the newer
@@ -132,8 +135,9 @@ class TierCache:
 
     @property
     def needs_pages(self) -> bool:
-        """Whether the latents live in the paged cache (tiered keys only): see the module doc."""
-        return self.latent_tiers is None
+        """Whether part of a request's cache lives in the paged cache: the latents with tiered keys only,
+        the indexer keys with tiered latents only (see the module doc)."""
+        return self.latent_tiers is None or self.key_tiers is None
 
     # ---- parking --------------------------------------------------------------------------------
     def park(self, seq: Sequence) -> None:

@@ -17,6 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=ANSWER, ignore_eos=True)
 BASE = dict(device=TEST_DEVICE, dtype="float32", block_size=BS)
 EXACT_KEYS = dict(index_key_hot_pages=1, index_key_cache_pages=2, index_key_candidate_pages=1, index_key_exact=True)
 KEYS_AND_LATENTS = dict(EXACT_KEYS, latent_hot_rows=20)
+LATENTS = dict(latent_hot_rows=20)  # the indexer keys in the pages (the prefix cache on for them)
 
 
 def _ids(n: int, a: int, b: int = 20) -> list[int]:
@@ -54,7 +55,7 @@ def v32(tiny_models) -> str:
     return str(tiny_models["deepseek_v32"])
 
 
-@pytest.mark.parametrize("tiers", [KEYS_AND_LATENTS, EXACT_KEYS], ids=["keys+latents", "keys"])
+@pytest.mark.parametrize("tiers", [KEYS_AND_LATENTS, EXACT_KEYS, LATENTS], ids=["keys+latents", "keys", "latents"])
 def test_follow_up_turns_adopt_the_parked_tiers_and_equal_a_full_prefill(v32, tiers):
     engine = Engine.load(v32, EngineConfig(**BASE, **tiers))
     prompt = _ids(60, 7)
@@ -75,7 +76,8 @@ def test_follow_up_turns_adopt_the_parked_tiers_and_equal_a_full_prefill(v32, ti
     assert stats["tier_cache_park_ms"] > 0 and stats["tier_cache_match_ms"] > 0
     assert "tier_cache_disk_read_bytes" not in stats and "tier_cache_spill_ms" not in stats
     assert _tier_stats(engine)["tier_cache_chats"] == 1  # each turn's state replaced the one it adopted
-    assert not engine.runner.key_tiers.tiers  # nothing of a finished request is left on the device
+    for kept in (engine.runner.key_tiers, engine.runner.latent_tiers):  # nothing of a finished request is left
+        assert kept is None or not kept.tiers
 
 
 def test_a_chat_switch_keeps_both_chats_when_the_budget_allows_and_evicts_the_oldest_when_not(v32):
@@ -165,11 +167,13 @@ def test_an_aborted_request_parks_what_it_wrote(v32):
     assert answer == _fresh(v32, follow_up)
 
 
-def test_preempted_requests_resume_their_own_parked_tiers(v32):
+@pytest.mark.parametrize("tiers", [KEYS_AND_LATENTS, LATENTS], ids=["keys+latents", "latents"])
+def test_preempted_requests_resume_their_own_parked_tiers(v32, tiers):
     """Ten pages for two requests that need seven each: the later one is preempted, parks its tiers,
-    and when it is admitted again adopts them instead of starting over."""
+    and when it is admitted again adopts them instead of starting over (with tiered latents only, as far
+    as the prefix cache still holds the pages of its indexer keys, here all)."""
     prompts = [_ids(60, 7), _ids(62, 11, 30)]
-    engine = Engine.load(v32, EngineConfig(**BASE, **KEYS_AND_LATENTS, num_cache_blocks=10))
+    engine = Engine.load(v32, EngineConfig(**BASE, **tiers, num_cache_blocks=10))
     preempted = []
     engine.scheduler.on_preempt.append(lambda seq: preempted.append(seq.request_id))
     sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
