@@ -21,7 +21,8 @@ USAGE = """usage: hearth [--screenshot FILE [--tab chat|truncated|thinking|model
   hearth --screenshot FILE   open the app, save a screenshot to FILE and quit
     --tab chat|truncated|thinking|models|settings|server   the view the screenshot shows (default: chat)
     --timeout S                                   give up after S seconds (default: 120)
-  hearth --cli --help        the command line: chat, run, serve, stats, stop, pull, rm, models, search, config
+  hearth --cli --help        the command line: chat, run, serve, stats, stop, pull, import, rm, models, search,
+                             config
   hearth --version           the installed version
 """
 

@@ -31,6 +31,7 @@ from hearth.app.cli.common import (
     chat_options,
     consume,
     context_of,
+    download_missing,
     note_context_cap,
     resolve_model,
     sampling_options,
@@ -53,7 +54,8 @@ HELP = ("/system TEXT  set the system prompt (/system alone clears it)\n"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("chat", help="chat in the terminal",
                                    description="Chat in the terminal with streaming answers (/help lists the "
-                                   "chat commands).")
+                                   "chat commands). A Hub repo id given to --model that is not installed is pulled "
+                                   "first when stdin is a terminal (--no-pull: fail instead).")
     add_common_options(parser, sub=True)
     parser.add_argument("--keep-engine", action="store_true",
                         help="leave the local engine host running after the chat ends (`hearth --cli stop` "
@@ -89,7 +91,7 @@ class ChatSession:
         if url:
             client = ChatClient(url, api_key_of(args))
             return cls(client, args.model or _first_model(client))
-        model = resolve_model(args.model, settings)
+        model = resolve_model(args.model, settings, on_missing=download_missing(args, settings))
         note_context_cap(model.path, args, err)
         print(f"Starting the engine for {model.name}...", file=err, flush=True)
         options: dict[str, Any] = {"max_model_len": context_of(args, settings)}

@@ -14,24 +14,28 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from hearth.app.client.openai_client import ChatChunk
 from hearth.app.demo_model import DEMO_NAMES, bundled_demo_path
 from hearth.app.store.settings import Settings
 from hearth.engine.api import HearthError, decode_rate, engine_options, usage
 
+if TYPE_CHECKING:
+    from hearth.app.hub.errors import NotInstalledError
+
 API_KEY_ENV = "HEARTH_API_KEY"
 
 
 def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
-    """--model, --backend, --api-key, --max-model-len, --debug and the sampling options."""
+    """--model, --backend, --api-key, --max-model-len, --no-pull, --debug and the sampling options."""
     d: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
-    parser.add_argument("--model", "-m", help="model folder, installed name or Hub repo id "
-                        "(default: the default model in the settings)", **d)
+    parser.add_argument("--model", "-m", help="model folder, installed name or Hub repo id (one not installed "
+                        "is downloaded first when stdin is a terminal; default: the default model in the settings)",
+                        **d)
     parser.add_argument("--backend", metavar="URL", help="use this OpenAI-compatible server instead of the "
                         "local engine (default: backend_url in the settings)", **d)
     parser.add_argument("--api-key", help=f"API key for --backend (default: ${API_KEY_ENV})", **d)
@@ -47,7 +51,15 @@ def add_common_options(parser: argparse.ArgumentParser, *, sub: bool) -> None:
                         "(the chat template's thinking switch; gpt-oss always reasons)", **d)
     parser.add_argument("--hide-thinking", action="store_true", help="do not print the model's reasoning "
                         "(by default it goes to stderr, dimmed, after \"Thinking:\")", **d)
+    add_no_pull_option(parser, sub=sub)
     add_debug_option(parser, sub=sub)
+
+
+def add_no_pull_option(parser: argparse.ArgumentParser, *, sub: bool = True) -> None:
+    """--no-pull: a Hub repo id given to --model that is not installed is an error, not a download."""
+    parser.add_argument("--no-pull", action="store_true", help="fail instead of downloading a Hub repo id given to "
+                        "--model that is not installed (without it, the download happens only when stdin is a "
+                        "terminal)", **({"default": argparse.SUPPRESS} if sub else {}))
 
 
 def add_debug_option(parser: argparse.ArgumentParser, *, sub: bool = True) -> None:
@@ -123,19 +135,23 @@ class ResolvedModel:
     name: str
 
 
+MissingModel = Callable[["NotInstalledError"], None]  # raises unless it installed the model
+
+
 def resolve_model_path(name: str | None, settings: Settings) -> Path:
     """The model folder to load (see ``resolve_model``)."""
     return resolve_model(name, settings).path
 
 
-def resolve_model(name: str | None, settings: Settings) -> ResolvedModel:
+def resolve_model(name: str | None, settings: Settings, *, on_missing: MissingModel | None = None) -> ResolvedModel:
     """The model to load: ``name`` (a folder, an installed name, a repo id or its short name), else
     the default model in the settings, else the only installed model, else the bundled demo model.
-    Several installed models and no default is an error that lists them."""
+    Several installed models and no default is an error that lists them. A name that is not
+    installed goes to ``on_missing`` (``download_missing``), which may install it."""
     if name:
-        return _resolve_named(name)
+        return _resolve_named(name, on_missing)
     if settings.default_model:
-        return _resolve_named(settings.default_model)
+        return _resolve_named(settings.default_model, on_missing)
     installed = _installed_runnable()
     if len(installed) == 1:
         return ResolvedModel(installed[0].path, installed[0].name)
@@ -146,7 +162,20 @@ def resolve_model(name: str | None, settings: Settings) -> ResolvedModel:
                       "set a default with `hearth --cli config set default_model NAME`")
 
 
-def _resolve_named(name: str) -> ResolvedModel:
+def download_missing(args: argparse.Namespace, settings: Settings) -> MissingModel:
+    """``resolve_model``'s ``on_missing`` for run, chat and serve: download a Hub repo id that is not
+    installed, as ``pull`` does (see ``autopull``; --no-pull, a stdin that is not a terminal or
+    offline mode make it an error instead)."""
+
+    def download(missing: NotInstalledError) -> None:
+        from hearth.app.cli.autopull import pull_missing
+
+        pull_missing(missing, settings, no_pull=getattr(args, "no_pull", False), stdin=sys.stdin, err=sys.stderr)
+
+    return download
+
+
+def _resolve_named(name: str, on_missing: MissingModel | None = None) -> ResolvedModel:
     if is_demo_name(name):
         return ResolvedModel(_bundled_demo(explicit=True), "demo")
     path = Path(name).expanduser()
@@ -155,10 +184,17 @@ def _resolve_named(name: str) -> ResolvedModel:
     if _looks_like_path(name):
         raise HearthError(f"{name}: no such model folder")
     try:
+        from hearth.app.hub import NotInstalledError
         from hearth.app.hub import resolve_model as resolve_installed
     except ImportError:  # the Hub manager is optional at run time
         raise HearthError(f"{name}: no such model folder") from None
-    return ResolvedModel(Path(resolve_installed(name)), name.strip())
+    try:
+        return ResolvedModel(Path(resolve_installed(name)), name.strip())
+    except NotInstalledError as missing:
+        if on_missing is None or missing.repo_id is None:
+            raise
+        on_missing(missing)
+        return ResolvedModel(Path(resolve_installed(missing.repo_id)), name.strip())
 
 
 def is_demo_name(name: str) -> bool:

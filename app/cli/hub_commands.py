@@ -1,4 +1,4 @@
-"""``hearth --cli pull | rm | models | search``: the Hub manager from a terminal.
+"""``hearth --cli pull | import | rm | models | search``: the Hub manager from a terminal.
 
 Each subcommand sets ``func(args) -> int`` (the exit code). Errors print as one line on stderr,
 never a traceback. ``pull`` draws a live one-line bar on a terminal and plain lines every few
@@ -6,6 +6,7 @@ seconds otherwise; Ctrl-C pauses it, keeping the partial files, and running the 
 again resumes where it stopped. It refuses, before fetching weights, a repo Hearth could not load
 (no safetensors weights; an architecture it does not run, unless ``--force``). ``rm`` finds a model
 as ``--model`` does (installed name, repo id or its short name) and also forgets an unfinished pull.
+``import`` registers a local model folder, used where it is (``rm`` then only forgets it).
 """
 
 from __future__ import annotations
@@ -28,8 +29,14 @@ from hearth.app.hub import events as ev
 from hearth.app.hub.catalog import SORTS, SUPPORTED_MODEL_TYPES, search_models
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.errors import HubError
-from hearth.app.hub.installed import InstalledModel, delete_model, find_installed, list_installed
-from hearth.app.hub.manager import DownloadManager, DownloadOptions, ItemState
+from hearth.app.hub.installed import (
+    InstalledModel,
+    delete_model,
+    find_installed,
+    import_local_model,
+    list_installed,
+)
+from hearth.app.hub.manager import DownloadItem, DownloadManager, DownloadOptions, ItemState
 from hearth.app.hub.state import QueueFile, Registry
 from hearth.app.hub.units import format_bytes, format_duration, format_speed
 from hearth.app.store.settings import load_settings
@@ -40,7 +47,7 @@ PULL_OPTIONS = DownloadOptions()  # module-level so tests can use shorter timeou
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Register pull, rm, models and search on the CLI's subparsers."""
+    """Register pull, import, rm, models and search on the CLI's subparsers."""
     pull = subparsers.add_parser("pull", help="download a model from the Hugging Face Hub (resumable)")
     pull.add_argument("repo", help="repo id, e.g. deepseek-ai/DeepSeek-V3.2")
     pull.add_argument("--include", action="append", metavar="GLOB",
@@ -52,7 +59,21 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     add_debug_option(pull)
     pull.set_defaults(func=cmd_pull)
 
-    rm = subparsers.add_parser("rm", help="delete a downloaded model (or forget an imported one)")
+    imp = subparsers.add_parser("import", help="add a local model folder to the installed models (used in place)",
+                                description="Add a local Hugging Face-layout model folder (config.json, .safetensors "
+                                "weights [+ model.safetensors.index.json], tokenizer.json) to the installed models, "
+                                "so run, chat, serve and the app's Models tab offer it. The folder is checked first "
+                                "(a supported architecture; safetensors headers readable; pickle files are never "
+                                "opened), then used where it is: nothing is copied, so keep it there; `hearth --cli "
+                                "rm NAME` only forgets it and never deletes the folder.")
+    imp.add_argument("folder", metavar="DIR", help="the model folder")
+    imp.add_argument("--name", help="the name to run it by (default: the folder's name)")
+    add_debug_option(imp)
+    imp.set_defaults(func=cmd_import)
+
+    rm = subparsers.add_parser("rm", help="delete a downloaded model (or forget an imported one)",
+                               description="Delete a downloaded model (or an unfinished download) from the Hugging "
+                               "Face cache. An imported model is only forgotten: its folder is never deleted.")
     rm.add_argument("repo", metavar="NAME", help="installed name, repo id or its short name (as --model takes)")
     rm.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     add_debug_option(rm)
@@ -91,31 +112,41 @@ def _one_line_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[
 
 @_one_line_errors
 def cmd_pull(args: argparse.Namespace) -> int:
-    printer = ProgressPrinter(sys.stderr)
+    try:
+        item = pull_model(args.repo, revision=args.revision, include=tuple(args.include) if args.include else None,
+                          exclude=tuple(args.exclude) if args.exclude else None, force=args.force, progress=sys.stderr)
+    except KeyboardInterrupt:  # paused, and the way to resume printed
+        return EXIT_INTERRUPTED
+    print(f"Ready: {item.repo_id} ({format_bytes(item.bytes_total)}, checksums verified) in {item.path}")
+    return EXIT_OK
+
+
+def pull_model(repo_id: str, *, revision: str | None = None, include: tuple[str, ...] | None = None,
+               exclude: tuple[str, ...] | None = None, force: bool = False, progress: TextIO) -> DownloadItem:
+    """Download ``repo_id`` and verify it, with the progress on ``progress``; returns the ready item.
+    ``HubError`` when it fails; after Ctrl-C the download is paused (its files kept), the way to resume
+    is printed and KeyboardInterrupt raised again."""
+    printer = ProgressPrinter(progress)
     manager = DownloadManager(load_settings(), on_event=printer.on_event, options=PULL_OPTIONS)
-    include = tuple(args.include) if args.include else None
-    exclude = tuple(args.exclude) if args.exclude else None
-    item_id = manager.enqueue(args.repo, revision=args.revision, include=include, exclude=exclude,
-                              force=args.force)
+    item_id = manager.enqueue(repo_id, revision=revision, include=include, exclude=exclude, force=force)
     manager.start()
     try:
         state = manager.wait(item_id)
     except KeyboardInterrupt:
-        return _interrupted(manager, item_id, printer)
+        _interrupted(manager, item_id, printer)
+        raise
     finally:
         manager.close(timeout=10)
     printer.end_line()
     item = manager.item(item_id)
     if state == ItemState.READY:
-        print(f"Ready: {item.repo_id} ({format_bytes(item.bytes_total)}, checksums verified) in {item.path}")
-        return EXIT_OK
+        return item
     if state == ItemState.FAILED and not item.is_resumable:
         manager.cancel(item_id)  # nothing to continue: no queue entry left behind (partial files are kept)
-    print(f"error: {item.message or f'download {state}'}", file=sys.stderr)
-    return EXIT_ERROR
+    raise HubError(item.message or f"download {state}")
 
 
-def _interrupted(manager: DownloadManager, item_id: str, printer: ProgressPrinter) -> int:
+def _interrupted(manager: DownloadManager, item_id: str, printer: ProgressPrinter) -> None:
     manager.pause(item_id)
     with contextlib.suppress(TimeoutError, KeyboardInterrupt):
         manager.wait(item_id, timeout=manager.options.stall_timeout_s + 5)
@@ -123,11 +154,19 @@ def _interrupted(manager: DownloadManager, item_id: str, printer: ProgressPrinte
     item = manager.item(item_id)
     if item.bytes_done == 0:  # interrupted while planning (or before any byte arrived)
         print(f"Stopped: nothing downloaded yet; run `hearth --cli pull {item.repo_id}` again to start.",
-              file=sys.stderr)
+              file=printer.stream)
     else:
         print(f"Paused: {format_bytes(item.bytes_done)} of {format_bytes(item.bytes_total)} kept; run "
-              f"`hearth --cli pull {item.repo_id}` again to resume.", file=sys.stderr)
-    return EXIT_INTERRUPTED
+              f"`hearth --cli pull {item.repo_id}` again to resume.", file=printer.stream)
+
+
+@_one_line_errors
+def cmd_import(args: argparse.Namespace) -> int:
+    model = import_local_model(args.folder, args.name, HubContext.from_settings(load_settings()))
+    print(f"Imported {model.name} ({format_bytes(model.size_bytes)}, {model.model_type}) from {model.path}.")
+    print(f"Hearth uses the folder where it is, so keep it there; `hearth --cli rm {model.name}` forgets it and "
+          f"leaves the folder alone. Run it with `hearth --cli run -m {model.name}`.")
+    return EXIT_OK
 
 
 @_one_line_errors
@@ -139,7 +178,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
             print(f"error: not a terminal; pass --yes to delete {name}", file=sys.stderr)
             return EXIT_ERROR
         size = format_bytes(model.size_bytes) if model else "unfinished download"
-        if input(f"Delete {name} ({size})? [y/N] ").strip().lower() not in ("y", "yes"):
+        question = (f"Forget {name}? Its folder {model.path} stays as it is." if model and model.source == "imported"
+                    else f"Delete {name} ({size})?")
+        if input(f"{question} [y/N] ").strip().lower() not in ("y", "yes"):
             print("Nothing deleted.")
             return EXIT_ERROR
     freed = delete_model(name, ctx)

@@ -2,11 +2,13 @@
 
     hearth --cli chat [--model M] [--backend URL]       chat in the terminal
     hearth --cli run [--model M] "..." [--json]         answer one prompt (also --prompt "...")
+                                                        (a Hub repo id not installed is pulled first)
     hearth --cli --model M --prompt "..."               the same (the one-shot form)
     hearth --cli serve [--model M --host H --port P --api-key K]
     hearth --cli stats [--json]                         the running engine's statistics
     hearth --cli stop                                   stop the engine host left running in the background
     hearth --cli pull | rm | models | search            the model library (Hugging Face Hub)
+    hearth --cli import DIR [--name NAME]               add a local model folder (used in place)
     hearth --cli config list | get KEY | set KEY VALUE  the settings file
 
 Errors print one line on stderr and exit with code 1 (``--debug``, before or after the command,

@@ -7,7 +7,8 @@ words come first, then a blank line and stdin (``git diff | hearth --cli run rev
 The answer streams to stdout and a speed line (tokens, tok/s, time to first token) goes to stderr,
 so ``hearth --cli run ... > answer.txt`` keeps only the answer. ``--json`` prints one JSON object
 instead. By default the model runs in this process (no server start-up cost); with ``--backend
-URL`` (or ``backend_url`` in the settings) the prompt goes to that OpenAI-compatible server.
+URL`` (or ``backend_url`` in the settings) the prompt goes to that OpenAI-compatible server. A Hub
+repo id that is not installed is pulled first (see ``autopull``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hearth.app.cli.common import (
     chat_options,
     consume,
     context_of,
+    download_missing,
     local_chunks,
     messages_for,
     note_context_cap,
@@ -42,7 +44,8 @@ from hearth.engine.api import HearthError
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="answer one prompt and exit",
                                    description="Answer one prompt and exit: the answer streams to stdout, "
-                                   "the speed goes to stderr.")
+                                   "the speed goes to stderr. A Hub repo id given to --model that is not installed "
+                                   "is pulled first when stdin is a terminal (--no-pull: fail instead).")
     parser.add_argument("words", nargs="*", metavar="TEXT", help="the prompt (or use --prompt)")
     add_common_options(parser, sub=True)
     add_run_options(parser, sub=True)
@@ -82,7 +85,7 @@ def _run_local(args: argparse.Namespace, settings: Settings, messages: list[dict
                out: TextIO | None, thoughts: TextIO | None) -> tuple[str, Answer]:
     from hearth.engine import Engine, EngineConfig
 
-    model = resolve_model(args.model, settings)
+    model = resolve_model(args.model, settings, on_missing=download_missing(args, settings))
     note_context_cap(model.path, args, sys.stderr)
     # One request at a time here, so the cache only needs room for one sequence.
     config = EngineConfig(max_model_len=context_of(args, settings), max_num_seqs=1)

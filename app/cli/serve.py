@@ -18,7 +18,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hearth.app.cli.common import add_debug_option, api_key_of, note_context_cap, print_json, resolve_model
+from hearth.app.cli.common import (
+    add_debug_option,
+    add_no_pull_option,
+    api_key_of,
+    download_missing,
+    note_context_cap,
+    print_json,
+    resolve_model,
+)
 from hearth.app.client.local_engine import serve_record_path
 from hearth.app.paths import prefix_cache_dir
 from hearth.app.store.settings import Settings, load_settings
@@ -32,15 +40,19 @@ _PORT_POLL_S = 0.05
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible engine host in the foreground",
                                   description="Serve a model over an OpenAI-compatible API in the foreground "
-                                  "until Ctrl-C (`hearth --cli stats` sees it).")
+                                  "until Ctrl-C (`hearth --cli stats` sees it). A Hub repo id given to --model that "
+                                  "is not installed is pulled first when stdin is a terminal (--no-pull: fail "
+                                  "instead).")
     serve.add_argument("--model", "-m", default=argparse.SUPPRESS,
-                       help="model folder or installed name (default: the default model in the settings)")
+                       help="model folder, installed name or Hub repo id (one not installed is downloaded first "
+                       "when stdin is a terminal; default: the default model in the settings)")
     serve.add_argument("--served-name", help="the model name clients use (default: the installed name or "
                        "repo id given to --model, demo for the demo model, else the folder name)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=port_number, default=8000, help="port (default: 8000; 0 = any free port)")
     serve.add_argument("--api-key", default=argparse.SUPPRESS, help="require this bearer token "
                        "(default: $HEARTH_API_KEY; needed to bind anything but this machine's loopback)")
+    add_no_pull_option(serve)
     add_debug_option(serve)
     add_security_arguments(serve)
     add_engine_arguments(serve, defaults_from="the settings")
@@ -79,9 +91,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hearth.engine.server.main import main as server_main
 
     settings = load_settings()
-    model = resolve_model(args.model, settings)
+    check_port_free(args.host, args.port)  # before the model downloads or loads, which can take minutes
+    model = resolve_model(args.model, settings, on_missing=download_missing(args, settings))
     path = model.path
-    check_port_free(args.host, args.port)  # before the model loads, which can take minutes
     note_context_cap(path, args, sys.stderr)
     # (None from a non-flag option is the top-level parser's "not given" for --max-model-len.)
     given = {o.name: getattr(args, o.name) for o in engine_options()

@@ -13,6 +13,7 @@ from hearth.app.hub.errors import (
     DiskFullError,
     GatedRepoAccessError,
     HubError,
+    NotInstalledError,
     OfflineError,
     RepoNotFoundError,
 )
@@ -55,8 +56,8 @@ __all__ = [
     "DownloadItem", "DownloadManager", "DownloadOptions", "DownloadPaused", "DownloadProgress",
     "DownloadQueued", "DownloadReady", "DownloadRetrying", "DownloadStalled", "DownloadStarted",
     "DownloadVerifying", "FileProgress", "FitReport", "Footprint", "GatedRepoAccessError", "HubContext",
-    "HubError", "InstalledModel", "ItemState", "Machine", "OfflineError", "RepoDetails", "RepoFileInfo",
-    "RepoNotFoundError", "SearchResult", "Verdict", "assess_fit", "delete_model", "find_installed", "fit_for_repo",
-    "footprint_from_config", "import_local_model", "list_installed", "probe_machine", "repo_details",
+    "HubError", "InstalledModel", "ItemState", "Machine", "NotInstalledError", "OfflineError", "RepoDetails",
+    "RepoFileInfo", "RepoNotFoundError", "SearchResult", "Verdict", "assess_fit", "delete_model", "find_installed",
+    "fit_for_repo", "footprint_from_config", "import_local_model", "list_installed", "probe_machine", "repo_details",
     "resolve_model", "search_models",
 ]

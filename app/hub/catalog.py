@@ -20,7 +20,7 @@ from huggingface_hub.hf_api import ModelInfo
 from huggingface_hub.utils import filter_repo_objects, get_session, httpx
 
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.errors import HubError, describe, search_error
+from hearth.app.hub.errors import HubError, describe, is_unreachable, search_error
 from hearth.app.hub.transfer import QuietTqdm
 from hearth.app.paths import cache_dir
 from hearth.engine.config import SUPPORTED_MODEL_TYPES
@@ -138,15 +138,16 @@ def search_models(ctx: HubContext, query: str, *, sort: SortKey = "downloads",
 
 
 def _check_reachable(endpoint: str) -> None:
-    """Fail at once (one attempt, no retries) when no connection to ``endpoint`` can be made; any
-    answer, even an error status, means it can, and the search then keeps the library's retries for
-    what they can ride out (5xx, 429, dropped connections)."""
+    """Fail at once (one attempt, no retries) when no connection to ``endpoint`` can be made, by the
+    rule that cuts a pull's planning short (``is_unreachable``); any answer, even an error status,
+    means it can, and the search then keeps the library's retries for what they can ride out (5xx,
+    429, dropped connections)."""
     try:
         get_session().head(endpoint, timeout=REACHABLE_TIMEOUT_S)
-    except (httpx.ConnectError, httpx.ConnectTimeout):
-        raise
-    except httpx.HTTPError:
-        pass  # it answered, if oddly: the search itself says what is wrong
+    except httpx.HTTPError as exc:
+        if is_unreachable(exc):
+            raise
+        # It answered, if oddly: the search itself says what is wrong.
 
 
 def repo_details(ctx: HubContext, repo_id: str, revision: str | None = None) -> RepoDetails:

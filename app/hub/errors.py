@@ -68,6 +68,16 @@ class UnsupportedRepoError(HubError):
     """The repo holds nothing Hearth can load: no safetensors weights, or an architecture it does not run."""
 
 
+class NotInstalledError(HubError):
+    """No installed model goes by the name asked for. ``repo_id``: the Hub repo that pulling would fetch
+    (or finish: ``is_partial``) to have it, None when the name is no repo id."""
+
+    def __init__(self, message: str, repo_id: str | None = None, *, is_partial: bool = False) -> None:
+        super().__init__(message)
+        self.repo_id = repo_id
+        self.is_partial = is_partial
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures a retry can fix: network drops, timeouts, 5xx/429, short reads."""
     if isinstance(exc, DryRunError) and exc.__cause__ is not None:
@@ -85,11 +95,12 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def is_unreachable(exc: BaseException) -> bool:
-    """True when no connection could be made at all (refused, unknown host, no route): unlike a
-    dropped transfer, retrying for minutes seldom helps, so planning gives up after a short try."""
+    """True when no connection could be made at all (refused, unknown host, no route, no answer to
+    the connection attempt): unlike a dropped transfer, retrying for minutes seldom helps, so planning
+    gives up after a short try and a search after one."""
     if isinstance(exc, DryRunError) and exc.__cause__ is not None:
         return is_unreachable(exc.__cause__)
-    return isinstance(exc, httpx.ConnectError)
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
 def describe(exc: BaseException, repo_id: str, endpoint: str) -> HubError:
@@ -121,6 +132,17 @@ def describe(exc: BaseException, repo_id: str, endpoint: str) -> HubError:
     if is_transient(exc):
         return NetworkError(f"Cannot download {repo_id} from {endpoint}: {_first_line(exc)}")
     return HubError(f"{repo_id}: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def is_repo_id(name: str) -> bool:
+    """``name`` is a well-formed Hub repo id (``org/name``), one that could be pulled."""
+    if name.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def check_repo_id(repo_id: str) -> None:

@@ -3,8 +3,10 @@ folder, and deleting a download.
 
 Downloaded models live in the Hugging Face cache (listed with the library's ``scan_cache_dir``,
 deleted with its ``delete_revisions(...).execute()``); ``models.json`` records which downloads
-finished verification (``is_ready``) and which local folders were imported under a name. Nothing
-here uses the network, so it all works in offline mode.
+finished verification (``is_ready``) and which local folders were imported under a name. An import
+is a reference, as in LM Studio: the folder is used where it is (never copied: checkpoints are large,
+and a hard link would tie Hearth's copy to the user's edits anyway), and forgetting it never deletes
+it. Nothing here uses the network, so it all works in offline mode.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from huggingface_hub import scan_cache_dir
 from huggingface_hub.errors import CacheNotFound
 from huggingface_hub.utils import CachedRepoInfo, CachedRevisionInfo
 
+from hearth.app.demo_model import DEMO_NAMES
 from hearth.app.hub.catalog import SUPPORTED_MODEL_TYPES
 from hearth.app.hub.context import HubContext
-from hearth.app.hub.errors import HubError
+from hearth.app.hub.errors import HubError, NotInstalledError, is_repo_id
+from hearth.app.hub.loadable import architecture_problem, weights_problem
 from hearth.app.hub.state import QueueFile, Registry
 from hearth.app.hub.transfer import RepoCache
 from hearth.app.store.settings import load_settings
@@ -91,21 +95,60 @@ def find_installed(name: str, ctx: HubContext | None = None) -> list[InstalledMo
 
 def import_local_model(folder: str | Path, name: str | None = None,
                        ctx: HubContext | None = None) -> InstalledModel:
-    """Record a local checkpoint folder under ``name`` (default: the folder's name)."""
+    """Register a local Hugging Face-layout folder under ``name`` (default: the folder's name), used
+    in place: nothing is copied, and forgetting it (``delete_model``) leaves the folder alone.
+
+    Checked first, without loading any weight: a config.json of an architecture Hearth runs (the rule
+    ``pull`` applies), a tokenizer.json, and safetensors files whose headers the engine's loader reads,
+    the shard index naming only files inside the folder. Pickle files (.bin/.pt) are never opened."""
     ctx = ctx or HubContext.from_settings(load_settings())
     path = Path(folder).expanduser().resolve()
     if not path.is_dir():
         raise HubError(f"{folder} is not a folder")
+    name = _import_name(name, path)
     config = _read_config(path)
     if config is None:
-        raise HubError(f"{path} has no readable config.json, so it is not a Hugging Face checkpoint")
-    if not any(path.glob("*.safetensors")):
-        raise HubError(f"{path} has no .safetensors weights (Hearth never loads pickled .bin/.pt files)")
-    name = name or path.name
-    if "/" in name or not name.strip():
-        raise HubError(f"{name!r} cannot name a model: use a name without '/' (those are Hub repo ids)")
-    Registry(ctx.registry_path).add_import(name, path)
+        raise HubError(f"{path} has no readable config.json, so it is not a Hugging Face checkpoint; not imported")
+    filenames = [p.name for p in path.iterdir()]
+    problem = (weights_problem(str(path), filenames, filenames)
+               or architecture_problem(str(path), config.get("model_type")))
+    if problem:
+        raise HubError(f"{problem}; not imported")
+    if not (path / "tokenizer.json").is_file():
+        raise HubError(f"{path} has no tokenizer.json, which Hearth needs to run a model; not imported")
+    _check_weight_files(path)
+    registry = Registry(ctx.registry_path)
+    earlier = registry.imported().get(name)
+    if earlier is not None and Path(earlier) != path:
+        raise HubError(f"{name} already names the folder {earlier}; pick another --name, or forget that one "
+                       f"first with `hearth --cli rm {name}`")
+    registry.add_import(name, path)
     return InstalledModel(name, path, _folder_size(path), config.get("model_type"), "imported", True, None)
+
+
+def _import_name(name: str | None, path: Path) -> str:
+    """The name an imported folder goes by: not a repo id, a path or the demo model's name, which
+    ``--model`` would take for something else."""
+    name = (name if name is not None else path.name).strip()
+    if not name or "/" in name or "\\" in name or name.startswith((".", "~")):
+        raise HubError(f"{name!r} cannot name a model: use a name without '/' (those are Hub repo ids) that does not "
+                       "start with '.' or '~' (those are folders)")
+    if name.lower() in DEMO_NAMES:
+        raise HubError(f"{name!r} is the bundled demo model's name; pick another with --name")
+    return name
+
+
+def _check_weight_files(path: Path) -> None:
+    """The safetensors files as the engine's loader reads them at load time (headers only: tensor
+    names, shapes and offsets); an index naming a file outside the folder, a missing shard or an
+    unreadable header is refused."""
+    from hearth.engine.api import CheckpointError
+    from hearth.engine.loader import CheckpointFiles  # lazy: it imports torch
+
+    try:
+        CheckpointFiles(path)
+    except CheckpointError as err:
+        raise HubError(f"{err}; not imported") from None
 
 
 def resolve_model(name_or_path: str | Path, ctx: HubContext | None = None) -> Path:
@@ -122,15 +165,11 @@ def resolve_model(name_or_path: str | Path, ctx: HubContext | None = None) -> Pa
         if not Path(imported).is_dir():
             raise HubError(f"The folder imported as {name} is gone ({imported}); import it again")
         return Path(imported)
-    if _is_repo_id(name):
+    if is_repo_id(name):
         found = _downloaded_snapshot(name, ctx, registry)
         if found is not None:
             return found
     return _by_short_name(name, ctx)
-
-
-def _is_repo_id(name: str) -> bool:
-    return name.count("/") == 1 and not name.startswith(("/", ".", "~"))
 
 
 def _downloaded_snapshot(repo_id: str, ctx: HubContext, registry: Registry) -> Path | None:
@@ -142,7 +181,8 @@ def _downloaded_snapshot(repo_id: str, ctx: HubContext, registry: Registry) -> P
             raise HubError(_no_weights(repo_id))
         return snapshot
     if QueueFile(ctx.queue_path).unfinished(repo_id):
-        raise HubError(f"{repo_id} is not fully downloaded yet; resume it with `hearth --cli pull {repo_id}`")
+        raise NotInstalledError(f"{repo_id} is not fully downloaded yet; resume it with `hearth --cli pull {repo_id}`",
+                                repo_id, is_partial=True)
     for repo in _cached_repos(ctx):
         revision = _pick_revision(repo, None) if repo.repo_id == repo_id else None
         if revision is not None and (revision.snapshot_path / "config.json").exists():
@@ -164,9 +204,10 @@ def _by_short_name(name: str, ctx: HubContext) -> Path:
             raise HubError(f"The folder imported as {model.name} is gone ({model.path}); import it again")
         if not model.has_weights and (model.source == "imported" or model.name in Registry(ctx.registry_path).ready()):
             raise HubError(_no_weights(model.name))
-        raise HubError(f"{model.name} is not fully downloaded yet; resume it with `hearth --cli pull {model.name}`")
-    raise HubError(f"No model called {name}: not a folder, an installed name, a downloaded repo or its short "
-                   "name (see `hearth --cli models`)")
+        raise NotInstalledError(f"{model.name} is not fully downloaded yet; resume it with `hearth --cli pull "
+                                f"{model.name}`", model.name if model.source == "hub" else None, is_partial=True)
+    raise NotInstalledError(f"No model called {name}: not a folder, an installed name, a downloaded repo or its short "
+                            "name (see `hearth --cli models`)", name if is_repo_id(name) else None)
 
 
 def delete_model(name: str, ctx: HubContext | None = None) -> int:

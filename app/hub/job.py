@@ -25,7 +25,7 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.hf_api import ModelInfo
 
 from hearth.app.hub import fit
-from hearth.app.hub.catalog import DEFAULT_INCLUDE, NEVER_INCLUDE, SUPPORTED_MODEL_TYPES, fetch_config
+from hearth.app.hub.catalog import DEFAULT_INCLUDE, NEVER_INCLUDE, fetch_config
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.errors import (
     ChecksumError,
@@ -36,6 +36,8 @@ from hearth.app.hub.errors import (
     is_unreachable,
 )
 from hearth.app.hub.events import FileProgress
+from hearth.app.hub.loadable import NOT_LOADABLE as NOT_LOADABLE  # (the GUI's Models tab imports it from here)
+from hearth.app.hub.loadable import architecture_problem, weights_problem
 from hearth.app.hub.transfer import (
     QuietTqdm,
     RepoCache,
@@ -50,7 +52,6 @@ from hearth.app.hub.units import format_bytes
 T = TypeVar("T")
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
 PLAN_UNREACHABLE_RETRIES = 2  # planning's retries when no connection can be made at all (see is_unreachable)
-NOT_LOADABLE = (".gguf", ".bin", ".pt", ".pth", ".ckpt")  # weights Hearth never loads, named when a repo has only those
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,8 @@ def plan_download(ctx: HubContext, repo_id: str, revision: str | None, include: 
                             library_name="hearth", tqdm_class=QuietTqdm, dry_run=True)
     if not dry:
         if include is None:
-            listing = ctx.api().model_info(repo_id, revision=revision).siblings or ()
-            raise UnsupportedRepoError(_no_weights_message(repo_id, [s.rfilename for s in listing]))
+            listing = [s.rfilename for s in ctx.api().model_info(repo_id, revision=revision).siblings or ()]
+            raise UnsupportedRepoError(f"{weights_problem(repo_id, (), listing)}; nothing was downloaded")
         raise HubError(f"No file of {repo_id} matches {', '.join(allow)}")
     commit = dry[0].commit_hash
     cache = RepoCache(ctx.cache_dir, repo_id)
@@ -242,28 +243,17 @@ def _check_loadable(ctx: HubContext, repo_id: str, plan: Plan, info: ModelInfo, 
     """Refuse a repo Hearth could not load before any weight is fetched: one without safetensors
     weights (unless ``--include`` chose the files), or one of an architecture Hearth does not run
     (unless ``force``). The model_type comes from the Hub's listing, else from config.json (small)."""
-    if weights_required and not any(f.filename.endswith(".safetensors") for f in plan.files):
-        raise UnsupportedRepoError(_no_weights_message(repo_id, [s.rfilename for s in info.siblings or ()]))
+    listing = [s.rfilename for s in info.siblings or ()]
+    if weights_required and (problem := weights_problem(repo_id, [f.filename for f in plan.files], listing)):
+        raise UnsupportedRepoError(f"{problem}; nothing was downloaded")
     if force:
         return
     model_type = info.config.get("model_type") if isinstance(info.config, dict) else None
-    if model_type is None and any(s.rfilename == "config.json" for s in info.siblings or ()):
+    if model_type is None and "config.json" in listing:
         model_type = fetch_config(ctx, repo_id, plan.commit).get("model_type")
-    runs = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-    again = f"`hearth --cli pull --force {repo_id}` downloads it anyway"
-    if model_type is None:
-        raise UnsupportedRepoError(f"{repo_id} names no model_type (no config.json), so it is not a model Hearth "
-                                   f"can run (it runs {runs}); {again}")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedRepoError(f"{repo_id} is a {model_type} model, an architecture Hearth cannot run (it runs "
-                                   f"{runs}); nothing was downloaded; {again}")
-
-
-def _no_weights_message(repo_id: str, filenames: list[str] | tuple[str, ...]) -> str:
-    kinds = sorted({ext for name in filenames for ext in NOT_LOADABLE if name.endswith(ext)})
-    has = f" (only {', '.join(kinds)} files)" if kinds else ""
-    return (f"{repo_id} has no .safetensors weights{has}: Hearth never loads pickle files; GGUF is not "
-            "supported; nothing was downloaded")
+    if problem := architecture_problem(repo_id, model_type):
+        raise UnsupportedRepoError(f"{problem}; nothing was downloaded; `hearth --cli pull --force {repo_id}` "
+                                   "downloads it anyway")
 
 
 def _check_disk_space(plan: Plan, cache: RepoCache, repo_id: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -197,6 +198,13 @@ class FakeSession:
         self.sent.append(messages)
         yield ChatChunk(f"ok {len(self.sent)}")
         yield ChatChunk("", "stop", {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
+
+
+class TerminalStdin(io.StringIO):
+    """Stands in for stdin on a terminal (``isatty()``), for what only runs when someone is there."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def feed_input(monkeypatch, *lines: str | type[BaseException]) -> None:

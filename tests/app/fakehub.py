@@ -106,6 +106,10 @@ class FakeHub:
         """Answer the next ``fault.times`` requests of API ``path`` with ``fault.status``."""
         self.add_fault(_API, path, fault)
 
+    def clear_faults(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
     def take_fault(self, repo_id: str, path: str) -> Fault | None:
         with self._lock:
             faults = self._faults.get((repo_id, path), [])

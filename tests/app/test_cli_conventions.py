@@ -296,7 +296,7 @@ def test_help_texts_name_every_option_without_raw_markup(capsys):
     assert hearth_main.main(["--help"]) == 0
     usage = capsys.readouterr().out
     assert f"--tab {'|'.join(TABS)}" in usage and "config" in usage and "stop" in usage
-    for command in ("serve", "run", "chat", "stats", "stop", "config", "models", "search"):
+    for command in ("serve", "run", "chat", "stats", "stop", "config", "models", "search", "pull", "import", "rm"):
         with pytest.raises(SystemExit):
             cli([command, "--help"])
         text = capsys.readouterr().out

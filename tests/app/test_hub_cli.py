@@ -10,20 +10,23 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
+from huggingface_hub.utils import httpx
 
 from hearth.app.cli import hub_commands
 from hearth.app.cli.main import build_parser
 from hearth.app.cli.main import main as cli
+from hearth.app.hub import catalog
 from hearth.app.hub import events as ev
 from hearth.app.hub.context import HubContext
 from hearth.app.hub.manager import DownloadManager
 from hearth.app.hub.state import QueueFile
 from hearth.app.hub.transfer import RepoCache
 from hearth.app.store.settings import save_settings
-from tests.app.cli_support import hearth_cmd
+from tests.app.cli_support import TerminalStdin, hearth_cmd
 from tests.app.conftest import FAST, GATED_REPO, TINY_REPO, add_unloadable_repos
 from tests.app.fakehub import FakeHub, Fault
 
@@ -134,6 +137,27 @@ def test_offline_pull_and_search_fail_cleanly(settings, fake_hub: FakeHub, capsy
     assert fake_hub.requests == []
 
 
+def test_search_on_an_unreachable_hub_fails_at_once(settings, fake_hub: FakeHub, capsys, monkeypatch):
+    with socket.socket() as sock:  # a closed port
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    save_settings(settings.replace(hf_endpoint=closed))
+    started = time.monotonic()
+    assert run(["search", "tiny"]) == 1
+    assert time.monotonic() - started < 3  # the library's own retries would take some 23 s
+    assert _error(capsys.readouterr().err).startswith(f"error: Search for 'tiny' failed: cannot reach {closed} (")
+
+    class NoAnswer:  # a host that never answers the connection attempt: the probe times out
+        def head(self, url: str, timeout: float) -> None:
+            raise httpx.ConnectTimeout("timed out")
+
+    save_settings(settings)
+    monkeypatch.setattr(catalog, "get_session", NoAnswer)
+    assert run(["search", "tiny"]) == 1
+    assert "failed: cannot reach" in _error(capsys.readouterr().err)
+    assert not [r for r in fake_hub.requests if r.path == "/api/models"]  # no search after it
+
+
 def test_progress_printer_draws_a_live_line_on_a_tty():
     stream = io.StringIO()
     printer = hub_commands.ProgressPrinter(stream, is_tty=True)
@@ -185,7 +209,8 @@ def test_a_failed_pull_leaves_nothing_to_resume(settings, capsys):
     capsys.readouterr()
     assert QueueFile(HubContext.from_settings(settings).queue_path).load() == {}  # no entry left behind
     assert cli(["run", "-m", "nobody/nothing", "-p", "hi"]) == 1
-    assert "No model called nobody/nothing" in _error(capsys.readouterr().err)  # not "resume it"
+    assert _error(capsys.readouterr().err).startswith(  # not "resume it"
+        "error: nobody/nothing is not installed; download it with `hearth --cli pull nobody/nothing` first")
     assert run(["rm", "nobody/nothing", "--yes"]) == 1
     assert _error(capsys.readouterr().err) == "error: nobody/nothing is not installed (see `hearth --cli models`)"
 
@@ -213,7 +238,7 @@ def test_rm_finds_models_as_run_does(settings, capsys, monkeypatch):
     assert run(["rm", "Demo", "--yes"]) == 1
     assert _error(capsys.readouterr().err) == \
         "error: the bundled demo model is part of Hearth and cannot be removed"
-    monkeypatch.setattr("sys.stdin", _Terminal())
+    monkeypatch.setattr("sys.stdin", TerminalStdin())
     answers = iter(["n"])
     monkeypatch.setattr("builtins.input", lambda prompt: print(prompt) or next(answers))
     assert run(["rm", "TINY-deepseek"]) == 1  # the short name, any case; confirmation asked, refused
@@ -297,11 +322,6 @@ def test_the_hub_library_warnings_show_once(fake_hub: FakeHub, settings, isolate
     assert result.returncode == 0 and TINY_REPO in result.stdout, result.stderr
     assert result.stderr.count("HTTP Error 503 thrown while requesting GET") == 1, result.stderr
     assert result.stderr.count("Retrying in") == 1, result.stderr
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
 
 
 def _error(err: str) -> str:
