@@ -1,43 +1,41 @@
 """The chat tab: controls on top, the thread in the middle, the composer below; and the logic of
-sending, streaming, stopping, regenerating, editing and versions.
-
-Streamed chunks are coalesced on a timer (``FLUSH_MS``); each flush renders only the answer's tail
-(see ``MarkdownBrowser.stream_markdown``), and when even that grows slow (one huge code block) the
-timer backs off so rendering keeps to about a ``1 / FLUSH_BACKOFF`` share of the GUI thread.
+sending, stopping, regenerating, editing and versions (streaming is ``answers.Answers``'s).
 
 Every message is written to the store when it starts (an empty, incomplete answer) and when it
-completes or stops; ``save_partial()`` writes a running answer (used when quitting). Typed text is
-never lost: each chat keeps its unsent draft (and a new chat its system prompt) while another is
-open, and editing a message puts the draft aside until the edit is sent or cancelled.
+completes or stops; ``save_partial()`` writes the answers still running (used when quitting). Typed
+text is never lost: each chat keeps its unsent draft (and a new chat its system prompt) while another
+is open, and editing a message puts the draft aside until the edit is sent or cancelled.
+
+An answer belongs to its chat, not to the view: another chat can be opened, or a new one started,
+while it streams; it goes on into its own chat. Stop, Esc, Send and the busy state follow the chat
+shown. A message sent in a second chat while the first's answer streams is not refused: it waits
+for that answer (the engine worker writes one at a time; its bubble says so, Stop cancels it). Why
+an answer failed or was not sent is said at the end of its chat whenever that chat is shown (also
+when it ended while another was), until the next answer begins there.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from typing import Any
 
-from hearth.app.client.context_window import ContextFit
+from hearth.app.gui.answers import Answers, Generation, chat_title
 from hearth.app.gui.backend import Connected, ModelChoice
 from hearth.app.gui.chat_controls import ContextMeter, ModelPicker, SamplingPanel, SystemPromptPanel
 from hearth.app.gui.chat_view import ChatView
-from hearth.app.gui.composer import Composer, Draft
+from hearth.app.gui.composer import SEND_KEY_NAMES, Composer, Draft
 from hearth.app.gui.engine_worker import EngineThread, GenerationResult
 from hearth.app.gui.message_widget import MessageView
-from hearth.app.gui.qt import QHBoxLayout, QLabel, QPushButton, QTextCursor, QTimer, QVBoxLayout, QWidget, Signal
+from hearth.app.gui.qt import QHBoxLayout, QLabel, QPushButton, QTextCursor, QVBoxLayout, QWidget, Signal
 from hearth.app.gui.resources import icon
 from hearth.app.gui.tasks import run_task
 from hearth.app.store.chats import ChatStore, Message, Preset
-
-FLUSH_MS = 30
-MAX_FLUSH_MS = 1000
-FLUSH_BACKOFF = 5  # the flush interval is at least this many times the last render's time
+from hearth.app.store.settings import SendKey
 
 
 class ChatPanel(QWidget):
     conversation_changed = Signal(int)  # a conversation was created or changed (sidebar refresh)
     model_chosen = Signal(object)  # ModelChoice
-    busy_changed = Signal(bool)
+    busy_changed = Signal(bool)  # the chat shown has (True) or no longer has an answer running or waiting
 
     def __init__(self, store: ChatStore, engine: EngineThread, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -47,22 +45,13 @@ class ChatPanel(QWidget):
         self.editing_id: int | None = None
         self._draft_before_edit = ""  # the message box's text when an edit began (back when it ends)
         self._drafts: dict[int | None, Draft] = {}  # per conversation (None: the new, unsaved chat)
-        self._request_id = 0
-        self._answer: Message | None = None
-        self._answer_text = ""
-        self._answer_reasoning = ""
-        self._pending: list[str] = []
-        self._pending_reasoning: list[str] = []
-        self._sent_ids: list[int] = []  # ids of the history messages of the running request
-        self._context_start_id: int | None = None  # first message the running request sends
-        self._prompt_tokens: int | None = None  # the running request's prompt, counted by the server
+        self._notices: dict[int, str] = {}  # per chat: why its last answer failed or was not sent
+        self._shown_busy = False  # what busy_changed last said
         self._meter: tuple[int, bool] | None = None  # (tokens in the context, exact) between answers
         self._count_generation = 0  # drops stale background counts
         self.context_policy = "truncate"  # Settings.context_overflow: "truncate" or "stop"
-        self._flush_timer = QTimer(self)
-        self._flush_timer.setInterval(FLUSH_MS)
-        self._flush_timer.timeout.connect(self._flush)
         self._build()
+        self.answers = Answers(store, engine, self.view, lambda: self.conversation_id, self)
         self._wire()
 
     # ---- layout -----------------------------------------------------------------------------
@@ -130,17 +119,30 @@ class ChatPanel(QWidget):
         self.system_panel.save_preset_requested.connect(self._save_preset)
         self.system_panel.delete_preset_requested.connect(self._delete_preset)
         self.system_panel.preset_chosen.connect(self._apply_preset)
-        worker = self.engine.worker
-        worker.context_fitted.connect(self._on_context_fitted)
-        worker.chunk.connect(self._on_chunk)
-        worker.reasoning_chunk.connect(self._on_reasoning_chunk)
-        worker.generation_done.connect(self._on_done)
+        self.answers.changed.connect(self._update_buttons)
+        self.answers.progressed.connect(self._update_meter)
+        self.answers.ended.connect(self._on_answer_ended)
         self.system_panel.set_presets(self.store.presets())
 
     # ---- state ------------------------------------------------------------------------------
     @property
     def is_busy(self) -> bool:
-        return self._answer is not None
+        """The chat shown has an answer running or waiting for its turn."""
+        return self.answers.shown is not None
+
+    @property
+    def is_generating(self) -> bool:
+        """Some chat, shown or not, has an answer running or waiting."""
+        return self.answers.is_any
+
+    def generating_in(self, conversation_id: int) -> bool:
+        return self.answers.of(conversation_id) is not None
+
+    def set_send_key(self, send_key: SendKey) -> None:
+        """Which Enter sends (``Settings.send_key``); the message box, Send and the empty chat's hint say it."""
+        self.composer.set_send_key(send_key)
+        self.view.set_send_key(send_key)
+        self._update_buttons()
 
     def set_connected(self, connected: Connected | None) -> None:
         self.connected = connected
@@ -151,33 +153,45 @@ class ChatPanel(QWidget):
         self.count_context()
 
     def _update_buttons(self) -> None:
-        self.send_button.setVisible(not self.is_busy)
-        self.stop_button.setVisible(self.is_busy)
+        shown, elsewhere = self.answers.shown, self.answers.elsewhere()
+        busy = shown is not None
+        self.send_button.setVisible(not busy)
+        self.stop_button.setVisible(busy)
         self.send_button.setEnabled(self.connected is not None)
-        self.model_picker.setEnabled(not self.is_busy)
-        self.view.set_busy(self.is_busy)
+        send = f"Send ({SEND_KEY_NAMES[self.composer.send_key]})"
+        self.send_button.setToolTip(send if elsewhere is None else f"{send}: the answer starts once the one being "
+                                    f"written in “{chat_title(self.store, elsewhere.conversation_id)}” is done")
+        self.stop_button.setToolTip("Cancel this waiting answer (Esc)" if shown is not None and shown.is_waiting
+                                    else "Stop the answer (Esc)")
+        self.model_picker.setEnabled(not self.is_generating)
+        self.model_picker.setToolTip("" if not self.is_generating else
+                                     "The model can change once every answer being written is done")
+        self.view.set_busy(busy)
+        if busy != self._shown_busy:
+            self._shown_busy = busy
+            self.busy_changed.emit(busy)
+
+    def cancel_generation(self, conversation_id: int) -> None:
+        """Stop the answer being written (or waiting) in a chat about to be deleted, and forget it:
+        its late chunks and its end are ignored, and nothing more of it is stored."""
+        self.answers.cancel(conversation_id)
 
     def conversation_deleted(self, conversation_id: int) -> None:
-        """The store no longer has this conversation: if it is the open one, drop it (an answer being
-        written to it is stopped and forgotten) and show a fresh chat."""
+        """The store no longer has this conversation: its answer is stopped and forgotten, and if it
+        is the open one, a fresh chat is shown."""
+        self.cancel_generation(conversation_id)
+        self._notices.pop(conversation_id, None)
+        self._drafts.pop(conversation_id, None)
         if conversation_id != self.conversation_id:
             return
-        if self.is_busy:
-            self.engine.worker.stop()
-            self._answer = None  # its late chunks and its end are ignored (see _on_chunk / _on_done)
-            self._pending.clear()
-            self._pending_reasoning.clear()
-            self._flush_timer.stop()
-            self.busy_changed.emit(False)
-        self._drafts.pop(conversation_id, None)
         self.conversation_id = None  # nothing of it is left to save
         self.load_conversation(None, keep_draft=False)  # what was typed in it goes with it
 
     def load_conversation(self, conversation_id: int | None, *, keep_draft: bool = True) -> None:
         """Show a conversation (None: a fresh, unsaved one); what was typed in the one shown before
-        is kept for when it is opened again (unless ``keep_draft`` is False)."""
-        if self.is_busy:
-            return
+        is kept for when it is opened again (unless ``keep_draft`` is False). An answer being written
+        in either goes on: the one left keeps streaming into its chat, the one opened shows as far as
+        it has come."""
         self.save_system_prompt()
         self.cancel_edit()
         if keep_draft:
@@ -189,6 +203,11 @@ class ChatPanel(QWidget):
         self.composer.setPlainText(draft.text)
         self.composer.moveCursor(QTextCursor.MoveOperation.End)
         self._reload_thread()
+        self.view.clear_notice()  # (the chat left may have had one)
+        notice = self._notices.get(conversation_id) if conversation_id is not None else None
+        if notice:
+            self.view.show_notice(notice)
+        self._update_buttons()
         self.count_context()
 
     def _keep_draft(self) -> None:
@@ -205,6 +224,7 @@ class ChatPanel(QWidget):
         views = [MessageView(m, tuple(v.id for v in self.store.versions(m.id))) for m in thread]
         self.view.set_thread(views)
         self.view.set_context_marker(_context_start(thread))
+        self.answers.show_live()  # an answer being written here, as far as it has come
         self._update_meter()
 
     # ---- actions ----------------------------------------------------------------------------
@@ -218,7 +238,6 @@ class ChatPanel(QWidget):
         else:
             parent_id = self.store.conversation(conv_id).current_leaf_id
         user = self.store.add_message(conv_id, "user", text, parent_id=parent_id)
-        self.view.clear_notice()
         self.composer.clear()
         self.cancel_edit()  # an edit sent: the draft put aside for it comes back
         self._start_answer(user)
@@ -258,9 +277,10 @@ class ChatPanel(QWidget):
         self._draft_before_edit = ""
 
     def stop(self) -> None:
-        """Esc: stop the answer being written, or cancel an edit (never clears what was typed)."""
+        """Esc: stop the answer being written in the chat shown (one still waiting for its turn is
+        cancelled at once), or cancel an edit (never clears what was typed)."""
         if self.is_busy:
-            self.engine.worker.stop()
+            self.answers.stop(self.conversation_id)
         else:
             self.cancel_edit()
 
@@ -279,24 +299,16 @@ class ChatPanel(QWidget):
     def _start_answer(self, user: Message) -> None:
         assert self.conversation_id is not None and self.connected is not None
         history = self.store.thread(self.conversation_id, user.id)
-        self._answer = self.store.add_message(self.conversation_id, "assistant", "", parent_id=user.id,
-                                              model=self._model_label(), is_complete=False)
-        self._answer_text, self._pending = "", []
-        self._answer_reasoning, self._pending_reasoning = "", []
-        self._context_start_id = self._prompt_tokens = None
-        self._reload_thread()
-        live = self.view.widget_for(self._answer.id)
-        if live is not None:
-            live.set_live(True)
-        self._request_id += 1
-        self._count_generation += 1
+        answer = self.store.add_message(self.conversation_id, "assistant", "", parent_id=user.id,
+                                        model=self._model_label(), is_complete=False)
         sent = [m for m in history if m.content or m.role == "user"]
-        self._sent_ids = [m.id for m in sent]
-        self.engine.request_generate.emit(self._request_id, self._messages(sent), self._request_options(),
-                                          self.context_policy, self.conversation_id)
-        self._flush_timer.start(FLUSH_MS)
+        self._notices.pop(self.conversation_id, None)  # what went wrong last time is not this answer's
+        self.view.clear_notice()
+        self._count_generation += 1
+        self.answers.begin(self.conversation_id, answer, sent, self._messages(sent), self._request_options(),
+                           self.context_policy)
+        self._reload_thread()
         self._update_buttons()
-        self.busy_changed.emit(True)
 
     def _messages(self, history: list[Message]) -> list[dict[str, str]]:
         """The request's messages: the answers' content only, as the releases' templates drop
@@ -315,102 +327,47 @@ class ChatPanel(QWidget):
     def _model_label(self) -> str | None:
         return self.connected.choice.label if self.connected else None
 
-    # ---- streaming --------------------------------------------------------------------------
-    def _on_context_fitted(self, request_id: int, fit: ContextFit) -> None:
-        """What the running request sends: mark where the model's context starts, count it."""
-        if request_id != self._request_id or self._answer is None:
-            return
-        self._context_start_id = self._sent_ids[fit.dropped] if fit.dropped else None
-        self._prompt_tokens = fit.prompt_tokens
-        self.view.set_context_marker(self._context_start_id)
-        self._update_meter()
-
-    def _on_chunk(self, request_id: int, text: str) -> None:
-        if request_id == self._request_id and self._answer is not None:
-            self._pending.append(text)
-
-    def _on_reasoning_chunk(self, request_id: int, text: str) -> None:
-        if request_id == self._request_id and self._answer is not None:
-            self._pending_reasoning.append(text)
-
-    def _flush(self) -> None:
-        if not (self._pending or self._pending_reasoning) or self._answer is None:
-            return
-        widget = self.view.widget_for(self._answer.id)
-        if self._pending_reasoning:
-            self._answer_reasoning += "".join(self._pending_reasoning)
-            self._pending_reasoning.clear()
-            if widget is not None:
-                widget.set_reasoning(self._answer_reasoning, live=True)
-        if self._pending:
-            self._answer_text += "".join(self._pending)
-            self._pending.clear()
-            if widget is not None:
-                started = time.perf_counter()
-                widget.stream_text(self._answer_text)
-                self._back_off(time.perf_counter() - started)
-        self._update_meter()
-
-    def _back_off(self, render_s: float) -> None:
-        """Flush no more often than every ``FLUSH_BACKOFF`` render times (a tail that is slow to
-        render, such as one huge code block, must not take the GUI thread over)."""
-        interval = min(max(FLUSH_MS, int(render_s * 1000 * FLUSH_BACKOFF)), MAX_FLUSH_MS)
-        if interval != self._flush_timer.interval():
-            self._flush_timer.setInterval(interval)
-
-    def _on_done(self, result: GenerationResult) -> None:
-        if result.request_id != self._request_id or self._answer is None:
-            return
-        self._flush()
-        self._flush_timer.stop()
-        answer, self._answer = self._answer, None
+    # ---- an answer ended --------------------------------------------------------------------
+    def _on_answer_ended(self, generation: Generation, result: GenerationResult, message: Message | None) -> None:
+        """Show how an answer ended if its chat is shown; otherwise why it failed waits for that chat."""
+        shown = generation.conversation_id == self.conversation_id
+        notice = None
         if result.finish_reason == "context_full":
-            self.store.discard_empty_answer(answer.id)
-            self._reload_thread()
-            self.view.show_notice(result.error or "This chat has outgrown the model's context.")
-        else:
-            self._store_answer(answer, result)
+            notice = result.error or "This chat has outgrown the model's context."
+            if shown:
+                self._reload_thread()  # without the answer that was never sent
+        elif shown and message is not None:
+            self.view.update_message(message)
+            stats = message.stats
+            if stats is not None and stats.prompt_tokens is not None and stats.completion_tokens is not None:
+                self._meter = (stats.prompt_tokens + stats.completion_tokens, True)
+            else:
+                self.count_context()
+        if result.error and result.finish_reason != "context_full" and not result.engine_died:
+            notice = f"The answer failed: {result.error}"
+        if notice:
+            self._notices[generation.conversation_id] = notice  # said again when the chat is opened again
+            if shown:
+                self.view.show_notice(notice)
         self._update_buttons()
         self._update_meter()
-        self.busy_changed.emit(False)
-        if result.error and result.finish_reason != "context_full" and not result.engine_died:
-            self.view.show_notice(f"The answer failed: {result.error}")
-        if self.conversation_id is not None:
-            self.conversation_changed.emit(self.conversation_id)
-
-    def _store_answer(self, answer: Message, result: GenerationResult) -> None:
-        stats = dataclasses.replace(result.stats, context_start_id=self._context_start_id)
-        complete = result.finish_reason in ("stop", "length")
-        message = self.store.finish_message(answer.id, result.text or self._answer_text, stats=stats,
-                                            finish_reason=result.finish_reason, is_complete=complete,
-                                            reasoning=result.reasoning or self._answer_reasoning)
-        self.view.update_message(message)
-        if stats.prompt_tokens is not None and stats.completion_tokens is not None:
-            self._meter = (stats.prompt_tokens + stats.completion_tokens, True)
-        else:
-            self.count_context()
+        self.conversation_changed.emit(generation.conversation_id)
 
     def save_partial(self) -> None:
-        """Write the running answer as it is now (quitting mid-answer keeps it) and stop it."""
-        if self._answer is None:
-            return
-        self._flush()
-        self._flush_timer.stop()
-        self.store.finish_message(self._answer.id, self._answer_text, finish_reason="abort", is_complete=False,
-                                  reasoning=self._answer_reasoning)
-        self._answer = None
-        self.engine.worker.stop()
+        """Write every answer being written as it is now (quitting mid-answer keeps them) and stop them."""
+        self.answers.save_partial()
 
     # ---- context meter, sampling, presets ---------------------------------------------------
     def _update_meter(self) -> None:
         """Tokens in the model's context: the running request's prompt (counted by the server)
         plus what has streamed, or between answers the last count."""
         limit = self.connected.context_length if self.connected else 0
-        if self.is_busy:
-            if self._prompt_tokens is None:
+        shown = self.answers.shown
+        if shown is not None:
+            if shown.prompt_tokens is None:
                 return  # counted before the first chunk arrives
-            streamed = (len(self._answer_text) + len(self._answer_reasoning) + 3) // 4
-            self.context_meter.set_usage(self._prompt_tokens + streamed, limit, estimated=streamed > 0)
+            streamed = (len(shown.text) + len(shown.reasoning) + 3) // 4
+            self.context_meter.set_usage(shown.prompt_tokens + streamed, limit, estimated=streamed > 0)
         elif self._meter is not None:
             self.context_meter.set_usage(self._meter[0], limit, estimated=not self._meter[1])
         else:

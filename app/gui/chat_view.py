@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from hearth.app.gui.composer import NEW_LINE_KEY_NAMES, SEND_KEY_NAMES
 from hearth.app.gui.message_widget import MessageView, MessageWidget
 from hearth.app.gui.qt import QFrame, QLabel, QScrollArea, Qt, QVBoxLayout, QWidget, Signal
 from hearth.app.store.chats import Message
+from hearth.app.store.settings import SendKey
 
-START_HINT = "Start the conversation: type below and press Enter (Shift+Enter starts a new line)."
+
+def start_hint(send_key: SendKey) -> str:
+    """The empty chat's line, naming the keys of the ``send_key`` setting."""
+    return (f"Start the conversation: type below and press {SEND_KEY_NAMES[send_key]} "
+            f"({NEW_LINE_KEY_NAMES[send_key]} starts a new line).")
+
+
+START_HINT = start_hint("enter")
 DEMO_HINT = ("This is Hearth's tiny demo model, trained on Python's docs: it only imitates English. For real "
              "answers open Models, search DeepSeek-V3.2 or GLM-5 and pick one marked \"runs on the GPU\" or "
              "\"runs with experts in RAM\" for this machine.")
@@ -23,6 +32,8 @@ class ChatView(QScrollArea):
         super().__init__(parent)
         self.dark = False
         self.show_thinking = True  # Settings > Chat > Show thinking
+        self._start_hint = START_HINT
+        self._is_demo = False
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -54,7 +65,12 @@ class ChatView(QScrollArea):
 
     def set_demo_hint(self, is_demo: bool) -> None:
         """Explain, on an empty chat with the demo model, what to download for real answers."""
-        self._placeholder.setText(f"{START_HINT}\n\n{DEMO_HINT}" if is_demo else START_HINT)
+        self._is_demo = is_demo
+        self._placeholder.setText(f"{self._start_hint}\n\n{DEMO_HINT}" if is_demo else self._start_hint)
+
+    def set_send_key(self, send_key: SendKey) -> None:
+        self._start_hint = start_hint(send_key)
+        self.set_demo_hint(self._is_demo)
 
     def set_thread(self, views: list[MessageView]) -> None:
         for widget in self.widgets:

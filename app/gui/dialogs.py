@@ -1,5 +1,5 @@
 """Small modal questions: ``confirm`` asks before something that cannot be undone (deleting a
-model's files, cancelling a download and its partial files), with No as the default answer."""
+model's files or a chat, cancelling a download and its partial files), with No as the default answer."""
 
 from __future__ import annotations
 

@@ -5,6 +5,11 @@ The GUI talks to it only through queued signals (``request_connect``, ``request_
 is emitted as it arrives; the chat panel coalesces them on a timer before re-rendering.
 Exceptions never escape the worker: they become ``connect_failed`` / ``generation_done`` with an
 error, and a dead engine host becomes ``engine_died``.
+
+It writes one answer at a time: a request sent while another streams (from another chat) waits in
+the thread's queue and begins (``generation_started``) when that one is done. ``stop(request_id)``
+ends the answer it names, running or still waiting (a waiting one ends as "abort" when its turn
+comes, without reaching the engine).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class EngineWorker(QObject):
 
     connected = Signal(object)  # backend.Connected
     connect_failed = Signal(str)
+    generation_started = Signal(int)  # request id: its turn came (requests from other chats wait theirs)
     context_fitted = Signal(int, object)  # request id, ContextFit: what is sent, before the first chunk
     chunk = Signal(int, str)  # request id, new text
     reasoning_chunk = Signal(int, str)  # request id, new reasoning (a thinking model's, before the answer)
@@ -52,11 +58,21 @@ class EngineWorker(QObject):
     def __init__(self, backend: Backend) -> None:
         super().__init__()
         self.backend = backend
-        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._running: int | None = None  # the request being answered
+        self._stopped: set[int] = set()  # requests to end: running (at its next chunk) or not begun
 
-    def stop(self) -> None:
-        """Thread-safe: the running answer ends at its next chunk (the request is aborted)."""
-        self._stop.set()
+    def stop(self, request_id: int | None = None) -> None:
+        """Thread-safe: end answer ``request_id`` (None: the running one): a running answer at its
+        next chunk (the request is aborted), a waiting one as soon as its turn comes."""
+        with self._lock:
+            request_id = self._running if request_id is None else request_id
+            if request_id is not None:
+                self._stopped.add(request_id)
+
+    def _is_stopped(self, request_id: int) -> bool:
+        with self._lock:
+            return request_id in self._stopped
 
     @Slot(object)
     def connect_model(self, choice: ModelChoice) -> None:
@@ -83,14 +99,30 @@ class EngineWorker(QObject):
     @Slot(int, object, object, str, object)
     def generate(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any],
                  context_policy: str, conversation_id: int | None = None) -> None:
-        self._stop.clear()
+        with self._lock:
+            if request_id in self._stopped:  # stopped while it waited for its turn
+                self._stopped.discard(request_id)
+                self.generation_done.emit(GenerationResult(request_id, "", "abort", MessageStats()))
+                return
+            self._running = request_id
+        self.generation_started.emit(request_id)
+        try:
+            result = self._answer(request_id, messages, sampling, context_policy, conversation_id)
+        finally:
+            with self._lock:
+                self._running = None
+                self._stopped.discard(request_id)
+        self.generation_done.emit(result)
+
+    def _answer(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any],
+                context_policy: str, conversation_id: int | None) -> GenerationResult:
         started = time.monotonic()
         state = _Progress()
         try:
             fit = self.backend.fit_context(messages, sampling.get("max_tokens"), context_policy)
             self.context_fitted.emit(request_id, fit)
             self._stream(request_id, fit.messages, sampling, state, conversation_id)
-            reason = "abort" if self._stop.is_set() else (state.finish_reason or "stop")
+            reason = "abort" if self._is_stopped(request_id) else (state.finish_reason or "stop")
             result = GenerationResult(request_id, state.text, reason, state.stats(started), reasoning=state.reasoning)
         except ContextFullError as exc:
             result = GenerationResult(request_id, "", "context_full", state.stats(started), str(exc))
@@ -102,14 +134,14 @@ class EngineWorker(QObject):
                                       str(exc) or type(exc).__name__, engine_died=died, reasoning=state.reasoning)
             if died:
                 self.engine_died.emit(str(exc) or "The engine stopped")
-        self.generation_done.emit(result)
+        return result
 
     def _stream(self, request_id: int, messages: list[dict[str, str]], sampling: dict[str, Any],
                 state: _Progress, conversation_id: int | None) -> None:
         chunks = self.backend.stream(messages, sampling, conversation_id)
         try:
             for chunk in chunks:
-                if self._stop.is_set():
+                if self._is_stopped(request_id):
                     break
                 state.add(chunk)
                 if getattr(chunk, "reasoning", ""):

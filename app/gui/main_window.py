@@ -95,6 +95,8 @@ class MainWindow(QMainWindow):
         self.chat.view.show_thinking = self.settings.show_thinking
         self.chat.view.dark = resolve_theme(self.settings.theme) == "dark"
         self.chat.think_button.setChecked(self.settings.think)
+        self.chat.set_send_key(self.settings.send_key)
+        self.sidebar.is_generating = self.chat.generating_in
         self.crash_banner = CrashBanner(self)
         self.load_banner = LoadErrorBanner(self)
         right = QWidget(self)
@@ -131,6 +133,7 @@ class MainWindow(QMainWindow):
         self.load_banner.fallback_requested.connect(self._use_fallback)
         self.load_banner.retry_requested.connect(self._retry_load)
         self.sidebar.selected.connect(self.open_conversation)
+        self.sidebar.deleting.connect(self.chat.cancel_generation)
         self.sidebar.deleted.connect(self._on_deleted)
         self.chat.conversation_changed.connect(self._on_conversation_changed)
         self.chat.model_chosen.connect(self.choose_model)
@@ -192,9 +195,11 @@ class MainWindow(QMainWindow):
         else:
             self.chat.load_conversation(conversation_id)
 
-    def _on_conversation_changed(self, conversation_id: int) -> None:
+    def _on_conversation_changed(self, _conversation_id: int) -> None:
+        """A chat was created or changed (an answer ended in it, shown or not): list it anew, keeping
+        the chat shown selected."""
         self.sidebar.refresh()
-        self.sidebar.select_id(conversation_id)
+        self.sidebar.select_id(self.chat.conversation_id)
 
     def _on_deleted(self, conversation_id: int) -> None:
         self.chat.conversation_deleted(conversation_id)
@@ -218,7 +223,11 @@ class MainWindow(QMainWindow):
             self.choose_model(by_label.get(self.settings.default_model or "", choices[0]))
 
     def choose_model(self, choice: ModelChoice | None) -> None:
-        if choice is None or self.chat.is_busy:
+        if choice is None:
+            return
+        if self.chat.is_generating:  # (the chat's model list is greyed out meanwhile)
+            self.status.showMessage(f"Not loading {choice.label}: an answer is being written; stop it or let it "
+                                    "finish, then choose the model again", 10_000)
             return
         # No model is connected while this one loads: the stats poll must not see the old one's
         # host stopping as a crash, and a failed load leaves none (see _on_connect_failed).
@@ -319,6 +328,7 @@ class MainWindow(QMainWindow):
         self.settings = settings
         self.backend.settings = settings
         self.chat.context_policy = settings.context_overflow
+        self.chat.set_send_key(settings.send_key)
         self.chat.view.set_show_thinking(settings.show_thinking)
         app = QApplication.instance()
         if app is not None:

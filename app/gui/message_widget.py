@@ -209,6 +209,7 @@ class MessageWidget(QFrame):
         self.text = view.message.content
         self.show_thinking = show_thinking
         self.live = False  # the answer is streaming into this bubble
+        self.waiting: str | None = None  # why the answer has not begun (another chat's is being written)
         self._folded = bool(self.text)  # the Thinking block was folded for the answer (or never opened)
         self.setObjectName(f"bubble_{view.message.role}")
         layout = QVBoxLayout(self)
@@ -307,6 +308,11 @@ class MessageWidget(QFrame):
         self.live = live
         self._show_stats()
 
+    def set_waiting(self, why: str | None) -> None:
+        """Say in the stats line why the answer has not begun (None: it has, or has ended)."""
+        self.waiting = why
+        self._show_stats()
+
     def set_dark(self, dark: bool) -> None:
         """Render again in a new theme's colours (links and code take them when parsed)."""
         self.body.set_dark(dark)
@@ -337,7 +343,8 @@ class MessageWidget(QFrame):
         self._show_stats()
 
     def _show_stats(self) -> None:
-        self.stats_label.setText(stats_line(self.view.message, live=self.live))
+        live = self.live and self.view.message.role == "assistant"
+        self.stats_label.setText(self.waiting if live and self.waiting else stats_line(self.view.message, live=live))
         self.stats_label.setVisible(bool(self.stats_label.text()))
 
     def set_busy(self, busy: bool) -> None:

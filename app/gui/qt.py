@@ -54,6 +54,7 @@ from PySide6.QtGui import (
     QTextCursor,
     QTextDocument,
     QTextFormat,
+    QValidator,
 )
 from PySide6.QtWidgets import (
     QAbstractButton,
@@ -106,7 +107,7 @@ __all__ = [
     "QScrollArea", "QSettings", "QShortcut", "QSize", "QSizePolicy", "QSpinBox", "QSplitter", "QStatusBar",
     "QSyntaxHighlighter", "QTabWidget", "QTableWidget", "QTableWidgetItem", "QTextBrowser", "QTextCharFormat",
     "QTextCursor", "QTextDocument", "QTextFormat", "QThread", "QThreadPool", "QTimer", "QToolButton", "QUrl",
-    "QVBoxLayout", "QWidget", "Qt", "Signal", "Slot", "is_alive",
+    "QValidator", "QVBoxLayout", "QWidget", "Qt", "Signal", "Slot", "is_alive",
 ]
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,13 @@
-"""The Settings tab: local engine or remote backend, the engine options, Hugging Face token and
-mirror, theme. Everything but the token is saved with ``save_settings``.
+"""The Settings tab: local engine or remote backend, the engine options, the models folder,
+parallel downloads and offline mode, Hugging Face token and mirror, the chat's send key and
+overflow policy, theme. Everything but the token is saved with ``save_settings``, under the keys
+``hearth --cli config`` reads and writes, so the GUI and the CLI agree.
+
+A value that cannot be saved is said under its field, in red, and nothing is saved until it is
+fixed: a number box whose typed text is out of range (Qt would quietly put the old number back),
+a models folder Hearth cannot write to, a URL that is not http(s). The models folder, parallel
+downloads and offline mode take effect when saved, without a restart (the Models tab and the chat's
+model list read the new folder at once); engine options restart the local engine.
 
 The engine rows are generated from ``EngineConfig``'s field metadata (``engine_options()``): each
 field gets an editor chosen by its type, its one-line help under it and as tooltip, in the
@@ -13,16 +21,18 @@ whether a token is stored.
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
 from huggingface_hub import get_token
 from huggingface_hub import login as hf_login
 from huggingface_hub import logout as hf_logout
 
+from hearth.app.gui.composer import send_hint
+from hearth.app.gui.option_row import INT_MAX, OptionRow, error_label, show_error
 from hearth.app.gui.qt import (
     QCheckBox,
     QComboBox,
-    QDoubleSpinBox,
+    QFileDialog,
     QFormLayout,
     QFrame,
     QGroupBox,
@@ -39,95 +49,19 @@ from hearth.app.gui.qt import (
     Signal,
 )
 from hearth.app.gui.tasks import run_task
-from hearth.app.store.settings import Settings, save_settings
-from hearth.engine.api import ADVANCED, BASIC, EngineConfig, EngineOption, engine_options
+from hearth.app.hub.context import env_offline, hub_cache_dir
+from hearth.app.store.settings import SEND_KEYS, Settings, SettingsError, folder_problem, save_settings
+from hearth.engine.api import ADVANCED, BASIC, EngineConfig, engine_options
 
 THEMES = ("system", "light", "dark")
-_INT_MAX = 2**31 - 1  # QSpinBox holds a C int
-_TRI_STATE = {"auto": None, "on": True, "off": False}
 NO_CUDA_TIP = "This machine has no CUDA GPU, so every decode step runs eagerly; the option does nothing here."
 OVERFLOW_CHOICES = (("Drop the oldest messages (the system prompt stays)", "truncate"),
                     ("Stop and say so", "stop"))
-
-
-class OptionRow:
-    """The Settings row of one ``EngineConfig`` field: an editor chosen by the field's kind, its
-    one-line explanation under it, and the same text as tooltip. 0 in a number box, "auto" in a
-    list or an empty text stands for ``None``."""
-
-    def __init__(self, option: EngineOption, parent: QWidget) -> None:
-        self.option = option
-        self.editor = _editor(option, parent)
-        self.editor.setAccessibleName(option.text.label)  # the row's label sits apart, in the form
-        self.hint = QLabel(option.text.help, parent)
-        self.hint.setObjectName("hintLabel")
-        self.hint.setWordWrap(True)
-        self.field = QWidget(parent)
-        column = QVBoxLayout(self.field)
-        column.setContentsMargins(0, 0, 0, 0)
-        column.setSpacing(2)
-        column.addWidget(self.editor)
-        column.addWidget(self.hint)
-        self.set_tooltip(option.text.help)
-
-    def set_tooltip(self, text: str) -> None:
-        for widget in (self.editor, self.hint):
-            widget.setToolTip(text)
-
-    def value(self) -> Any:
-        editor, option = self.editor, self.option
-        if isinstance(editor, QCheckBox):
-            return editor.isChecked()
-        if isinstance(editor, QComboBox):
-            text = editor.currentText()
-            return _TRI_STATE[text] if option.kind == "bool" else text
-        if isinstance(editor, (QSpinBox, QDoubleSpinBox)):
-            at_none = option.optional and editor.value() == editor.minimum()
-            return None if at_none else editor.value()
-        assert isinstance(editor, QLineEdit)
-        text = editor.text().strip()
-        return text or (None if option.optional else option.default)
-
-    def set_value(self, value: Any) -> None:
-        editor = self.editor
-        if isinstance(editor, QCheckBox):
-            editor.setChecked(bool(value))
-        elif isinstance(editor, QComboBox):
-            shown = {v: k for k, v in _TRI_STATE.items()}[value] if self.option.kind == "bool" else value
-            editor.setCurrentText(shown)
-        elif isinstance(editor, (QSpinBox, QDoubleSpinBox)):
-            editor.setValue(editor.minimum() if value is None else value)
-        else:
-            editor.setText("" if value is None else str(value))
-
-
-def _editor(option: EngineOption, parent: QWidget) -> QWidget:
-    text = option.text
-    if option.kind == "bool" and not option.optional:
-        return QCheckBox(parent)
-    if option.kind in ("bool", "choice"):
-        combo = QComboBox(parent)
-        combo.addItems(list(_TRI_STATE) if option.kind == "bool" else list(option.choices))
-        return combo
-    if option.kind == "int":
-        box = QSpinBox(parent)
-        low = text.minimum or 0
-        # NOTE: an optional number keeps the value below its minimum for None, shown as its none_text.
-        box.setRange(low - 1 if option.optional else low, _INT_MAX)
-        box.setStepType(QSpinBox.StepType.AdaptiveDecimalStepType)
-    elif option.kind == "float":
-        box = QDoubleSpinBox(parent)
-        box.setRange(0.0, 4096.0)
-        box.setDecimals(1)
-        box.setSingleStep(1.0)
-    else:
-        edit = QLineEdit(parent)
-        edit.setPlaceholderText(text.none_text if option.optional else str(option.default))
-        return edit
-    box.setSuffix(text.unit)
-    if option.optional:
-        box.setSpecialValueText(text.none_text)
-    return box
+FOLDER_HINT = ("Where downloads go and where installed models are listed from; empty: the Hugging Face cache. "
+               "Takes effect when saved, no restart (a download under way is paused; resumed, it goes to the "
+               "new folder). Models already in the old folder stay there.")
+OFFLINE_HINT = ("No search, model details or downloads; installed models still load and chat. HF_HUB_OFFLINE=1 "
+                "in the environment turns it on as well.")
 
 
 class SettingsTab(QWidget):
@@ -144,6 +78,7 @@ class SettingsTab(QWidget):
         layout.addWidget(self._engine_box(page))
         layout.addWidget(self._advanced_toggle(page))
         layout.addWidget(self.advanced_box)
+        layout.addWidget(self._models_box())
         layout.addWidget(self._hub_box())
         layout.addWidget(self._chat_box())
         layout.addWidget(self._look_box())
@@ -177,8 +112,9 @@ class SettingsTab(QWidget):
         self.backend_url = QLineEdit(box)
         self.backend_url.setPlaceholderText("http://host:8000/v1")
         self.backend_kind.currentIndexChanged.connect(lambda i: self.backend_url.setEnabled(i == 1))
+        self.backend_url_error = error_label(box)
         form.addRow("Backend", self.backend_kind)
-        form.addRow("Backend URL", self.backend_url)
+        form.addRow("Backend URL", _column(box, self.backend_url, self.backend_url_error))
         self.advanced_box = QGroupBox(ADVANCED, page)
         advanced_form = _form(self.advanced_box)
         for option in engine_options():
@@ -215,10 +151,55 @@ class SettingsTab(QWidget):
         row = self.rows["max_model_len"]
         assert isinstance(row.editor, QSpinBox)
         self._context_cap = limit
-        row.editor.setMaximum(limit or _INT_MAX)
+        row.editor.setMaximum(limit or INT_MAX)
         row.set_value(self.settings.engine.max_model_len)  # shown capped when the model holds less
         cap = f" At most {limit:,} tokens for {model or 'this model'}." if limit else ""
         row.set_tooltip(row.option.text.help + cap)
+        row.hint.setText(row.option.text.help + cap)
+
+    def _models_box(self) -> QGroupBox:
+        box = QGroupBox("Models and downloads", self)
+        form = _form(box)
+        self.models_folder = QLineEdit(box)
+        self.models_folder_error = error_label(box)
+        self.models_folder.setAccessibleName("Models folder")
+        self.models_folder.setPlaceholderText(f"empty: {hub_cache_dir(Settings())}")
+        self.models_folder.textEdited.connect(lambda _text: show_error(self.models_folder_error, None))
+        self.models_folder.editingFinished.connect(self._check_models_folder)
+        choose = self.models_folder_button = QPushButton("Choose…", box)
+        choose.setToolTip("Pick the folder in a file dialog")
+        choose.clicked.connect(self.choose_models_folder)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.models_folder, 1)
+        row.addWidget(choose)
+        line = QWidget(box)
+        line.setLayout(row)
+        form.addRow("Models folder", _column(box, line, self.models_folder_error, _hint(FOLDER_HINT, box)))
+        self.download_parallelism = QSpinBox(box)
+        self.download_parallelism.setRange(1, 64)
+        self.download_parallelism.setSuffix(" files")
+        self.download_parallelism.setAccessibleName("Parallel downloads")
+        form.addRow("Parallel downloads", _column(box, self.download_parallelism, _hint(
+            "Files of a model fetched at the same time; fewer suit a slow or shared connection.", box)))
+        self.offline = QCheckBox("Offline: never contact the Hugging Face Hub", box)
+        forced = " It is on now: HF_HUB_OFFLINE is set in the environment." if env_offline() else ""
+        self.offline_hint = _hint(OFFLINE_HINT + forced, box)
+        form.addRow("", _column(box, self.offline, self.offline_hint))
+        return box
+
+    def choose_models_folder(self) -> None:
+        start = self.models_folder.text().strip() or str(hub_cache_dir(self.settings))
+        folder = QFileDialog.getExistingDirectory(self, "Models folder", start)
+        if folder:
+            self.models_folder.setText(folder)
+            self._check_models_folder()
+
+    def _check_models_folder(self) -> str | None:
+        folder = self.models_folder.text().strip()
+        problem = folder_problem(folder) if folder else None
+        show_error(self.models_folder_error, problem)
+        return problem
 
     def _hub_box(self) -> QGroupBox:
         box = QGroupBox("Hugging Face", self)
@@ -226,6 +207,7 @@ class SettingsTab(QWidget):
         self.endpoint = QLineEdit(box)
         self.endpoint.setPlaceholderText("empty: HF_ENDPOINT or https://huggingface.co; or a mirror such as "
                                          "https://hf-mirror.com")
+        self.endpoint_error = error_label(box)
         self.token_edit = QLineEdit(box)
         self.token_edit.setEchoMode(QLineEdit.EchoMode.Password)
         self.token_edit.setPlaceholderText("hf_… (stored in huggingface_hub's login store)")
@@ -236,7 +218,7 @@ class SettingsTab(QWidget):
         forget.clicked.connect(self.forget_token)
         for widget in (self.token_edit, save_token, forget):
             row.addWidget(widget)
-        form.addRow("Mirror endpoint", self.endpoint)
+        form.addRow("Mirror endpoint", _column(box, self.endpoint, self.endpoint_error))
         form.addRow("Access token", row)
         form.addRow("", self.token_state)
         return box
@@ -255,6 +237,12 @@ class SettingsTab(QWidget):
         self.show_thinking.setToolTip("Show a thinking model's reasoning in a foldable block above its answer "
                                       "(it is kept with the chat either way)")
         form.addRow("", self.show_thinking)
+        self.send_key = QComboBox(box)
+        for value in SEND_KEYS:
+            self.send_key.addItem(send_hint(value), value)
+        self.send_key.setToolTip("Which key sends a message from the message box (Ctrl+Enter always sends)")
+        self.send_key.setAccessibleName("Send with")
+        form.addRow("Send with", self.send_key)
         return box
 
     def _look_box(self) -> QGroupBox:
@@ -276,6 +264,12 @@ class SettingsTab(QWidget):
             row.set_value(getattr(settings.engine, name))
         self.context_overflow.setCurrentIndex(max(self.context_overflow.findData(settings.context_overflow), 0))
         self.show_thinking.setChecked(settings.show_thinking)
+        self.send_key.setCurrentIndex(max(self.send_key.findData(settings.send_key), 0))
+        self.models_folder.setText(settings.hf_cache_dir or "")
+        self.download_parallelism.setValue(settings.download_parallelism)
+        self.offline.setChecked(settings.offline)
+        for label in (self.models_folder_error, self.endpoint_error, self.backend_url_error):
+            show_error(label, None)
 
     def edited(self) -> Settings:
         """The settings as the form shows them (raises HearthError for bad values)."""
@@ -292,11 +286,40 @@ class SettingsTab(QWidget):
             backend_url=self.backend_url.text().strip() if remote else None,
             hf_endpoint=self.endpoint.text().strip() or None, theme=self.theme.currentText(),
             context_overflow=self.context_overflow.currentData(), show_thinking=self.show_thinking.isChecked(),
+            send_key=self.send_key.currentData(), hf_cache_dir=self.models_folder.text().strip() or None,
+            download_parallelism=self.download_parallelism.value(), offline=self.offline.isChecked(),
             engine=engine)
 
+    def problems(self) -> list[str]:
+        """Why the form cannot be saved, one line per field (each also shown under its field)."""
+        found = []
+        for row in self.rows.values():
+            problem = row.problem()
+            show_error(row.error, problem)
+            row.clear_reverted()
+            if problem:
+                found.append(problem)
+        remote = self.backend_kind.currentIndex() == 1
+        texts = (("hf_endpoint", self.endpoint, self.endpoint_error),
+                 ("backend_url", self.backend_url if remote else None, self.backend_url_error))
+        for key, edit, label in texts:
+            problem = _setting_problem(key, edit.text().strip() or None) if edit is not None else None
+            show_error(label, problem)
+            if problem:
+                found.append(problem)
+        problem = self._check_models_folder()
+        return [*found, problem] if problem else found
+
     def save(self) -> None:
+        problems = self.problems()
+        if problems:
+            self.status_label.setText(f"Not saved: {problems[0]}" + (f" (and {len(problems) - 1} more, marked above)"
+                                                                       if len(problems) > 1 else ""))
+            return
         try:
             settings = self.edited()
+            if settings.hf_cache_dir:  # checked above: created now, so downloads and the disk check find it
+                Path(settings.hf_cache_dir).expanduser().mkdir(parents=True, exist_ok=True)
             save_settings(settings)
         except Exception as exc:
             self.status_label.setText(f"Not saved: {exc}")
@@ -327,6 +350,32 @@ class SettingsTab(QWidget):
         stored = get_token() is not None
         state = "A token is stored (hidden)." if stored else "No token stored: public models only."
         self.token_state.setText(f"{prefix} {state}".strip())
+
+
+def _setting_problem(key: str, value: str | None) -> str | None:
+    try:
+        Settings().replace(**{key: value})
+    except SettingsError as exc:
+        return str(exc)
+    return None
+
+
+def _hint(text: str, parent: QWidget) -> QLabel:
+    label = QLabel(text, parent)
+    label.setObjectName("hintLabel")
+    label.setWordWrap(True)
+    return label
+
+
+def _column(parent: QWidget, *widgets: QWidget) -> QWidget:
+    """``widgets`` stacked as one form field (an editor, its error line, its hint)."""
+    field = QWidget(parent)
+    column = QVBoxLayout(field)
+    column.setContentsMargins(0, 0, 0, 0)
+    column.setSpacing(2)
+    for widget in widgets:
+        column.addWidget(widget)
+    return field
 
 
 def _form(box: QGroupBox) -> QFormLayout:

@@ -7,8 +7,10 @@ the next page when it is scrolled to the bottom (``load_more``); a search looks 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+from hearth.app.gui import dialogs
 from hearth.app.gui.qt import (
     QFileDialog,
     QHBoxLayout,
@@ -16,7 +18,6 @@ from hearth.app.gui.qt import (
     QLineEdit,
     QListWidget,
     QListWidgetItem,
-    QMessageBox,
     Qt,
     QToolButton,
     QVBoxLayout,
@@ -31,14 +32,20 @@ PAGE_SIZE = 200
 
 
 class Sidebar(QWidget):
-    """Lists conversations (or search hits); ``selected`` carries the conversation id."""
+    """Lists conversations (or search hits); ``selected`` carries the conversation id.
+
+    ``is_generating(id)`` (set by the window) says whether an answer is being written in a chat: the
+    question before deleting it says that the answer is stopped, and ``deleting`` lets the window
+    stop it before the chat leaves the store (``deleted``)."""
 
     selected = Signal(object)  # int, or None for a new chat
+    deleting = Signal(int)  # about to be deleted from the store
     deleted = Signal(int)
 
     def __init__(self, store: ChatStore, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.store = store
+        self.is_generating: Callable[[int], bool] = lambda _conversation_id: False
         self.setObjectName("sidebar")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
@@ -168,9 +175,10 @@ class Sidebar(QWidget):
             return
         if confirm:
             title = self.store.conversation(conv_id).title
-            answer = QMessageBox.question(self, "Delete chat", f"Delete “{title}” and all its messages?")
-            if answer != QMessageBox.StandardButton.Yes:
+            stopped = " The answer being written in it is stopped." if self.is_generating(conv_id) else ""
+            if not dialogs.confirm(self, "Delete chat", f"Delete “{title}” and all its messages?{stopped}"):
                 return
+        self.deleting.emit(conv_id)  # an answer being written to it stops before its messages go
         self.store.delete_conversation(conv_id)
         self.deleted.emit(conv_id)  # first: the open chat lets go of it before the list moves its selection
         self.refresh()

@@ -36,6 +36,8 @@ from hearth.engine.api import EngineConfig, HearthError, engine_options
 logger = logging.getLogger(__name__)
 
 Theme = Literal["light", "dark", "system"]
+SendKey = Literal["enter", "ctrl+enter"]
+SEND_KEYS: tuple[SendKey, ...] = ("enter", "ctrl+enter")
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_CONTEXT_LENGTH = 8192
 SETTINGS_VERSION = 2
@@ -66,6 +68,8 @@ class Settings:
     show_thinking: the chat shows a thinking model's reasoning (a foldable block above the answer).
     think: the chat's Think switch: requests ask the chat template for reasoning (``thinking`` /
     ``enable_thinking`` in ``chat_template_kwargs``).
+    send_key: the key that sends from the message box: "enter" (Shift+Enter starts a new line) or
+    "ctrl+enter" (Enter starts a new line); Ctrl+Enter sends in both.
     """
 
     hf_endpoint: str | None = None
@@ -81,6 +85,7 @@ class Settings:
     api_port: int = 8000
     show_thinking: bool = True
     think: bool = False
+    send_key: SendKey = "enter"
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -98,6 +103,7 @@ class Settings:
             (1 <= self.download_parallelism <= 64, "download_parallelism must be in [1, 64]"),
             (self.theme in ("light", "dark", "system"), "theme must be light, dark or system"),
             (self.context_overflow in ("truncate", "stop"), "context_overflow must be truncate or stop"),
+            (self.send_key in SEND_KEYS, f"send_key must be enter or ctrl+enter, not {self.send_key!r}"),
             (_is_host(self.api_host), f"api_host must be an IP address or a host name, not {self.api_host!r}"),
             (0 <= self.api_port <= 65535, "api_port must be in [0, 65535]"),
             # NOTE: the engine takes any page size, but its attention kernels only powers of two from 16;
@@ -175,7 +181,31 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "api_port": (int,),
     "show_thinking": (bool,),
     "think": (bool,),
+    "send_key": (str,),
 }
+
+
+def folder_problem(folder: str) -> str | None:
+    """Why ``folder`` cannot take downloads, or None when it can: it must be an absolute path, and
+    a folder Hearth can write to; one that does not exist yet is fine when the nearest existing
+    folder above it can be written to (the folder can then be made there)."""
+    path = Path(folder).expanduser()
+    if not path.is_absolute():
+        return f"{folder} is not an absolute path (such as {Path.home() / 'models'})"
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:  # a drive that is not there
+            return f"{existing} does not exist"
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        # NOTE: a real write, not os.access: permission bits do not tell about read-only mounts or ACLs.
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return f"Hearth cannot write to {existing} ({exc.strerror or exc})"
+    return None
 
 
 def restart_needed(old: Settings, new: Settings) -> bool:

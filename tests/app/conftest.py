@@ -1,5 +1,8 @@
 """Fixtures for the app tests: an isolated Hearth home and HF token store for every test, a fake
-Hub serving a tiny real model, settings pointing at it, and an event recorder with bounded waits."""
+Hub serving a tiny real model, settings pointing at it, and an event recorder with bounded waits;
+for the GUI tests, ``windows`` (closes what a test opens, fails on leaked windows), a demo-model
+engine host per module (``backend``) and ``open_scripted_window`` (main windows over a
+``ScriptedBackend``)."""
 
 from __future__ import annotations
 
@@ -171,3 +174,29 @@ def backend(engine_home: Path) -> Iterator[Any]:
 
     with shared_demo_backend(engine_home) as shared:
         yield shared
+
+
+@pytest.fixture
+def windows() -> Iterator[Any]:
+    """Tracks the widgets a test opens; closes them afterwards and fails on leaked top-level widgets."""
+    from tests.app.test_gui_helpers import windows_checked  # imports Qt: only where used
+
+    with windows_checked() as opened:
+        yield opened
+
+
+@pytest.fixture
+def open_scripted_window(qtbot: Any, tmp_path: Path, windows: Any) -> Callable[..., Any]:
+    """Opens a main window over a ``ScriptedBackend`` (a new one unless given; the test writes its
+    answers) with isolated settings (``changes`` on top), once its model is connected."""
+    from hearth.app.gui.main_window import MainWindow
+    from tests.app.test_gui_helpers import FAST_DOWNLOADS, SCRIPTED_TIMEOUT_MS, ScriptedBackend, isolated_settings
+
+    def open_(backend: ScriptedBackend | None = None, **changes: object) -> MainWindow:
+        window = MainWindow(isolated_settings(tmp_path, **changes), backend=backend or ScriptedBackend(),
+                            download_options=FAST_DOWNLOADS)
+        windows.track(window)
+        qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=SCRIPTED_TIMEOUT_MS)
+        return window
+
+    return open_

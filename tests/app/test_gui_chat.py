@@ -22,17 +22,10 @@ from tests.app.test_gui_helpers import (
     FAST_DOWNLOADS,
     isolated_settings,
     link_demo_model,
-    windows_checked,
 )
 
 TIMEOUT_MS = 30_000
 pytestmark = pytest.mark.slow  # a real engine host process for the module, answers from the demo model
-
-
-@pytest.fixture
-def windows():
-    with windows_checked() as opened:
-        yield opened
 
 
 @pytest.fixture

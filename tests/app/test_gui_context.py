@@ -13,7 +13,6 @@ from tests.app.test_gui_helpers import (
     FAST_DOWNLOADS,
     isolated_settings,
     link_demo_model,
-    windows_checked,
 )
 
 TIMEOUT_MS = 60_000
@@ -21,17 +20,16 @@ CONTEXT = 2048  # the shared demo host's context
 
 
 @pytest.fixture
-def open_window(qtbot, backend, engine_home: Path, tmp_path: Path):
+def open_window(qtbot, backend, engine_home: Path, tmp_path: Path, windows):
     link_demo_model(engine_home)
-    with windows_checked() as windows:
-        def open_(**changes: object) -> MainWindow:
-            window = MainWindow(isolated_settings(tmp_path, **changes), backend=backend,
-                                download_options=FAST_DOWNLOADS)
-            windows.track(window)
-            qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
-            return window
 
-        yield open_
+    def open_(**changes: object) -> MainWindow:
+        window = MainWindow(isolated_settings(tmp_path, **changes), backend=backend, download_options=FAST_DOWNLOADS)
+        windows.track(window)
+        qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
+        return window
+
+    return open_
 
 
 def long_message(backend, tokens: int, topic: str) -> str:

@@ -14,11 +14,12 @@ from typing import Any
 from hearth.app.client.context_window import ContextFit, estimate_tokens
 from hearth.app.client.openai_client import ChatChunk
 from hearth.app.gui.backend import DEMO_LABEL, Backend, Connected, ModelChoice, demo_model_dir, ensure_demo_model
-from hearth.app.gui.qt import QApplication, QEvent, QWidget
+from hearth.app.gui.qt import QApplication, QEvent, QMessageBox, Qt, QTimer, QWidget
 from hearth.app.hub.manager import DownloadOptions
 from hearth.app.paths import HOME_ENV
 from hearth.app.store.settings import Settings
 
+SCRIPTED_TIMEOUT_MS = 20_000  # the longest wait for a window over a ScriptedBackend
 FAST_DOWNLOADS = DownloadOptions(stall_timeout_s=0.5, max_retries=4, backoff_base_s=0.05, backoff_max_s=0.2,
                                  progress_interval_s=0.05, chunk_bytes=16 * 1024)
 
@@ -100,13 +101,17 @@ class ScriptedBackend(Backend):
     """The GUI's Backend with the engine host replaced by a script: a model "loads" at once unless
     its label is in ``broken`` (then loading raises that message, as a host that cannot load it
     does); an answer streams the pieces the test puts into ``answers``, one chunk each, until None
-    ends it ("stop"). Everything else (connect, restart, what counts as connected) is Backend's own."""
+    ends it ("stop") and an exception put there fails it. ``streamed`` lists the chats whose answers
+    began, ``aborted`` those closed before their end (a Stop). Everything else (connect, restart,
+    what counts as connected) is Backend's own."""
 
     def __init__(self, settings: Settings | None = None, broken: dict[str, str] | None = None) -> None:
         super().__init__(settings or Settings())
         self.broken = dict(broken or {})
-        self.answers: queue.Queue[str | None] = queue.Queue()
+        self.answers: queue.Queue[str | Exception | None] = queue.Queue()
         self.loads: list[str] = []  # the labels asked for, in order
+        self.streamed: list[int | None] = []  # conversation ids, in the order their answers began
+        self.aborted: list[int | None] = []
 
     def _load(self, choice: ModelChoice) -> Connected:
         self.loads.append(choice.label)
@@ -126,16 +131,23 @@ class ScriptedBackend(Backend):
                conversation_id: int | None = None) -> Iterator[ChatChunk]:
         if self.connected is None:
             raise RuntimeError("No model is loaded")
-        while True:
-            try:
-                piece = self.answers.get(timeout=0.02)
-            except queue.Empty:
-                yield ChatChunk("")  # nothing yet: an empty chunk lets the worker see a Stop
-                continue
-            if piece is None:
-                yield ChatChunk("", finish_reason="stop")
-                return
-            yield ChatChunk(piece)
+        self.streamed.append(conversation_id)
+        try:
+            while True:
+                try:
+                    piece = self.answers.get(timeout=0.02)
+                except queue.Empty:
+                    yield ChatChunk("")  # nothing yet: an empty chunk lets the worker see a Stop
+                    continue
+                if piece is None:
+                    yield ChatChunk("", finish_reason="stop")
+                    return
+                if isinstance(piece, Exception):
+                    raise piece
+                yield ChatChunk(piece)
+        except GeneratorExit:
+            self.aborted.append(conversation_id)
+            raise
 
     def is_alive(self) -> bool:
         return self.connected is not None
@@ -151,6 +163,35 @@ class ScriptedBackend(Backend):
 
     def close(self) -> None:
         self.connected = None
+
+
+def send(qtbot: Any, window: Any, text: str) -> None:
+    """Type ``text`` in the window's message box and press Enter: an answer begins."""
+    window.chat.composer.setPlainText(text)
+    qtbot.keyClick(window.chat.composer, Qt.Key.Key_Return)
+    assert window.chat.is_busy
+
+
+def finish(qtbot: Any, window: Any, answer: str = "Fine.") -> None:
+    """End the answer of a window over a ``ScriptedBackend`` with ``answer``."""
+    window.backend.answers.put(answer)
+    window.backend.answers.put(None)
+    qtbot.waitUntil(lambda: not window.chat.is_busy, timeout=SCRIPTED_TIMEOUT_MS)
+
+
+def answer_next_question(button: QMessageBox.StandardButton, seen: list[tuple[str, bool]]) -> None:
+    """Answer the next modal question (a real QMessageBox) with ``button`` once it is up; records its
+    text and whether No was its default answer."""
+
+    def click() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            seen.append(("no question was asked", False))
+            return
+        seen.append((box.text(), box.defaultButton() is box.button(QMessageBox.StandardButton.No)))
+        box.button(button).click()
+
+    QTimer.singleShot(0, click)
 
 
 def link_demo_model(shared_home: Path) -> None:

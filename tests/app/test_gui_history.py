@@ -11,12 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from hearth.app.gui.main_window import MainWindow
 from hearth.app.gui.sidebar import PAGE_SIZE, Sidebar
 from hearth.app.store.chats import ChatStore
-from tests.app.test_gui_helpers import isolated_settings, windows_checked
+from tests.app.test_gui_helpers import isolated_settings
 
 OLDEST_TITLE = "The oldest aardvark"
 
@@ -34,12 +32,6 @@ def fill_history(path: Path, count: int) -> None:
                        [(i, f"question number {i}", now + i) for i in range(1, count + 1)])
         db.execute("UPDATE conversations SET current_leaf_id = id")
     db.close()
-
-
-@pytest.fixture
-def windows():
-    with windows_checked() as opened:
-        yield opened
 
 
 def test_the_sidebar_pages_in_a_long_history(qtbot, tmp_path: Path, windows):

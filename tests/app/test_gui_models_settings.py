@@ -18,7 +18,7 @@ from huggingface_hub import constants as hf_constants
 from hearth.app.gui import settings_tab as settings_module
 from hearth.app.gui.downloads_view import TOKEN_HINT
 from hearth.app.gui.models_tab import ModelsTab
-from hearth.app.gui.qt import QApplication, QMessageBox, QPushButton, Qt, QTimer
+from hearth.app.gui.qt import QMessageBox, QPushButton, Qt
 from hearth.app.gui.settings_tab import SettingsTab
 from hearth.app.hub import events as ev
 from hearth.app.hub.manager import DownloadOptions
@@ -26,15 +26,9 @@ from hearth.app.paths import settings_path
 from hearth.app.store.settings import Settings, load_settings
 from tests.app.conftest import GATED_REPO, TINY_REPO, add_unloadable_repos, write_tiny_model
 from tests.app.fakehub import FakeHub, Fault
-from tests.app.test_gui_helpers import FAST_DOWNLOADS, windows_checked
+from tests.app.test_gui_helpers import FAST_DOWNLOADS, answer_next_question
 
 TIMEOUT_MS = 20_000
-
-
-@pytest.fixture
-def windows():
-    with windows_checked() as opened:
-        yield opened
 
 
 @pytest.fixture
@@ -58,21 +52,6 @@ def _open_details(qtbot, tab: ModelsTab, query: str = "tiny") -> None:
     qtbot.waitUntil(lambda: tab.results.rowCount() > 0 and tab.search_button.isEnabled(), timeout=TIMEOUT_MS)
     tab.results.selectRow(_row_of(tab.results, TINY_REPO))
     qtbot.waitUntil(tab.download_button.isEnabled, timeout=TIMEOUT_MS)
-
-
-def _answer_next_question(button: QMessageBox.StandardButton, seen: list[tuple[str, bool]]) -> None:
-    """Answer the next modal question (a real QMessageBox) with ``button`` once it is up; records its
-    text and whether No was its default answer."""
-
-    def click() -> None:
-        box = QApplication.activeModalWidget()
-        if not isinstance(box, QMessageBox):
-            seen.append(("no question was asked", False))
-            return
-        seen.append((box.text(), box.defaultButton() is box.button(QMessageBox.StandardButton.No)))
-        box.button(button).click()
-
-    QTimer.singleShot(0, click)
 
 
 def _wrapped_text_fits(table, row: int, column: int) -> bool:
@@ -231,14 +210,14 @@ def test_download_shows_progress_and_completes(qtbot, models_tab: ModelsTab, fak
     delete = next(b for b in models_tab.findChildren(QPushButton) if b.text() == "Delete")
     size = models_tab.installed_table.item(row, 1).text()
     asked: list[tuple[str, bool]] = []
-    _answer_next_question(QMessageBox.StandardButton.No, asked)
+    answer_next_question(QMessageBox.StandardButton.No, asked)
     qtbot.mouseClick(delete, Qt.MouseButton.LeftButton)
     assert asked == [(f"Delete {TINY_REPO} ({size})? Its files are removed from disk; using it again means "
                       f"downloading all {size} again.", True)]  # asked, No by default, and No keeps it
     models_tab.refresh_installed()
     qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 1, timeout=TIMEOUT_MS)
     models_tab.installed_table.selectRow(0)
-    _answer_next_question(QMessageBox.StandardButton.Yes, asked)
+    answer_next_question(QMessageBox.StandardButton.Yes, asked)
     qtbot.mouseClick(delete, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: models_tab.installed_table.rowCount() == 0, timeout=TIMEOUT_MS)
 
@@ -265,12 +244,12 @@ def test_pause_resume_and_cancel(qtbot, models_tab: ModelsTab, fake_hub: FakeHub
     qtbot.waitUntil(lambda: models_tab.downloads.bytes[item_id][0] > 0, timeout=TIMEOUT_MS)
     cancel = models_tab.downloads.buttons[item_id]["cancel"]
     asked: list[tuple[str, bool]] = []
-    _answer_next_question(QMessageBox.StandardButton.No, asked)
+    answer_next_question(QMessageBox.StandardButton.No, asked)
     qtbot.mouseClick(cancel, Qt.MouseButton.LeftButton)
     assert len(asked) == 1 and asked[0][1] and asked[0][0].startswith(f"Cancel the download of {TINY_REPO} and "
                                                                        "delete the ")
     assert item_id in models_tab.downloads.rows and models_tab.manager.item(item_id).state != "cancelled"
-    _answer_next_question(QMessageBox.StandardButton.Yes, asked)
+    answer_next_question(QMessageBox.StandardButton.Yes, asked)
     qtbot.mouseClick(cancel, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: item_id not in models_tab.downloads.rows, timeout=TIMEOUT_MS)
 

@@ -18,7 +18,7 @@ from hearth.app.gui.qt import Qt
 from hearth.app.store.settings import load_settings
 from hearth.engine.testing.tiny import write_tiny_model
 from hearth.engine.text.tokenizer import Tokenizer
-from tests.app.test_gui_helpers import FAST_DOWNLOADS, isolated_settings, windows_checked
+from tests.app.test_gui_helpers import FAST_DOWNLOADS, isolated_settings
 from tests.engine.scripted_model import rewire
 from tests.engine.test_server_support import start_server
 
@@ -36,12 +36,6 @@ def server(tmp_path_factory):
     running = start_server(rewire(tiny, root / "tiny-thinking", script), root / "run", max_model_len=256)
     yield running
     running.stop()
-
-
-@pytest.fixture
-def windows():
-    with windows_checked() as opened:
-        yield opened
 
 
 @pytest.fixture

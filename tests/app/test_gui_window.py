@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hearth.app.gui import chat_panel as chat_panel_module
+from hearth.app.gui import answers as answers_module
+from hearth.app.gui.answers import FLUSH_MS
 from hearth.app.gui.backend import DEMO_LABEL, ModelChoice
-from hearth.app.gui.chat_panel import FLUSH_MS
 from hearth.app.gui.engine_worker import EngineWorker
 from hearth.app.gui.main_window import MainWindow
 from hearth.app.gui.message_widget import GENERATING
@@ -34,9 +34,9 @@ from hearth.app.gui.qt import (
 )
 from hearth.app.store.chats import MessageStats
 from hearth.app.store.settings import load_settings
-from tests.app.test_gui_helpers import FAST_DOWNLOADS, ScriptedBackend, isolated_settings, windows_checked
+from tests.app.test_gui_helpers import SCRIPTED_TIMEOUT_MS as TIMEOUT_MS
+from tests.app.test_gui_helpers import ScriptedBackend, finish, send
 
-TIMEOUT_MS = 20_000
 CTRL, SHIFT = Qt.KeyboardModifier.ControlModifier, Qt.KeyboardModifier.ShiftModifier
 BROKEN = "broken/llama-model"
 WHY = "broken/llama-model is a llama model, an architecture Hearth cannot run"
@@ -64,33 +64,8 @@ class FlakyHostBackend(ScriptedBackend):
 
 
 @pytest.fixture
-def windows():
-    with windows_checked() as opened:
-        yield opened
-
-
-@pytest.fixture
-def open_window(qtbot, tmp_path: Path, windows):
-    def open_(backend: ScriptedBackend | None = None, **changes: object) -> MainWindow:
-        window = MainWindow(isolated_settings(tmp_path, **changes), backend=backend or ScriptedBackend(),
-                            download_options=FAST_DOWNLOADS)
-        windows.track(window)
-        qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
-        return window
-
-    return open_
-
-
-def send(qtbot, window: MainWindow, text: str) -> None:
-    window.chat.composer.setPlainText(text)
-    qtbot.keyClick(window.chat.composer, Qt.Key.Key_Return)
-    assert window.chat.is_busy
-
-
-def finish(qtbot, window: MainWindow, answer: str = "Fine.") -> None:
-    window.backend.answers.put(answer)
-    window.backend.answers.put(None)
-    qtbot.waitUntil(lambda: not window.chat.is_busy, timeout=TIMEOUT_MS)
+def open_window(open_scripted_window):
+    return open_scripted_window
 
 
 def broken_choice(tmp_path: Path) -> ModelChoice:
@@ -273,7 +248,7 @@ def test_a_long_answer_streams_at_the_cost_of_its_tail(qtbot, open_window):
 
 
 class FakeClock:
-    """perf_counter for the chat panel: each call ``step`` seconds after the one before."""
+    """perf_counter for the answers' flush: each call ``step`` seconds after the one before."""
 
     def __init__(self, step: float) -> None:
         self.now, self.step = 0.0, step
@@ -286,9 +261,9 @@ class FakeClock:
 def test_the_flush_backs_off_when_rendering_is_slow(qtbot, open_window, monkeypatch):
     window = open_window()
     clock = FakeClock(0.08)  # every render "takes" 80 ms
-    monkeypatch.setattr(chat_panel_module, "time", clock)
+    monkeypatch.setattr(answers_module, "time", clock)
     send(qtbot, window, "Go")
-    timer = window.chat._flush_timer
+    timer = window.chat.answers.flush_timer
     assert timer.interval() == FLUSH_MS
     window.backend.answers.put("slow to render")
     qtbot.waitUntil(lambda: window.chat.view.widgets[-1].text == "slow to render", timeout=TIMEOUT_MS)

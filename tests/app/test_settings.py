@@ -13,7 +13,8 @@ import pytest
 
 from hearth.app import paths
 from hearth.app.client.local_engine import DEFAULTS
-from hearth.app.store.settings import Settings, SettingsError, load_settings, save_settings
+from hearth.app.store import settings as settings_module
+from hearth.app.store.settings import Settings, SettingsError, folder_problem, load_settings, save_settings
 
 
 def test_missing_file_gives_defaults():
@@ -59,7 +60,7 @@ def test_a_bad_value_falls_back_alone(caplog):
 
 @pytest.mark.parametrize("changes", [
     {"hf_endpoint": "ftp://mirror"}, {"download_parallelism": 0}, {"gpu_memory_gib": -1.0},
-    {"context_length": 1}, {"theme": "blue"}, {"offline": "yes"},
+    {"context_length": 1}, {"theme": "blue"}, {"offline": "yes"}, {"send_key": "shift+enter"},
 ])
 def test_invalid_values_are_rejected(changes):
     with pytest.raises(SettingsError):
@@ -182,3 +183,30 @@ def test_config_set_warns_about_a_default_model_that_is_not_installed(capsys):
     assert capsys.readouterr().err == ""
     assert cli(["config", "set", "block_size", "100"]) == 1
     assert "block_size must be a power of two" in capsys.readouterr().err
+
+
+def test_the_send_key_is_a_setting_the_cli_and_the_app_share(capsys):
+    from hearth.app.cli.main import main as cli
+
+    assert Settings().send_key == "enter"  # LM Studio's, Ollama's and Jan's convention
+    assert cli(["config", "set", "send_key", "ctrl+enter"]) == 0
+    assert load_settings().send_key == "ctrl+enter"
+    assert cli(["config", "set", "send_key", "alt+enter"]) == 1
+    assert "send_key must be enter or ctrl+enter" in capsys.readouterr().err
+    paths.settings_path().write_text(json.dumps({"send_key": "space"}))
+    assert load_settings().send_key == "enter"  # a bad value falls back alone
+
+
+def test_a_models_folder_must_be_one_hearth_can_write_to(tmp_path, monkeypatch):
+    assert folder_problem(str(tmp_path)) is None
+    assert folder_problem(str(tmp_path / "not" / "yet")) is None  # created when saved: its parent is writable
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert folder_problem(str(a_file / "models")) == f"{a_file} is a file, not a folder"
+    assert "is not an absolute path" in folder_problem("models")
+
+    def refuse(*_args, **_kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(settings_module.tempfile, "TemporaryFile", refuse)  # (the tests run as root: chmod is no test)
+    assert folder_problem(str(tmp_path)) == f"Hearth cannot write to {tmp_path} (Permission denied)"
