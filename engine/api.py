@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class SamplingParams:
     ``seed`` makes a request reproducible regardless of what else runs in the batch.
     ``logit_bias``: (token id, bias) pairs, each bias in [-100, 100] added to that token's logit
     before sampling (OpenAI's ``logit_bias``; a mapping is accepted and stored sorted by id).
+    ``json_schema``: hold the answer to this JSON Schema (structured output, ``hearth.engine.structured``;
+    ``{"type": "object"}`` is OpenAI's json_object); given as JSON text or as the schema itself, stored as
+    JSON text. The engine refuses a schema it cannot enforce (RequestError, param "response_format").
     """
 
     temperature: float = 1.0
@@ -80,8 +84,14 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            try:
+                object.__setattr__(self, "json_schema", json.dumps(self.json_schema, allow_nan=False))
+            except (TypeError, ValueError) as err:
+                raise RequestError(f"response_format: the schema is not JSON ({err})", "response_format") from None
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -306,7 +316,8 @@ class EngineConfig:
     overlap_decode: bool = _option(
         True, "Overlapped decode",
         "While the GPU computes the next token of every answer, the host reads back, detokenises and checks "
-        "the previous one; steps with prompt chunks, penalties or the runahead scheduler run one at a time.")
+        "the previous one; steps with prompt chunks, penalties, JSON answers or the runahead scheduler run one at a "
+        "time.")
     warm_up: Literal["auto", "true", "false"] = _option(
         "auto", "Warm up at start",
         "Before the model is reported ready, run a few short requests that compile the GPU kernels and record the "

@@ -33,7 +33,8 @@ before; a request's tokens arrive one call later than without overlap, the same 
   may join (waiting requests and a free seat), a running request is not in the flight (a prompt
   being read), a request's cache must grow and no page is free without preempting, the runahead
   decoder is in use (or ``scheduler=auto`` would switch), or a request uses repetition, presence or
-  frequency penalties: those read the token history on the host, so such steps never fly.
+  frequency penalties: those read the token history on the host, so such steps never fly. Nor do steps
+  with a structured answer (``SamplingParams.json_schema``): its next mask depends on the token before.
 - ``stats()``' ``decode_step_ms`` is the wall time of a decode ``step`` call (with overlap: launching
   step N+1 and landing step N, waiting for it included) and ``decode_run_gpu_ms`` the GPU time of
   ``ModelRunner.run`` alone; in steady decoding the first is the time per token. ``decode_steps_*``
@@ -43,6 +44,10 @@ before; a request's tokens arrive one call later than without overlap, the same 
   in flight takes a free page (``BlockManager.append`` with a placeholder) when the step launches.
 - ``step(launched=...)`` calls back once the step's model work is launched, before the host waits
   for its tokens; the server's host hands the previous step's events to the HTTP loop then.
+
+A request whose ``SamplingParams.json_schema`` is set is held to that JSON Schema (structured output,
+``hearth.engine.structured``): before each of its tokens is sampled, the tokens that cannot continue
+the JSON are masked (after a thinking model's reasoning), and it ends with "stop" once the JSON is whole.
 
 A request may name its conversation (``conversation_id``): its cache pages are tagged with it, kept
 in RAM and on disk after the GPU reuses them (``hearth.engine.prefix_store``) and deleted by
@@ -102,6 +107,7 @@ from hearth.engine.sampling import Sampler, make_generator
 from hearth.engine.scheduler import Scheduler, Status
 from hearth.engine.scheduler import Sequence as Seq
 from hearth.engine.step_timer import StepTimer
+from hearth.engine.structured.matcher import DONE, REFUSED, JsonAnswer, StructuredOutputs
 from hearth.engine.text.detokenizer import IncrementalDetokenizer, StopChecker
 from hearth.engine.text.harmony import uses_harmony
 from hearth.engine.text.tokenizer import Tokenizer
@@ -119,6 +125,7 @@ class _Request:
     stop: StopChecker
     generator: torch.Generator | None
     arrival: float
+    answer: JsonAnswer | None = None  # structured output: the grammar the answer is held to
     first_token_time: float | None = None
     text: str = ""
     events: list[Event] = field(default_factory=list)
@@ -174,6 +181,8 @@ class Engine:
                                    states=self.tier_cache)
         self._prompt_tokens = tokenizer.prompt_tokens()
         self.sampler = Sampler()
+        self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.model_config.model_type)
+        self._answering = 0  # requests held to a grammar: only steps with one compute masks
         self._requests: dict[str, _Request] = {}
         self._intake: list[_Request] = []
         self._aborts: list[str] = []
@@ -299,6 +308,7 @@ class Engine:
         self._validate(ids)
         params = sampling if isinstance(sampling, SamplingParams) else self.sampling_params(sampling or {}, len(ids))
         params.check_vocabulary(self.model_config.vocab_size)
+        answer = None if params.json_schema is None else self.structured.answer(params.json_schema, params, ids)
         request_id = request_id or uuid.uuid4().hex
         seq = Seq(request_id=request_id, prompt_ids=ids, params=params, conversation=conversation_id)
         request = _Request(
@@ -309,6 +319,7 @@ class Engine:
             stop=StopChecker(params.stop),
             generator=make_generator(params.seed, self.runner.device),
             arrival=time.perf_counter(),
+            answer=answer,
         )
         with self._lock:
             if request_id in self._requests or any(r.seq.request_id == request_id for r in self._intake):
@@ -601,10 +612,12 @@ class Engine:
 
     def _may_fly(self, requests: list[_Request], chunks: list) -> bool:
         """Whether this step's tokens may stay on the device as the next step's input."""
+        # (a structured answer's mask depends on the token before: it is read back before the next)
         return (self.config.overlap_decode and self._readback is not None and not self._runahead
                 and (self.decoder is None or not len(self.decoder))
                 and all(c.num_tokens == 1 for c in chunks)
-                and not any(_reads_history(r.seq.params) for r in requests))
+                and not any(_reads_history(r.seq.params) for r in requests)
+                and (not self._answering or all(r.answer is None for r in requests)))
 
     def _fly(self, requests: list[_Request], logits: torch.Tensor) -> Flight:
         tokens = self._sample_on_device(requests, logits)
@@ -740,6 +753,7 @@ class Engine:
             self._intake, self._aborts = [], []
         for request in intake:
             self._requests[request.seq.request_id] = request
+            self._answering += request.answer is not None
             self.scheduler.add(request.seq)
         events: list[Event] = []
         for request_id in aborts:
@@ -755,11 +769,12 @@ class Engine:
         return self._deliver(requests, self._sample_on_device(requests, logits).tolist())
 
     def _sample_on_device(self, requests: list[_Request], logits: torch.Tensor) -> torch.Tensor:
+        masks = [r.answer.mask() if r.answer is not None else None for r in requests] if self._answering else None
         # Only rows with a repetition penalty read the whole prompt + output (built per call).
         return self.sampler(
             logits, [r.seq.params for r in requests], [r.generator for r in requests],
             [r.seq.token_ids if r.seq.params.repetition_penalty != 1.0 else () for r in requests],
-            [r.seq.output_ids for r in requests],
+            [r.seq.output_ids for r in requests], masks,
         )
 
     def _deliver(self, requests: list[_Request], tokens: list[int]) -> list[Event]:
@@ -785,9 +800,15 @@ class Engine:
         is_eos = not params.ignore_eos and token in self.tokenizer.eos_token_ids
         if is_eos or token in params.stop_token_ids:
             return self._emit_tail(request, token, "stop")
+        outcome = request.answer.accept(token) if request.answer is not None else None
+        if outcome == REFUSED:  # (the mask allows no such token: a bug, not the model's doing)
+            return [self._finish(request, "error", f"structured output: token {token} does not continue the "
+                                                   "answer's JSON")]
         text, hit = request.stop.feed(request.detok.push(token))
         if hit:
             return self._emit(request, (token,), text) + [self._finish(request, "stop")]
+        if outcome == DONE:  # the JSON is whole and nothing may follow it
+            return self._emit_tail(request, token, "stop", text)
         # The cache's pages bound a request as the context does: past them it could only preempt
         # itself and recompute forever.
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= min(self.max_model_len, self._cache_tokens):
@@ -809,7 +830,8 @@ class Engine:
             self.decoder.drop(seq.request_id)
         self._release(seq, park=reason != "error")
         self.scheduler.finish(seq)
-        self._requests.pop(seq.request_id, None)
+        if self._requests.pop(seq.request_id, None) is not None and request.answer is not None:
+            self._answering -= 1
         now = time.perf_counter()
         stats = RequestStats(
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),

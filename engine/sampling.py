@@ -9,6 +9,8 @@
    ``logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)``.
 3. Logit bias (as in OpenAI): ``logit[t] += bias`` for each (t, bias) of the row's ``logit_bias``,
    added after the penalties, so no repetition penalty scales it; -100 / +100 all but ban / force t.
+   Then allowed-token masks (structured output, ``hearth.engine.structured``): a row given a [V] bool
+   mask has every other logit set to -inf, so no bias or filter below brings one back.
 4. ``temperature == 0``: greedy argmax of the biased logits. Greedy and random rows may share a
    batch; the random steps below only run on the random rows.
 5. Otherwise the logits are divided by the temperature, then filtered:
@@ -41,6 +43,7 @@ __all__ = [
     "Sampler",
     "row_argmax",
     "apply_logit_bias",
+    "apply_token_masks",
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
@@ -129,6 +132,26 @@ def apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor
     row_idx, col_idx = _row_col_indices(rows, [[t for t, _ in params[i].logit_bias] for i in rows], logits.device)
     bias = _to_device([b for i in rows for _, b in params[i].logit_bias], torch.float32, logits.device)
     return logits.index_put((row_idx, col_idx), bias, accumulate=True)
+
+
+def apply_token_masks(logits: Tensor, masks: Sequence[Tensor | None]) -> Tensor:
+    """Set the logits of tokens a row's mask does not allow to -inf (rows with None come back unchanged).
+
+    logits: [B, V] float32; masks[b]: [V] bool on the host (True: allowed) or None. The masks travel in
+    one pinned, non-blocking copy: no host sync.
+    """
+    rows = [i for i, mask in enumerate(masks) if mask is not None]
+    if not rows:
+        return logits
+    allowed = torch.stack([masks[i] for i in rows])  # type: ignore[misc]  # (R, V)
+    if logits.device.type == "cuda":
+        allowed = allowed.pin_memory().to(logits.device, non_blocking=True)
+    else:
+        allowed = allowed.to(logits.device)
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = _to_device(rows, torch.long, logits.device)
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -220,11 +243,15 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         token_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
+        masks: Sequence[Tensor | None] | None = None,
     ) -> Tensor:
-        """logits: [B, V] any float dtype -> next tokens: [B] long, on the logits' device."""
+        """logits: [B, V] any float dtype -> next tokens: [B] long, on the logits' device. ``masks``: per
+        row, the allowed tokens ([V] bool on the host) or None (``apply_token_masks``)."""
         if not (logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(params)} sampling params")
         logits = apply_logit_bias(apply_penalties(logits.float(), params, token_ids, output_ids), params)
+        if masks is not None:
+            logits = apply_token_masks(logits, masks)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             return row_argmax(logits)

@@ -4,7 +4,7 @@ and the JSON / server-sent-event payloads sent back. Pure data: no HTTP framewor
 Unknown request fields are accepted and ignored, as OpenAI clients send many optional ones; a JSON
 null in a known field means "not given" (clients send null for unset optional fields), and numbers
 must be finite (Python's json reads NaN and Infinity, which no field means). Field checks of the
-wire format (``n``, ``max_tokens`` >= 1, logprobs, ``response_format``, ``logit_bias`` keys) raise
+wire format (``n``, ``max_tokens`` >= 1, logprobs, ``response_format``'s shape, ``logit_bias`` keys) raise
 ``APIError`` here, so the server turns them into ``{"error": {...}}`` bodies; sampling ranges are
 checked once, by the engine (``SamplingParams``), and come back as 400s naming the field too.
 """
@@ -70,8 +70,24 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    """``response_format.json_schema``: OpenAI's ``{name, schema, strict}`` (``strict`` changes nothing:
+    what Hearth accepts it enforces)."""
+
+    name: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Lenient):
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's ``structured_outputs``: only its ``json`` (a schema, or its JSON text) is supported."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
 
 
 class HearthFields(_Lenient):
@@ -103,6 +119,8 @@ class _SamplingFields(_Lenient):
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None  # vLLM's older name for structured_outputs.json
+    structured_outputs: StructuredOutputs | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -237,12 +255,14 @@ def sampling_fields(req: _SamplingFields) -> dict[str, Any]:
     ``Engine.add_request`` fills in the model's defaults and checks the values).
 
     Raises APIError (400) for what the wire format itself rules out: ``n != 1``, logprobs, a
-    ``max_tokens`` below 1, structured output and ``logit_bias`` keys that are not token ids."""
+    ``max_tokens`` below 1, an unknown ``response_format`` and ``logit_bias`` keys that are not token ids.
+    A JSON answer's schema (``response_format``, or vLLM's ``guided_json`` / ``structured_outputs.json``)
+    goes as ``json_schema`` (JSON text); the engine compiles it and refuses what it cannot enforce."""
     if req.n != 1:
         raise APIError(400, f"n must be 1 (Hearth returns one choice per request), got {req.n}", param="n")
     if getattr(req, "logprobs", None):
         raise APIError(400, "logprobs are not supported", param="logprobs")
-    _check_response_format(req.response_format)
+    schema = _json_schema(req)
     return {
         "temperature": req.temperature, "top_p": req.top_p,
         "top_k": 0 if req.top_k == -1 else req.top_k,  # vLLM's "off"
@@ -250,21 +270,48 @@ def sampling_fields(req: _SamplingFields) -> dict[str, Any]:
         "repetition_penalty": req.repetition_penalty, "seed": req.seed, "max_tokens": req.requested_max_tokens(),
         "stop": (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         "stop_token_ids": tuple(req.stop_token_ids or ()), "ignore_eos": req.ignore_eos,
-        "logit_bias": _token_ids(req.logit_bias),
+        "logit_bias": _token_ids(req.logit_bias), "json_schema": schema,
     }
 
 
-def _check_response_format(response_format: ResponseFormat | None) -> None:
-    """Plain text is all Hearth writes: JSON modes need constrained decoding, which it does not have,
-    and an answer that only looks like it complied is worse than a refusal."""
+def _json_schema(req: _SamplingFields) -> str | None:
+    """The schema the answer is held to, as JSON text (``{"type": "object"}`` for json_object), or None."""
+    given = {"response_format": _response_format_schema(req.response_format), "guided_json": req.guided_json,
+             "structured_outputs": _structured_outputs_schema(req.structured_outputs)}
+    named = [name for name, schema in given.items() if schema is not None]
+    if len(named) > 1:
+        raise APIError(400, f"give one of {' and '.join(named)}: each asks for a JSON answer", param=named[1],
+                       code="invalid_value")
+    if not named:
+        return None
+    schema = given[named[0]]
+    return schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False)
+
+
+def _response_format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | bool | None:
+    """``json_object``: any JSON object; ``json_schema``: its schema; ``text`` (or none): None."""
     if response_format is None or response_format.type == "text":
-        return
-    if response_format.type in ("json_object", "json_schema"):
-        raise APIError(400, f"response_format {response_format.type!r} is not supported yet: Hearth has no "
-                            "structured output (constrained decoding) to hold the answer to JSON; ask for JSON "
-                            "in the prompt instead", param="response_format", code="unsupported_value")
+        return None
+    if response_format.type == "json_object":
+        return {"type": "object"}
+    if response_format.type == "json_schema":
+        given = response_format.json_schema
+        if given is None or given.schema_ is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema (the JSON Schema of the answer)",
+                           param="response_format.json_schema", code="invalid_value")
+        return given.schema_
     raise APIError(400, f"response_format.type must be text, json_object or json_schema, not "
                         f"{response_format.type!r}", param="response_format.type", code="invalid_value")
+
+
+def _structured_outputs_schema(options: StructuredOutputs | None) -> dict[str, Any] | bool | str | None:
+    if options is None:
+        return None
+    others = sorted(k for k, v in (options.model_extra or {}).items() if v is not None)
+    if others:
+        raise APIError(400, f"structured_outputs supports only json, not {', '.join(others)}",
+                       param="structured_outputs", code="unsupported_value")
+    return options.json_
 
 
 def _token_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

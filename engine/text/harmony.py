@@ -55,20 +55,12 @@ class HarmonyParser:
     def _marker(self, marker: str) -> None:
         if marker == _MESSAGE:
             self._in_body = True
-            self._channel = self._channel_of(self._header)
+            self._channel = channel_of(self._header)
         elif marker in (_START, _END, _RETURN, _CALL):
             self._in_body = False
             self._header, self._channel = "", None
         elif not self._in_body:  # <|channel|> / <|constrain|> inside a header
             self._header += marker
-
-    @staticmethod
-    def _channel_of(header: str) -> str | None:
-        _, found, rest = header.partition(_CHANNEL)
-        if not found:
-            return None
-        words = rest.split(_CONSTRAIN)[0].split()
-        return words[0] if words else None
 
     def _text(self, text: str, delta: ReasoningDelta) -> None:
         if not text:
@@ -79,6 +71,15 @@ class HarmonyParser:
             delta.reasoning += text
         else:
             delta.content += text
+
+
+def channel_of(header: str) -> str | None:
+    """The channel a message header names (``<|channel|>final <|constrain|>json`` -> "final"), or None."""
+    _, found, rest = header.partition(_CHANNEL)
+    if not found:
+        return None
+    words = rest.split(_CONSTRAIN)[0].split()
+    return words[0] if words else None
 
 
 def parse_harmony(text: str) -> ReasoningDelta:

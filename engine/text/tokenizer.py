@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as _RustTokenizer
 
@@ -22,6 +22,10 @@ from hearth.engine.text import dsv32_encoding
 from hearth.engine.text.chat_template import render_chat_template, text_parts
 from hearth.engine.text.prompt_tokens import PromptTokens
 from hearth.engine.text.reasoning import THINK_END, THINK_START
+
+if TYPE_CHECKING:
+    from hearth.engine.structured.masks import TokenIndex
+    from hearth.engine.structured.vocabulary import Vocabulary
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _BUILTIN_ENCODERS = ("deepseek_v32",)
@@ -130,6 +134,7 @@ class Tokenizer:
         self._add_bos = config.get("add_bos_token")
         self._add_eos = config.get("add_eos_token")
         self._eos_ids = self._collect_eos(generation_config or {})
+        self._token_indexes: dict[int, TokenIndex] = {}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, model_type: str | None = None) -> Tokenizer:
@@ -149,6 +154,23 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added/special tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_index(self, width: int) -> TokenIndex:
+        """The structured-output masks' index of this vocabulary for logits ``width`` wide
+        (``hearth.engine.structured.masks``), built on first use (a second or so for 150K tokens)."""
+        # NOTE: imported here: the index needs torch, which the tokenizer's other users do not load.
+        from hearth.engine.structured.masks import TokenIndex
+
+        index = self._token_indexes.get(width)
+        if index is None:
+            index = self._token_indexes[width] = TokenIndex(self._vocabulary, width)
+        return index
+
+    @cached_property
+    def _vocabulary(self) -> Vocabulary:
+        from hearth.engine.structured.vocabulary import read_vocabulary
+
+        return read_vocabulary(self._backend)
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)

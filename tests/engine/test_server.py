@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from hearth.engine.structured.grammar import Grammar
 from hearth.engine.testing.tiny import write_tiny_model
 from hearth.engine.text.tokenizer import Tokenizer
 from tests.engine.test_server_support import ServerProcess, start_server, wait_until
@@ -208,16 +209,53 @@ def test_top_k_minus_one_is_off(client, greedy_text):
     assert result.choices[0].message.content == greedy_text
 
 
-def test_response_format_text_is_served_and_json_is_refused(client, greedy_text):
+def _no_whitespace(model_path) -> dict[str, int]:
+    """logit_bias that all but bans whitespace tokens (the random model's greedy choice is often a space,
+    which would fill its JSON answers with bounded runs of them)."""
+    tokenizer = Tokenizer.from_pretrained(model_path)
+    return {str(i): -100 for i in range(tokenizer.vocab_size) if not tokenizer.decode([i]).strip()
+            and tokenizer.decode([i])}
+
+
+def test_response_format_json_schema_and_json_object_are_held(client, greedy_text, model_path):
     result = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=24, temperature=0,
                                             response_format={"type": "text"})
     assert result.choices[0].message.content == greedy_text
-    schema = {"name": "answer", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}
-    for response_format in ({"type": "json_object"}, {"type": "json_schema", "json_schema": schema}):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rooms": {"type": "integer", "minimum": 1, "maximum": 9},
+                                               "cosy": {"type": "boolean"}},
+              "required": ["city", "rooms", "cosy"], "additionalProperties": False}
+    house = {"name": "house", "schema": schema, "strict": True}
+    ask = {"model": "tiny-v32", "messages": MESSAGES, "max_tokens": 200, "temperature": 0,
+           "logit_bias": _no_whitespace(model_path), "response_format": {"type": "json_schema", "json_schema": house}}
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "stop"
+    value = json.loads(choice.message.content)
+    assert list(value) == ["city", "rooms", "cosy"] and isinstance(value["city"], str) and len(value["city"]) <= 10
+    assert type(value["rooms"]) is int and 1 <= value["rooms"] <= 9 and type(value["cosy"]) is bool
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    # json_object: any object (the random model's strings run long: 30 tokens of one, held to the grammar)
+    anything = client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=30, temperature=1.0,
+                                              seed=4, response_format={"type": "json_object"})
+    grammar = Grammar.from_schema({"type": "object"})
+    text = anything.choices[0].message.content
+    assert text.lstrip().startswith("{") and grammar.advance_bytes(grammar.initial, text.encode()) is not None
+
+
+def test_schemas_that_cannot_be_enforced_are_400(client):
+    for schema, named in (({"type": "string", "pattern": "^[a-z]+$"}, "'pattern'"),
+                          ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}},
+                           "'multipleOf'")):
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2,
-                                           response_format=response_format)
-        assert err.value.param == "response_format" and "not supported yet" in err.value.body["message"]
+            client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert err.value.param == "response_format" and named in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-v32", messages=MESSAGES, max_tokens=2,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert err.value.param == "response_format.json_schema"
 
 
 def test_logit_bias_forces_a_token_greedy_sampled_and_streamed(client, model_path):

@@ -3,6 +3,7 @@ bounded polling), and unit tests of the wire-format pieces that need no server."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -159,12 +160,24 @@ def test_top_k_minus_one_is_off_and_logit_bias_keys_become_ids():
     assert err.value.param == "logit_bias"
 
 
-def test_response_format_text_only():
-    assert sampling_fields(_chat(response_format={"type": "text"}))["temperature"] is None
-    for kind, param in (("json_object", "response_format"), ("json_schema", "response_format"),
-                        ("yaml", "response_format.type")):
+def test_response_format_becomes_the_json_schema():
+    assert sampling_fields(_chat(response_format={"type": "text"}))["json_schema"] is None
+    assert sampling_fields(_chat())["json_schema"] is None
+    assert json.loads(sampling_fields(_chat(response_format={"type": "json_object"}))["json_schema"]) == {
+        "type": "object"}
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
+    given = sampling_fields(_chat(response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "x", "schema": schema, "strict": True}}))
+    assert given["json_schema"] == json.dumps(schema)  # properties keep their order: the answer's order
+    assert json.loads(sampling_fields(_chat(guided_json={"type": "integer"}))["json_schema"]) == {"type": "integer"}
+    vllm = sampling_fields(_chat(structured_outputs={"json": {"type": "null"}}))
+    assert json.loads(vllm["json_schema"]) == {"type": "null"}
+    for fields, param in (({"response_format": {"type": "yaml"}}, "response_format.type"),
+                          ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+                          ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
+                          ({"structured_outputs": {"regex": "a+"}}, "structured_outputs")):
         with pytest.raises(APIError) as err:
-            sampling_fields(_chat(response_format={"type": kind, "json_schema": {"name": "x", "schema": {}}}))
+            sampling_fields(_chat(**fields))
         assert err.value.status == 400 and err.value.param == param
 
 
