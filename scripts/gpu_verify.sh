@@ -76,7 +76,8 @@ for step in "${steps[@]}"; do
             tests/engine/test_tiers_graph_step.py tests/engine/test_prefix_store.py tests/engine/test_runner.py \
             tests/engine/test_dsa_kernels_engine.py tests/engine/test_conformance.py tests/engine/test_warm_up.py \
             tests/engine/test_tiers_pieces.py tests/engine/test_mli.py tests/engine/test_tier_cache.py \
-            tests/engine/test_tiers_kernels_engine.py tests/engine/test_sampling.py ;;
+            tests/engine/test_tiers_kernels_engine.py tests/engine/test_sampling.py \
+            tests/engine/test_structured_engine.py tests/engine/test_structured_masks.py ;;
     e2e)
         wait  # the checkpoints
         E=(python3 bench/bench_e2e.py --logs "$OUT/l" --reps 2 --decode-tokens 128)  # TTFT: the median of 2
