@@ -27,6 +27,7 @@ from typing import Any
 
 from hearth.engine.structured import numbers
 from hearth.engine.structured.nodes import AnyOfNode, ArrayNode, LiteralNode, Node, NumberNode, ObjectNode, StringNode
+from hearth.engine.structured.patterned import CLOSE, PatternedString
 from hearth.engine.structured.schema import compile_nodes
 
 MAX_NEWLINES = 2
@@ -36,8 +37,9 @@ _MEMO_LIMIT = 1 << 19  # remembered transitions before the memo starts over
 # Frame kinds: (WS, newlines, spaces) / (VAL, node) / (OBJ, node, next property, phase) /
 # (KEY, node, candidate properties, position) / (XKEY, node, name prefix or None, utf8) /
 # (ARR, node, items so far, phase) / (STR, node, characters so far, mode, aux) / (LIT, texts, position) /
-# (NUM, node, *numbers.Number).
-WS, VAL, OBJ, KEY, XKEY, ARR, STR, LIT, NUM = range(9)
+# (NUM, node, *numbers.Number) / (PSTR, node, count, DFA state, mode, aux): a string with a pattern
+# (``hearth.engine.structured.patterned``).
+WS, VAL, OBJ, KEY, XKEY, ARR, STR, LIT, NUM, PSTR = range(10)
 OPEN, NEXT, AFTER = range(3)  # object / array phases: after the bracket, after a comma, after a value
 # String modes: plain, after a backslash, in \uXXXX (aux: (digits, surrogate flag)), inside a UTF-8
 # character (aux: (bytes still needed, lowest, highest next byte)), expecting the "\" or the "u" of the
@@ -81,9 +83,12 @@ class Grammar:
         self._last_required: dict[int, int] = {}
         self._name_prefixes: dict[int, frozenset[bytes]] = {}
         self._names: dict[int, frozenset[bytes]] = {}
+        self._patterned: dict[int, PatternedString] = {}
         for i, node in enumerate(nodes):
             if isinstance(node, ObjectNode):
                 self._index_object(i, node)
+            elif isinstance(node, StringNode) and node.pattern is not None:
+                self._patterned[i] = PatternedString(node.pattern, node.min_length, node.max_length)
 
     @classmethod
     def from_schema(cls, schema: Any) -> Grammar:
@@ -145,6 +150,14 @@ class Grammar:
         assert isinstance(node, StringNode)
         return True, None if node.max_length is None else node.max_length - frame[2]
 
+    def pattern_position(self, config: Config) -> tuple[PatternedString, tuple[int, int]] | None:
+        """For a configuration inside a patterned string between characters: the string's
+        ``PatternedString`` and (DFA state, count) there; else None."""
+        frame = config[-1] if config else None
+        if frame is None or frame[0] != PSTR or frame[4] != PLAIN:
+            return None
+        return self._patterned[frame[1]], (frame[3], frame[2])
+
     def digit_room(self, config: Config) -> int | None:
         """How many more digits the configuration's number takes where a token of digits only just
         lengthens it (``numbers.digit_room``), or None."""
@@ -185,6 +198,12 @@ class Grammar:
         kind = frame[0]
         if kind == STR:
             self._string(rest, frame, byte, out)
+        elif kind == PSTR:
+            body = self._patterned[frame[1]].step(frame[2:], byte)  # type: ignore[arg-type]
+            if body == CLOSE:
+                out.add(rest)
+            elif body is not None:
+                out.add(rest + ((PSTR, frame[1], *body),))
         elif kind == WS:
             if byte == 0x20 or byte == 0x09:
                 if frame[2] < MAX_SPACES:
@@ -213,7 +232,8 @@ class Grammar:
         node = self.nodes[index]
         if isinstance(node, StringNode):
             if byte == 0x22:
-                out.add(rest + ((STR, index, 0, PLAIN, 0),))
+                patterned = self._patterned.get(index)
+                out.add(rest + ((STR, index, 0, PLAIN, 0) if patterned is None else (PSTR, index, *patterned.start()),))
         elif isinstance(node, ObjectNode):
             if byte == 0x7B:
                 out.add(rest + ((OBJ, index, 0, OPEN), _WS0))

@@ -13,6 +13,10 @@ tokenizer and logits width, built once) answers that without reading every token
   byte: most of a vocabulary) is always allowed and only lengthens the string, so those come from a
   mask built once (limited to the tokens short enough under ``maxLength``), and the walk reads only the
   other tokens. Likewise tokens of digits only inside a number (when its bounds no longer matter).
+- Inside a string held to a ``pattern`` a plain token is allowed when the pattern's DFA reads its
+  characters, and the DFA sees only their classes: spelled as class ids, the vocabulary's plain tokens
+  collapse to far fewer sorted keys ("hello" and "world" are one key for ``^\\S+@``), walked like the
+  tokens themselves (one index per pattern, built on first use).
 - A state is a set of configurations and a token is allowed when one of them takes it, so masks are
   cached per configuration (with its grammar) in a least-recently-used cache bounded in bytes, and a
   state's mask is the union of its configurations'.
@@ -27,9 +31,12 @@ from collections import OrderedDict
 import torch
 
 from hearth.engine.structured.grammar import Config, Grammar, State
+from hearth.engine.structured.patterned import PatternedString
+from hearth.engine.structured.regex import Regex
 from hearth.engine.structured.vocabulary import Vocabulary
 
 DEFAULT_CACHE_BYTES = 128 << 20
+_PATTERNS_KEPT = 16
 
 
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
@@ -70,8 +77,9 @@ class SortedTokens:
         self.keys = keys
         self.ids = ids
 
-    def walk(self, grammar: Grammar, state: State) -> list[int]:
-        """The ids of the tokens ``grammar`` reads whole from ``state``."""
+    def walk(self, grammar: Grammar | PatternedString, state: State | tuple[int, int]) -> list[int]:
+        """The ids of the tokens ``grammar`` reads whole from ``state`` (a ``PatternedString`` reads keys
+        of class ids from a (DFA state, count))."""
         advance = grammar.advance
         keys, n = self.keys, len(self.keys)
         allowed: list[int] = []
@@ -84,7 +92,7 @@ class SortedTokens:
             depth = _common_prefix(previous, key, len(states) - 1)
             previous = key
             del states[depth + 1:]
-            current: State | None = states[depth]
+            current: State | tuple[int, int] | None = states[depth]
             end = len(key)
             while depth < end:
                 current = advance(current, key[depth])  # type: ignore[arg-type]
@@ -133,6 +141,9 @@ class TokenIndex:
                                        [i for i, c in zip(ids, chars) if c < 0])
         self._not_digits = SortedTokens([k for k, d in zip(keys, digits) if d < 0],
                                         [i for i, d in zip(ids, digits) if d < 0])
+        self._plain_texts = [(k.decode("utf-8"), i) for k, i, c in zip(keys, ids, chars) if c >= 0]
+        self._seen_chars: set[str] | None = None
+        self._by_class: OrderedDict[Regex, SortedTokens | None] = OrderedDict()
         self._cache: OrderedDict[tuple[Grammar, Config], torch.Tensor] = OrderedDict()
         self._cache_limit = max(1, cache_bytes // max(1, width))
 
@@ -160,6 +171,26 @@ class TokenIndex:
             union |= other
         return union
 
+    def _class_keys(self, regex: Regex) -> SortedTokens | None:
+        """The plain tokens spelled as the DFA's class ids, one byte each (None past 255 classes)."""
+        if regex in self._by_class:
+            self._by_class.move_to_end(regex)
+            return self._by_class[regex]
+        keys = None
+        if len(regex.starts) < 256:
+            if self._seen_chars is None:
+                self._seen_chars = {ch for text, _ in self._plain_texts for ch in text}
+            table = {ord(ch): chr(regex.char_class(ord(ch))) for ch in self._seen_chars}
+            grouped: dict[bytes, list[int]] = {}
+            for text, ids in self._plain_texts:
+                grouped.setdefault(text.translate(table).encode("latin-1"), []).extend(ids)
+            ordered = sorted(grouped)
+            keys = SortedTokens(ordered, [grouped[k] for k in ordered])
+        self._by_class[regex] = keys
+        if len(self._by_class) > _PATTERNS_KEPT:
+            self._by_class.popitem(last=False)
+        return keys
+
     def _config_mask(self, grammar: Grammar, config: Config) -> torch.Tensor:
         key = (grammar, config)
         cached = self._cache.get(key)
@@ -169,7 +200,12 @@ class TokenIndex:
         in_string, room = grammar.string_room(config)
         digit_room = grammar.digit_room(config)
         single = frozenset((config,))
-        if in_string:
+        patterned = grammar.pattern_position(config)
+        by_class = self._class_keys(patterned[0].regex) if patterned is not None else None
+        if patterned is not None and by_class is not None:
+            mask = torch.zeros(self.width, dtype=torch.bool)
+            walked = by_class.walk(patterned[0], patterned[1]) + self._not_plain.walk(grammar, single)
+        elif in_string:
             mask = self._plain.clone() if room is None else self._plain & (self._plain_chars <= room)
             walked = self._not_plain.walk(grammar, single)
         elif digit_room is not None:

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from hearth.engine.structured.patterned import PatternedString
+from hearth.engine.structured.regex import Regex
+
 MAX_INT_DIGITS = 20
 MAX_FRACTION_DIGITS = 20
 
@@ -40,8 +43,11 @@ class ArrayNode:
 
 @dataclass(frozen=True)
 class StringNode:
+    """pattern: the DFA the decoded value must match (``pattern`` and enforced ``format``s), or None."""
+
     min_length: int
     max_length: int | None
+    pattern: Regex | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,8 @@ def satisfiable(nodes: list[Node]) -> list[bool]:
 
 def _holds(node: Node, sat: list[bool]) -> bool:
     if isinstance(node, StringNode):
+        if node.pattern is not None:
+            return _matches_some_length(node)
         return node.max_length is None or node.min_length <= node.max_length
     if isinstance(node, NumberNode):
         step = Fraction(1) if node.integer else Fraction(1, 10 ** MAX_FRACTION_DIGITS)
@@ -110,6 +118,11 @@ def _holds(node: Node, sat: list[bool]) -> bool:
         fits = node.max_items is None or node.min_items <= node.max_items
         return fits and all(sat[i] for i in needed) and (not beyond or (node.items is not None and sat[node.items]))
     return False
+
+
+def _matches_some_length(node: StringNode) -> bool:
+    assert node.pattern is not None
+    return PatternedString(node.pattern, node.min_length, node.max_length).fits(0, 0)
 
 
 def pruned(node: Node, sat: list[bool]) -> Node:

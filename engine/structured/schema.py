@@ -11,13 +11,16 @@ absent it is false if ``properties`` are given, as in OpenAI's strict mode and v
 ``items`` / ``prefixItems`` (and the older array form of ``items``), ``minItems`` / ``maxItems``, ``enum``,
 ``const``, ``anyOf``, ``oneOf`` (as ``anyOf``: alternatives that overlap may match together), ``allOf`` with
 one member, local ``$ref`` (``#``, ``#/$defs/...``, ``#/definitions/...`` or any JSON pointer into the
-document), ``minLength`` / ``maxLength``, ``minimum`` / ``maximum`` / ``exclusiveMinimum`` /
-``exclusiveMaximum``, ``uniqueItems: false``.
-Accepted as annotations (JSON Schema 2020-12 makes ``format`` one): ``format`` (any string), ``title``,
+document), ``minLength`` / ``maxLength``, ``pattern`` (ECMA-262, unanchored as JSON Schema says, on the
+decoded value; the subset and what is refused: ``hearth.engine.structured.regex``), ``format`` for
+``date``, ``time``, ``date-time``, ``uuid``, ``ipv4`` and ``email`` (as the patterns ``FORMAT_PATTERNS``:
+RFC 3339 without the days-per-month rule, a practical email), ``minimum`` / ``maximum`` /
+``exclusiveMinimum`` / ``exclusiveMaximum``, ``uniqueItems: false``.
+Accepted as annotations (JSON Schema 2020-12 makes ``format`` one): other ``format``s, ``title``,
 ``description``, ``default``, ``examples``, ``$comment``, ``$schema``, ``$id``, ``$anchor``, ``deprecated``,
 ``readOnly``, ``writeOnly``, ``contentEncoding``, ``contentMediaType``; keywords of no JSON Schema
 vocabulary are ignored, as the specification says.
-Refused: ``pattern``, ``patternProperties``, ``not``, ``if`` / ``then`` / ``else``, ``dependentRequired``,
+Refused: ``patternProperties``, ``not``, ``if`` / ``then`` / ``else``, ``dependentRequired``,
 ``dependentSchemas``, ``dependencies``, ``propertyNames``, ``minProperties``, ``maxProperties``,
 ``uniqueItems: true``, ``contains`` / ``minContains`` / ``maxContains``, ``unevaluatedProperties``,
 ``unevaluatedItems``, ``multipleOf``, ``$dynamicRef``, ``$recursiveRef``, ``contentSchema``, ``allOf``
@@ -31,6 +34,7 @@ a model cannot write digits forever; ``enum`` / ``const`` values are written as 
 
 from __future__ import annotations
 
+import functools
 import json
 from fractions import Fraction
 from typing import Any
@@ -49,19 +53,34 @@ from hearth.engine.structured.nodes import (
     pruned,
     satisfiable,
 )
+from hearth.engine.structured.regex import PatternError, Regex, compile_pattern, intersection
 
 _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "deprecated",
     "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "format", "$defs", "definitions",
 })
-_REFUSED = ("pattern", "patternProperties", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+_REFUSED = ("patternProperties", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
             "dependencies", "propertyNames", "minProperties", "maxProperties", "contains", "minContains",
             "maxContains", "unevaluatedProperties", "unevaluatedItems", "multipleOf", "$dynamicRef",
             "$recursiveRef", "contentSchema")
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _OBJECT_KEYS = ("properties", "required", "additionalProperties")
 _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems")
-_STRING_KEYS = ("minLength", "maxLength")
+_STRING_KEYS = ("minLength", "maxLength", "pattern")
+_DATE = r"\d{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])"
+_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:(?:[0-5]\d|60)(?:\.\d+)?(?:[Zz]|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+# The formats enforced, as patterns: RFC 3339's full-date (days up to 31 in any month), full-time and
+# date-time, RFC 4122's uuid (any version), dotted-quad IPv4, and a practical email (local part of
+# letters, digits and ._%+-, a dotted domain ending in two letters or more; no quoted local parts).
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}[Tt]{_TIME}$",
+    "uuid": r"^[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}$",
+    "ipv4": f"^(?:{_OCTET}\\.){{3}}{_OCTET}$",
+    "email": r"^[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}$",
+}
 _NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -166,7 +185,9 @@ class _Compiler:
             enum = schema["enum"] if isinstance(schema["enum"], list) else []
             values = [v for v in values if any(_same_json(v, e) for e in enum)]
         rest = {k: v for k, v in schema.items() if k not in ("enum", "const") and k not in _ANNOTATIONS}
-        kept = [v for v in values if _conforms(v, rest, where)]
+        pattern = _string_pattern(schema, where)
+        kept = [v for v in values if _conforms(v, rest, where) and (
+            pattern is None or not isinstance(v, str) or pattern.matches(v))]
         if schema.get("nullable") is True and not any(v is None for v in kept):
             kept.append(None)
         try:
@@ -193,7 +214,7 @@ class _Compiler:
             return self._array(schema, where)
         if kind == "string":
             lo, hi = _count(schema, "minLength", where), _count(schema, "maxLength", where)
-            return self.add(StringNode(lo or 0, hi))
+            return self.add(StringNode(lo or 0, hi, _string_pattern(schema, where)))
         if kind in ("number", "integer"):
             return self.add(_number(schema, kind == "integer", where))
         return self.add(LiteralNode((b"true", b"false") if kind == "boolean" else (b"null",)))
@@ -263,6 +284,33 @@ def _count(schema: dict[str, Any], key: str, where: str) -> int | None:
     return int(value)
 
 
+@functools.lru_cache(maxsize=64)
+def _compiled(source: str) -> Regex:
+    return compile_pattern(source)
+
+
+def _string_pattern(schema: dict[str, Any], where: str) -> Regex | None:
+    """The DFA of the string's ``pattern`` and enforced ``format`` together, or None."""
+    found: list[Regex] = []
+    pattern = schema.get("pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise SchemaError(f"{where}: 'pattern' must be a string")
+        try:
+            found.append(_compiled(pattern))
+        except PatternError as err:
+            raise SchemaError(f"{where}: the keyword 'pattern': {err}") from None
+    form = schema.get("format")
+    if isinstance(form, str) and form in FORMAT_PATTERNS:
+        found.append(_compiled(FORMAT_PATTERNS[form]))
+    if len(found) == 2:
+        try:
+            return intersection(*found)
+        except PatternError as err:
+            raise SchemaError(f"{where}: the keywords 'pattern' and 'format': {err}") from None
+    return found[0] if found else None
+
+
 def _bound(schema: dict[str, Any], key: str, where: str) -> Fraction | None:
     value = schema.get(key)
     if value is None or (isinstance(value, bool) and key.startswith("exclusive")):
@@ -314,7 +362,7 @@ def _conforms(value: Any, schema: dict[str, Any], where: str) -> bool:
             raise SchemaError(f"{where}: 'type' must be one of {', '.join(_TYPES)} or a list of them")
         if not any(_is_type(value, t) for t in types):
             return False
-    if isinstance(value, str):
+    if isinstance(value, str):  # (the caller checks 'pattern')
         lo, hi = _count(schema, "minLength", where), _count(schema, "maxLength", where)
         return (lo is None or len(value) >= lo) and (hi is None or len(value) <= hi)
     if isinstance(value, int | float) and not isinstance(value, bool):

@@ -1,10 +1,15 @@
 """A small JSON Schema checker for the structured-output tests, written from the specification for the
 keywords Hearth enforces (jsonschema is not a test dependency). ``problems(value, schema)`` lists
 where ``value`` breaks ``schema``; empty when it conforms. ``oneOf`` is checked as Hearth enforces it
-(as ``anyOf``); an object schema with ``properties`` and no ``additionalProperties`` allows none."""
+(as ``anyOf``); an object schema with ``properties`` and no ``additionalProperties`` allows none.
+``pattern`` is checked with Python's ``re.search`` (ASCII classes, ``$`` only at the very end, as ECMA's),
+the enforced ``format``s with the standard library's parsers where they agree with the formats' rules."""
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import uuid
 from typing import Any
 
 
@@ -47,12 +52,63 @@ def problems(value: Any, schema: Any, root: Any = None, where: str = "$") -> lis
     elif isinstance(value, str):
         if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", len(value)):
             found.append(f"{where}: length {len(value)} is outside the bounds")
+        if "pattern" in schema and not re.search(python_pattern(schema["pattern"]), value, re.ASCII):
+            found.append(f"{where}: {value!r} does not match {schema['pattern']!r}")
+        if not _has_format(value, schema.get("format")):
+            found.append(f"{where}: {value!r} is no {schema['format']}")
     elif isinstance(value, int | float) and not isinstance(value, bool):
         for key, ok in (("minimum", lambda b: value >= b), ("maximum", lambda b: value <= b),
                         ("exclusiveMinimum", lambda b: value > b), ("exclusiveMaximum", lambda b: value < b)):
             if key in schema and not ok(schema[key]):
                 found.append(f"{where}: {value} breaks {key} {schema[key]}")
     return found
+
+
+def python_pattern(pattern: str) -> str:
+    """An ECMA-262 pattern of the tests' kind for Python's ``re``: a final ``$`` is the very end (Python's
+    also matches before a final newline)."""
+    return pattern[:-1] + r"\Z" if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+
+
+_DATE = r"(\d{4})-(\d\d)-(\d\d)"
+_TIME = r"(\d\d):(\d\d):(\d\d)(\.\d+)?([Zz]|[+-](\d\d):(\d\d))"
+
+
+def _has_format(value: str, form: Any) -> bool:
+    if form == "date":
+        return _date(re.fullmatch(_DATE, value, re.ASCII))
+    if form == "time":
+        return _time(re.fullmatch(_TIME, value, re.ASCII))
+    if form == "date-time":
+        date, sep, time = value[:10], value[10:11], value[11:]
+        return sep in ("T", "t") and _date(re.fullmatch(_DATE, date, re.ASCII)) and \
+            _time(re.fullmatch(_TIME, time, re.ASCII))
+    if form == "uuid":
+        return len(value) == 36 and value.count("-") == 4 and _parses(uuid.UUID, value)
+    if form == "ipv4":
+        return _parses(ipaddress.IPv4Address, value)
+    if form == "email":
+        local, at, domain = value.rpartition("@")
+        return bool(at and local and "." in domain and domain.rsplit(".", 1)[1].isalpha() and value.isascii()
+                    and " " not in value and len(domain.rsplit(".", 1)[1]) >= 2 and "@" not in local)
+    return True  # (an annotation)
+
+
+def _date(m: re.Match[str] | None) -> bool:
+    return m is not None and 1 <= int(m[2]) <= 12 and 1 <= int(m[3]) <= 31
+
+
+def _time(m: re.Match[str] | None) -> bool:
+    return m is not None and int(m[1]) < 24 and int(m[2]) < 60 and int(m[3]) <= 60 and \
+        (m[6] is None or (int(m[6]) < 24 and int(m[7]) < 60))
+
+
+def _parses(kind: Any, value: str) -> bool:
+    try:
+        kind(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _object(value: dict, schema: dict, root: Any, where: str) -> list[str]:

@@ -1,11 +1,12 @@
 """Structured output through the Engine on the tiny random DeepSeek-V3.2: answers parse and conform
 (greedy and seeded sampling, sync and runahead schedulers, beside unconstrained requests), end with
 "stop" as soon as the JSON is whole, never fly in overlapped decode, and leave a thinking model's
-reasoning free."""
+reasoning free; strings held to a pattern or format match it."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -140,3 +141,29 @@ def test_thinking_is_free_and_the_answer_after_it_is_json(model_dir, greedy):
     assert forced.reason == "stop" and forced.text.startswith("</think>")
     split = split_reasoning(ThinkParser(in_reasoning=True), forced.text)
     assert split.reasoning == "" and problems(json.loads(split.content), SCHEMA) == []
+
+
+PATTERNED = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": r"^[A-Z]{3}-\d{4}$"},
+    "mail": {"type": "string", "format": "email", "maxLength": 24},
+    "note": {"type": "string", "pattern": "o[kK]", "maxLength": 10}},
+    "required": ["code", "mail", "note"]}
+
+
+def test_patterned_strings_match_and_backreferences_are_refused(model_dir, greedy):
+    engine = _engine(model_dir)
+    answers = _run(engine, [
+        (PROMPT, SamplingParams(temperature=0, max_tokens=300, json_schema=PATTERNED, logit_bias=greedy.logit_bias)),
+        (PROMPT[:13], SamplingParams(temperature=1.0, seed=3, max_tokens=300, json_schema=PATTERNED))])
+    for _, finished in answers:
+        _conforming(finished, PATTERNED)
+        value = json.loads(finished.text)
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", value["code"]), value
+        assert re.fullmatch(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}", value["mail"]), value
+        assert re.search("o[kK]", value["note"]) and len(value["note"]) <= 10, value
+    for pattern, named in ((r"^(a)\1$", "backreference"), ("a(?=b)", "lookahead")):
+        with pytest.raises(RequestError) as err:
+            engine.add_request(prompt_token_ids=PROMPT, sampling=SamplingParams(
+                json_schema={"type": "string", "pattern": pattern}))
+        assert err.value.param == "response_format" and "'pattern'" in str(err.value) and named in str(err.value)
+    assert not engine.has_unfinished()

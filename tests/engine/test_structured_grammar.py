@@ -59,7 +59,11 @@ PERSON = {"type": "object",
     ({"oneOf": [{"type": "boolean"}, {"type": "null"}]}, ["true", "null"], ["0"]),
     ({"allOf": [{"type": "integer", "minimum": 2}]}, ["2"], ["1"]),
     ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"abc"', '"é😀"'], ['"a"', '"abcd"']),
-    ({"type": "string", "format": "date"}, ['"not a date"'], ["1"]),
+    ({"type": "string", "format": "date"}, ['"2024-02-29"'], ['"not a date"', '"2024-13-01"', "1"]),
+    ({"type": "string", "format": "color"}, ['"not a color"'], ["1"]),  # (an annotation)
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, ['"abc"', '"a\\u0062"'], ['"abcd"', '""', '"aB"']),
+    ({"pattern": "x"}, ['"axb"', '"x"'], ['"ab"', "1"]),  # (a pattern makes the type string)
+    ({"enum": ["a1", "b2", "cc"], "pattern": "\\d"}, ['"a1"', '"b2"'], ['"cc"']),
 ])
 def test_keywords_allow_and_refuse(schema, good, bad):
     for text in good:
@@ -190,7 +194,10 @@ def test_completeness_and_terminal_states():
 
 
 @pytest.mark.parametrize("schema, keyword", [
-    ({"type": "string", "pattern": "^a+$"}, "pattern"),
+    ({"type": "string", "pattern": "^(a)\\1$"}, "backreference"),
+    ({"type": "string", "pattern": "^a(?=b)"}, "lookahead"),
+    ({"type": "string", "pattern": "^a[b"}, "pattern"),
+    ({"type": "string", "pattern": "^a$", "minLength": 2}, "no JSON value"),
     ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties"),
     ({"not": {"type": "string"}}, "not"),
     ({"if": {"type": "string"}, "then": {"minLength": 1}}, "if"),
@@ -230,6 +237,9 @@ RANDOM_SCHEMAS = [
     {"type": "object"},
     {"type": "array", "prefixItems": [{"type": "number"}, {"enum": ["a", "b", None]}],
      "items": {"type": "string", "maxLength": 3}, "minItems": 1, "maxItems": 4},
+    {"type": "array", "items": {"anyOf": [{"type": "string", "pattern": "^[a-f]\\d?(?:x|\\\\)*$", "maxLength": 5},
+                                          {"type": "string", "pattern": "^[\u00e9n\\\\]?\\w*$", "minLength": 2},
+                                          {"type": "string", "format": "date"}]}},
     {"type": "object", "properties": {
         "score": {"type": "number", "minimum": -2.5, "exclusiveMaximum": 10},
         "n": {"type": "integer", "minimum": 5, "maximum": 1234},
