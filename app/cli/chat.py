@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from hearth.app.cli.common import (
     Answer,
     add_common_options,
-    api_key_of,
+    backend_key_of,
     backend_of,
     chat_options,
     consume,
@@ -89,7 +89,7 @@ class ChatSession:
     def open(cls, args: argparse.Namespace, settings: Settings, err: TextIO) -> ChatSession:
         url = backend_of(args, settings)
         if url:
-            client = ChatClient(url, api_key_of(args))
+            client = ChatClient(url, backend_key_of(args, settings, url))
             return cls(client, args.model or _first_model(client))
         model = resolve_model(args.model, settings, on_missing=download_missing(args, settings))
         note_context_cap(model.path, args, err)

@@ -126,6 +126,13 @@ def api_key_of(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
+def backend_key_of(args: argparse.Namespace, settings: Settings, url: str) -> str | None:
+    """The key for remote backend ``url``: --api-key, else $HEARTH_API_KEY, else the key stored with the
+    settings (the app's Settings > backend API key), but only for the settings' own ``backend_url``, so a
+    ``--backend`` naming another server never receives it."""
+    return api_key_of(args) or (settings.backend_api_key if url == settings.backend_url else None)
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     """The folder to load, and the name people know it by: the installed name or repo id given (or

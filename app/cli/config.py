@@ -3,7 +3,9 @@
     hearth --cli config list [--json]      every setting, and where the Hub ones come from
     hearth --cli config get KEY            one value (null = unset)
     hearth --cli config set KEY VALUE      validated; true/false, numbers, null to unset (a default_model
-                                           that is not installed is kept, with a warning)
+                                           that is not installed is kept, with a warning; an hf_cache_dir
+                                           must be a folder Hearth can write to, as in the app's Settings,
+                                           and is created)
     hearth --cli config unset KEY          back to the default
     hearth --cli config path               where the file is
 """
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from hearth.app.cli.common import add_debug_option, print_json, resolve_model_path
@@ -21,6 +24,7 @@ from hearth.app.paths import settings_path
 from hearth.app.store.settings import (
     Settings,
     SettingsError,
+    folder_problem,
     load_settings,
     parse_setting,
     save_settings,
@@ -65,11 +69,25 @@ def cmd_config(args: argparse.Namespace) -> int:
         default = Settings().to_json()[args.key]
         value = parse_setting(args.key, args.value) if args.action == "set" else default
         settings = settings.replace(**{args.key: value})  # validates: SettingsError is one line
+        if args.key == "hf_cache_dir" and settings.hf_cache_dir is not None:
+            _prepare_models_folder(settings.hf_cache_dir)
         save_settings(settings)
         print(f"{args.key} = {_shown(settings.to_json()[args.key])}")
         if args.key == "default_model" and settings.default_model:
             _warn_if_not_installed(settings)
     return 0
+
+
+def _prepare_models_folder(folder: str) -> None:
+    """The Settings tab's check (``folder_problem``), then the folder made, so downloads and the disk
+    check find it; nothing is saved when either fails."""
+    problem = folder_problem(folder)
+    if problem:
+        raise SettingsError(f"hf_cache_dir not changed: {problem}")
+    try:
+        Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SettingsError(f"hf_cache_dir not changed: cannot create {folder} ({exc.strerror or exc})") from None
 
 
 def _warn_if_not_installed(settings: Settings) -> None:

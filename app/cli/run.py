@@ -21,7 +21,7 @@ from typing import TextIO
 from hearth.app.cli.common import (
     Answer,
     add_common_options,
-    api_key_of,
+    backend_key_of,
     backend_of,
     chat_options,
     consume,
@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     thoughts = None if args.json else thoughts_stream(args, sys.stderr)
     backend = backend_of(args, settings)
     if backend:
-        model, answer = _run_remote(backend, args, messages, out, thoughts)
+        model, answer = _run_remote(backend, backend_key_of(args, settings, backend), args, messages, out, thoughts)
     else:
         model, answer = _run_local(args, settings, messages, out, thoughts)
     if args.json:
@@ -94,9 +94,9 @@ def _run_local(args: argparse.Namespace, settings: Settings, messages: list[dict
     return model.name, _consume_closing(chunks, out, thoughts)
 
 
-def _run_remote(url: str, args: argparse.Namespace, messages: list[dict[str, str]],
+def _run_remote(url: str, key: str | None, args: argparse.Namespace, messages: list[dict[str, str]],
                 out: TextIO | None, thoughts: TextIO | None) -> tuple[str, Answer]:
-    with ChatClient(url, api_key_of(args)) as client:
+    with ChatClient(url, key) as client:
         model = args.model or _first_model(client)
         chunks = client.stream_chat(model, messages, **sampling_options(args),
                                     chat_template_kwargs=chat_options(args) or None)

@@ -22,6 +22,7 @@ from hearth.app.cli.common import (
     add_debug_option,
     add_no_pull_option,
     api_key_of,
+    backend_key_of,
     download_missing,
     note_context_cap,
     print_json,
@@ -177,9 +178,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from hearth.app.client.local_engine import running_engines
     from hearth.app.client.openai_client import ChatClient
 
-    url = args.backend or load_settings().backend_url
+    settings = load_settings()
+    url = args.backend or settings.backend_url
     if url:
-        with ChatClient(url, api_key_of(args), timeout=10.0) as client:
+        with ChatClient(url, backend_key_of(args, settings, url), timeout=10.0) as client:
             stats = client.stats()
         if args.json:
             print_json(stats)

@@ -10,32 +10,50 @@ llama.cpp). Hearth-only endpoints degrade gracefully elsewhere: ``stats()`` retu
 
 Closing a ``stream_chat`` iterator early (``close()``, ``break`` in a ``with contextlib.closing``,
 or garbage collection) closes the HTTP stream, and the server aborts the request. Errors raise
-``ClientError`` carrying the server's message; a connection that drops mid-answer raises
-``EngineDiedError``.
+``ClientError`` carrying the server's message and a ``kind`` (``ErrorKind``: refused, DNS, TLS, timeout,
+API key, a path that is not an OpenAI API, an answer that is not JSON...); a connection that drops
+mid-answer raises ``EngineDiedError``.
+
+``probe_models(url, api_key)`` is the "test connection" of a remote backend: ``GET {root}/v1/models``
+with a short timeout, where the root is ``url`` without a trailing ``/v1`` (so ``http://host:8000``
+and ``http://host:8000/v1`` both ask ``http://host:8000/v1/models``), as every request here does.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
 from hearth.engine.api import HearthError
 
 DEFAULT_TIMEOUT_S = 600.0
+PROBE_TIMEOUT_S = 5.0  # a "test connection": a LAN or cloud server answers /v1/models well within it
 _CONNECT_TIMEOUT_S = 5.0
+
+# Why a request failed, for callers that say more than the message (the Settings tab's probe):
+# refused: nothing listens at the address; dns: the host name does not resolve; tls: the https
+# handshake failed (certificate, or a plain-http server); timeout: no answer in time; connect: another
+# connection failure; auth: 401/403 (the API key is missing or refused); not_found: 404; http: another
+# error status; not_json: a 2xx answer that is not JSON; not_openai: JSON without what the API returns.
+ErrorKind = Literal["refused", "dns", "tls", "timeout", "connect", "auth", "not_found", "http", "not_json",
+                    "not_openai"]
 
 
 class ClientError(HearthError):
-    """A request failed: the server said no (``status`` set) or could not be reached."""
+    """A request failed: the server said no (``status`` set) or could not be reached (``kind`` says why)."""
 
-    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, code: str | None = None,
+                 kind: ErrorKind | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.kind = kind
 
 
 class EngineDiedError(ClientError):
@@ -63,7 +81,7 @@ class ChatClient:
         self.api_key = api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base_url, headers=headers,
-                                  timeout=httpx.Timeout(timeout, connect=_CONNECT_TIMEOUT_S))
+                                  timeout=httpx.Timeout(timeout, connect=min(timeout, _CONNECT_TIMEOUT_S)))
 
     def close(self) -> None:
         self._http.close()
@@ -77,9 +95,22 @@ class ChatClient:
     # ---- OpenAI endpoints ------------------------------------------------------------------
 
     def models(self) -> list[str]:
-        """Ids of the models the server offers."""
-        data = self._json("GET", "/v1/models")
-        return [str(m["id"]) for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+        """Ids of the models the server offers. Raises ``ClientError`` when ``/v1/models`` is missing
+        (kind "not_found") or its answer is not an OpenAI model list ("not_json", "not_openai")."""
+        url = f"{self.base_url}/v1/models"
+        try:
+            data = self._json("GET", "/v1/models")
+        except ClientError as err:
+            if err.status == 404:
+                raise ClientError(f"{url} does not exist (HTTP 404): the address is not an OpenAI-compatible API; "
+                                  "give the API's base, such as http://host:8000/v1", 404, err.code,
+                                  "not_found") from None
+            raise
+        entries = data.get("data")
+        if not isinstance(entries, list):
+            raise ClientError(f"{url} answered JSON without a model list (no \"data\" array): the server is not "
+                              "OpenAI-compatible, or the address points at another API", kind="not_openai")
+        return [str(m["id"]) for m in entries if isinstance(m, dict) and "id" in m]
 
     def stream_chat(self, model: str, messages: Sequence[dict[str, Any]], *, conversation_id: str | None = None,
                     **sampling: Any) -> Iterator[ChatChunk]:
@@ -169,7 +200,10 @@ class ChatClient:
         try:
             data = response.json()
         except ValueError:
-            raise ClientError(f"{self.base_url}{path} answered with something that is not JSON") from None
+            content_type = response.headers.get("content-type", "").split(";")[0].strip() or "no content type"
+            raise ClientError(f"{self.base_url}{path} answered with something that is not JSON ({content_type}): is "
+                              "the address a web page or another kind of server rather than an OpenAI-compatible "
+                              "API?", kind="not_json") from None
         return data if isinstance(data, dict) else {"data": data}
 
     def _stream(self, body: dict[str, Any]) -> Iterator[ChatChunk]:
@@ -184,13 +218,50 @@ class ChatClient:
 
     def _transport_error(self, err: httpx.HTTPError, started: bool) -> ClientError:
         if isinstance(err, httpx.ConnectError):
-            return ClientError(f"cannot connect to {self.base_url} ({_reason(err)}); is the server running?")
+            return _connect_error(self.base_url, err)
         if isinstance(err, httpx.TimeoutException):
-            return ClientError(f"{self.base_url} did not answer in time ({type(err).__name__})")
+            return ClientError(f"{self.base_url} did not answer in time ({type(err).__name__}): the server may be "
+                               "busy, or a firewall drops the connection", kind="timeout")
         if started or isinstance(err, httpx.RemoteProtocolError | httpx.ReadError):
             return EngineDiedError(f"the connection to {self.base_url} dropped mid-answer "
                                    f"({_reason(err)}); the engine may have stopped or crashed")
         return ClientError(f"request to {self.base_url} failed: {_reason(err)}")
+
+
+def probe_models(base_url: str, api_key: str | None = None, timeout: float = PROBE_TIMEOUT_S) -> list[str]:
+    """The ids of the models the OpenAI-compatible server at ``base_url`` serves, asked within
+    ``timeout`` seconds; raises ``ClientError`` saying why not (its ``kind`` for the category)."""
+    with ChatClient(base_url, api_key=api_key, timeout=timeout) as client:
+        return client.models()
+
+
+def _connect_error(base_url: str, err: httpx.ConnectError) -> ClientError:
+    """What a failed connection means, from the OS or TLS error underneath httpx's."""
+    cause = _root_cause(err)
+    reason = _reason(err)
+    if isinstance(cause, ConnectionRefusedError):
+        return ClientError(f"cannot connect to {base_url}: nothing is listening there (connection refused); is the "
+                           "server running, and are the host and port right?", kind="refused")
+    if isinstance(cause, socket.gaierror):
+        host = httpx.URL(base_url).host
+        return ClientError(f"cannot connect to {base_url}: the host name {host} was not found ({reason}); check "
+                           "the address", kind="dns")
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return ClientError(f"cannot connect to {base_url}: its TLS certificate is not trusted ({cause.verify_message}"
+                           "); a self-signed certificate must be trusted by this machine first", kind="tls")
+    if isinstance(cause, ssl.SSLError):
+        return ClientError(f"cannot connect to {base_url}: the TLS (https) handshake failed ({reason}); if the "
+                           "server speaks plain http, use an http:// address", kind="tls")
+    return ClientError(f"cannot connect to {base_url} ({reason}); is the server running?", kind="connect")
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost exception httpx (and httpcore under it) wrapped."""
+    seen = {id(err)}
+    while (inner := err.__cause__ or err.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        err = inner
+    return err
 
 
 def _parse_stream(response: httpx.Response) -> Iterator[ChatChunk]:
@@ -237,9 +308,18 @@ def _raise_for_status(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
     message, code = _error_message(response)
-    if response.status_code == 401:
-        message = f"the server refused the API key: {message}"
-    raise ClientError(f"{message} (HTTP {response.status_code})", response.status_code, code)
+    status = response.status_code
+    kind: ErrorKind = "not_found" if status == 404 else "http"
+    if status in (401, 403):
+        kind = "auth"
+        sent_key = "authorization" in response.request.headers
+        if status == 401:
+            message = (f"the server refused the API key: {message}" if sent_key
+                       else f"the server needs an API key: {message}")
+        else:
+            message = (f"the server does not allow this API key here: {message}" if sent_key
+                       else f"the server refused access without an API key: {message}")
+    raise ClientError(f"{message} (HTTP {status})", status, code, kind)
 
 
 def _error_message(response: httpx.Response) -> tuple[str, str | None]:

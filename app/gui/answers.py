@@ -110,6 +110,11 @@ class Answers(QObject):
     def is_any(self) -> bool:
         return bool(self._by_request)
 
+    @property
+    def count(self) -> int:
+        """Answers being written or waiting, in all chats."""
+        return len(self._by_request)
+
     def of(self, conversation_id: int | None) -> Generation | None:
         if conversation_id is None:
             return None

@@ -93,7 +93,10 @@ def cuda_available() -> bool:
 
 
 def available_models(settings: Settings) -> list[ModelChoice]:
-    """Installed, verified models Hearth can run, then the demo model (always offered)."""
+    """Installed, verified models Hearth can run, then the demo model (always offered); with a
+    remote backend, the models it serves (raises ``ClientError`` when it cannot say)."""
+    if settings.backend_url is not None:
+        return remote_models(settings)
     from hearth.app.hub import HubContext, list_installed
 
     choices = []
@@ -109,6 +112,14 @@ def available_models(settings: Settings) -> list[ModelChoice]:
     demo = bundled_demo_path() or demo_model_dir()
     choices.append(ModelChoice(DEMO_LABEL, str(demo), True, model_context_length(demo) or 2048))
     return choices
+
+
+def remote_models(settings: Settings) -> list[ModelChoice]:
+    """The models ``settings.backend_url`` serves (its ``/v1/models``), as choices without a folder."""
+    from hearth.app.client.openai_client import probe_models
+
+    assert settings.backend_url is not None
+    return [ModelChoice(name, None) for name in probe_models(settings.backend_url, settings.backend_api_key)]
 
 
 def effective_context(settings: Settings, choice: ModelChoice) -> int:
@@ -146,7 +157,7 @@ class Backend:
         if choice.is_demo:
             ensure_demo_model()
         if self.is_remote:
-            base_url, api_key = self.settings.backend_url, None
+            base_url, api_key = self.settings.backend_url, self.settings.backend_api_key
         else:
             base_url, api_key = self._ensure_local(choice)
         self._close_clients()

@@ -36,6 +36,7 @@ class ChatPanel(QWidget):
     conversation_changed = Signal(int)  # a conversation was created or changed (sidebar refresh)
     model_chosen = Signal(object)  # ModelChoice
     busy_changed = Signal(bool)  # the chat shown has (True) or no longer has an answer running or waiting
+    generating_changed = Signal(bool)  # some chat has (True) or no chat has any more an answer running or waiting
 
     def __init__(self, store: ChatStore, engine: EngineThread, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -47,6 +48,7 @@ class ChatPanel(QWidget):
         self._drafts: dict[int | None, Draft] = {}  # per conversation (None: the new, unsaved chat)
         self._notices: dict[int, str] = {}  # per chat: why its last answer failed or was not sent
         self._shown_busy = False  # what busy_changed last said
+        self._any_busy = False  # what generating_changed last said
         self._meter: tuple[int, bool] | None = None  # (tokens in the context, exact) between answers
         self._count_generation = 0  # drops stale background counts
         self.context_policy = "truncate"  # Settings.context_overflow: "truncate" or "stop"
@@ -170,6 +172,9 @@ class ChatPanel(QWidget):
         if busy != self._shown_busy:
             self._shown_busy = busy
             self.busy_changed.emit(busy)
+        if self.is_generating != self._any_busy:
+            self._any_busy = self.is_generating
+            self.generating_changed.emit(self._any_busy)
 
     def cancel_generation(self, conversation_id: int) -> None:
         """Stop the answer being written (or waiting) in a chat about to be deleted, and forget it:

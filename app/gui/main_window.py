@@ -4,7 +4,14 @@ keyboard shortcuts, and the wiring between them and the engine thread.
 A model that fails to load is said in the chat area with the reason and a way back to the model
 used before (``LoadErrorBanner``); only an engine host that dies while serving is a crash
 (``CrashBanner``). The default model is saved once a model has loaded, so a broken one is not
-loaded again at the next start.
+loaded again at the next start. With a remote backend the chat's models are the ones it serves
+(``GET /v1/models``, off the GUI thread); one that does not answer is said there the same way.
+
+A model, an engine option or the backend changed while an answer is being written waits for every
+answer to end (``PendingReload``; the status bar says "… will reload when the answer ends"): the
+engine, and the settings it was started with, stay as they are until then, since reloading under
+an answer would cut it off, and switching the backend under it would send its chat's next turn
+elsewhere. Stop ends the wait as well.
 
 Quitting writes a running answer as it is (``ChatPanel.save_partial``), pauses downloads, stops the
 API server switch, stops the engine host when this window started it, and saves the window's
@@ -19,6 +26,7 @@ from hearth.app.gui.backend import Backend, Connected, ModelChoice, available_mo
 from hearth.app.gui.chat_panel import ChatPanel
 from hearth.app.gui.engine_worker import EngineThread
 from hearth.app.gui.models_tab import ModelsTab
+from hearth.app.gui.pending_reload import PendingReload
 from hearth.app.gui.qt import (
     QApplication,
     QByteArray,
@@ -31,6 +39,7 @@ from hearth.app.gui.qt import (
     QSplitter,
     Qt,
     QTabWidget,
+    QTimer,
     QVBoxLayout,
     QWidget,
 )
@@ -43,7 +52,7 @@ from hearth.app.gui.tasks import run_task, wait_for_tasks
 from hearth.app.hub.manager import DownloadOptions
 from hearth.app.paths import data_dir, private_file
 from hearth.app.store.chats import ChatStore
-from hearth.app.store.settings import Settings, load_settings, restart_needed, save_settings
+from hearth.app.store.settings import Settings, backend_changed, load_settings, restart_needed, save_settings
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "window-state.ini"  # under the data folder: geometry, splitters, the open chat
@@ -68,6 +77,8 @@ class MainWindow(QMainWindow):
         self._last_loaded: ModelChoice | None = None  # the model that loaded last: the way back after a failure
         self._restarting = False
         self._closing = False  # (a stats poll that fails while the window closes finds the store closed)
+        self._pending: PendingReload | None = None  # a reload waiting for the answers to end
+        self._connecting = 0  # model listings under way that load a model when they end
         self.setWindowTitle("Hearth")
         self.setWindowIcon(icon("hearth"))
         self.resize(1280, 820)
@@ -137,10 +148,12 @@ class MainWindow(QMainWindow):
         self.sidebar.deleted.connect(self._on_deleted)
         self.chat.conversation_changed.connect(self._on_conversation_changed)
         self.chat.model_chosen.connect(self.choose_model)
-        self.models_tab.installed_changed.connect(lambda: self.refresh_models(connect=False))
+        self.chat.generating_changed.connect(self._on_generating_changed)
+        self.models_tab.installed_changed.connect(self._on_installed_changed)
         self.models_tab.use_model_requested.connect(self._use_installed)
         self.models_tab.error.connect(lambda text: self.status.showMessage(text, 10_000))
         self.settings_tab.settings_saved.connect(self.apply_settings)
+        self.settings_tab.backend_fields.models_listed.connect(self._on_backend_tested)
         self.server_tab.settings_changed.connect(self._save_server_settings)
         self.chat.think_button.toggled.connect(self._save_think)
 
@@ -210,9 +223,64 @@ class MainWindow(QMainWindow):
 
     # ---- models and engine ------------------------------------------------------------------
     def refresh_models(self, *, connect: bool) -> None:
+        """List the models to choose from (a remote backend's: ask it), off the GUI thread; with
+        ``connect``, then load the default one (else the first)."""
         settings = self.settings
-        run_task(lambda: available_models(settings), lambda choices: self._set_choices(choices, connect),
-                 lambda exc: self.status.showMessage(f"Could not list models: {exc}", 10_000), owner=self)
+        self._connecting += int(connect)
+        if settings.backend_url and connect:
+            self.status.set_engine_state(f"asking {settings.backend_url} for its models…")
+        run_task(lambda: available_models(settings), lambda choices: self._on_listed(settings, choices, connect),
+                 lambda exc: self._on_listing_failed(settings, exc, connect), owner=self)
+
+    def _on_installed_changed(self) -> None:
+        if not self.settings.backend_url:  # (a remote backend's models are not the ones installed here)
+            self.refresh_models(connect=False)
+
+    def _on_listed(self, settings: Settings, choices: list[ModelChoice], connect: bool) -> None:
+        self._connecting -= int(connect)
+        if backend_changed(settings, self.settings):
+            return  # the backend asked is no longer the one in the settings
+        if settings.backend_url:
+            self.settings_tab.backend_fields.show_result(settings.backend_url, settings.backend_api_key,
+                                                         [c.label for c in choices])
+            if not choices:
+                self._no_remote_models(f"{settings.backend_url} serves no model", connect)
+                return
+        self._set_choices(choices, connect)
+
+    def _on_listing_failed(self, settings: Settings, exc: BaseException, connect: bool) -> None:
+        self._connecting -= int(connect)
+        if backend_changed(settings, self.settings):
+            return
+        if not settings.backend_url:
+            self.status.showMessage(f"Could not list models: {exc}", 10_000)
+            return
+        self.settings_tab.backend_fields.show_result(settings.backend_url, settings.backend_api_key, exc)
+        self._no_remote_models(f"Could not list the models of {settings.backend_url}: {exc}", connect)
+
+    def _no_remote_models(self, message: str, connect: bool) -> None:
+        """The remote backend offers nothing to load: say why above the chat (Try again asks again);
+        a model in use that still answers is left alone, and the message goes to the status bar."""
+        self.status.showMessage(message, 15_000)
+        if self.connected is not None and not connect:
+            return
+        self.choices = []
+        self.chat.set_choices([], None)
+        self._loading = None
+        self.status.set_engine_state("no model: the remote backend listed none")
+        self.load_banner.show_failure(message, None, can_retry=True)
+
+    def _on_backend_tested(self, url: str, api_key: str | None, names: list[str]) -> None:
+        """Settings' Test listed the saved backend's models: they become the chat's choices (and,
+        when it had none, the default or first one loads)."""
+        switching = self._pending is not None and self._pending.switch  # (the answers still use the old one)
+        if url != self.settings.backend_url or api_key != self.settings.backend_api_key or switching:
+            return
+        if self._connecting:
+            return  # the window's own listing of that backend is under way, and loads a model when it ends
+        connect = not self.choices and self.connected is None
+        self.load_banner.hide()
+        self._set_choices([ModelChoice(name, None) for name in names], connect)
 
     def _set_choices(self, choices: list[ModelChoice], connect: bool) -> None:
         self.choices = choices
@@ -226,8 +294,9 @@ class MainWindow(QMainWindow):
         if choice is None:
             return
         if self.chat.is_generating:  # (the chat's model list is greyed out meanwhile)
-            self.status.showMessage(f"Not loading {choice.label}: an answer is being written; stop it or let it "
-                                    "finish, then choose the model again", 10_000)
+            pending = self._pending or PendingReload()
+            pending.load(choice)
+            self._wait_for_answers(pending)
             return
         # No model is connected while this one loads: the stats poll must not see the old one's
         # host stopping as a crash, and a failed load leaves none (see _on_connect_failed).
@@ -292,6 +361,9 @@ class MainWindow(QMainWindow):
     def _retry_load(self) -> None:
         if self._loading is not None:
             self.choose_model(self._loading)
+        elif self.settings.backend_url:  # the remote backend listed nothing: ask it again
+            self.load_banner.hide()
+            self.refresh_models(connect=True)
 
     def show_engine_died(self, reason: str) -> None:
         if self._restarting or self._closing:
@@ -324,9 +396,11 @@ class MainWindow(QMainWindow):
 
     # ---- settings and quitting --------------------------------------------------------------
     def apply_settings(self, settings: Settings) -> None:
+        """Saved settings take effect: at once, or, for the engine and the backend while an answer is
+        being written, once every answer has ended (see the module docstring)."""
+        switched = backend_changed(self.settings, settings)
         engine_changed = restart_needed(self.settings, settings)
         self.settings = settings
-        self.backend.settings = settings
         self.chat.context_policy = settings.context_overflow
         self.chat.set_send_key(settings.send_key)
         self.chat.view.set_show_thinking(settings.show_thinking)
@@ -334,8 +408,58 @@ class MainWindow(QMainWindow):
         if app is not None:
             self.chat.view.set_dark(apply_theme(app, settings.theme) == "dark")
         self.models_tab.apply_settings(settings)
-        if engine_changed and self.connected is not None:
+        if self.chat.is_generating:
+            pending = self._pending or PendingReload()
+            if switched:
+                pending.switch = True
+            elif engine_changed and self.connected is not None:
+                pending.reload(self.connected.choice)
+            if pending.switch or pending.choice is not None:
+                self._wait_for_answers(pending)
+            return
+        self.backend.settings = settings
+        if switched:
+            self._switch_backend()
+        elif engine_changed and self.connected is not None:
             self.choose_model(self.connected.choice)
+        elif settings.backend_url and not self.choices and not self._connecting:
+            self.refresh_models(connect=True)  # saved again after the backend listed nothing: ask again
+
+    def _switch_backend(self) -> None:
+        """Over to the saved backend: the old one's models are no choice there; list the new one's
+        and load the default (or first) of them."""
+        self.connected = None
+        self._loading = self._last_loaded = None
+        self.choices = []
+        self.chat.set_connected(None)
+        self.chat.set_choices([], None)
+        self.server_tab.set_model(None)
+        self.load_banner.hide()
+        self.crash_banner.hide()
+        self.refresh_models(connect=True)
+
+    def _wait_for_answers(self, pending: PendingReload) -> None:
+        self._pending = pending
+        self.status.set_pending(pending.describe(self.settings.backend_url or "the local engine",
+                                                 self.chat.answers.count))
+
+    def _on_generating_changed(self, generating: bool) -> None:
+        if not generating and self._pending is not None:
+            # NOTE: after the answer's own end handling (the chat stores it first), not inside it.
+            QTimer.singleShot(0, self._run_pending)
+
+    def _run_pending(self) -> None:
+        """The answers have ended: do the reload that waited for them."""
+        pending = self._pending
+        if pending is None or self.chat.is_generating or self._closing:
+            return  # (another answer began meanwhile: it waits for that one too)
+        self._pending = None
+        self.status.set_pending(None)
+        self.backend.settings = self.settings  # held back while the answers used the engine
+        if pending.switch:
+            self._switch_backend()
+        elif pending.choice is not None:
+            self.choose_model(pending.choice)
 
     def _save_think(self, think: bool) -> None:
         self.settings = self.settings.replace(think=think)

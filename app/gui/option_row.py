@@ -1,6 +1,6 @@
 """The Settings tab's row of one ``EngineConfig`` field (``OptionRow``): an editor chosen by the
 field's kind, its one-line help under it and as tooltip, and a red line under the editor saying why
-a value cannot be saved (``error_label``, also used by the tab's other fields).
+a value cannot be saved (``error_label`` and ``field_column``, also used by the tab's other fields).
 
 A number box keeps Qt's own range checks, which quietly put the old number back when the typed
 text is out of range; the row says so instead, in words, and the tab does not save until it has.
@@ -35,6 +35,17 @@ def error_label(parent: QWidget) -> QLabel:
     label.setWordWrap(True)
     label.hide()
     return label
+
+
+def field_column(parent: QWidget, *widgets: QWidget) -> QWidget:
+    """``widgets`` stacked as one form field (an editor, its error line, a hint or what a test said)."""
+    field = QWidget(parent)
+    column = QVBoxLayout(field)
+    column.setContentsMargins(0, 0, 0, 0)
+    column.setSpacing(2)
+    for widget in widgets:
+        column.addWidget(widget)
+    return field
 
 
 def show_error(label: QLabel, problem: str | None) -> None:

@@ -1,4 +1,5 @@
-"""The Settings tab: local engine or remote backend, the engine options, the models folder,
+"""The Settings tab: local engine or remote backend (``BackendFields``: its URL, API key and a Test
+that lists its models, also run on save), the engine options, the models folder,
 parallel downloads and offline mode, Hugging Face token and mirror, the chat's send key and
 overflow policy, theme. Everything but the token is saved with ``save_settings``, under the keys
 ``hearth --cli config`` reads and writes, so the GUI and the CLI agree.
@@ -27,8 +28,9 @@ from huggingface_hub import get_token
 from huggingface_hub import login as hf_login
 from huggingface_hub import logout as hf_logout
 
+from hearth.app.gui.backend_fields import BackendFields
 from hearth.app.gui.composer import send_hint
-from hearth.app.gui.option_row import INT_MAX, OptionRow, error_label, show_error
+from hearth.app.gui.option_row import INT_MAX, OptionRow, error_label, field_column, show_error
 from hearth.app.gui.qt import (
     QCheckBox,
     QComboBox,
@@ -107,14 +109,9 @@ class SettingsTab(QWidget):
     def _engine_box(self, page: QWidget) -> QGroupBox:
         box = QGroupBox(BASIC, page)
         form = _form(box)
-        self.backend_kind = QComboBox(box)
-        self.backend_kind.addItems(["Local engine (this machine)", "Remote backend (OpenAI-compatible URL)"])
-        self.backend_url = QLineEdit(box)
-        self.backend_url.setPlaceholderText("http://host:8000/v1")
-        self.backend_kind.currentIndexChanged.connect(lambda i: self.backend_url.setEnabled(i == 1))
-        self.backend_url_error = error_label(box)
-        form.addRow("Backend", self.backend_kind)
-        form.addRow("Backend URL", _column(box, self.backend_url, self.backend_url_error))
+        self.backend_fields = fields = BackendFields(form, box)
+        self.backend_kind, self.backend_url, self.backend_url_error = fields.kind, fields.url, fields.url_error
+        self.backend_api_key = fields.api_key
         self.advanced_box = QGroupBox(ADVANCED, page)
         advanced_form = _form(self.advanced_box)
         for option in engine_options():
@@ -175,17 +172,17 @@ class SettingsTab(QWidget):
         row.addWidget(choose)
         line = QWidget(box)
         line.setLayout(row)
-        form.addRow("Models folder", _column(box, line, self.models_folder_error, _hint(FOLDER_HINT, box)))
+        form.addRow("Models folder", field_column(box, line, self.models_folder_error, _hint(FOLDER_HINT, box)))
         self.download_parallelism = QSpinBox(box)
         self.download_parallelism.setRange(1, 64)
         self.download_parallelism.setSuffix(" files")
         self.download_parallelism.setAccessibleName("Parallel downloads")
-        form.addRow("Parallel downloads", _column(box, self.download_parallelism, _hint(
+        form.addRow("Parallel downloads", field_column(box, self.download_parallelism, _hint(
             "Files of a model fetched at the same time; fewer suit a slow or shared connection.", box)))
         self.offline = QCheckBox("Offline: never contact the Hugging Face Hub", box)
         forced = " It is on now: HF_HUB_OFFLINE is set in the environment." if env_offline() else ""
         self.offline_hint = _hint(OFFLINE_HINT + forced, box)
-        form.addRow("", _column(box, self.offline, self.offline_hint))
+        form.addRow("", field_column(box, self.offline, self.offline_hint))
         return box
 
     def choose_models_folder(self) -> None:
@@ -218,7 +215,7 @@ class SettingsTab(QWidget):
         forget.clicked.connect(self.forget_token)
         for widget in (self.token_edit, save_token, forget):
             row.addWidget(widget)
-        form.addRow("Mirror endpoint", _column(box, self.endpoint, self.endpoint_error))
+        form.addRow("Mirror endpoint", field_column(box, self.endpoint, self.endpoint_error))
         form.addRow("Access token", row)
         form.addRow("", self.token_state)
         return box
@@ -255,9 +252,7 @@ class SettingsTab(QWidget):
 
     def show_settings(self, settings: Settings) -> None:
         self.settings = settings
-        self.backend_kind.setCurrentIndex(1 if settings.backend_url else 0)
-        self.backend_url.setText(settings.backend_url or "")
-        self.backend_url.setEnabled(bool(settings.backend_url))
+        self.backend_fields.show_settings(settings)
         self.endpoint.setText(settings.hf_endpoint or "")
         self.theme.setCurrentText(settings.theme)
         for name, row in self.rows.items():
@@ -268,12 +263,12 @@ class SettingsTab(QWidget):
         self.models_folder.setText(settings.hf_cache_dir or "")
         self.download_parallelism.setValue(settings.download_parallelism)
         self.offline.setChecked(settings.offline)
-        for label in (self.models_folder_error, self.endpoint_error, self.backend_url_error):
+        for label in (self.models_folder_error, self.endpoint_error):
             show_error(label, None)
 
     def edited(self) -> Settings:
         """The settings as the form shows them (raises HearthError for bad values)."""
-        remote = self.backend_kind.currentIndex() == 1 and self.backend_url.text().strip()
+        backend_url, backend_api_key = self.backend_fields.values()
         values = {name: row.value() for name, row in self.rows.items()}
         stored_context = self.settings.engine.max_model_len
         if self._context_cap is not None and values["max_model_len"] == self._context_cap and (
@@ -283,7 +278,7 @@ class SettingsTab(QWidget):
             values["max_model_len"] = stored_context
         engine = EngineConfig(**values)
         return self.settings.replace(
-            backend_url=self.backend_url.text().strip() if remote else None,
+            backend_url=backend_url, backend_api_key=backend_api_key,
             hf_endpoint=self.endpoint.text().strip() or None, theme=self.theme.currentText(),
             context_overflow=self.context_overflow.currentData(), show_thinking=self.show_thinking.isChecked(),
             send_key=self.send_key.currentData(), hf_cache_dir=self.models_folder.text().strip() or None,
@@ -299,14 +294,10 @@ class SettingsTab(QWidget):
             row.clear_reverted()
             if problem:
                 found.append(problem)
-        remote = self.backend_kind.currentIndex() == 1
-        texts = (("hf_endpoint", self.endpoint, self.endpoint_error),
-                 ("backend_url", self.backend_url if remote else None, self.backend_url_error))
-        for key, edit, label in texts:
-            problem = _setting_problem(key, edit.text().strip() or None) if edit is not None else None
-            show_error(label, problem)
-            if problem:
-                found.append(problem)
+        problem = _setting_problem("hf_endpoint", self.endpoint.text().strip() or None)
+        show_error(self.endpoint_error, problem)
+        found += [problem] if problem else []
+        found += self.backend_fields.problems()
         problem = self._check_models_folder()
         return [*found, problem] if problem else found
 
@@ -327,6 +318,8 @@ class SettingsTab(QWidget):
         self.settings = settings
         self.status_label.setText("Saved.")
         self.settings_saved.emit(settings)
+        if settings.backend_url:
+            self.backend_fields.test()  # what the saved backend serves, said under its fields
 
     # ---- token ------------------------------------------------------------------------------
     def save_token(self) -> None:
@@ -367,15 +360,6 @@ def _hint(text: str, parent: QWidget) -> QLabel:
     return label
 
 
-def _column(parent: QWidget, *widgets: QWidget) -> QWidget:
-    """``widgets`` stacked as one form field (an editor, its error line, its hint)."""
-    field = QWidget(parent)
-    column = QVBoxLayout(field)
-    column.setContentsMargins(0, 0, 0, 0)
-    column.setSpacing(2)
-    for widget in widgets:
-        column.addWidget(widget)
-    return field
 
 
 def _form(box: QGroupBox) -> QFormLayout:

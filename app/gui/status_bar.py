@@ -3,7 +3,9 @@ the banner that says the engine stopped, with a Restart button, and the one that
 not be loaded and why, with a way back to the model used before.
 
 Messages ("Could not load ...") go to their own stretching label on the left, clipped with the full
-text in its tooltip, so they never draw over the engine state on the right.
+text in its tooltip, so they never draw over the engine state on the right. A reload waiting for the
+answers being written to end ("… will reload when the answer ends") has its own label beside the
+engine state, shown until it happens: later messages do not hide it.
 
 Stats come from ``ChatClient.stats()``, polled on a timer through the thread pool, never on the GUI
 thread; a poll is skipped while the previous one is still out.
@@ -78,6 +80,9 @@ class EngineStatusBar(QStatusBar):
         self._message_timer.setSingleShot(True)
         self._message_timer.timeout.connect(self.clearMessage)
         self.engine_label = QLabel("Engine: not started", self)
+        self.pending_label = QLabel("", self)
+        self.pending_label.setObjectName("pendingLabel")
+        self.pending_label.hide()
         self.memory_label = QLabel("", self)
         self.cache_label = QLabel("", self)
         self.chat_cache_label = QLabel("", self)
@@ -85,8 +90,8 @@ class EngineStatusBar(QStatusBar):
         self.restart_button = QPushButton(icon("restart"), "Restart engine", self)
         self.restart_button.clicked.connect(self.restart_requested)
         self.restart_button.hide()
-        for widget in (self.engine_label, self.memory_label, self.cache_label, self.chat_cache_label,
-                       self.speed_label):
+        for widget in (self.engine_label, self.pending_label, self.memory_label, self.cache_label,
+                       self.chat_cache_label, self.speed_label):
             self.addPermanentWidget(widget)
         self.addPermanentWidget(self.restart_button)
 
@@ -109,6 +114,12 @@ class EngineStatusBar(QStatusBar):
     def set_engine_state(self, text: str, *, crashed: bool = False) -> None:
         self.engine_label.setText(f"Engine: {text}")
         self.restart_button.setVisible(crashed)
+
+    def set_pending(self, text: str | None) -> None:
+        """Announce a reload that waits for the answers to end (None: there is none)."""
+        self.pending_label.setText(text or "")
+        self.pending_label.setToolTip(text or "")
+        self.pending_label.setVisible(bool(text))
 
     def show_stats(self, stats: dict[str, Any]) -> None:
         extra = stats.get("extra") if isinstance(stats.get("extra"), dict) else {}

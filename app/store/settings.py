@@ -7,7 +7,10 @@ file + ``os.replace``) and keeps keys this version does not know, so an older He
 a newer one's settings.
 
 The Hugging Face token is deliberately not a setting: it comes from ``HF_TOKEN`` or the library's
-own login store (``hf auth login``), so Hearth never writes a secret into its files. The Hub's other
+own login store (``hf auth login``), so Hearth never writes that secret into its files. The remote
+backend's API key (``backend_api_key``) has no such store: it is kept apart from the settings file, in
+``backend-api-key`` beside it (private to the user, 0600), so ``config list``, a shared settings file
+or a bug report never carry it. The Hub's other
 conventions (``HF_ENDPOINT``, ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``) apply unless a
 setting overrides them: ``hf_endpoint`` and ``hf_cache_dir`` are null by default, meaning "what the
 environment says" (see ``hearth.app.hub.context``).
@@ -59,6 +62,8 @@ class Settings:
     offline: no network calls at all; only installed models are listed and used (``HF_HUB_OFFLINE``
     in the environment turns it on as well).
     backend_url: an OpenAI-compatible server to use instead of the local engine host; None = local.
+    backend_api_key: the key sent to ``backend_url`` as a Bearer token; None = none. Not in the settings
+    file, nor in ``to_json()`` or ``setting_names()`` (see the module docstring).
     engine: the local engine's options (memory budgets, context length, scheduler, long-context
         tiers...), described once by ``EngineConfig``'s field metadata. In the settings file they
         sit beside the other keys, under their ``EngineConfig`` names.
@@ -77,6 +82,7 @@ class Settings:
     download_parallelism: int = 4
     offline: bool = False
     backend_url: str | None = None
+    backend_api_key: str | None = field(default=None, repr=False)
     theme: Theme = "system"
     default_model: str | None = None
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_model_len=DEFAULT_CONTEXT_LENGTH))
@@ -91,6 +97,9 @@ class Settings:
         _check_types(self)
         if self.hf_endpoint is not None:
             object.__setattr__(self, "hf_endpoint", self.hf_endpoint.rstrip("/"))
+        if self.backend_api_key is not None:
+            object.__setattr__(self, "backend_api_key", self.backend_api_key.strip() or None)
+        key = self.backend_api_key
         engine = self.engine
         checks = [
             (self.hf_endpoint is None or _is_http_url(self.hf_endpoint),
@@ -100,6 +109,8 @@ class Settings:
             (self.backend_url is None or _is_http_url(self.backend_url),
              f"backend_url must be an http(s) URL such as http://host:8000/v1 (or null for the local engine), "
              f"not {self.backend_url!r}"),
+            (key is None or (key.isprintable() and key.isascii() and " " not in key),
+             "the backend API key must be one line of printable ASCII without spaces"),
             (1 <= self.download_parallelism <= 64, "download_parallelism must be in [1, 64]"),
             (self.theme in ("light", "dark", "system"), "theme must be light, dark or system"),
             (self.context_overflow in ("truncate", "stop"), "context_overflow must be truncate or stop"),
@@ -139,8 +150,8 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
-        """The settings as the file holds them: one flat object."""
-        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        """The settings as the file holds them: one flat object (without the API key)."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_IN_FILE}
         return {**flat, **dataclasses.asdict(self.engine)}
 
 
@@ -166,6 +177,8 @@ def _is_host(host: str) -> bool:
 
 
 ENGINE_KEYS = frozenset(option.name for option in engine_options())
+BACKEND_KEY_FILE = "backend-api-key"  # beside the settings file: backend_api_key
+_NOT_IN_FILE = frozenset({"engine", "backend_api_key"})  # (the engine options are flattened into the file)
 _LEGACY_KEYS = {"context_length": "max_model_len"}  # the name older settings files use
 _TYPES: dict[str, tuple[type, ...]] = {
     "hf_endpoint": (str, type(None)),
@@ -173,6 +186,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "download_parallelism": (int,),
     "offline": (bool,),
     "backend_url": (str, type(None)),
+    "backend_api_key": (str, type(None)),
     "theme": (str,),
     "default_model": (str, type(None)),
     "engine": (EngineConfig,),
@@ -208,10 +222,17 @@ def folder_problem(folder: str) -> str | None:
     return None
 
 
+def backend_changed(old: Settings, new: Settings) -> bool:
+    """Whether ``new`` talks to another backend than ``old``: another URL (or local instead of
+    remote), or another API key for the same remote one."""
+    return old.backend_url != new.backend_url or (
+        new.backend_url is not None and old.backend_api_key != new.backend_api_key)
+
+
 def restart_needed(old: Settings, new: Settings) -> bool:
     """Whether going from ``old`` to ``new`` needs the engine started again: another backend, or a
     changed engine option that takes effect at load time."""
-    return old.backend_url != new.backend_url or any(
+    return backend_changed(old, new) or any(
         option.text.restart and getattr(old.engine, option.name) != getattr(new.engine, option.name)
         for option in engine_options())
 
@@ -228,6 +249,10 @@ def _check_types(settings: Settings) -> None:
 def load_settings(path: Path | None = None) -> Settings:
     """Read the settings file; never raises for a bad file (see the module docstring)."""
     path = path or settings_path()
+    return _with_key(_read_settings(path), path)
+
+
+def _read_settings(path: Path) -> Settings:
     raw = _read_raw(path)
     if raw is None:
         return Settings()
@@ -247,8 +272,25 @@ def load_settings(path: Path | None = None) -> Settings:
     return settings
 
 
+def _with_key(settings: Settings, path: Path) -> Settings:
+    """``settings`` with the API key stored beside ``path`` (one that cannot be used is ignored)."""
+    try:
+        key = (path.parent / BACKEND_KEY_FILE).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return settings
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.warning("Ignoring the backend API key file beside %s: %s", path, exc)
+        return settings
+    try:
+        return settings.replace(backend_api_key=key or None)
+    except SettingsError as exc:
+        logger.warning("Ignoring the backend API key file beside %s: %s", path, exc)
+        return settings
+
+
 def save_settings(settings: Settings, path: Path | None = None) -> None:
-    """Write ``settings`` atomically, keeping unknown keys already in the file."""
+    """Write ``settings`` atomically, keeping unknown keys already in the file; the API key goes to
+    its own private file beside it (removed when there is none)."""
     path = path or settings_path()
     raw = _read_raw(path, set_aside_if_corrupt=False) or {}
     for old in _LEGACY_KEYS:
@@ -256,16 +298,25 @@ def save_settings(settings: Settings, path: Path | None = None) -> None:
     raw.update(settings.to_json())
     raw[VERSION_KEY] = SETTINGS_VERSION
     write_json_atomic(path, raw)
+    key_path = path.parent / BACKEND_KEY_FILE
+    if settings.backend_api_key is None:
+        key_path.unlink(missing_ok=True)
+    else:
+        write_text_atomic(key_path, settings.backend_api_key + "\n")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` so readers see the old file or the new one, never a torn one."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically, in a file only its owner can read (mkstemp's 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, path)
@@ -296,14 +347,15 @@ def _read_raw(path: Path, *, set_aside_if_corrupt: bool = True) -> dict[str, Any
 
 def setting_names() -> list[str]:
     """The keys of the settings file: the app's settings, then every engine option."""
-    return [f.name for f in dataclasses.fields(Settings) if f.name != "engine"] + [o.name for o in engine_options()]
+    return [f.name for f in dataclasses.fields(Settings) if f.name not in _NOT_IN_FILE] + [
+        o.name for o in engine_options()]
 
 
 def _setting_types(name: str) -> tuple[type, ...] | None:
     """The JSON types setting ``name`` takes (None for an unknown name)."""
     option = next((o for o in engine_options() if o.name == name), None)
     if option is None:
-        return _TYPES.get(name) if name != "engine" else None
+        return _TYPES.get(name) if name not in _NOT_IN_FILE else None
     types: tuple[type, ...] = {"bool": (bool,), "int": (int,), "float": (float,)}.get(option.kind, (str,))
     return (*types, type(None)) if option.optional else types
 

@@ -444,7 +444,8 @@ def intersection(a: Regex, b: Regex) -> Regex:
     """The DFA of the strings both match (a pattern and a ``format``'s)."""
     starts = tuple(sorted(set(a.starts) | set(b.starts)))
     index: dict[tuple[int, int], int] = {(0, 0): 0}
-    pairs, rows = [(0, 0)], []
+    pairs: list[tuple[int, int]] = [(0, 0)]
+    rows: list[tuple[int, ...]] = []
     while len(rows) < len(pairs):
         qa, qb = pairs[len(rows)]
         row = []
@@ -477,7 +478,8 @@ def _determinized(source: str, nfa: _Nfa, head: int, final: int) -> Regex:
     edge_classes = [[(_covered(starts, ranges) - surrogate_classes, t) for ranges, t in edges] for edges in nfa.moves]
     first = (nfa.closure({head}, True, False), True)
     index: dict[tuple[frozenset[int], bool], int] = {first: 0}
-    keys, rows = [first], []
+    keys = [first]
+    rows: list[tuple[int, ...]] = []
     while len(rows) < len(keys):
         subset, _ = keys[len(rows)]
         targets: dict[int, set[int]] = {}

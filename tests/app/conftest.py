@@ -200,3 +200,21 @@ def open_scripted_window(qtbot: Any, tmp_path: Path, windows: Any) -> Callable[.
         return window
 
     return open_
+
+
+@pytest.fixture
+def open_window(qtbot: Any, backend: Any, engine_home: Path, tmp_path: Path, windows: Any) -> Callable[..., Any]:
+    """Opens a main window over the module's shared demo-model ``backend`` with isolated settings
+    (``changes`` on top), once its model is connected."""
+    from hearth.app.gui.main_window import MainWindow
+    from tests.app.test_gui_helpers import FAST_DOWNLOADS, isolated_settings, link_demo_model
+
+    link_demo_model(engine_home)
+
+    def open_(**changes: object) -> MainWindow:
+        window = MainWindow(isolated_settings(tmp_path, **changes), backend=backend, download_options=FAST_DOWNLOADS)
+        windows.track(window)
+        qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=60_000)
+        return window
+
+    return open_

@@ -120,6 +120,21 @@ def test_settings_backend_url_and_stats(backend, monkeypatch, capsys):
     assert "tok/s" in out and "chat cache " in out and " chats, " in out
 
 
+def test_the_key_stored_with_the_backend_url_goes_to_that_backend_only(backend, monkeypatch, capsys):
+    """The app's Settings keep the backend's API key beside the settings file: run, chat and stats send it to
+    the settings' backend_url without --api-key, and never to a --backend naming another server."""
+    monkeypatch.delenv("HEARTH_API_KEY", raising=False)
+    save_settings(Settings(backend_url=backend.base_url, backend_api_key=KEY))
+    assert cli(["run", "--prompt", "Hi", "--max-tokens", "3"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert cli(["stats", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "tiny-v32"
+    # the same server under another spelling of its address is "another server": the stored key stays home
+    other = backend.base_url.replace("127.0.0.1", "localhost")
+    assert cli(["run", "--backend", other, "--prompt", "Hi", "--max-tokens", "3"]) == 1
+    assert "API key" in _one_error_line(capsys.readouterr().err)
+
+
 def test_stats_show_the_warm_up_when_the_engine_ran_one():
     from hearth.app.cli.serve import format_stats
 

@@ -1,20 +1,24 @@
-"""ChatClient against a real engine host and a non-Hearth OpenAI server, and EngineProcess's
-lifecycle: start, reuse, a crash mid-answer (EngineDiedError), restart, stop."""
+"""ChatClient against a real engine host and a non-Hearth OpenAI server, EngineProcess's
+lifecycle: start, reuse, a crash mid-answer (EngineDiedError), restart, stop; and ``probe_models``
+(Settings' Test of a remote backend) against a real HTTP server giving each answer a backend can."""
 
 from __future__ import annotations
 
 import os
 import signal
 import stat
+import time
 
 import httpx
 import pytest
 
 from hearth.app.client import ChatClient, ClientError, EngineDiedError, EngineProcess, EngineStartError
 from hearth.app.client.local_engine import STATE_FILE
+from hearth.app.client.openai_client import probe_models
 from hearth.app.paths import runtime_dir
 from hearth.engine.testing.tiny import write_tiny_model
 from tests.app.cli_support import broken_copies, fake_openai_server
+from tests.app.fake_backend import UNKNOWN_HOST, FakeBackend, closed_port_url, has_openssl, unknown_host_fails_at_once
 from tests.engine.test_server_support import start_server, wait_until
 
 KEY = "client-key"
@@ -136,3 +140,56 @@ def test_load_and_unload_through_the_client(client, model_dir):
     assert client.models() == []
     assert client.load_model(str(model_dir))["model"] == "tiny-v32"
     assert client.models() == ["tiny-v32"]
+
+
+# ---- probing a remote backend (Settings' Test): a real HTTP server on 127.0.0.1 ----------------
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "", "/"])
+def test_probe_lists_the_models_with_or_without_v1_and_sends_the_key(suffix):
+    with FakeBackend(api_key="sekret") as backend:
+        assert probe_models(backend.root + suffix, "sekret") == ["alpha", "beta"]
+        assert backend.requests == [("GET", "/v1/models", "Bearer sekret")]  # never /v1/v1/models
+
+
+@pytest.mark.parametrize(("answer", "key", "kind", "status", "words"), [
+    ("models", None, "auth", 401, "the server needs an API key: Missing API key (HTTP 401)"),
+    ("models", "wrong", "auth", 401, "the server refused the API key: Invalid API key (HTTP 401)"),
+    ("forbidden", "sekret", "auth", 403, "does not allow this API key here: this key may not list models (HTTP 403)"),
+    ("missing", "sekret", "not_found", 404, "/v1/models does not exist (HTTP 404): the address is not an "
+     "OpenAI-compatible API"),
+    ("html", "sekret", "not_json", None, "/v1/models answered with something that is not JSON (text/html)"),
+    ("not_openai", "sekret", "not_openai", None, "answered JSON without a model list"),
+])
+def test_probe_says_why_a_backend_cannot_be_used(answer, key, kind, status, words):
+    with FakeBackend(api_key="sekret", answer=answer) as backend, pytest.raises(ClientError) as err:
+        probe_models(backend.url, key)
+    assert (err.value.kind, err.value.status) == (kind, status)
+    assert words in str(err.value)
+
+
+def test_probe_of_a_closed_port_an_unknown_host_and_a_silent_server(monkeypatch):
+    url = closed_port_url()
+    with pytest.raises(ClientError, match="nothing is listening there \\(connection refused\\)") as err:
+        probe_models(url)
+    assert err.value.kind == "refused" and str(err.value).startswith(f"cannot connect to {url[:-3]}:")
+    unknown_host_fails_at_once(monkeypatch)
+    with pytest.raises(ClientError, match=f"the host name {UNKNOWN_HOST} was not found") as err:
+        probe_models(f"http://{UNKNOWN_HOST}:8000/v1")
+    assert err.value.kind == "dns"
+    with FakeBackend(answer="slow", delay_s=30) as backend:
+        started = time.monotonic()
+        with pytest.raises(ClientError, match="did not answer in time \\(ReadTimeout\\)") as err:
+            probe_models(backend.url, timeout=0.3)
+        assert err.value.kind == "timeout" and time.monotonic() - started < 5
+
+
+def test_probe_tls_failures_say_what_to_do(tmp_path):
+    with FakeBackend() as plain, pytest.raises(ClientError, match="if the server speaks plain http, use an "
+                                                             "http:// address") as err:
+        probe_models(plain.url.replace("http://", "https://"))
+    assert err.value.kind == "tls"
+    if not has_openssl():
+        pytest.skip("no openssl command to make a self-signed certificate")
+    with FakeBackend(tls_dir=tmp_path) as tls, pytest.raises(ClientError, match="certificate is not trusted") as err:
+        probe_models(tls.url)
+    assert err.value.kind == "tls" and "self-signed" in str(err.value)

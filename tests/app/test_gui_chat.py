@@ -19,26 +19,11 @@ from hearth.app.gui.qt import Qt
 from hearth.app.store.chats import ChatStore
 from hearth.app.store.settings import Settings, save_settings
 from tests.app.test_gui_helpers import (
-    FAST_DOWNLOADS,
-    isolated_settings,
     link_demo_model,
 )
 
 TIMEOUT_MS = 30_000
 pytestmark = pytest.mark.slow  # a real engine host process for the module, answers from the demo model
-
-
-@pytest.fixture
-def open_window(qtbot, backend, engine_home: Path, tmp_path: Path, windows):
-    link_demo_model(engine_home)
-
-    def open_(**changes: object) -> MainWindow:
-        window = MainWindow(isolated_settings(tmp_path, **changes), backend=backend, download_options=FAST_DOWNLOADS)
-        windows.track(window)
-        qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
-        return window
-
-    return open_
 
 
 def ask(qtbot, window: MainWindow, text: str, max_tokens: int = 24) -> None:

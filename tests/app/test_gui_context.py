@@ -4,32 +4,10 @@ the oldest turns with a marker in the chat, "stop" says so in the chat and sends
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from hearth.app.gui.main_window import MainWindow
-from tests.app.test_gui_helpers import (
-    FAST_DOWNLOADS,
-    isolated_settings,
-    link_demo_model,
-)
 
 TIMEOUT_MS = 60_000
 CONTEXT = 2048  # the shared demo host's context
-
-
-@pytest.fixture
-def open_window(qtbot, backend, engine_home: Path, tmp_path: Path, windows):
-    link_demo_model(engine_home)
-
-    def open_(**changes: object) -> MainWindow:
-        window = MainWindow(isolated_settings(tmp_path, **changes), backend=backend, download_options=FAST_DOWNLOADS)
-        windows.track(window)
-        qtbot.waitUntil(lambda: window.chat.connected is not None, timeout=TIMEOUT_MS)
-        return window
-
-    return open_
 
 
 def long_message(backend, tokens: int, topic: str) -> str:

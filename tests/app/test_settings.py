@@ -210,3 +210,59 @@ def test_a_models_folder_must_be_one_hearth_can_write_to(tmp_path, monkeypatch):
 
     monkeypatch.setattr(settings_module.tempfile, "TemporaryFile", refuse)  # (the tests run as root: chmod is no test)
     assert folder_problem(str(tmp_path)) == f"Hearth cannot write to {tmp_path} (Permission denied)"
+
+
+def test_the_backend_api_key_is_kept_apart_from_the_settings_file(capsys, caplog):
+    from hearth.app.cli.main import main as cli
+    from hearth.app.store.settings import restart_needed
+
+    remote = Settings(backend_url="http://gpu-box:8000/v1", backend_api_key="  sk-local-123\n")
+    assert remote.backend_api_key == "sk-local-123" and "sk-local" not in repr(remote)
+    save_settings(remote)
+    key_file = paths.settings_path().parent / settings_module.BACKEND_KEY_FILE
+    assert key_file.read_text() == "sk-local-123\n"
+    if sys.platform != "win32":
+        assert key_file.stat().st_mode & 0o777 == 0o600
+    assert "sk-local" not in paths.settings_path().read_text() and "backend_api_key" not in remote.to_json()
+    assert load_settings() == remote
+    assert cli(["config", "list", "--json"]) == 0 and "sk-local" not in capsys.readouterr().out
+    assert cli(["config", "get", "backend_api_key"]) == 1  # not a setting of the file
+    assert restart_needed(remote, remote.replace(backend_api_key="sk-other"))  # another key: reconnect
+    assert not restart_needed(Settings(), Settings(backend_api_key="sk-other"))  # (unused by the local engine)
+
+    save_settings(remote.replace(backend_api_key=None))
+    assert not key_file.exists() and load_settings().backend_api_key is None
+    with pytest.raises(SettingsError, match="one line of printable ASCII without spaces"):
+        Settings(backend_api_key="two words")
+    key_file.write_text("bad\x00key")
+    with caplog.at_level(logging.WARNING):
+        assert load_settings().backend_api_key is None
+    assert "Ignoring the backend API key file" in caplog.text
+
+
+def test_config_set_hf_cache_dir_checks_the_folder_as_the_settings_tab_does(tmp_path, monkeypatch, capsys):
+    from hearth.app.cli.main import main as cli
+
+    save_settings(Settings(theme="dark"))
+    before = paths.settings_path().read_bytes()
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert cli(["config", "set", "hf_cache_dir", str(a_file / "models")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: hf_cache_dir not changed: {a_file} is a file, not a folder\n"
+
+    def refuse(*_args, **_kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as patch:  # (the tests run as root: chmod is no test)
+        patch.setattr(settings_module.tempfile, "TemporaryFile", refuse)
+        assert cli(["config", "set", "hf_cache_dir", str(tmp_path / "locked" / "models")]) == 1
+    assert capsys.readouterr().err == f"error: hf_cache_dir not changed: Hearth cannot write to {tmp_path} " \
+                                      "(Permission denied)\n"
+    assert paths.settings_path().read_bytes() == before  # nothing written either time
+
+    folder = tmp_path / "big-disk" / "models"
+    assert cli(["config", "set", "hf_cache_dir", str(folder)]) == 0
+    assert capsys.readouterr().out == f"hf_cache_dir = {folder}\n"
+    assert folder.is_dir() and load_settings().hf_cache_dir == str(folder)  # made, as the Settings tab makes it
+    assert cli(["config", "set", "hf_cache_dir", "null"]) == 0 and load_settings().hf_cache_dir is None
