@@ -7,10 +7,8 @@ Optionally it speaks TLS with a self-signed certificate (made with the ``openssl
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,7 +21,7 @@ class FakeBackend:
     """``url`` ends in /v1 (as users paste it); ``root`` is the same server without it."""
 
     def __init__(self, models: tuple[str, ...] = ("alpha", "beta"), api_key: str | None = None,
-                 answer: Answer = "models", delay_s: float = 0.0, tls_dir: Path | None = None) -> None:
+                 answer: Answer = "models", delay_s: float = 0.0, tls: bool = False) -> None:
         self.models = models
         self.api_key = api_key
         self.answer: Answer = answer
@@ -36,9 +34,9 @@ class FakeBackend:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         scheme = "http"
-        if tls_dir is not None:
+        if tls:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(*self_signed_certificate(tls_dir))
+            context.load_cert_chain(TLS_CERT, TLS_KEY)
             self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
             scheme = "https"
         self.root = f"{scheme}://127.0.0.1:{self._server.server_address[1]}"
@@ -154,15 +152,6 @@ def unknown_host_fails_at_once(monkeypatch) -> None:
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
-def has_openssl() -> bool:
-    return shutil.which("openssl") is not None
-
-
-def self_signed_certificate(folder: Path) -> tuple[str, str]:
-    """(certificate, key) files of a self-signed certificate for 127.0.0.1, made by ``openssl``."""
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    if not cert.exists():
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                        "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                       check=True, capture_output=True, timeout=60)
-    return str(cert), str(key)
+# A throwaway self-signed certificate for 127.0.0.1 and its key (made once with `openssl req -x509 -newkey rsa:2048
+# -nodes -days 36500 -subj /CN=127.0.0.1`): a test fixture that no client trusts, which is the point.
+TLS_CERT, TLS_KEY = (str(Path(__file__).parent / "data" / f"test-tls-{part}.pem") for part in ("cert", "key"))

@@ -18,7 +18,7 @@ from hearth.app.client.openai_client import probe_models
 from hearth.app.paths import runtime_dir
 from hearth.engine.testing.tiny import write_tiny_model
 from tests.app.cli_support import broken_copies, fake_openai_server
-from tests.app.fake_backend import UNKNOWN_HOST, FakeBackend, closed_port_url, has_openssl, unknown_host_fails_at_once
+from tests.app.fake_backend import UNKNOWN_HOST, FakeBackend, closed_port_url, unknown_host_fails_at_once
 from tests.engine.test_server_support import start_server, wait_until
 
 KEY = "client-key"
@@ -183,13 +183,11 @@ def test_probe_of_a_closed_port_an_unknown_host_and_a_silent_server(monkeypatch)
         assert err.value.kind == "timeout" and time.monotonic() - started < 5
 
 
-def test_probe_tls_failures_say_what_to_do(tmp_path):
+def test_probe_tls_failures_say_what_to_do():
     with FakeBackend() as plain, pytest.raises(ClientError, match="if the server speaks plain http, use an "
                                                              "http:// address") as err:
         probe_models(plain.url.replace("http://", "https://"))
     assert err.value.kind == "tls"
-    if not has_openssl():
-        pytest.skip("no openssl command to make a self-signed certificate")
-    with FakeBackend(tls_dir=tmp_path) as tls, pytest.raises(ClientError, match="certificate is not trusted") as err:
+    with FakeBackend(tls=True) as tls, pytest.raises(ClientError, match="certificate is not trusted") as err:
         probe_models(tls.url)
     assert err.value.kind == "tls" and "self-signed" in str(err.value)

@@ -20,7 +20,7 @@ from hearth.app.gui.settings_tab import SettingsTab
 from hearth.app.gui.tasks import wait_for_tasks
 from hearth.app.paths import settings_path
 from hearth.app.store.settings import Settings, load_settings
-from tests.app.fake_backend import UNKNOWN_HOST, FakeBackend, closed_port_url, has_openssl, unknown_host_fails_at_once
+from tests.app.fake_backend import UNKNOWN_HOST, FakeBackend, closed_port_url, unknown_host_fails_at_once
 from tests.app.test_gui_helpers import FAST_DOWNLOADS, ScriptedBackend, isolated_settings
 from tests.app.test_gui_helpers import SCRIPTED_TIMEOUT_MS as TIMEOUT_MS
 
@@ -112,10 +112,9 @@ def test_every_reason_a_backend_cannot_be_used_is_said_under_its_fields(qtbot, w
         assert _test(qtbot, fields, url.replace("http://", "https://"), "sekret").startswith(
             f"TLS error: cannot connect to {backend.root.replace('http://', 'https://')}: the TLS (https) handshake "
             "failed")
-    if has_openssl():
-        with FakeBackend(tls_dir=tmp_path) as tls:
-            assert _test(qtbot, fields, tls.url).startswith(f"TLS error: cannot connect to {tls.root}: its TLS "
-                                                            "certificate is not trusted")
+    with FakeBackend(tls=True) as tls:
+        assert _test(qtbot, fields, tls.url).startswith(f"TLS error: cannot connect to {tls.root}: its TLS "
+                                                        "certificate is not trusted")
     fields.url.setText("ftp://gpu-box/v1")
     qtbot.mouseClick(fields.test_button, LEFT)
     assert fields.result.text().startswith("Not tested: backend_url must be an http(s) URL")
