@@ -45,7 +45,7 @@ def pull_missing(missing: NotInstalledError, settings: Settings, *, no_pull: boo
 
     doing = "resuming its download" if missing.is_partial else "pulling it"
     print(f"{repo_id} {state}: {doing} from {ctx.endpoint} (Ctrl-C pauses; {command} resumes)", file=err, flush=True)
-    item = pull_model(repo_id, progress=err)
+    item = pull_model(repo_id, progress=err, settings=settings)
     print(f"Pulled {repo_id} ({format_bytes(item.bytes_total)}, checksums verified).", file=err, flush=True)
 
 

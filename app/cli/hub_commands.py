@@ -39,7 +39,7 @@ from hearth.app.hub.installed import (
 from hearth.app.hub.manager import DownloadItem, DownloadManager, DownloadOptions, ItemState
 from hearth.app.hub.state import QueueFile, Registry
 from hearth.app.hub.units import format_bytes, format_duration, format_speed
-from hearth.app.store.settings import load_settings
+from hearth.app.store.settings import Settings, load_settings
 from hearth.engine.api import HearthError
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
@@ -122,12 +122,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def pull_model(repo_id: str, *, revision: str | None = None, include: tuple[str, ...] | None = None,
-               exclude: tuple[str, ...] | None = None, force: bool = False, progress: TextIO) -> DownloadItem:
+               exclude: tuple[str, ...] | None = None, force: bool = False, progress: TextIO,
+               settings: Settings | None = None) -> DownloadItem:
     """Download ``repo_id`` and verify it, with the progress on ``progress``; returns the ready item.
     ``HubError`` when it fails; after Ctrl-C the download is paused (its files kept), the way to resume
     is printed and KeyboardInterrupt raised again."""
     printer = ProgressPrinter(progress)
-    manager = DownloadManager(load_settings(), on_event=printer.on_event, options=PULL_OPTIONS)
+    manager = DownloadManager(settings or load_settings(), on_event=printer.on_event, options=PULL_OPTIONS)
     item_id = manager.enqueue(repo_id, revision=revision, include=include, exclude=exclude, force=force)
     manager.start()
     try:

@@ -240,10 +240,8 @@ class Answers(QObject):
             generation.pending_reasoning.append(text)
 
     def _flush(self) -> None:
-        """Render what streamed into the chat shown; the other chats' answers only collect theirs."""
-        for generation in self._by_request.values():
-            if generation.has_pending and not self._is_shown(generation):
-                generation.take_pending()
+        """Render what streamed into the chat shown; the other chats' answers only collect theirs (taken
+        when their chat is shown, or when they end)."""
         shown = self.shown
         if shown is None or not shown.has_pending:
             return

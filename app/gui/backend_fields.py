@@ -14,11 +14,10 @@ saved backend's.
 from __future__ import annotations
 
 from hearth.app.client.openai_client import PROBE_TIMEOUT_S, ClientError, probe_models
-from hearth.app.gui.option_row import error_label, field_column, show_error
+from hearth.app.gui.option_row import error_label, field_column, field_row, setting_problem, show_error
 from hearth.app.gui.qt import (
     QComboBox,
     QFormLayout,
-    QHBoxLayout,
     QLabel,
     QLineEdit,
     QObject,
@@ -28,7 +27,7 @@ from hearth.app.gui.qt import (
     Signal,
 )
 from hearth.app.gui.tasks import run_task
-from hearth.app.store.settings import Settings, SettingsError
+from hearth.app.store.settings import Settings
 
 KINDS = ("Local engine (this machine)", "Remote backend (OpenAI-compatible URL)")
 SHOWN_NAMES = 6  # model names listed in the result line; the rest are counted
@@ -68,7 +67,7 @@ class BackendFields(QObject):
         self.result.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.result.hide()
         form.addRow("Backend", self.kind)
-        form.addRow("Backend URL", field_column(parent, _row(parent, self.url, self.test_button), self.url_error))
+        form.addRow("Backend URL", field_column(parent, field_row(parent, self.url, self.test_button), self.url_error))
         form.addRow("API key", field_column(parent, self.api_key, self.api_key_error, self.result))
         self._test_id = 0  # drops the answers of tests cancelled since
         self._testing: tuple[str, str | None] | None = None  # (url, key) of the test under way
@@ -104,7 +103,7 @@ class BackendFields(QObject):
         url, key = self.values()
         found = []
         for label, change in ((self.url_error, {"backend_url": url}), (self.api_key_error, {"backend_api_key": key})):
-            problem = _problem(**change)
+            problem = setting_problem(**change)
             show_error(label, problem)
             if problem:
                 found.append(problem)
@@ -126,7 +125,7 @@ class BackendFields(QObject):
 
     def _untestable(self, url: str, key: str | None) -> bool:
         """Say why ``url`` and ``key`` cannot be tested; True when they cannot."""
-        problem = _problem(backend_url=url or None, backend_api_key=key) if url else (
+        problem = setting_problem(backend_url=url or None, backend_api_key=key) if url else (
             "Give the server's address first, such as http://host:8000/v1")
         if problem:
             self._cancel()
@@ -187,23 +186,3 @@ class BackendFields(QObject):
         for widget in (self.url, self.api_key):
             widget.setEnabled(remote)
         self._edited()
-
-
-def _problem(**change: str | None) -> str | None:
-    try:
-        Settings().replace(**change)
-    except SettingsError as exc:
-        return str(exc)
-    return None
-
-
-def _row(parent: QWidget, *widgets: QWidget) -> QWidget:
-    line = QWidget(parent)
-    row = QHBoxLayout(line)
-    row.setContentsMargins(0, 0, 0, 0)
-    row.addWidget(widgets[0], 1)
-    for widget in widgets[1:]:
-        row.addWidget(widget)
-    return line
-
-

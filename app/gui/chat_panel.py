@@ -381,6 +381,8 @@ class ChatPanel(QWidget):
     def count_context(self) -> None:
         """Count this conversation as it would be sent now (a background request to the server)."""
         self._count_generation += 1
+        if self.is_busy and self.connected is not None:
+            return  # the answer's own count follows it; one made now would be dropped (see show)
         generation, backend = self._count_generation, self.engine.worker.backend
         thread = self.store.thread(self.conversation_id) if self.conversation_id is not None else []
         messages = self._messages([m for m in thread if m.content or m.role == "user"])

@@ -43,7 +43,7 @@ from hearth.app.gui.tasks import run_task
 from hearth.app.hub import HubContext, delete_model, import_local_model, list_installed, repo_details, search_models
 from hearth.app.hub import events as ev
 from hearth.app.hub.fit import FitReport, assess_fit, footprint_from_config, probe_machine
-from hearth.app.hub.job import NOT_LOADABLE
+from hearth.app.hub.loadable import unloadable_kinds
 from hearth.app.hub.manager import DownloadManager, DownloadOptions
 from hearth.app.hub.recommended import Recommendation, recommendations
 from hearth.app.hub.units import GIB, format_bytes
@@ -395,7 +395,7 @@ def _refusal(details: Any, model_type: str | None, pulled: list[Any]) -> str | N
     if not any(f.filename.endswith(".safetensors") for f in pulled):
         if details.access_error and not details.files:
             return None
-        kinds = sorted({ext for f in details.files for ext in NOT_LOADABLE if f.filename.endswith(ext)})
+        kinds = unloadable_kinds(f.filename for f in details.files)
         only = f" (only {', '.join(kinds)} files)" if kinds else ""
         return (f"No .safetensors weights{only}: Hearth never loads pickle files and does not run GGUF, so there "
                 "is nothing it could use.")

@@ -15,6 +15,7 @@ from hearth.app.gui.qt import (
     QCheckBox,
     QComboBox,
     QDoubleSpinBox,
+    QHBoxLayout,
     QLabel,
     QLineEdit,
     QSpinBox,
@@ -22,6 +23,7 @@ from hearth.app.gui.qt import (
     QVBoxLayout,
     QWidget,
 )
+from hearth.app.store.settings import Settings, SettingsError
 from hearth.engine.api import EngineOption
 
 INT_MAX = 2**31 - 1  # QSpinBox holds a C int
@@ -48,6 +50,26 @@ def field_column(parent: QWidget, *widgets: QWidget) -> QWidget:
     return field
 
 
+def field_row(parent: QWidget, *widgets: QWidget) -> QWidget:
+    """``widgets`` side by side as one form field, the first stretching (an editor and its buttons)."""
+    line = QWidget(parent)
+    row = QHBoxLayout(line)
+    row.setContentsMargins(0, 0, 0, 0)
+    row.addWidget(widgets[0], 1)
+    for widget in widgets[1:]:
+        row.addWidget(widget)
+    return line
+
+
+def setting_problem(**change: Any) -> str | None:
+    """Why the settings would refuse ``change`` (``Settings.replace``'s error), or None."""
+    try:
+        Settings().replace(**change)
+    except SettingsError as exc:
+        return str(exc)
+    return None
+
+
 def show_error(label: QLabel, problem: str | None) -> None:
     label.setText(problem or "")
     label.setVisible(bool(problem))
@@ -66,13 +88,7 @@ class OptionRow:
         self.hint.setObjectName("hintLabel")
         self.hint.setWordWrap(True)
         self.error = error_label(parent)
-        self.field = QWidget(parent)
-        column = QVBoxLayout(self.field)
-        column.setContentsMargins(0, 0, 0, 0)
-        column.setSpacing(2)
-        column.addWidget(self.editor)
-        column.addWidget(self.error)
-        column.addWidget(self.hint)
+        self.field = field_column(parent, self.editor, self.error, self.hint)
         self.set_tooltip(option.text.help)
         self._reverted: str | None = None  # typed text Qt replaced by the old number when the box lost focus
         if isinstance(self.editor, QAbstractSpinBox):

@@ -30,7 +30,15 @@ from huggingface_hub import logout as hf_logout
 
 from hearth.app.gui.backend_fields import BackendFields
 from hearth.app.gui.composer import send_hint
-from hearth.app.gui.option_row import INT_MAX, OptionRow, error_label, field_column, show_error
+from hearth.app.gui.option_row import (
+    INT_MAX,
+    OptionRow,
+    error_label,
+    field_column,
+    field_row,
+    setting_problem,
+    show_error,
+)
 from hearth.app.gui.qt import (
     QCheckBox,
     QComboBox,
@@ -52,7 +60,7 @@ from hearth.app.gui.qt import (
 )
 from hearth.app.gui.tasks import run_task
 from hearth.app.hub.context import env_offline, hub_cache_dir
-from hearth.app.store.settings import SEND_KEYS, Settings, SettingsError, folder_problem, save_settings
+from hearth.app.store.settings import SEND_KEYS, Settings, folder_problem, save_settings
 from hearth.engine.api import ADVANCED, BASIC, EngineConfig, engine_options
 
 THEMES = ("system", "light", "dark")
@@ -166,13 +174,8 @@ class SettingsTab(QWidget):
         choose = self.models_folder_button = QPushButton("Choose…", box)
         choose.setToolTip("Pick the folder in a file dialog")
         choose.clicked.connect(self.choose_models_folder)
-        row = QHBoxLayout()
-        row.setContentsMargins(0, 0, 0, 0)
-        row.addWidget(self.models_folder, 1)
-        row.addWidget(choose)
-        line = QWidget(box)
-        line.setLayout(row)
-        form.addRow("Models folder", field_column(box, line, self.models_folder_error, _hint(FOLDER_HINT, box)))
+        form.addRow("Models folder", field_column(box, field_row(box, self.models_folder, choose),
+                                                  self.models_folder_error, _hint(FOLDER_HINT, box)))
         self.download_parallelism = QSpinBox(box)
         self.download_parallelism.setRange(1, 64)
         self.download_parallelism.setSuffix(" files")
@@ -294,7 +297,7 @@ class SettingsTab(QWidget):
             row.clear_reverted()
             if problem:
                 found.append(problem)
-        problem = _setting_problem("hf_endpoint", self.endpoint.text().strip() or None)
+        problem = setting_problem(hf_endpoint=self.endpoint.text().strip() or None)
         show_error(self.endpoint_error, problem)
         found += [problem] if problem else []
         found += self.backend_fields.problems()
@@ -343,14 +346,6 @@ class SettingsTab(QWidget):
         stored = get_token() is not None
         state = "A token is stored (hidden)." if stored else "No token stored: public models only."
         self.token_state.setText(f"{prefix} {state}".strip())
-
-
-def _setting_problem(key: str, value: str | None) -> str | None:
-    try:
-        Settings().replace(**{key: value})
-    except SettingsError as exc:
-        return str(exc)
-    return None
 
 
 def _hint(text: str, parent: QWidget) -> QLabel:

@@ -36,7 +36,6 @@ from hearth.app.hub.errors import (
     is_unreachable,
 )
 from hearth.app.hub.events import FileProgress
-from hearth.app.hub.loadable import NOT_LOADABLE as NOT_LOADABLE  # (the GUI's Models tab imports it from here)
 from hearth.app.hub.loadable import architecture_problem, weights_problem
 from hearth.app.hub.transfer import (
     QuietTqdm,

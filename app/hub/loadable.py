@@ -14,12 +14,17 @@ from hearth.engine.config import SUPPORTED_MODEL_TYPES
 NOT_LOADABLE = (".gguf", ".bin", ".pt", ".pth", ".ckpt")  # weights Hearth never loads, named when only those exist
 
 
+def unloadable_kinds(filenames: Iterable[str]) -> list[str]:
+    """The weight formats Hearth never loads (``NOT_LOADABLE``) among ``filenames``, sorted."""
+    return sorted({ext for f in filenames for ext in NOT_LOADABLE if f.endswith(ext)})
+
+
 def weights_problem(name: str, filenames: Iterable[str], listing: Iterable[str]) -> str | None:
     """Why ``name`` has nothing to load when ``filenames`` (what would be used) hold no safetensors
     file; ``listing`` (every file there) names the unloadable weight formats it has instead."""
     if any(f.endswith(".safetensors") for f in filenames):
         return None
-    kinds = sorted({ext for f in listing for ext in NOT_LOADABLE if f.endswith(ext)})
+    kinds = unloadable_kinds(listing)
     has = f" (only {', '.join(kinds)} files)" if kinds else ""
     return f"{name} has no .safetensors weights{has}: Hearth never loads pickle files; GGUF is not supported"
 
