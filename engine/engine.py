@@ -182,7 +182,6 @@ class Engine:
         self._prompt_tokens = tokenizer.prompt_tokens()
         self.sampler = Sampler()
         self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.model_config.model_type)
-        self._answering = 0  # requests held to a grammar: only steps with one compute masks
         self._requests: dict[str, _Request] = {}
         self._intake: list[_Request] = []
         self._aborts: list[str] = []
@@ -616,8 +615,7 @@ class Engine:
         return (self.config.overlap_decode and self._readback is not None and not self._runahead
                 and (self.decoder is None or not len(self.decoder))
                 and all(c.num_tokens == 1 for c in chunks)
-                and not any(_reads_history(r.seq.params) for r in requests)
-                and (not self._answering or all(r.answer is None for r in requests)))
+                and not any(_reads_history(r.seq.params) or r.answer is not None for r in requests))
 
     def _fly(self, requests: list[_Request], logits: torch.Tensor) -> Flight:
         tokens = self._sample_on_device(requests, logits)
@@ -753,7 +751,6 @@ class Engine:
             self._intake, self._aborts = [], []
         for request in intake:
             self._requests[request.seq.request_id] = request
-            self._answering += request.answer is not None
             self.scheduler.add(request.seq)
         events: list[Event] = []
         for request_id in aborts:
@@ -769,7 +766,7 @@ class Engine:
         return self._deliver(requests, self._sample_on_device(requests, logits).tolist())
 
     def _sample_on_device(self, requests: list[_Request], logits: torch.Tensor) -> torch.Tensor:
-        masks = [r.answer.mask() if r.answer is not None else None for r in requests] if self._answering else None
+        masks = [r.answer.mask() if r.answer is not None else None for r in requests]
         # Only rows with a repetition penalty read the whole prompt + output (built per call).
         return self.sampler(
             logits, [r.seq.params for r in requests], [r.generator for r in requests],
@@ -830,8 +827,7 @@ class Engine:
             self.decoder.drop(seq.request_id)
         self._release(seq, park=reason != "error")
         self.scheduler.finish(seq)
-        if self._requests.pop(seq.request_id, None) is not None and request.answer is not None:
-            self._answering -= 1
+        self._requests.pop(seq.request_id, None)
         now = time.perf_counter()
         stats = RequestStats(
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),

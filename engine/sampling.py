@@ -143,15 +143,11 @@ def apply_token_masks(logits: Tensor, masks: Sequence[Tensor | None]) -> Tensor:
     rows = [i for i, mask in enumerate(masks) if mask is not None]
     if not rows:
         return logits
-    allowed = torch.stack([masks[i] for i in rows])  # type: ignore[misc]  # (R, V)
-    if logits.device.type == "cuda":
-        allowed = allowed.pin_memory().to(logits.device, non_blocking=True)
-    else:
-        allowed = allowed.to(logits.device)
-    if len(rows) == logits.shape[0]:
-        return logits.masked_fill(~allowed, float("-inf"))
-    index = _to_device(rows, torch.long, logits.device)
-    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
+    cuda = logits.device.type == "cuda"
+    allowed = torch.empty((len(rows), logits.shape[1]), dtype=torch.bool, pin_memory=cuda)
+    torch.stack([masks[i] for i in rows], out=allowed)  # type: ignore[misc]
+    banned = allowed.to(logits.device, non_blocking=cuda).logical_not_()  # (our own copy: inverted in place)
+    return _on_rows(logits, rows, lambda x, banned: x.masked_fill(banned, float("-inf")), banned)
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from hearth.engine.text.harmony import REASONING_CHANNELS, channel_of, uses_harmony
 from hearth.engine.text.markers import Marker, MarkerScanner
-from hearth.engine.text.reasoning import THINK_END, THINK_MODEL_TYPES, THINK_START
+from hearth.engine.text.reasoning import THINK_END, THINK_MODEL_TYPES, prompt_opens_reasoning
 
 # <think> models whose prompts may leave the block to the model (thinking on); DeepSeek's prompts always
 # end with the opened or the closed block.
@@ -109,10 +109,9 @@ def answer_gate(model_type: str, prompt_tail: str, think_start_id: int | None) -
         return HarmonyGate()
     if model_type not in THINK_MODEL_TYPES:
         return AnswerGate()
-    opened, closed = prompt_tail.rfind(THINK_START), prompt_tail.rfind(THINK_END)
-    if opened > closed:
+    if prompt_opens_reasoning(prompt_tail):
         return ThinkGate(in_reasoning=True, opener=None)
-    if closed >= 0 or model_type not in _OPEN_THEIR_OWN_BLOCK:
+    if THINK_END in prompt_tail or model_type not in _OPEN_THEIR_OWN_BLOCK:
         return AnswerGate()  # the prompt's block is closed (thinking is off), or there is none
     return ThinkGate(in_reasoning=False, opener=think_start_id)
 
